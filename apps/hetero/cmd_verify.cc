@@ -1,0 +1,339 @@
+// `hetero verify`: one bridge for a prompt, checked against the decoder natively on the same
+// ids. Starts the decoder with its seam (unless --decoder-port names a running one) and an
+// in-process prefill host, then:
+//   1. ids = the decoder's own tokenization; B = T - 1 (the decoder keeps >= 1 token)
+//   2. native: cold request (greedy, K tokens); the decoder's own cache for ids[:B] is dumped
+//   3. bridge: prefill ids[:B] over POST /v1/prefill, verify, store, mount ids[:B]
+//   4. the mounted cache is dumped; the same request again, from the mounted prefix
+// and compares every array, the continuation and the decoder's own token accounting.
+// Prints one JSON object; exit 0 only when all of it passes.
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "bridge/assembler.h"
+#include "commands.h"
+#include "common/compare.h"
+#include "common/http_json.h"
+#include "common/process.h"
+#include "common/safetensors.h"
+#include "prefill/client.h"
+#include "prefill/service.h"
+
+namespace hetero {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+Options verify_options() {
+  return Options(
+      "verify",
+      "One bridge vs the decoder natively on the same ids: every cache array, the greedy "
+      "continuation and the decoder's own count of prompt tokens processed.",
+      {
+          {"model", "HETERO_MODEL", "models/smollm2-135m-instruct", "HF checkpoint directory"},
+          {"weights", "HETERO_DECODER_WEIGHTS", "", "decoder-weights export (default: exported "
+                                                    "into the work dir from the decoder)"},
+          {"prompt-file", "", "", "plain text (one user message) or a JSON chat/completion request"},
+          {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
+          {"max-tokens", "", "64", "greedy tokens to compare"},
+          {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
+          {"decoder-port", "HETERO_DECODER_PORT", "0", "use a running decoder seam (0: start one)"},
+          {"work-dir", "", "", "where logs, dumps and the store go (default: a temp dir)"},
+          {"max-ulp", "", "0", "allowed bf16 ULP distance of the cache arrays (0: bit-exact)"},
+          {"min-cosine", "", "-2", "cosine floor of the cache arrays (-2: off)"},
+          {"reason", "", "", "why a tolerance looser than bit-exact is allowed (required then)"},
+          {"timeout-ms", "", "1800000", "deadline for each decoder or prefill call"},
+      });
+}
+
+namespace {
+
+std::string resolve(const std::string& p) {
+  if (p.empty() || fs::path(p).is_absolute() || fs::exists(p)) return p;
+  fs::path r = fs::path(repo_root()) / p;
+  return fs::exists(r) ? r.string() : p;
+}
+
+// The request body the client would send, and the endpoint it goes to.
+Result<std::pair<std::string, json>> load_prompt(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return not_found("cannot read prompt file " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  if (text.find_first_not_of(" \t\r\n") == std::string::npos)
+    return invalid_argument("prompt file " + path + " is empty");
+  json j = json::parse(text, nullptr, false);
+  if (!j.is_discarded() && j.is_object()) {
+    if (j.contains("messages")) return std::make_pair(std::string("/v1/chat/completions"), j);
+    if (j.contains("prompt")) return std::make_pair(std::string("/v1/completions"), j);
+    return invalid_argument(path + ": a JSON prompt needs 'messages' or 'prompt'");
+  }
+  json chat = {{"messages", json::array({{{"role", "user"}, {"content", text}}})}};
+  return std::make_pair(std::string("/v1/chat/completions"), chat);
+}
+
+struct Answer {
+  std::string text;
+  std::vector<int64_t> tokens;
+  int64_t prompt_tokens = -1, cached_tokens = -1;
+  double ms = 0;
+};
+
+Result<Answer> ask(int port, const std::string& endpoint, json body, int64_t max_tokens,
+                   int64_t timeout_ms) {
+  body["max_tokens"] = max_tokens;
+  body["temperature"] = 0.0;
+  body["stream"] = false;
+  body["logprobs"] = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  HETERO_ASSIGN_OR_RETURN(json r, http_json_ok("127.0.0.1", port, endpoint, body, timeout_ms));
+  Answer a;
+  a.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  try {
+    const json& c = r.at("choices").at(0);
+    a.text = c.contains("message") ? c["message"].value("content", json("")).is_string()
+                                         ? c["message"]["content"].get<std::string>()
+                                         : ""
+                                   : c.value("text", "");
+    if (c.contains("logprobs") && c["logprobs"].is_object())
+      for (const auto& t : c["logprobs"]["content"])
+        if (t.contains("id")) a.tokens.push_back(t["id"].get<int64_t>());
+    a.prompt_tokens = r.at("usage").at("prompt_tokens").get<int64_t>();
+    if (r["usage"].contains("prompt_tokens_details"))
+      a.cached_tokens = r["usage"]["prompt_tokens_details"].value("cached_tokens", int64_t{-1});
+  } catch (const json::exception& e) {
+    return data_loss(std::string("unexpected decoder reply: ") + e.what());
+  }
+  return a;
+}
+
+Status wait_healthy(int port, ChildProcess* child, int64_t timeout_ms, const std::string& log) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (child && !child->running()) return unavailable("decoder exited during start; see " + log);
+    auto r = http_json("127.0.0.1", port, "/hetero/info", json(), 2000);
+    if (r.is_ok() && r->status == 200) return Status::ok();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  return unavailable("decoder did not come up within the deadline; see " + log);
+}
+
+int fail(const std::string& what, const Status& st) {
+  json j = {{"pass", false}, {"error", {{"stage", what}, {"code", code_name(st.code())},
+                                        {"message", st.message()}}}};
+  std::printf("%s\n", j.dump(2).c_str());
+  return st.code() == Code::kInvalidArgument || st.code() == Code::kNotFound ? 2 : 1;
+}
+
+}  // namespace
+
+int cmd_verify(int argc, char** argv) {
+  Options opts = verify_options();
+  if (int rc = parse_options(opts, argc, argv); rc >= 0) return rc;
+  if (!opts.has("prompt-file")) return std::fprintf(stderr, "verify: --prompt-file is required\n"), 2;
+  auto chunk = opts.get_int("chunk");
+  auto max_new = opts.get_int("max-tokens");
+  auto max_ulp = opts.get_int("max-ulp");
+  auto min_cos = opts.get_double("min-cosine");
+  auto timeout = opts.get_int("timeout-ms");
+  auto dport = opts.get_int("decoder-port");
+  for (const Status& s : {chunk.status(), max_new.status(), max_ulp.status(), min_cos.status(),
+                          timeout.status(), dport.status()})
+    if (!s.is_ok()) return fail("options", s);
+  if (chunk.value() <= 0 || max_new.value() <= 0)
+    return fail("options", invalid_argument("--chunk and --max-tokens must be positive"));
+  const int64_t tmo = timeout.value();
+  const std::string model = resolve(opts.get("model"));
+  if (!fs::exists(fs::path(model) / "config.json"))
+    return fail("options", not_found("no model at " + model + " (run: make up)"));
+  auto prompt = load_prompt(opts.get("prompt-file"));
+  if (!prompt.is_ok()) return fail("prompt", prompt.status());
+
+  std::string work = opts.get("work-dir");
+  if (work.empty()) {
+    char tmpl[] = "/tmp/hetero-verify-XXXXXX";
+    work = mkdtemp(tmpl);
+  }
+  fs::create_directories(work);
+  const std::string python = resolve(opts.get("python"));
+  const std::string pythonpath = "PYTHONPATH=" + (fs::path(repo_root()) / "python").string();
+
+  // The decoder, with its seam.
+  ChildProcess decoder;
+  int port = static_cast<int>(dport.value());
+  const std::string log = work + "/decoder.log";
+  if (port == 0) {
+    port = free_port();
+    Status st = decoder.start({python, "-m", "hetero_mlx", "serve", "--model", model, "--port",
+                               std::to_string(port)},
+                              {pythonpath}, log);
+    if (!st.is_ok()) return fail("decoder", st);
+  }
+  if (Status st = wait_healthy(port, port == dport.value() ? nullptr : &decoder, 300000, log);
+      !st.is_ok())
+    return fail("decoder", st);
+  auto info = http_json_ok("127.0.0.1", port, "/hetero/info", json(), tmo);
+  if (!info.is_ok()) return fail("decoder info", info.status());
+
+  // The decoder's exported weights for the cache program.
+  std::string weights_dir = resolve(opts.get("weights"));
+  if (weights_dir.empty()) {
+    weights_dir = work + "/decoder-weights";
+    ChildProcess exporter;
+    exporter.start({python, "-m", "hetero_mlx", "export", "--model", model, "--out", weights_dir},
+                   {pythonpath}, work + "/export.log");
+    while (exporter.running()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  auto weights = load_llama_decoder_weights(weights_dir);
+  if (!weights.is_ok()) return fail("decoder weights", weights.status());
+  auto engine = LlamaCpuEngine::load(model);
+  if (!engine.is_ok()) return fail("prefill engine", engine.status());
+  PrefillService service(engine.value().get(), &weights.value(), chunk.value(), int64_t{1} << 21);
+  if (Status st = service.start("127.0.0.1", 0); !st.is_ok()) return fail("prefill host", st);
+
+  const auto& [endpoint, request] = prompt.value();
+  auto tok = http_json_ok("127.0.0.1", port, "/hetero/tokenize", request, tmo);
+  if (!tok.is_ok()) return fail("tokenize", tok.status());
+  std::vector<int32_t> ids = tok.value()["ids"].get<std::vector<int32_t>>();
+  const int64_t T = static_cast<int64_t>(ids.size());
+  if (T < 2) return fail("tokenize", invalid_argument("the prompt has " + std::to_string(T) +
+                                                      " token(s); a bridge needs at least 2"));
+  const int64_t B = T - 1;
+  std::vector<int32_t> prefix(ids.begin(), ids.begin() + B);
+
+  // Native leg: cold.
+  if (auto c = http_json_ok("127.0.0.1", port, "/hetero/clear", json::object(), tmo); !c.is_ok())
+    return fail("clear", c.status());
+  auto native = ask(port, endpoint, request, max_new.value(), tmo);
+  if (!native.is_ok()) return fail("native request", native.status());
+  const std::string native_dump = work + "/native.safetensors";
+  auto nd = http_json_ok("127.0.0.1", port, "/hetero/cache",
+                         {{"ids", ids}, {"B", B}, {"out", native_dump}}, tmo);
+  if (!nd.is_ok()) return fail("native cache dump", nd.status());
+  if (auto c = http_json_ok("127.0.0.1", port, "/hetero/clear", json::object(), tmo); !c.is_ok())
+    return fail("clear", c.status());
+
+  // Bridged leg.
+  DecoderCacheLayout layout = weights->layout;
+  layout.fingerprint = info.value().value("fingerprint", "");
+  CacheAssembler assembler(layout, B);
+  PrefillRequest preq{prefix, layout.fingerprint, chunk.value()};
+  FetchResult fetched = fetch_prefill("127.0.0.1", service.bound_port(), preq, &assembler, tmo);
+  if (!fetched.status.is_ok()) return fail("bridge", fetched.status);
+  auto entry = write_store_entry(work + "/store", layout, ids, B, B, assembler.arrays(B));
+  if (!entry.is_ok()) return fail("store", entry.status());
+  auto mounted = http_json_ok("127.0.0.1", port, "/hetero/mount",
+                              {{"entry", entry->path}, {"ids", ids}}, tmo);
+  if (!mounted.is_ok()) return fail("mount", mounted.status());
+  const std::string mounted_dump = work + "/mounted.safetensors";
+  auto md = http_json_ok("127.0.0.1", port, "/hetero/cache",
+                         {{"ids", ids}, {"B", B}, {"out", mounted_dump}}, tmo);
+  if (!md.is_ok()) return fail("mounted cache dump", md.status());
+  auto bridged = ask(port, endpoint, request, max_new.value(), tmo);
+  if (!bridged.is_ok()) return fail("bridged request", bridged.status());
+
+  // Compare: every array, the continuation, the accounting.
+  auto want = read_safetensors(native_dump);
+  auto got = read_safetensors(mounted_dump);
+  if (!want.is_ok() || !got.is_ok())
+    return fail("read dumps", want.is_ok() ? got.status() : want.status());
+  CompareSpec spec;
+  spec.max_ulp = max_ulp.value();
+  spec.min_cosine = min_cos.value();
+  spec.reason = opts.get("reason");
+  if (spec.max_ulp == 0 && spec.min_cosine <= -2) {
+    spec.reason = "bit-exact: engine and program reproduce the decoder's arithmetic";
+  } else if (spec.reason.empty()) {
+    return fail("options", invalid_argument("a tolerance looser than bit-exact needs --reason"));
+  }
+  json per_layer = json::array(), failures = json::array();
+  int64_t worst_ulp = 0, exact = 0;
+  double min_eq = 1.0, min_cosine = 1.0;
+  for (int64_t l = 0; l < layout.layers; ++l) {
+    json row = {{"layer", l}};
+    for (const char* kind : {"keys", "values"}) {
+      const std::string name = "layers." + std::to_string(l) + "." + kind;
+      auto wi = want->tensors.find(name);
+      auto gi = got->tensors.find(name);
+      if (wi == want->tensors.end() || gi == got->tensors.end()) {
+        failures.push_back(name + " missing");
+        continue;
+      }
+      CompareReport r = compare_tensors(gi->second, wi->second, spec);
+      row[kind] = {{"max_ulp", r.max_ulp}, {"equal_fraction", r.equal_fraction},
+                   {"cosine", r.cosine}};
+      worst_ulp = std::max(worst_ulp, r.max_ulp);
+      min_eq = std::min(min_eq, r.equal_fraction);
+      min_cosine = std::min(min_cosine, r.cosine);
+      if (r.equal_fraction == 1.0) ++exact;
+      if (!r.pass) failures.push_back(name + ": " + r.message);
+    }
+    per_layer.push_back(row);
+  }
+  const bool same_text = native->text == bridged->text;
+  const bool same_tokens = native->tokens == bridged->tokens;
+  int64_t diverge = -1;
+  for (size_t i = 0; i < std::max(native->tokens.size(), bridged->tokens.size()); ++i)
+    if (i >= native->tokens.size() || i >= bridged->tokens.size() ||
+        native->tokens[i] != bridged->tokens[i]) {
+      diverge = static_cast<int64_t>(i);
+      break;
+    }
+  if (!same_tokens || !same_text)
+    failures.push_back("continuation differs at token " + std::to_string(diverge));
+  const int64_t processed = bridged->prompt_tokens - bridged->cached_tokens;
+  if (bridged->cached_tokens != B || processed != T - B)
+    failures.push_back("decoder reports cached_tokens=" + std::to_string(bridged->cached_tokens) +
+                       ", expected B=" + std::to_string(B));
+  if (native->cached_tokens != 0)
+    failures.push_back("native leg was not cold: cached_tokens=" + std::to_string(native->cached_tokens));
+
+  json out = {
+      {"pass", failures.empty()},
+      {"model", model},
+      {"fingerprint", layout.fingerprint},
+      {"T", T},
+      {"B", B},
+      {"chunk", chunk.value()},
+      {"arrays",
+       {{"count", 2 * layout.layers},
+        {"bit_exact", exact},
+        {"max_ulp", worst_ulp},
+        {"min_equal_fraction", min_eq},
+        {"min_cosine", min_cosine},
+        {"tolerance", {{"max_ulp", spec.max_ulp}, {"min_cosine", spec.min_cosine},
+                       {"reason", spec.reason}}},
+        {"per_layer", per_layer}}},
+      {"continuation",
+       {{"tokens", max_new.value()},
+        {"identical", same_text && same_tokens},
+        {"diverges_at", diverge},
+        {"native", native->text},
+        {"bridged", bridged->text}}},
+      {"decoder_accounting",
+       {{"native", {{"prompt_tokens", native->prompt_tokens}, {"cached_tokens", native->cached_tokens}}},
+        {"bridged", {{"prompt_tokens", bridged->prompt_tokens},
+                     {"cached_tokens", bridged->cached_tokens},
+                     {"processed", processed}}}}},
+      {"timings_ms",
+       {{"native_request", native->ms},
+        {"bridge_prefill", fetched.total_ms},
+        {"first_segment", fetched.first_segment_ms},
+        {"last_segment", fetched.last_segment_ms},
+        {"bridged_request", bridged->ms}}},
+      {"bytes", fetched.bytes},
+      {"work_dir", work},
+      {"failures", failures},
+  };
+  std::printf("%s\n", out.dump(2).c_str());
+  service.stop();
+  decoder.stop();
+  return failures.empty() ? 0 : 1;
+}
+
+}  // namespace hetero

@@ -1,0 +1,34 @@
+// The hetero subcommands, wired in main.cc. Each parses its own option table.
+#pragma once
+
+#include <string>
+
+namespace hetero {
+
+int cmd_prefill(int argc, char** argv);
+int cmd_program(int argc, char** argv);
+int cmd_compare(int argc, char** argv);
+int cmd_verify(int argc, char** argv);
+int cmd_options_doc(int argc, char** argv);
+
+// The repository root (parent of the directory holding the hetero binary), for defaults such
+// as models/ and python/.
+std::string repo_root();
+
+}  // namespace hetero
+
+#include "common/options.h"
+
+namespace hetero {
+
+// Parses a command's options; returns -1 to go on, else the exit code (help printed: 0,
+// bad option: 2).
+int parse_options(Options& opts, int argc, char** argv);
+
+// Option tables, shared with `hetero options-doc`.
+Options prefill_options();
+Options program_options();
+Options verify_options();
+Options compare_options();
+
+}  // namespace hetero

@@ -1,0 +1,54 @@
+// The hetero command: one binary, subcommands like git.
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "commands.h"
+
+namespace hetero {
+
+std::string repo_root() {
+  std::error_code ec;
+  auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return ".";
+  return exe.parent_path().parent_path().string();
+}
+
+}  // namespace hetero
+
+namespace {
+
+struct Subcommand {
+  const char* name;
+  int (*run)(int, char**);
+  const char* summary;
+};
+
+const Subcommand kSubcommands[] = {
+    {"prefill", hetero::cmd_prefill, "prefill engine: serve POST /v1/prefill, or run one offline"},
+    {"program", hetero::cmd_program, "run the cache program on dumped attention inputs"},
+    {"verify", hetero::cmd_verify, "one bridge vs the decoder natively: arrays and continuation"},
+    {"compare", hetero::cmd_compare, "compare the tensors of two safetensors files"},
+    {"options-doc", hetero::cmd_options_doc, "print every option table as markdown"},
+};
+
+void usage() {
+  std::fprintf(stderr, "usage: hetero <command> [options]\n\ncommands:\n");
+  for (const auto& s : kSubcommands) std::fprintf(stderr, "  %-12s %s\n", s.name, s.summary);
+  std::fprintf(stderr, "\n'hetero <command> --help' for a command's options.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  for (const auto& s : kSubcommands)
+    if (!std::strcmp(argv[1], s.name)) return s.run(argc - 2, argv + 2);
+  std::fprintf(stderr, "hetero: unknown command '%s'\n", argv[1]);
+  usage();
+  return 2;
+}

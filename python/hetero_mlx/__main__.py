@@ -1,0 +1,92 @@
+"""Command line: python -m hetero_mlx {serve,export,tiny-llama} ...
+
+serve options not listed here are passed to mlx-lm's own server parser unchanged.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hetero_mlx", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="mlx-lm's OpenAI server plus the /hetero/ seam")
+    serve.add_argument("--model", required=True, help="model directory (HF or MLX layout)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8011)
+    serve.add_argument("--prefill-step-size", type=int, help="mlx-lm default when omitted")
+    serve.add_argument("--store", type=Path, help="decoder store root; mounts only inside it")
+
+    export = sub.add_parser("export", help="decoder weights + decoder.json for the prefill host")
+    export.add_argument("--model", required=True)
+    export.add_argument("--out", required=True, type=Path)
+
+    tiny = sub.add_parser("tiny-llama", help="tiny random llama checkpoint for tests")
+    tiny.add_argument("--tokenizer", required=True, type=Path, help="dir with tokenizer files")
+    tiny.add_argument("--out", required=True, type=Path)
+    tiny.add_argument("--seed", type=int, default=0, help="same seed and shape, same bytes")
+    tiny.add_argument(
+        "--model-type", default="llama", choices=("llama", "mistral", "qwen2", "qwen3")
+    )
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--hidden", type=int, default=64)
+    tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument("--kv-heads", type=int, default=2)
+    tiny.add_argument("--head-dim", type=int, default=0, help="0: hidden // heads")
+    tiny.add_argument("--intermediate", type=int, default=128)
+    tiny.add_argument(
+        "--tie", action=argparse.BooleanOptionalAction, default=True, help="tie lm_head to embed"
+    )
+    tiny.add_argument("--rope-theta", type=float, default=100000.0)
+    return parser
+
+
+def _mlx_argv(args: argparse.Namespace, extra: List[str]) -> List[str]:
+    argv = ["--model", args.model, "--host", args.host, "--port", str(args.port)]
+    if args.prefill_step_size is not None:
+        argv += ["--prefill-step-size", str(args.prefill_step_size)]
+    return argv + extra
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # Imports are per command: mlx-lm's server module is heavy and export does not need it.
+    if args.command == "serve":
+        from .serve import serve
+
+        serve(_mlx_argv(args, extra), args.store)
+    elif args.command == "export":
+        from .export import export
+
+        print(json.dumps(export(args.model, args.out), sort_keys=True))
+    else:
+        from .tiny import TinyShape, make_tiny_llama
+
+        shape = TinyShape(
+            model_type=args.model_type,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            intermediate=args.intermediate,
+            tie=args.tie,
+            rope_theta=args.rope_theta,
+        )
+        try:
+            made = make_tiny_llama(args.tokenizer, args.out, args.seed, shape)
+        except ValueError as e:
+            parser.error(str(e))
+        print(json.dumps(made, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The seam's one error type: an HTTP status plus a stable code, never a stack trace."""
+
+
+class SeamError(Exception):
+    """An expected failure of a seam request; handlers turn it into a JSON error body."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def body(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+def bad_request(code: str, message: str) -> SeamError:
+    return SeamError(400, code, message)
+
+
+def conflict(code: str, message: str) -> SeamError:
+    """The request is well formed but disagrees with the loaded decoder."""
+    return SeamError(409, code, message)

@@ -1,0 +1,157 @@
+"""The llama family port, decoder side (dense GQA: Llama, Mistral, Qwen2, Qwen3, SmolLM).
+
+Data plus a few functions: describe the loaded model and fingerprint it, export the weights
+the cache program needs, build the decoder's own cache objects from store arrays, and read
+them back out. Everything is read from the model as mlx-lm loaded it, not from config.json,
+because the loaded modules are what the decoder actually computes with.
+
+Cache arrays, in the store and in truth dumps: per layer `layers.{i}.keys` and
+`layers.{i}.values`, shape [kv_heads, B, head_dim], in the decoder's cache dtype.
+"""
+
+import hashlib
+import json
+from typing import Any, Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+FAMILY = "llama"
+
+# mlx-lm model types whose attention is q/k/v projections (+ optional k_norm, biases) and RoPE.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def dense_weight(linear: nn.Module) -> mx.array:
+    """The projection weight as the decoder sees it: dequantized when the model is quantized."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return mx.dequantize(
+            linear.weight,
+            linear.scales,
+            linear.get("biases"),
+            group_size=linear.group_size,
+            bits=linear.bits,
+            mode=linear.mode,
+        )
+    return linear.weight
+
+
+def _weight_dtype(linear: nn.Module) -> mx.Dtype:
+    # A quantized projection outputs in its scales' dtype; that is the cache dtype.
+    if isinstance(linear, nn.QuantizedLinear):
+        return linear.scales.dtype
+    return linear.weight.dtype
+
+
+def rope_params(rope: nn.Module, args: Any) -> Dict[str, Any]:
+    """The rope parameters the attention module was built with.
+
+    Rope classes that bake the base into precomputed frequencies (llama3, yarn) carry no
+    `base`; the config's rope_theta plus the scaling dict then pin them down.
+    """
+    dims = getattr(rope, "dims", None) or getattr(rope, "dim")
+    return {
+        "dims": int(dims),
+        "base": float(getattr(rope, "base", None) or args.rope_theta),
+        "scale": float(getattr(rope, "scale", 1.0)),
+        "traditional": bool(getattr(rope, "traditional", getattr(args, "rope_traditional", False))),
+        "scaling": getattr(args, "rope_scaling", None),
+    }
+
+
+def fingerprint(desc: Dict[str, Any]) -> str:
+    """The model identity both ends must agree on before a bridge-written cache is trusted.
+
+    A stale rope factor or a missing k_norm silently corrupts every cached row, so everything
+    the cache program depends on is in here. Used by serve (/hetero/info) and export alike.
+    """
+    keys = ("family", "layers", "kv_heads", "head_dim", "rope", "qk_norm", "kv_bias")
+    text = json.dumps({k: desc[k] for k in keys}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def describe(model: nn.Module) -> Dict[str, Any]:
+    """Layout and identity of a loaded llama-family model; raises ValueError for other models."""
+    args = model.args
+    if args.model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {args.model_type!r} is not in the llama family {MODEL_TYPES}")
+    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
+    if kinds != {"KVCache"}:
+        # Sliding-window or other cache kinds need their own mount; refuse instead of guessing.
+        raise ValueError(f"llama family needs plain KVCache layers, model makes {sorted(kinds)}")
+    attn = model.layers[0].self_attn
+    head_dim = (
+        getattr(attn, "head_dim", None)
+        or getattr(args, "head_dim", None)
+        or args.hidden_size // args.num_attention_heads
+    )
+    desc = {
+        "family": FAMILY,
+        "model_type": args.model_type,
+        "layers": len(model.layers),
+        "kv_heads": int(attn.n_kv_heads),
+        "head_dim": int(head_dim),
+        "hidden": int(args.hidden_size),
+        "rms_norm_eps": float(args.rms_norm_eps),
+        "vocab_size": int(args.vocab_size),
+        "rope": rope_params(attn.rope, args),
+        "qk_norm": "k_norm" in attn,
+        "kv_bias": "bias" in attn.k_proj,
+        "dtype": dtype_name(_weight_dtype(attn.k_proj)),
+    }
+    desc["fingerprint"] = fingerprint(desc)
+    return desc
+
+
+def kv_weights(model: nn.Module) -> Dict[str, mx.array]:
+    """Exactly the weights the llama cache program needs, per layer, as the decoder uses them."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        for name in ("k_proj", "v_proj"):
+            proj = getattr(attn, name)
+            out[f"layers.{i}.{name}.weight"] = dense_weight(proj)
+            if "bias" in proj:
+                out[f"layers.{i}.{name}.bias"] = proj.bias
+        if "k_norm" in attn:
+            out[f"layers.{i}.k_norm.weight"] = attn.k_norm.weight
+    return out
+
+
+def array_names(layers: int) -> List[str]:
+    return [f"layers.{i}.{kind}" for i in range(layers) for kind in ("keys", "values")]
+
+
+def build_cache(model: nn.Module, arrays: Dict[str, mx.array], n_tokens: int) -> List[KVCache]:
+    """The decoder's own cache objects holding `arrays` ([kv_heads, n, head_dim] per layer).
+
+    Evaluated here: the arrays were made on the calling (HTTP) thread and must not be left as
+    lazy graphs for the generation thread to evaluate.
+    """
+    cache = make_prompt_cache(model)
+    for i, layer_cache in enumerate(cache):
+        keys = arrays[f"layers.{i}.keys"][None]
+        values = arrays[f"layers.{i}.values"][None]
+        layer_cache.state = (keys, values, n_tokens)
+    mx.eval([c.keys for c in cache] + [c.values for c in cache])
+    return cache
+
+
+def cache_arrays(cache: List[Any], n_tokens: int) -> Dict[str, mx.array]:
+    """Store-layout arrays of the first n_tokens rows of the decoder's cache objects.
+
+    KVCache grows its buffers in steps of 256 rows, so the buffers are sliced to n_tokens.
+    """
+    out = {}
+    for i, layer_cache in enumerate(cache):
+        if not isinstance(layer_cache, KVCache) or layer_cache.offset < n_tokens:
+            raise ValueError(f"layer {i} cache does not hold {n_tokens} rows")
+        out[f"layers.{i}.keys"] = mx.contiguous(layer_cache.keys[0, :, :n_tokens, :])
+        out[f"layers.{i}.values"] = mx.contiguous(layer_cache.values[0, :, :n_tokens, :])
+    mx.eval(list(out.values()))
+    return out

@@ -1,0 +1,73 @@
+"""mlx-lm's LRUPromptCache with one lock, so seam handlers can share it with the generator.
+
+The server's generation thread is the cache's only user in stock mlx-lm, so the class has
+no locking. The seam reads and inserts from HTTP handler threads; every public method here
+takes one re-entrant lock, and seam endpoints hold the same lock around multi-step work.
+
+MLX streams belong to the thread that made them: a lazy array built on the generation
+thread cannot be evaluated on a handler thread ("There is no Stream(cpu, 0) in current
+thread"). mlx-lm inserts caches that are still lazy (BatchKVCache.extract), so insert_cache
+evaluates them first, on the inserting thread; every cached array is then readable anywhere.
+"""
+
+import threading
+from typing import Any, List
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
+
+
+def _materialize(prompt_cache: List[Any]) -> None:
+    arrays = [a for _, a in tree_flatten([c.state for c in prompt_cache])]
+    mx.eval([a for a in arrays if isinstance(a, mx.array)])
+
+
+class LockedPromptCache(LRUPromptCache):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.lock = threading.RLock()
+
+    def __len__(self) -> int:
+        with self.lock:
+            return super().__len__()
+
+    @property
+    def nbytes(self) -> int:
+        with self.lock:
+            return super().nbytes
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        with self.lock:
+            return super().fetch_nearest_cache(model, tokens)
+
+    def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], **kwargs: Any):
+        _materialize(prompt_cache)
+        with self.lock:
+            return super().insert_cache(model, tokens, prompt_cache, **kwargs)
+
+    def trim_to(self, **kwargs: Any):
+        with self.lock:
+            return super().trim_to(**kwargs)
+
+    def stats_by_type(self):
+        with self.lock:
+            return super().stats_by_type()
+
+    def reuse_length(self, model: Any, tokens: List[int]) -> int:
+        """How many leading tokens fetch_nearest_cache(model, tokens) would reuse.
+
+        The same decision as LRUPromptCache.fetch_nearest_cache, without its deep copy of
+        the matched cache (gigabytes for long prompts) and without changing anything.
+        tests/py/test_seam.py checks it against the server's reported cached_tokens.
+        """
+        with self.lock:
+            result = self._trie.search(model, tokens)
+            if result.exact is not None:
+                return len(tokens)
+            shorter = len(result.shorter) if result.shorter is not None else 0
+            if result.longer is not None and result.common_prefix > shorter:
+                entry = self._trie.get(result.model, result.longer)
+                if can_trim_prompt_cache(entry.prompt_cache):
+                    return min(len(tokens) - 1, result.common_prefix)
+            return shorter

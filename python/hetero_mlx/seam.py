@@ -1,0 +1,308 @@
+"""The /hetero/* endpoints, added to mlx-lm's own APIHandler on the server's own port.
+
+Paths under /hetero/ are answered here; every other request goes to APIHandler unchanged.
+Every seam reply is JSON; errors are {"error": {"code", "message"}} with a 4xx status, and
+nothing a client sends can raise out of a handler.
+
+  POST /hetero/tokenize       OpenAI chat or completions body -> {"ids", "n", "segments"}
+  GET  /hetero/info           model layout, fingerprint, versions, prompt-cache stats
+  POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
+  POST /hetero/mount          {"entry", "ids"} -> {"mounted": B}
+  POST /hetero/cache          {"ids", "B", "out"} -> {"B", "path"} (truth dump, read-only)
+  POST /hetero/clear          -> {"cleared": number of entries dropped}
+"""
+
+import io
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.server import APIHandler, ModelProvider
+
+from . import STORE_FORMAT
+from .errors import SeamError, bad_request
+from .llama import build_cache, cache_arrays
+from .prompt_cache import LockedPromptCache
+from .store import read_entry, resolve
+
+log = logging.getLogger("hetero_mlx")
+
+PREFIX = "/hetero/"
+
+
+@dataclass
+class Seam:
+    """What the seam endpoints share: the server's own provider and prompt cache."""
+
+    provider: ModelProvider
+    prompt_cache: LockedPromptCache
+    desc: Dict[str, Any]  # llama.describe() of the loaded model
+    store: Optional[Path]
+
+    @property
+    def model_key(self) -> Any:
+        return self.provider.model_key
+
+
+class _ProbeDone(Exception):
+    """Ends do_POST's dry run once the request has been tokenized."""
+
+
+class _TokenizeProbe:
+    """Stands in for the ResponseGenerator during a dry run of APIHandler.do_POST.
+
+    do_POST parses the body, validates it and builds the CompletionRequest and
+    GenerationArguments; generate() then receives exactly those objects, tokenizes them with
+    the server's own ResponseGenerator._tokenize, and stops before anything is generated.
+    """
+
+    def __init__(self, generator: Any):
+        self._generator = generator
+        self.result: Optional[tuple] = None
+        self.error: Optional[Exception] = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._generator, name)
+
+    def generate(self, request: Any, args: Any, progress_callback: Any = None):
+        generator = self._generator
+        try:
+            tokenizer = generator.model_provider.tokenizer
+            self.result = generator._tokenize(tokenizer, request, args)
+        except Exception as e:  # template errors, bad message content: reported as 400
+            self.error = e
+        raise _ProbeDone()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ids(body: Dict[str, Any], vocab_size: int) -> List[int]:
+    ids = body.get("ids")
+    if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+        raise bad_request("bad_ids", "ids must be a non-empty list of integers")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request("ids_out_of_vocab", f"ids {bad[:4]} are outside [0, {vocab_size})")
+    return ids
+
+
+def _openai_path(body: Dict[str, Any]) -> str:
+    """The OpenAI endpoint the body was written for, after checks mlx-lm itself skips."""
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("bad_messages", "messages must be a non-empty list")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise bad_request("bad_messages", "each message must be an object with a role")
+        return "/v1/chat/completions"
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise bad_request("bad_prompt", "prompt must be a non-empty string")
+        return "/v1/completions"
+    raise bad_request("missing_prompt", "body has neither messages nor prompt")
+
+
+def _rejection(raw: bytes) -> SeamError:
+    """The error do_POST wrote during a dry run, as a seam error."""
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+        message = json.loads(payload).get("error", "")
+    except (ValueError, IndexError, AttributeError):
+        status, message = 400, payload.decode(errors="replace")
+    status = status if 400 <= status < 500 else 400
+    return SeamError(status, "rejected_by_server", f"mlx-lm rejected the request: {message}")
+
+
+class SeamHandler(APIHandler):
+    """mlx-lm's APIHandler plus the /hetero/ routes; built by functools.partial with a Seam."""
+
+    def __init__(self, response_generator: Any, *args: Any, seam: Seam, **kwargs: Any):
+        # BaseHTTPRequestHandler serves the request inside __init__, so set state first.
+        self.seam = seam
+        self._probing = False
+        super().__init__(response_generator, *args, **kwargs)
+
+    # ---- routing -------------------------------------------------------------------------
+
+    def do_GET(self):
+        if not self.path.startswith(PREFIX):
+            return super().do_GET()
+        self._dispatch({"/hetero/info": SeamHandler._info}, has_body=False)
+
+    def do_POST(self):
+        if not self.path.startswith(PREFIX):
+            return super().do_POST()
+        routes = {
+            "/hetero/tokenize": SeamHandler._tokenize_endpoint,
+            "/hetero/cached_prefix": SeamHandler._cached_prefix,
+            "/hetero/mount": SeamHandler._mount,
+            "/hetero/cache": SeamHandler._cache_dump,
+            "/hetero/clear": SeamHandler._clear,
+        }
+        self._dispatch(routes, has_body=True)
+
+    def _dispatch(self, routes: Dict[str, Any], has_body: bool):
+        route = routes.get(self.path.split("?", 1)[0])
+        try:
+            if route is None:
+                raise SeamError(404, "not_found", f"no seam endpoint {self.command} {self.path}")
+            if has_body:
+                raw = self._read_raw()
+                status, reply = 200, route(self, raw, self._parse(raw))
+            else:
+                status, reply = 200, route(self)
+        except SeamError as e:
+            status, reply = e.status, e.body()
+        except Exception as e:  # a bug, not a client error: still a JSON reply
+            log.exception("seam %s failed", self.path)
+            status, reply = 500, {"error": {"code": "internal", "message": str(e)}}
+        self._reply(status, reply)
+
+    def _read_raw(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            # HTTP/1.1: no Content-Length and no Transfer-Encoding means an empty body.
+            if self.headers.get("Transfer-Encoding"):
+                raise SeamError(411, "length_required", "chunked bodies are not supported")
+            return b""
+        try:
+            n_bytes = int(length)
+        except ValueError:
+            n_bytes = -1
+        if n_bytes < 0:
+            # rfile.read(-1) would wait for the client to close the connection.
+            raise bad_request("bad_length", f"invalid Content-Length {length!r}")
+        return self.rfile.read(n_bytes)
+
+    @staticmethod
+    def _parse(raw: bytes) -> Dict[str, Any]:
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise bad_request("bad_json", f"invalid JSON in request body: {e}") from None
+        if not isinstance(body, dict):
+            raise bad_request("bad_json", "request body must be a JSON object")
+        return body
+
+    def _reply(self, status: int, reply: Dict[str, Any]):
+        data = json.dumps(reply).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def log_request(self, code: Any = "-", size: Any = "-"):
+        # The tokenize dry run answers into a buffer; its status line is not a real reply.
+        if not self._probing:
+            super().log_request(code, size)
+
+    # ---- endpoints -----------------------------------------------------------------------
+
+    def _info(self) -> Dict[str, Any]:
+        desc, cache = self.seam.desc, self.seam.prompt_cache
+        keys = ("family", "model_type", "fingerprint", "layers", "kv_heads", "head_dim")
+        keys += ("hidden", "vocab_size", "dtype", "rope", "qk_norm", "kv_bias")
+        info = {k: desc[k] for k in keys}
+        info.update(
+            model=self.seam.provider.cli_args.model,
+            prefill_step_size=self.seam.provider.cli_args.prefill_step_size,
+            store_format=STORE_FORMAT,
+            store=str(self.seam.store) if self.seam.store else None,
+            versions={"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
+        )
+        with cache.lock:
+            info["prompt_cache"] = {"sequences": len(cache), "bytes": cache.nbytes}
+        return info
+
+    def _tokenize_endpoint(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
+        prompt, segments, types, _, vision = self._server_tokenize(raw, body)
+        if vision is not None:
+            # The server keys image prompts by a rewritten id list; the seam does not mount them.
+            raise bad_request("images_unsupported", "prompts with images are not bridged")
+        ids = [int(t) for t in prompt]
+        parts = [{"type": t, "n": len(s)} for t, s in zip(types, segments)]
+        return {"ids": ids, "n": len(ids), "segments": parts}
+
+    def _server_tokenize(self, raw: bytes, body: Dict[str, Any]) -> tuple:
+        """Runs APIHandler.do_POST on the raw body with a probe in place of the generator.
+
+        This is the server's own path: its parsing, validation, request and argument objects,
+        and ResponseGenerator._tokenize. Its output goes to a buffer, read only on rejection.
+        """
+        path = _openai_path(body)
+        probe, sink = _TokenizeProbe(self.response_generator), io.BytesIO()
+        saved = (self.path, self.rfile, self.wfile, self.response_generator)
+        self.path, self.rfile, self.wfile = path, io.BytesIO(raw), sink
+        self.response_generator, self._probing = probe, True
+        try:
+            APIHandler.do_POST(self)
+        finally:
+            self.path, self.rfile, self.wfile, self.response_generator = saved
+            self._probing = False
+        if probe.error is not None:
+            raise bad_request("tokenize_failed", f"{type(probe.error).__name__}: {probe.error}")
+        if probe.result is None:
+            raise _rejection(sink.getvalue())
+        return probe.result
+
+    def _cached_prefix(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
+        ids = _ids(body, self.seam.desc["vocab_size"])
+        cached = self.seam.prompt_cache.reuse_length(self.seam.model_key, ids)
+        return {"cached_tokens": cached, "n": len(ids)}
+
+    def _mount(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
+        ids = _ids(body, self.seam.desc["vocab_size"])
+        if not isinstance(body.get("entry"), str) or not body["entry"]:
+            raise bad_request("bad_entry", "entry must be a directory path")
+        entry = read_entry(resolve(body["entry"], self.seam.store), ids, self.seam.desc)
+        # Built and evaluated outside the lock: only the insert touches shared state.
+        cache = build_cache(self.seam.provider.model, entry.arrays, entry.n_tokens)
+        prefix = list(ids[: entry.n_tokens])
+        self.seam.prompt_cache.insert_cache(self.seam.model_key, prefix, cache, cache_type="user")
+        log.info("mounted %d tokens from %s", entry.n_tokens, body["entry"])
+        return {"mounted": entry.n_tokens}
+
+    def _cache_dump(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
+        ids = _ids(body, self.seam.desc["vocab_size"])
+        n, out = body.get("B"), body.get("out")
+        if not _is_int(n) or not 1 <= n <= len(ids):
+            raise bad_request("bad_prefix_length", f"B must be an integer in [1, {len(ids)}]")
+        if not isinstance(out, str) or not out.endswith(".safetensors"):
+            raise bad_request("bad_out", "out must be a path ending in .safetensors")
+        arrays = self._native_arrays(ids[:n])
+        mx.save_safetensors(out, arrays, metadata={"format": STORE_FORMAT, "B": str(n)})
+        return {"B": n, "path": out}
+
+    def _native_arrays(self, prefix: List[int]) -> Dict[str, mx.array]:
+        """The server's own cached rows for exactly `prefix`, read without changing the cache.
+
+        One extra token makes fetch_nearest_cache trim a longer entry to exactly the prefix
+        (it always leaves the last queried token uncached); fetch returns a deep copy.
+        """
+        cache_obj = self.seam.prompt_cache
+        with cache_obj.lock:
+            cache, rest = cache_obj.fetch_nearest_cache(self.seam.model_key, prefix + [0])
+            covered = len(prefix) + 1 - len(rest)
+            if cache is None or covered < len(prefix):
+                raise SeamError(
+                    404, "not_cached", f"the prompt cache covers {covered} of {len(prefix)} tokens"
+                )
+            return cache_arrays(cache, len(prefix))
+
+    def _clear(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
+        cache = self.seam.prompt_cache
+        with cache.lock:
+            n = len(cache)
+            cache.trim_to(n_sequences=0)
+        return {"cleared": n}

@@ -1,0 +1,93 @@
+"""`serve`: mlx-lm's own OpenAI server, built as mlx_lm.server.run builds it, plus the seam.
+
+Construction, in order:
+  1. mlx_lm.server.main() parses the command line with mlx-lm's own parser, so every server
+     option keeps mlx-lm's default (and any extra mlx-lm option passes through); main() ends
+     by calling mlx_lm.server.run(host, port, ModelProvider(args)), which is swapped for the
+     duration of that call to capture the provider instead of serving.
+  2. As run() does: a prompt cache of cli_args.prompt_cache_size entries (here the locked
+     subclass) and a ResponseGenerator, whose generation thread loads the model.
+  3. Wait until the model is loaded, so /health and the seam only answer once it can serve.
+  4. As run() does: _run_http_server(host, port, generator), here with the seam's handler.
+     (run() accepts a handler_class but does not pass it on, so it cannot be used directly.)
+"""
+
+import functools
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx_lm.server as mlx_server
+from mlx_lm.server import ModelProvider, ResponseGenerator
+
+from .llama import describe
+from .prompt_cache import LockedPromptCache
+from .seam import Seam, SeamHandler
+
+log = logging.getLogger("hetero_mlx")
+
+LOAD_TIMEOUT_S = 3600.0
+
+
+def mlx_provider(argv: List[str]) -> ModelProvider:
+    """A ModelProvider from mlx-lm's own CLI parser and startup (logging, wired limit)."""
+    captured = []
+
+    def capture(host, port, provider, *args, **kwargs):
+        captured.append(provider)
+
+    saved_run, saved_argv = mlx_server.run, sys.argv
+    mlx_server.run, sys.argv = capture, ["mlx_lm.server", *argv]
+    try:
+        mlx_server.main()
+    finally:
+        mlx_server.run, sys.argv = saved_run, saved_argv
+    return captured[0]
+
+
+def _signal_when_loaded(provider: ModelProvider) -> threading.Event:
+    """An event set once the generation thread's load_default() returns (or fails)."""
+    loaded = threading.Event()
+    load_default = provider.load_default
+
+    def load_and_signal():
+        try:
+            load_default()
+        finally:
+            loaded.set()
+
+    provider.load_default = load_and_signal
+    return loaded
+
+
+def _wait_for_model(provider: ModelProvider, generator: ResponseGenerator, loaded) -> None:
+    if not loaded.wait(LOAD_TIMEOUT_S) or provider.model is None:
+        generator.stop_and_join()
+        raise SystemExit(f"hetero_mlx: model {provider.cli_args.model} did not load")
+
+
+def serve(argv: List[str], store: Optional[Path]) -> None:
+    """Runs the server until interrupted; argv is mlx-lm server options."""
+    provider = mlx_provider(argv)
+    log.info("mlx-lm options: %s", vars(provider.cli_args))
+    group = mx.distributed.init()
+    loaded = _signal_when_loaded(provider)
+    prompt_cache = LockedPromptCache(provider.cli_args.prompt_cache_size)
+    generator = ResponseGenerator(provider, prompt_cache)
+    _wait_for_model(provider, generator, loaded)
+    if group.rank() != 0:
+        generator.join()
+        return
+    try:
+        desc = describe(provider.model)
+    except ValueError as e:
+        generator.stop_and_join()
+        raise SystemExit(f"hetero_mlx: {e}") from None
+    log.info("seam: %s fingerprint %s, store %s", desc["model_type"], desc["fingerprint"], store)
+    seam = Seam(provider=provider, prompt_cache=prompt_cache, desc=desc, store=store)
+    args = provider.cli_args
+    handler = functools.partial(SeamHandler, seam=seam)
+    mlx_server._run_http_server(args.host, args.port, generator, handler_class=handler)

@@ -1,0 +1,92 @@
+// Loading and validating the decoder-weights export. Anything the program cannot reproduce
+// exactly (rope scaling, partial rotary dims, traditional rope) is refused with a message.
+#include "bridge/decoder_weights.h"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/safetensors.h"
+
+namespace hetero {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+Status take(TensorMap& all, const std::string& name, std::vector<int64_t> shape, Tensor* out) {
+  auto it = all.find(name);
+  if (it == all.end()) return not_found("decoder weights have no tensor '" + name + "'");
+  if (it->second.shape != shape)
+    return invalid_argument("decoder weight '" + name + "' has shape " +
+                            it->second.shape_string());
+  if (it->second.dtype != DType::kBF16)
+    return invalid_argument("decoder weight '" + name + "' is not bf16 (the decoder's dtype)");
+  *out = std::move(it->second);
+  return Status::ok();
+}
+
+std::vector<float> transpose_to_f32(const Tensor& w) {  // [n, k] -> [k, n]
+  const int64_t n = w.shape[0], k = w.shape[1];
+  std::vector<float> out(static_cast<size_t>(n * k));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < k; ++j) out[static_cast<size_t>(j * n + i)] = w.at_f32(i * k + j);
+  return out;
+}
+
+}  // namespace
+
+Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
+  std::ifstream in(fs::path(dir) / "decoder.json");
+  if (!in) return not_found("no decoder.json in " + dir + " (run: python -m hetero_mlx export)");
+  json j = json::parse(in, nullptr, false);
+  if (j.is_discarded()) return invalid_argument(dir + "/decoder.json is not JSON");
+  LlamaDecoderWeights d;
+  try {
+    if (j.at("format").get<std::string>() != "hetero-decoder-weights-v1")
+      return invalid_argument(dir + ": unknown export format " + j.at("format").dump());
+    d.layout.family = j.at("family").get<std::string>();
+    if (d.layout.family != "llama")
+      return invalid_argument(dir + ": family '" + d.layout.family + "' is not llama");
+    d.layout.fingerprint = j.at("fingerprint").get<std::string>();
+    d.layout.layers = j.at("layers").get<int64_t>();
+    d.layout.kv_heads = j.at("kv_heads").get<int64_t>();
+    d.layout.head_dim = j.at("head_dim").get<int64_t>();
+    d.layout.hidden = j.at("hidden").get<int64_t>();
+    d.rms_norm_eps = j.at("rms_norm_eps").get<double>();
+    const json& r = j.at("rope");
+    d.rope_base = r.at("base").get<double>();
+    d.rope_scale = r.value("scale", 1.0);
+    d.rope_dims = r.at("dims").get<int64_t>();
+    d.rope_traditional = r.value("traditional", false);
+    if (r.contains("scaling") && !r["scaling"].is_null())
+      return invalid_argument(dir + ": rope scaling " + r["scaling"].dump() +
+                              " is not supported by the llama cache program yet");
+  } catch (const json::exception& e) {
+    return invalid_argument(dir + "/decoder.json: " + e.what());
+  }
+  if (d.rope_traditional || d.rope_dims != d.layout.head_dim || d.rope_scale != 1.0)
+    return invalid_argument(dir + ": only full-width rotate-half rope with scale 1 is supported");
+  HETERO_ASSIGN_OR_RETURN(SafetensorsFile f,
+                          read_safetensors((fs::path(dir) / "weights.safetensors").string()));
+  const int64_t H = d.layout.hidden, kvd = d.layout.kv_heads * d.layout.head_dim;
+  d.layers.resize(static_cast<size_t>(d.layout.layers));
+  for (int64_t i = 0; i < d.layout.layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    auto& L = d.layers[static_cast<size_t>(i)];
+    Tensor wk, wv;
+    HETERO_RETURN_IF_ERROR(take(f.tensors, p + "k_proj.weight", {kvd, H}, &wk));
+    HETERO_RETURN_IF_ERROR(take(f.tensors, p + "v_proj.weight", {kvd, H}, &wv));
+    L.wk_t = transpose_to_f32(wk);
+    L.wv_t = transpose_to_f32(wv);
+    if (f.tensors.count(p + "k_proj.bias")) {
+      HETERO_RETURN_IF_ERROR(take(f.tensors, p + "k_proj.bias", {kvd}, &L.bk));
+      HETERO_RETURN_IF_ERROR(take(f.tensors, p + "v_proj.bias", {kvd}, &L.bv));
+    }
+    if (f.tensors.count(p + "k_norm.weight"))
+      HETERO_RETURN_IF_ERROR(take(f.tensors, p + "k_norm.weight", {d.layout.head_dim}, &L.k_norm));
+  }
+  return d;
+}
+
+}  // namespace hetero

@@ -1,0 +1,40 @@
+// The decoder-weights export as the prefill host reads it: `decoder.json` (layout, rope, eps,
+// fingerprint) and `weights.safetensors` with exactly the weights the cache program needs,
+// dequantized the way the decoder dequantizes them. Written by `python -m hetero_mlx export`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace hetero {
+
+// What the decoder's cache looks like, per layer: the small descriptor the bridge and the
+// decode side agree on (ARCHITECTURE.md, "the seam ... plus a small descriptor").
+struct DecoderCacheLayout {
+  std::string family;  // "llama"
+  std::string fingerprint;
+  int64_t layers = 0, kv_heads = 0, head_dim = 0, hidden = 0;
+};
+
+struct LlamaProgramLayer {
+  std::vector<float> wk_t, wv_t;  // float32 [hidden, kv_heads*head_dim] (transposed)
+  Tensor bk, bv;                  // bf16 [kv_heads*head_dim] or empty
+  Tensor k_norm;                  // bf16 [head_dim] or empty
+};
+
+struct LlamaDecoderWeights {
+  DecoderCacheLayout layout;
+  double rms_norm_eps = 1e-5;
+  double rope_base = 10000.0, rope_scale = 1.0;
+  int64_t rope_dims = 0;
+  bool rope_traditional = false;
+  std::vector<LlamaProgramLayer> layers;
+};
+
+Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir);
+
+}  // namespace hetero

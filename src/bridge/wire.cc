@@ -1,0 +1,145 @@
+// Wire encoding and parsing: see wire.h and docs/design/wire.md.
+#include "bridge/wire.h"
+
+#include <cstring>
+
+#include "common/hash.h"
+
+namespace hetero {
+using nlohmann::json;
+
+namespace {
+
+constexpr char kMagic[4] = {'H', 'S', 'G', '1'};
+constexpr size_t kPrefixBytes = 4 + 4 + 8;
+
+std::string frame(const json& header, const std::string& payload) {
+  const std::string h = header.dump();
+  std::string out;
+  out.reserve(kPrefixBytes + h.size() + payload.size() + 8);
+  out.append(kMagic, 4);
+  const uint32_t hb = static_cast<uint32_t>(h.size());
+  const uint64_t pb = payload.size();
+  out.append(reinterpret_cast<const char*>(&hb), 4);
+  out.append(reinterpret_cast<const char*>(&pb), 8);
+  out += h;
+  out += payload;
+  const uint64_t sum = checksum64(out.data() + kPrefixBytes, h.size() + payload.size());
+  out.append(reinterpret_cast<const char*>(&sum), 8);
+  return out;
+}
+
+}  // namespace
+
+std::string encode_segment(const Segment& s) {
+  json arrays = json::array();
+  std::string payload;
+  for (const auto& a : s.arrays) {
+    arrays.push_back({{"name", a.name},
+                      {"dtype", dtype_name(a.tensor.dtype)},
+                      {"shape", a.tensor.shape},
+                      {"offset", payload.size()},
+                      {"bytes", a.tensor.nbytes()}});
+    payload.append(reinterpret_cast<const char*>(a.tensor.bytes.data()), a.tensor.bytes.size());
+  }
+  json h = {{"v", kWireVersion}, {"kind", "segment"},   {"seq", s.seq},
+            {"family", s.family}, {"fingerprint", s.fingerprint}, {"pos0", s.pos0},
+            {"n_tokens", s.n_tokens}, {"arrays", arrays}};
+  return frame(h, payload);
+}
+
+std::string encode_manifest(const Manifest& m) {
+  json h = {{"v", kWireVersion},
+            {"kind", "manifest"},
+            {"fingerprint", m.fingerprint},
+            {"requested_tokens", m.requested_tokens},
+            {"covered_tokens", m.covered_tokens},
+            {"segments", m.segments},
+            {"complete", m.complete},
+            {"reason", m.reason}};
+  return frame(h, "");
+}
+
+Result<std::optional<Frame>> FrameParser::next() {
+  if (!failed_.is_ok()) return failed_;
+  const size_t avail = buf_.size() - pos_;
+  if (avail < kPrefixBytes) return std::optional<Frame>();
+  const char* p = buf_.data() + pos_;
+  if (std::memcmp(p, kMagic, 4) != 0) return failed_ = data_loss("bad frame magic: not a hetero segment stream");
+  uint32_t hb;
+  uint64_t pb;
+  std::memcpy(&hb, p + 4, 4);
+  std::memcpy(&pb, p + 8, 8);
+  if (hb > kMaxHeaderBytes) return failed_ = data_loss("frame header of " + std::to_string(hb) + " bytes exceeds the limit");
+  if (pb > static_cast<uint64_t>(max_payload_))
+    return failed_ = data_loss("frame payload of " + std::to_string(pb) + " bytes exceeds the limit");
+  const size_t total = kPrefixBytes + hb + pb + 8;
+  if (avail < total) return std::optional<Frame>();
+  uint64_t sum;
+  std::memcpy(&sum, p + kPrefixBytes + hb + pb, 8);
+  if (checksum64(p + kPrefixBytes, hb + pb) != sum)
+    return failed_ = data_loss("frame checksum mismatch (corrupted segment)");
+  Frame f;
+  f.header = json::parse(p + kPrefixBytes, p + kPrefixBytes + hb, nullptr, false);
+  if (f.header.is_discarded() || !f.header.is_object())
+    return failed_ = data_loss("frame header is not a JSON object");
+  if (f.header.value("v", 0) != kWireVersion)
+    return failed_ = data_loss("unsupported wire version " + f.header.value("v", json()).dump());
+  f.payload.assign(p + kPrefixBytes + hb, pb);
+  pos_ += total;
+  if (pos_ > (1u << 24) && pos_ * 2 > buf_.size()) {  // compact now and then
+    buf_.erase(0, pos_);
+    pos_ = 0;
+  }
+  return std::optional<Frame>(std::move(f));
+}
+
+Result<Segment> decode_segment(const Frame& f) {
+  Segment s;
+  try {
+    if (f.header.at("kind") != "segment") return data_loss("frame is not a segment");
+    s.seq = f.header.at("seq").get<int64_t>();
+    s.family = f.header.at("family").get<std::string>();
+    s.fingerprint = f.header.at("fingerprint").get<std::string>();
+    s.pos0 = f.header.at("pos0").get<int64_t>();
+    s.n_tokens = f.header.at("n_tokens").get<int64_t>();
+    for (const auto& a : f.header.at("arrays")) {
+      WireArray w;
+      w.name = a.at("name").get<std::string>();
+      HETERO_ASSIGN_OR_RETURN(w.tensor.dtype, dtype_from_name(a.at("dtype").get<std::string>()));
+      for (const auto& d : a.at("shape")) {
+        const int64_t v = d.get<int64_t>();
+        if (v < 0 || v > (int64_t{1} << 32)) return data_loss("array '" + w.name + "' has a bad dim");
+        w.tensor.shape.push_back(v);
+      }
+      const int64_t off = a.at("offset").get<int64_t>(), bytes = a.at("bytes").get<int64_t>();
+      if (bytes != w.tensor.numel() * dtype_size(w.tensor.dtype) || off < 0 ||
+          off + bytes > static_cast<int64_t>(f.payload.size()))
+        return data_loss("array '" + w.name + "' does not fit its shape or the payload");
+      w.tensor.bytes.assign(f.payload.begin() + off, f.payload.begin() + off + bytes);
+      s.arrays.push_back(std::move(w));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return data_loss(std::string("malformed segment header: ") + e.what());
+  }
+  if (s.pos0 < 0 || s.n_tokens <= 0) return data_loss("segment has an empty or negative range");
+  return s;
+}
+
+Result<Manifest> decode_manifest(const Frame& f) {
+  Manifest m;
+  try {
+    if (f.header.at("kind") != "manifest") return data_loss("frame is not a manifest");
+    m.fingerprint = f.header.at("fingerprint").get<std::string>();
+    m.requested_tokens = f.header.at("requested_tokens").get<int64_t>();
+    m.covered_tokens = f.header.at("covered_tokens").get<int64_t>();
+    m.segments = f.header.at("segments").get<int64_t>();
+    m.complete = f.header.at("complete").get<bool>();
+    m.reason = f.header.value("reason", "");
+  } catch (const nlohmann::json::exception& e) {
+    return data_loss(std::string("malformed manifest: ") + e.what());
+  }
+  return m;
+}
+
+}  // namespace hetero

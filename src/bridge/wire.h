@@ -1,0 +1,72 @@
+// The wire between the prefill host and the decode host: a stream of self-describing,
+// checksummed frames, one segment per prefill boundary, closed by a manifest.
+// Format (docs/design/wire.md):
+//   "HSG1" | u32 header_bytes | u64 payload_bytes | header (JSON) | payload | u64 xxh64
+// where the checksum covers header and payload. All integers little-endian.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace hetero {
+
+constexpr int32_t kWireVersion = 1;
+constexpr int64_t kMaxHeaderBytes = 1 << 20;
+
+struct WireArray {
+  std::string name;  // "layers.{i}.keys" / "layers.{i}.values"
+  Tensor tensor;
+};
+
+struct Segment {
+  int64_t seq = 0;  // 0, 1, 2, ... in send order
+  std::string family, fingerprint;
+  int64_t pos0 = 0, n_tokens = 0;  // token range [pos0, pos0 + n_tokens)
+  std::vector<WireArray> arrays;
+};
+
+struct Manifest {
+  std::string fingerprint;
+  int64_t requested_tokens = 0;  // T asked for
+  int64_t covered_tokens = 0;    // rows sent, contiguous from 0
+  int64_t segments = 0;
+  bool complete = false;
+  std::string reason;  // why not complete
+};
+
+struct Frame {
+  nlohmann::json header;
+  std::string payload;
+};
+
+std::string encode_segment(const Segment& s);
+std::string encode_manifest(const Manifest& m);
+
+// Incremental frame parser for a byte stream arriving in arbitrary pieces. Verifies magic,
+// bounds and checksum before handing out a frame; after an error it stays failed.
+class FrameParser {
+ public:
+  explicit FrameParser(int64_t max_payload_bytes) : max_payload_(max_payload_bytes) {}
+  void feed(const char* data, size_t n) { buf_.append(data, n); }
+  // A complete verified frame, nothing yet (std::nullopt), or the error that ends the stream.
+  Result<std::optional<Frame>> next();
+  size_t buffered_bytes() const { return buf_.size() - pos_; }
+
+ private:
+  std::string buf_;
+  size_t pos_ = 0;
+  int64_t max_payload_;
+  Status failed_;
+};
+
+// Decode a frame's header into a Segment (arrays referencing the payload, bounds-checked).
+Result<Segment> decode_segment(const Frame& f);
+Result<Manifest> decode_manifest(const Frame& f);
+
+}  // namespace hetero

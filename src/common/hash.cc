@@ -1,0 +1,29 @@
+// Hash helpers over xxHash (Debian's libxxhash).
+#include "common/hash.h"
+
+#include <xxhash.h>
+
+#include <cstdio>
+
+namespace hetero {
+
+uint64_t checksum64(const void* data, size_t bytes, uint64_t seed) {
+  return XXH64(data, bytes, seed);
+}
+
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string prefix_key(const std::string& fingerprint, const std::vector<int32_t>& ids) {
+  // Two independent 64-bit lanes make accidental collisions between prefixes negligible.
+  uint64_t a = XXH64(fingerprint.data(), fingerprint.size(), 1);
+  uint64_t b = XXH64(fingerprint.data(), fingerprint.size(), 2);
+  a = XXH64(ids.data(), ids.size() * sizeof(int32_t), a);
+  b = XXH64(ids.data(), ids.size() * sizeof(int32_t), b ^ 0x9e3779b97f4a7c15ull);
+  return hex64(a) + hex64(b);
+}
+
+}  // namespace hetero

@@ -1,0 +1,44 @@
+// JSON over HTTP: see http_json.h.
+#include "common/http_json.h"
+
+#include <httplib.h>
+
+namespace hetero {
+
+Result<HttpJsonReply> http_json(const std::string& host, int port, const std::string& path,
+                                const nlohmann::json& body, int64_t timeout_ms) {
+  httplib::Client cli(host, port);
+  cli.set_connection_timeout(std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 5000)));
+  cli.set_read_timeout(std::chrono::milliseconds(timeout_ms));
+  cli.set_write_timeout(std::chrono::milliseconds(timeout_ms));
+  auto res = body.is_null() ? cli.Get(path.c_str())
+                            : cli.Post(path.c_str(), body.dump(), "application/json");
+  const std::string where = host + ":" + std::to_string(port) + path;
+  if (!res) return unavailable(where + ": " + httplib::to_string(res.error()));
+  HttpJsonReply r;
+  r.status = res->status;
+  r.body = nlohmann::json::parse(res->body, nullptr, false);
+  if (r.body.is_discarded())
+    return data_loss(where + " answered HTTP " + std::to_string(res->status) + " with non-JSON: " +
+                     res->body.substr(0, 200));
+  return r;
+}
+
+Result<nlohmann::json> http_json_ok(const std::string& host, int port, const std::string& path,
+                                    const nlohmann::json& body, int64_t timeout_ms) {
+  HETERO_ASSIGN_OR_RETURN(HttpJsonReply r, http_json(host, port, path, body, timeout_ms));
+  if (r.status / 100 == 2) return r.body;
+  std::string msg = r.body.dump();
+  if (r.body.is_object() && r.body.contains("error")) {
+    const auto& e = r.body["error"];
+    msg = e.is_object() ? e.value("message", e.dump()) : e.dump();
+  }
+  const Code code = r.status == 404 ? Code::kNotFound
+                    : r.status == 409 ? Code::kFailedPrecondition
+                    : r.status / 100 == 4 ? Code::kInvalidArgument
+                                          : Code::kUnavailable;
+  return Status(code, host + ":" + std::to_string(port) + path + " HTTP " +
+                          std::to_string(r.status) + ": " + msg);
+}
+
+}  // namespace hetero

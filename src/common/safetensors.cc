@@ -1,0 +1,115 @@
+// safetensors reader/writer. The header is validated fully (offsets in range, sizes matching
+// shape x dtype, no overlap past the data) before any byte is trusted.
+#include "common/safetensors.h"
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace hetero {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+Result<SafetensorsFile> read_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return not_found("cannot open " + path);
+  in.seekg(0, std::ios::end);
+  const int64_t file_bytes = static_cast<int64_t>(in.tellg());
+  in.seekg(0);
+  uint64_t header_bytes = 0;
+  if (file_bytes < 8 || !in.read(reinterpret_cast<char*>(&header_bytes), 8))
+    return data_loss(path + ": too short for a safetensors header");
+  if (header_bytes > static_cast<uint64_t>(file_bytes - 8) || header_bytes > (100u << 20))
+    return data_loss(path + ": header length " + std::to_string(header_bytes) + " out of range");
+  std::string header(header_bytes, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_bytes));
+  json h = json::parse(header, nullptr, /*allow_exceptions=*/false);
+  if (h.is_discarded() || !h.is_object()) return data_loss(path + ": header is not a JSON object");
+  const int64_t data_start = 8 + static_cast<int64_t>(header_bytes);
+  const int64_t data_bytes = file_bytes - data_start;
+
+  SafetensorsFile out;
+  for (auto& [name, info] : h.items()) {
+    if (name == "__metadata__") {
+      if (info.is_object())
+        for (auto& [k, v] : info.items())
+          if (v.is_string()) out.metadata[k] = v.get<std::string>();
+      continue;
+    }
+    if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") ||
+        !info.contains("data_offsets"))
+      return data_loss(path + ": tensor '" + name + "' has an incomplete header entry");
+    auto dt = dtype_from_name(info["dtype"].get<std::string>());
+    if (!dt.is_ok()) return data_loss(path + ": tensor '" + name + "': " + dt.status().message());
+    Tensor t;
+    t.dtype = dt.value();
+    for (auto& d : info["shape"]) t.shape.push_back(d.get<int64_t>());
+    const int64_t begin = info["data_offsets"][0].get<int64_t>();
+    const int64_t end = info["data_offsets"][1].get<int64_t>();
+    const int64_t want = t.numel() * dtype_size(t.dtype);
+    if (begin < 0 || end < begin || end > data_bytes || end - begin != want)
+      return data_loss(path + ": tensor '" + name + "' offsets [" + std::to_string(begin) + "," +
+                       std::to_string(end) + ") do not match shape " + t.shape_string());
+    t.bytes.resize(static_cast<size_t>(want));
+    in.seekg(data_start + begin);
+    if (want > 0 && !in.read(reinterpret_cast<char*>(t.bytes.data()), want))
+      return data_loss(path + ": short read of tensor '" + name + "'");
+    out.tensors.emplace(name, std::move(t));
+  }
+  return out;
+}
+
+Result<TensorMap> read_checkpoint_tensors(const std::string& dir) {
+  std::vector<std::string> files;
+  if (fs::exists(fs::path(dir) / "model.safetensors")) {
+    files.push_back((fs::path(dir) / "model.safetensors").string());
+  } else {
+    std::error_code ec;
+    for (auto& e : fs::directory_iterator(dir, ec))
+      if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
+    if (ec) return not_found("cannot list checkpoint directory " + dir + ": " + ec.message());
+    std::sort(files.begin(), files.end());
+  }
+  if (files.empty()) return not_found("no .safetensors files in " + dir);
+  TensorMap all;
+  for (auto& f : files) {
+    auto r = read_safetensors(f);
+    if (!r.is_ok()) return r.status();
+    for (auto& [k, v] : r->tensors) all.emplace(k, std::move(v));
+  }
+  return all;
+}
+
+Status write_safetensors(const std::string& path, const TensorMap& tensors,
+                         const std::map<std::string, std::string>& metadata) {
+  json h = json::object();
+  int64_t offset = 0;
+  for (auto& [name, t] : tensors) {
+    h[name] = {{"dtype", dtype_name(t.dtype)},
+               {"shape", t.shape},
+               {"data_offsets", {offset, offset + t.nbytes()}}};
+    offset += t.nbytes();
+  }
+  if (!metadata.empty()) h["__metadata__"] = metadata;
+  std::string header = h.dump();
+  while (header.size() % 8 != 0) header.push_back(' ');  // keep the data 8-byte aligned
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return unavailable("cannot write " + tmp);
+    uint64_t n = header.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    for (auto& [name, t] : tensors)
+      out.write(reinterpret_cast<const char*>(t.bytes.data()), t.nbytes());
+    if (!out) return unavailable("short write to " + tmp);
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return unavailable("cannot rename " + tmp + ": " + ec.message());
+  return Status::ok();
+}
+
+}  // namespace hetero

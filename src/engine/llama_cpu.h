@@ -1,0 +1,57 @@
+// CPU backend of the prefill engine for the llama family: chunked prefill with the engine's own
+// KV cache (token-major bf16 rows per layer, grown in blocks of kv_block_tokens), OpenBLAS for
+// the GEMMs, and the attention-input tap. The activations are rounded to bf16 at the points the
+// model's reference implementation rounds, so the tap sees what the decoder would compute up to
+// the attention input; the arithmetic inside each op is the engine's own.
+// Thread-safety: one LlamaCpuEngine serves one sequence at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/tap.h"
+#include "model/llama.h"
+
+namespace hetero {
+
+class LlamaCpuEngine {
+ public:
+  // kOrdered reproduces the decoder's GEMM order (bit-exact attention inputs); kBlas uses
+  // OpenBLAS (its own order; kept to measure what exactness costs).
+  enum class Gemm { kOrdered, kBlas };
+  static Result<std::unique_ptr<LlamaCpuEngine>> load(const std::string& model_dir,
+                                                      Gemm gemm = Gemm::kOrdered);
+  LlamaCpuEngine(LlamaWeights weights, Gemm gemm);
+
+  const LlamaConfig& config() const { return w_.config; }
+  // Forgets the sequence (keeps the allocation).
+  void reset();
+  int64_t cached_tokens() const { return n_cached_; }
+  // Runs the next chunk of the sequence: ids are positions [cached_tokens(), +ids.size()).
+  // Ids out of vocabulary are refused before anything changes.
+  Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap);
+  // Logits of the last processed token (float32 [vocab]), for tests and greedy checks.
+  std::vector<float> last_logits() const;
+
+ private:
+  struct LayerF32 {
+    // float32 copies: [in, out] for kOrdered, [out, in] for kBlas.
+    std::vector<float> wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+  void linear(const uint16_t* x, int64_t m, int64_t k, const std::vector<float>& w, int64_t n,
+              const uint16_t* bias, uint16_t* out) const;
+  void ensure_kv_capacity(int64_t tokens);
+
+  LlamaWeights w_;
+  Gemm gemm_;
+  std::vector<LayerF32> f32_;
+  int64_t n_cached_ = 0;
+  int64_t kv_capacity_ = 0;
+  // Engine-native cache: per layer, token-major [tokens][kv_heads][head_dim] bf16.
+  std::vector<std::vector<uint16_t>> k_cache_, v_cache_;
+  std::vector<uint16_t> last_hidden_;  // [hidden] of the last token (after the final norm)
+};
+
+}  // namespace hetero

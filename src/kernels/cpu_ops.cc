@@ -1,0 +1,220 @@
+// CPU ops: see cpu_ops.h for the contract of each. This file must be compiled without FMA
+// contraction (-ffp-contract=off) and without fast-math: the order of float operations here is
+// the contract with the decoder.
+#include "kernels/cpu_ops.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/bf16.h"
+#include "kernels/mlx_math.h"
+
+namespace hetero {
+namespace {
+
+typedef float V8 __attribute__((vector_size(32)));
+constexpr int64_t kMr = 4, kNr = 16, kNc = 256;
+
+inline V8 load8(const float* p) {
+  V8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, V8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// One MR x 16 tile of C, all of K, in ascending k: acc = acc + a*b, separately rounded.
+template <int MR>
+void tile(const float* a, int64_t lda, int64_t k, const float* b, int64_t ldb, float* c,
+          int64_t ldc) {
+  V8 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = load8(c + r * ldc), acc[r][1] = load8(c + r * ldc + 8);
+  for (int64_t l = 0; l < k; ++l) {
+    const V8 b0 = load8(b + l * ldb), b1 = load8(b + l * ldb + 8);
+    for (int r = 0; r < MR; ++r) {
+      const float s = a[r * lda + l];
+      const V8 av = {s, s, s, s, s, s, s, s};
+      const V8 p0 = av * b0, p1 = av * b1;
+      acc[r][0] = acc[r][0] + p0;
+      acc[r][1] = acc[r][1] + p1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) store8(c + r * ldc, acc[r][0]), store8(c + r * ldc + 8, acc[r][1]);
+}
+
+void scalar_block(const float* a, int64_t lda, int64_t rows, int64_t k, const float* b,
+                  int64_t ldb, int64_t cols, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = c[i * ldc + j];
+      for (int64_t l = 0; l < k; ++l) {
+        const float p = a[i * lda + l] * b[l * ldb + j];
+        acc = acc + p;
+      }
+      c[i * ldc + j] = acc;
+    }
+}
+
+}  // namespace
+
+void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c) {
+  const int64_t n_full = n / kNr * kNr;
+  const int64_t col_blocks = (n_full + kNc - 1) / kNc;
+  const int64_t row_blocks = (m + kMr - 1) / kMr;
+#pragma omp parallel for collapse(2) schedule(static) if (m * n * k > (1 << 16))
+  for (int64_t cb = 0; cb < col_blocks; ++cb) {
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t j0 = cb * kNc, j1 = std::min(n_full, j0 + kNc), i = rb * kMr;
+      const int64_t rows = std::min(kMr, m - i);
+      for (int64_t j = j0; j < j1; j += kNr) {
+        const float* ap = a + i * k;
+        float* cp = c + i * n + j;
+        switch (rows) {
+          case 4: tile<4>(ap, k, k, b + j, n, cp, n); break;
+          case 3: tile<3>(ap, k, k, b + j, n, cp, n); break;
+          case 2: tile<2>(ap, k, k, b + j, n, cp, n); break;
+          default: tile<1>(ap, k, k, b + j, n, cp, n); break;
+        }
+      }
+    }
+  }
+  if (n_full < n) scalar_block(a, k, m, k, b + n_full, n, n - n_full, c + n_full, n);
+}
+
+void linear_decoder_order(const uint16_t* x, int64_t m, int64_t k, const float* wt, int64_t n,
+                          const uint16_t* bias, uint16_t* out) {
+  std::vector<float> xf(static_cast<size_t>(m * k)), acc(static_cast<size_t>(m * n), 0.0f);
+  for (int64_t i = 0; i < m * k; ++i) xf[static_cast<size_t>(i)] = bf16_to_f32(x[i]);
+  gemm_ordered(xf.data(), m, k, wt, n, acc.data());
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      float v = acc[static_cast<size_t>(i * n + j)];
+      if (bias) v = v + bf16_to_f32(bias[j]);
+      out[i * n + j] = f32_to_bf16(v);
+    }
+}
+
+void linear_blas(const uint16_t* x, int64_t m, int64_t k, const float* w, int64_t n,
+                 const uint16_t* bias, uint16_t* out) {
+  std::vector<float> xf(static_cast<size_t>(m * k)), y(static_cast<size_t>(m * n));
+  for (int64_t i = 0; i < m * k; ++i) xf[static_cast<size_t>(i)] = bf16_to_f32(x[i]);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(n),
+              static_cast<int>(k), 1.0f, xf.data(), static_cast<int>(k), w, static_cast<int>(k),
+              0.0f, y.data(), static_cast<int>(n));
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      float v = y[static_cast<size_t>(i * n + j)];
+      if (bias) v = v + bf16_to_f32(bias[j]);
+      out[i * n + j] = f32_to_bf16(v);
+    }
+}
+
+void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
+              uint16_t* out) {
+  const float inv_n = static_cast<float>(1.0 / static_cast<double>(d));
+  for (int64_t i = 0; i < m; ++i) {
+    const uint16_t* xr = x + i * d;
+    float s = 0.0f;
+    for (int64_t j = 0; j < d; ++j) {
+      const float v = bf16_to_f32(xr[j]);
+      const float sq = v * v;
+      s = s + sq;
+    }
+    const float r = 1.0f / std::sqrt(s * inv_n + eps);
+    for (int64_t j = 0; j < d; ++j) {
+      const float y = round_bf16(bf16_to_f32(xr[j]) * r);
+      out[i * d + j] = f32_to_bf16(y * bf16_to_f32(w[j]));
+    }
+  }
+}
+
+void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
+                      float base) {
+  const int64_t half = head_dim / 2;
+  const float c = std::log(base) / static_cast<float>(half);
+  std::vector<float> inv(static_cast<size_t>(half)), cs(static_cast<size_t>(half)),
+      sn(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)
+    inv[static_cast<size_t>(i)] = mlx_exp(static_cast<float>(-i) * c);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float pos = static_cast<float>(t) + static_cast<float>(pos0);
+    for (int64_t i = 0; i < half; ++i) {
+      const float theta = pos * inv[static_cast<size_t>(i)];
+      cs[static_cast<size_t>(i)] = round_bf16(mlx_sincos(theta, false));
+      sn[static_cast<size_t>(i)] = round_bf16(mlx_sincos(theta, true));
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* row = x + (t * heads + h) * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = bf16_to_f32(row[i]), x2 = bf16_to_f32(row[i + half]);
+        const float co = cs[static_cast<size_t>(i)], si = sn[static_cast<size_t>(i)];
+        row[i] = f32_to_bf16(round_bf16(x1 * co) - round_bf16(x2 * si));
+        row[i + half] = f32_to_bf16(round_bf16(x1 * si) + round_bf16(x2 * co));
+      }
+    }
+  }
+}
+
+void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = bf16_to_f32(gate[i]);
+    const float e = round_bf16(mlx_exp(std::fabs(g)));
+    const float y = 1.0f / (1.0f + e);
+    const float sig = round_bf16(g < 0 ? y : 1.0f - y);
+    const float silu = round_bf16(g * sig);
+    out[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
+  }
+}
+
+void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
+void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
+                      const uint16_t* v, int64_t kv_heads, int64_t d, int64_t pos0, float scale,
+                      uint16_t* out) {
+  const int64_t total = pos0 + n, group = q_heads / kv_heads, kv_row = kv_heads * d;
+  const float scale_b = round_bf16(scale);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t hq = 0; hq < q_heads; ++hq) {
+    const int64_t g = hq / group;
+    std::vector<float> qs(static_cast<size_t>(n * d)), kt(static_cast<size_t>(d * total)),
+        vh(static_cast<size_t>(total * d)), s(static_cast<size_t>(n * total), 0.0f),
+        o(static_cast<size_t>(n * d), 0.0f);
+    for (int64_t t = 0; t < total; ++t)
+      for (int64_t j = 0; j < d; ++j) {
+        kt[static_cast<size_t>(j * total + t)] = bf16_to_f32(k[t * kv_row + g * d + j]);
+        vh[static_cast<size_t>(t * d + j)] = bf16_to_f32(v[t * kv_row + g * d + j]);
+      }
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < d; ++j)
+        qs[static_cast<size_t>(t * d + j)] =
+            round_bf16(bf16_to_f32(q[(t * q_heads + hq) * d + j]) * scale_b);
+    // Scores: each a d-long sum in ascending order (masked ones are computed and discarded).
+    gemm_ordered(qs.data(), n, d, kt.data(), total, s.data());
+    for (int64_t i = 0; i < n; ++i) {
+      float* row = s.data() + i * total;
+      const int64_t visible = pos0 + i + 1;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, row[j] = round_bf16(row[j]));
+      // Masked keys contribute exactly 0 to the sum and to the output (exp underflows to 0),
+      // and adding +0 never changes a float sum that started at +0, so they are skipped.
+      float tot = 0.0f;
+      for (int64_t j = 0; j < visible; ++j) {
+        row[j] = mlx_exp(row[j] - mx);
+        tot = tot + row[j];
+      }
+      const float inv = 1.0f / tot;
+      for (int64_t j = 0; j < visible; ++j) row[j] = round_bf16(row[j] * inv);
+      for (int64_t j = visible; j < total; ++j) row[j] = 0.0f;
+    }
+    gemm_ordered(s.data(), n, total, vh.data(), d, o.data());
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < d; ++j)
+        out[(t * q_heads + hq) * d + j] = f32_to_bf16(o[static_cast<size_t>(t * d + j)]);
+  }
+}
+
+}  // namespace hetero

@@ -1,0 +1,47 @@
+// CPU ops on bf16 activations, shared by the prefill engine and the cache programs. All of them
+// reproduce the decoder's (MLX 0.32.4 CPU) arithmetic bit for bit — reduction order, rounding
+// points, its exp and sin/cos — as established in docs/findings/mlx-cpu-numerics.md, while
+// running fast: sums keep their order per output element and parallelism goes across outputs.
+// linear_blas is the exception: OpenBLAS, float32 accumulation in its own order, kept for
+// measurement (bench) and as the engine's --gemm=blas option.
+// All pointers are row-major; no op allocates what the caller passes in. Thread-safe.
+#pragma once
+
+#include <cstdint>
+
+namespace hetero {
+
+// C[M,N] += A[M,K] @ B[K,N] in float32; each C element adds its K products in ascending k, one
+// rounding per add and no fused multiply-add (the reference order). Parallel over rows/columns.
+void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c);
+
+// out[m, n] = bf16(sum_k x[m,k] * w[n,k]) or bf16(sum + bias[n]) (bias added once, at the end).
+// wt is float32 [k, n] (w transposed once at load).
+void linear_decoder_order(const uint16_t* x, int64_t m, int64_t k, const float* wt, int64_t n,
+                          const uint16_t* bias, uint16_t* out);
+// Same contract with OpenBLAS (w float32 [n, k]); not bit-exact with the decoder.
+void linear_blas(const uint16_t* x, int64_t m, int64_t k, const float* w, int64_t n,
+                 const uint16_t* bias, uint16_t* out);
+
+// RMSNorm over the last dim d of x [m, d], weight bf16 [d]. In place is allowed.
+void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
+              uint16_t* out);
+
+// Rotate-half RoPE (traditional = false, full head_dim, scale 1) on [tokens, heads, head_dim]
+// rows, row t at position pos0 + t.
+void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
+                      float base);
+
+// out = bf16(silu(gate) * up) with the decoder's sigmoid. In place is allowed.
+void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out);
+// out = bf16(a + b). In place is allowed.
+void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out);
+
+// Causal GQA attention for n queries at positions [pos0, pos0+n) over keys [0, pos0+n).
+// q: [n, q_heads, d] bf16 (roped); k, v: token-major caches [>= pos0+n, kv_heads, d] bf16;
+// out: [n, q_heads, d] bf16. scale is rounded to bf16 first, as the decoder does.
+void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
+                      const uint16_t* v, int64_t kv_heads, int64_t d, int64_t pos0, float scale,
+                      uint16_t* out);
+
+}  // namespace hetero

@@ -1,0 +1,117 @@
+// Loading llama-family checkpoints. Every tensor's presence and shape is checked against the
+// config so a mismatched checkpoint fails at load with the tensor's name, not later with NaNs.
+#include "model/llama.h"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/bf16.h"
+#include "common/safetensors.h"
+
+namespace hetero {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
+  std::ifstream in(fs::path(model_dir) / "config.json");
+  if (!in) return not_found("no config.json in " + model_dir);
+  json j = json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return invalid_argument(model_dir + "/config.json is not JSON");
+  LlamaConfig c;
+  c.model_type = j.value("model_type", "");
+  if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2" &&
+      c.model_type != "qwen3")
+    return invalid_argument("model_type '" + c.model_type + "' is not in the llama family");
+  try {
+    c.hidden = j.at("hidden_size").get<int64_t>();
+    c.intermediate = j.at("intermediate_size").get<int64_t>();
+    c.layers = j.at("num_hidden_layers").get<int64_t>();
+    c.heads = j.at("num_attention_heads").get<int64_t>();
+    c.kv_heads = j.value("num_key_value_heads", c.heads);
+    c.head_dim = j.contains("head_dim") && !j["head_dim"].is_null()
+                     ? j["head_dim"].get<int64_t>()
+                     : c.hidden / c.heads;
+    c.vocab = j.at("vocab_size").get<int64_t>();
+    c.rms_norm_eps = j.value("rms_norm_eps", 1e-6);
+    c.rope_theta = j.value("rope_theta", 10000.0);
+    c.tie_embeddings = j.value("tie_word_embeddings", c.model_type == "qwen3");
+  } catch (const json::exception& e) {
+    return invalid_argument(model_dir + "/config.json: " + e.what());
+  }
+  c.qkv_bias = c.model_type == "qwen2" || j.value("attention_bias", false);
+  c.qk_norm = c.model_type == "qwen3";
+  c.has_rope_scaling = j.contains("rope_scaling") && !j["rope_scaling"].is_null();
+  if (c.has_rope_scaling)
+    return invalid_argument("rope_scaling is not supported yet by the CPU engine");
+  if (c.heads % c.kv_heads != 0)
+    return invalid_argument("num_attention_heads must be a multiple of num_key_value_heads");
+  return c;
+}
+
+Tensor as_bf16(const Tensor& t) {
+  if (t.dtype == DType::kBF16) return t;
+  Tensor out(DType::kBF16, t.shape);
+  auto* o = out.data<uint16_t>();
+  for (int64_t i = 0; i < t.numel(); ++i) o[i] = f32_to_bf16(t.at_f32(i));
+  return out;
+}
+
+namespace {
+
+Status take(TensorMap& all, const std::string& name, std::vector<int64_t> shape, Tensor* out) {
+  auto it = all.find(name);
+  if (it == all.end()) return not_found("checkpoint has no tensor '" + name + "'");
+  if (it->second.shape != shape) {
+    Tensor want;
+    want.shape = shape;
+    return invalid_argument("tensor '" + name + "' has shape " + it->second.shape_string() +
+                            ", config wants " + want.shape_string());
+  }
+  if (it->second.dtype != DType::kBF16 && it->second.dtype != DType::kF16 &&
+      it->second.dtype != DType::kF32)
+    return invalid_argument("tensor '" + name + "' has unsupported dtype");
+  *out = as_bf16(it->second);
+  all.erase(it);
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<LlamaWeights> load_llama_weights(const std::string& model_dir) {
+  LlamaWeights w;
+  HETERO_ASSIGN_OR_RETURN(w.config, load_llama_config(model_dir));
+  HETERO_ASSIGN_OR_RETURN(TensorMap all, read_checkpoint_tensors(model_dir));
+  const LlamaConfig& c = w.config;
+  const int64_t h = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
+  HETERO_RETURN_IF_ERROR(take(all, "model.embed_tokens.weight", {c.vocab, h}, &w.embed));
+  HETERO_RETURN_IF_ERROR(take(all, "model.norm.weight", {h}, &w.final_norm));
+  if (!c.tie_embeddings)
+    HETERO_RETURN_IF_ERROR(take(all, "lm_head.weight", {c.vocab, h}, &w.lm_head));
+  w.layers.resize(static_cast<size_t>(c.layers));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    auto& L = w.layers[static_cast<size_t>(i)];
+    HETERO_RETURN_IF_ERROR(take(all, p + "input_layernorm.weight", {h}, &L.input_norm));
+    HETERO_RETURN_IF_ERROR(take(all, p + "post_attention_layernorm.weight", {h}, &L.post_norm));
+    HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.q_proj.weight", {q, h}, &L.wq));
+    HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.k_proj.weight", {kv, h}, &L.wk));
+    HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.v_proj.weight", {kv, h}, &L.wv));
+    HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.o_proj.weight", {h, q}, &L.wo));
+    if (c.qkv_bias) {
+      HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.q_proj.bias", {q}, &L.bq));
+      HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.k_proj.bias", {kv}, &L.bk));
+      HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.v_proj.bias", {kv}, &L.bv));
+    }
+    if (c.qk_norm) {
+      HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.q_norm.weight", {c.head_dim}, &L.q_norm));
+      HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.k_norm.weight", {c.head_dim}, &L.k_norm));
+    }
+    HETERO_RETURN_IF_ERROR(take(all, p + "mlp.gate_proj.weight", {c.intermediate, h}, &L.w_gate));
+    HETERO_RETURN_IF_ERROR(take(all, p + "mlp.up_proj.weight", {c.intermediate, h}, &L.w_up));
+    HETERO_RETURN_IF_ERROR(take(all, p + "mlp.down_proj.weight", {h, c.intermediate}, &L.w_down));
+  }
+  return w;
+}
+
+}  // namespace hetero

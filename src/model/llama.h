@@ -1,0 +1,54 @@
+// The llama family as Hugging Face defines it (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with
+// q/k RMSNorm; tied or untied embeddings; any GQA ratio): its configuration and its weights as
+// loaded from an HF checkpoint directory (config.json + safetensors, bf16/f16/f32).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace hetero {
+
+struct LlamaConfig {
+  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3"
+  int64_t hidden = 0, intermediate = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t vocab = 0;
+  double rms_norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  bool tie_embeddings = false;
+  bool qkv_bias = false;  // Qwen2: q/k/v projections carry a bias
+  bool qk_norm = false;   // Qwen3: RMSNorm over head_dim of q and k before RoPE
+  bool has_rope_scaling = false;
+};
+
+// Parses config.json. Unsupported features (rope scaling, sliding windows) are refused with a
+// message rather than silently computed wrong.
+Result<LlamaConfig> load_llama_config(const std::string& model_dir);
+
+// Weights in bf16 as stored (converted from f16/f32 with round-to-nearest-even when needed):
+// the engine keeps bf16 master copies and widens to float32 per GEMM panel.
+struct LlamaLayerWeights {
+  Tensor input_norm, post_norm;       // [hidden]
+  Tensor wq, wk, wv, wo;              // [out, in]
+  Tensor bq, bk, bv;                  // [out] when qkv_bias
+  Tensor q_norm, k_norm;              // [head_dim] when qk_norm
+  Tensor w_gate, w_up, w_down;        // [inter, hidden], [inter, hidden], [hidden, inter]
+};
+
+struct LlamaWeights {
+  LlamaConfig config;
+  Tensor embed;    // [vocab, hidden]
+  Tensor final_norm;
+  Tensor lm_head;  // [vocab, hidden]; empty when tied to embed
+  std::vector<LlamaLayerWeights> layers;
+};
+
+Result<LlamaWeights> load_llama_weights(const std::string& model_dir);
+
+// Any float tensor as bf16 (round-to-nearest-even from f32/f16).
+Tensor as_bf16(const Tensor& t);
+
+}  // namespace hetero

@@ -1,0 +1,23 @@
+// Calling the prefill host: POST /v1/prefill and verify the segment stream into a
+// CacheAssembler as it arrives. Used by `hetero verify` and the front door.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "bridge/assembler.h"
+#include "prefill/service.h"
+
+namespace hetero {
+
+struct FetchResult {
+  Status status;             // ok only when the manifest arrived complete and agreed
+  int64_t bytes = 0;         // bytes received on the wire
+  double first_segment_ms = -1, last_segment_ms = -1, total_ms = 0;
+  bool have_manifest = false;
+};
+
+FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
+                          CacheAssembler* assembler, int64_t timeout_ms);
+
+}  // namespace hetero

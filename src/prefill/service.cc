@@ -1,0 +1,154 @@
+// Prefill service: see service.h.
+#include "prefill/service.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/queue.h"
+
+namespace hetero {
+using nlohmann::json;
+
+namespace {
+
+std::string error_body(const Status& s) {
+  return json{{"error", {{"code", code_name(s.code()), }, {"message", s.message()}}}}.dump();
+}
+
+int http_status_for(const Status& s) {
+  switch (s.code()) {
+    case Code::kInvalidArgument: return 400;
+    case Code::kNotFound: return 404;
+    case Code::kFailedPrecondition: return 409;
+    default: return 500;
+  }
+}
+
+}  // namespace
+
+Result<PrefillRequest> parse_prefill_request(const std::string& body, const LlamaConfig& model,
+                                             const DecoderCacheLayout& layout,
+                                             int64_t max_tokens) {
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
+  if (!j.is_object()) return invalid_argument("request body must be a JSON object");
+  PrefillRequest r;
+  if (!j.contains("ids") || !j["ids"].is_array()) return invalid_argument("'ids' must be an array of token ids");
+  if (j["ids"].empty()) return invalid_argument("'ids' is empty: nothing to prefill");
+  if (static_cast<int64_t>(j["ids"].size()) > max_tokens)
+    return invalid_argument("'ids' has " + std::to_string(j["ids"].size()) +
+                            " tokens, more than the limit " + std::to_string(max_tokens));
+  for (size_t i = 0; i < j["ids"].size(); ++i) {
+    const json& v = j["ids"][i];
+    if (!v.is_number_integer())
+      return invalid_argument("ids[" + std::to_string(i) + "] is not an integer");
+    const int64_t id = v.get<int64_t>();
+    if (id < 0 || id >= model.vocab)
+      return invalid_argument("ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                              " is outside the vocabulary [0, " + std::to_string(model.vocab) + ")");
+    r.ids.push_back(static_cast<int32_t>(id));
+  }
+  if (!j.contains("fingerprint") || !j["fingerprint"].is_string())
+    return invalid_argument("'fingerprint' (the decoder's) is required");
+  r.fingerprint = j["fingerprint"].get<std::string>();
+  if (r.fingerprint != layout.fingerprint)
+    return failed_precondition("fingerprint mismatch: the decoder has " + r.fingerprint +
+                               ", this prefill host's export has " + layout.fingerprint);
+  if (j.contains("chunk")) {
+    if (!j["chunk"].is_number_integer() || j["chunk"].get<int64_t>() <= 0)
+      return invalid_argument("'chunk' must be a positive integer");
+    r.chunk_tokens = j["chunk"].get<int64_t>();
+  }
+  return r;
+}
+
+PrefillService::PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights* weights,
+                               int64_t default_chunk_tokens, int64_t max_tokens)
+    : engine_(engine),
+      weights_(weights),
+      program_(weights),
+      default_chunk_(default_chunk_tokens),
+      max_tokens_(max_tokens) {}
+
+PrefillService::~PrefillService() { stop(); }
+
+Manifest PrefillService::run(const PrefillRequest& req, const LlamaBridgeProducer::FrameSink& sink) {
+  std::lock_guard<std::mutex> lock(run_mu_);
+  engine_->reset();
+  LlamaBridgeProducer producer(&program_, sink);
+  const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
+  const int64_t T = static_cast<int64_t>(req.ids.size());
+  Status st;
+  for (int64_t p = 0; p < T && st.is_ok() && !producer.cancelled(); p += chunk) {
+    std::vector<int32_t> part(req.ids.begin() + p, req.ids.begin() + std::min(T, p + chunk));
+    st = engine_->prefill_chunk(part, producer.tap());
+  }
+  return producer.finish(T, st);
+}
+
+Status PrefillService::start(const std::string& host, int port) {
+  server_ = std::make_unique<httplib::Server>();
+  server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    json j = {{"status", "ok"},
+              {"family", weights_->layout.family},
+              {"fingerprint", weights_->layout.fingerprint},
+              {"layers", weights_->layout.layers}};
+    res.set_content(j.dump(), "application/json");
+  });
+  server_->Post("/v1/prefill", [this](const httplib::Request& req, httplib::Response& res) {
+    auto parsed = parse_prefill_request(req.body, engine_->config(), weights_->layout, max_tokens_);
+    if (!parsed.is_ok()) {
+      res.status = http_status_for(parsed.status());
+      res.set_content(error_body(parsed.status()), "application/json");
+      return;
+    }
+    // The prefill runs on its own thread; this handler thread writes frames as they come.
+    auto frames = std::make_shared<BoundedQueue<std::string>>(4);
+    auto cancelled = std::make_shared<std::atomic<bool>>(false);
+    auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
+    auto worker = std::make_shared<std::thread>([this, frames, cancelled, request] {
+      run(*request, [frames, cancelled](std::string f) {
+        return !cancelled->load() && frames->push(std::move(f));
+      });
+      frames->close();
+    });
+    res.set_chunked_content_provider(
+        "application/x-hetero-segments",
+        [frames, cancelled](size_t, httplib::DataSink& sink) {
+          while (auto f = frames->pop()) {
+            if (!sink.write(f->data(), f->size())) {
+              cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
+              frames->close();
+              return false;
+            }
+          }
+          sink.done();
+          return true;
+        },
+        [frames, cancelled, worker](bool) {
+          cancelled->store(true);
+          frames->close();
+          if (worker->joinable()) worker->join();
+        });
+  });
+  if (port == 0) {
+    port_ = server_->bind_to_any_port(host.c_str());
+    if (port_ < 0) return unavailable("cannot bind " + host);
+  } else {
+    if (!server_->bind_to_port(host.c_str(), port))
+      return unavailable("cannot bind " + host + ":" + std::to_string(port));
+    port_ = port;
+  }
+  thread_ = std::thread([this] { server_->listen_after_bind(); });
+  return Status::ok();
+}
+
+void PrefillService::stop() {
+  if (server_) server_->stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace hetero

@@ -1,0 +1,60 @@
+// The prefill host's service: POST /v1/prefill {ids, fingerprint, chunk?} runs a chunked
+// prefill with the attention-input tap feeding the bridge producer, and streams the segments
+// back (chunked transfer encoding) while the prefill runs, closed by a manifest.
+// GET /health reports the model and the decoder fingerprint the export carries.
+// One prefill runs at a time; later requests wait their turn.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bridge/decoder_weights.h"
+#include "bridge/producer.h"
+#include "engine/llama_cpu.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace hetero {
+
+struct PrefillRequest {
+  std::vector<int32_t> ids;
+  std::string fingerprint;  // the decoder's, as the caller knows it
+  int64_t chunk_tokens = 0;  // 0: the service default
+};
+
+// Parses and validates a /v1/prefill body against the model and export (without running it).
+Result<PrefillRequest> parse_prefill_request(const std::string& body, const LlamaConfig& model,
+                                             const DecoderCacheLayout& layout,
+                                             int64_t max_tokens);
+
+class PrefillService {
+ public:
+  PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights* weights,
+                 int64_t default_chunk_tokens, int64_t max_tokens);
+  ~PrefillService();
+
+  // Runs one prefill (the engine is reset first) and emits frames to sink, manifest last.
+  Manifest run(const PrefillRequest& req, const LlamaBridgeProducer::FrameSink& sink);
+
+  // Serves HTTP until stop(). port 0 picks a free port; bound_port() says which.
+  Status start(const std::string& host, int port);
+  int bound_port() const { return port_; }
+  void stop();
+
+ private:
+  LlamaCpuEngine* engine_;
+  const LlamaDecoderWeights* weights_;
+  LlamaCacheProgram program_;
+  int64_t default_chunk_, max_tokens_;
+  std::mutex run_mu_;  // one prefill at a time
+  std::unique_ptr<httplib::Server> server_;
+  std::thread thread_;
+  int port_ = 0;
+};
+
+}  // namespace hetero

@@ -1,0 +1,37 @@
+"""Shared pytest setup for the Python tests: markers, the repo's python/ on sys.path, and the
+locations of the `hetero` binary and a tokenizer, each skipping with a reason when absent."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+if str(REPO / "python") not in sys.path:
+    sys.path.insert(0, str(REPO / "python"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: long prompts (T=5003); deselect with -m 'not slow'")
+
+
+@pytest.fixture(scope="session")
+def hetero_bin() -> Path:
+    """The C++ `hetero` binary: $HETERO_BIN, else build/hetero in this repo."""
+    path = Path(os.environ.get("HETERO_BIN") or REPO / "build" / "hetero")
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        pytest.skip(f"no hetero binary at {path} (build it, or set HETERO_BIN)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """A directory with a real model's tokenizer files, for tiny-llama checkpoints."""
+    path = os.environ.get("HETERO_TOKENIZER")
+    if not path:
+        pytest.skip("HETERO_TOKENIZER is not set (a directory with tokenizer.json, e.g. SmolLM2's)")
+    if not (Path(path) / "tokenizer.json").exists():
+        pytest.skip(f"HETERO_TOKENIZER={path} has no tokenizer.json")
+    return Path(path)

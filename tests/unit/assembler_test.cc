@@ -1,0 +1,89 @@
+// The consumer trusts nothing unverified: gaps, overlaps, wrong fingerprint, wrong shapes,
+// a manifest that disagrees; and the assembled rows land where their tags say.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "bridge/assembler.h"
+
+namespace hetero {
+
+uint16_t tag(int64_t l, int a, int64_t h, int64_t t, int64_t d);
+Segment make_segment(int64_t seq, int64_t pos0, int64_t n, int64_t layers, int64_t kvh, int64_t hd,
+                     const std::string& fp);
+
+namespace {
+DecoderCacheLayout layout() {
+  DecoderCacheLayout l;
+  l.family = "llama", l.fingerprint = "fp", l.layers = 2, l.kv_heads = 2, l.head_dim = 4, l.hidden = 8;
+  return l;
+}
+}  // namespace
+
+TEST(Assembler, UnevenSegmentsAssembleInPlace) {
+  CacheAssembler a(layout(), 10);
+  ASSERT_TRUE(a.accept(make_segment(0, 0, 3, 2, 2, 4, "fp")).is_ok());
+  ASSERT_TRUE(a.accept(make_segment(1, 3, 6, 2, 2, 4, "fp")).is_ok());
+  ASSERT_TRUE(a.accept(make_segment(2, 9, 1, 2, 2, 4, "fp")).is_ok());
+  ASSERT_TRUE(a.finish({"fp", 10, 10, 3, true, ""}).is_ok());
+  TensorMap m = a.arrays(9);
+  for (int64_t l = 0; l < 2; ++l)
+    for (int k = 0; k < 2; ++k) {
+      const Tensor& t = m.at("layers." + std::to_string(l) + (k ? ".values" : ".keys"));
+      ASSERT_EQ(t.shape, (std::vector<int64_t>{2, 9, 4}));
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t i = 0; i < 9; ++i)
+          for (int64_t d = 0; d < 4; ++d)
+            ASSERT_EQ(t.data<uint16_t>()[(h * 9 + i) * 4 + d], tag(l, k, h, i, d));
+    }
+}
+
+TEST(Assembler, RefusesWhatDoesNotFit) {
+  {
+    CacheAssembler a(layout(), 10);
+    EXPECT_EQ(a.accept(make_segment(0, 0, 3, 2, 2, 4, "other")).code(), Code::kFailedPrecondition);
+  }
+  {
+    CacheAssembler a(layout(), 10);
+    ASSERT_TRUE(a.accept(make_segment(0, 0, 3, 2, 2, 4, "fp")).is_ok());
+    Status gap = a.accept(make_segment(1, 4, 3, 2, 2, 4, "fp"));
+    EXPECT_EQ(gap.code(), Code::kDataLoss);
+    EXPECT_NE(gap.message().find("gap"), std::string::npos);
+    EXPECT_EQ(a.covered_tokens(), 3);  // nothing appended
+  }
+  {
+    CacheAssembler a(layout(), 4);
+    EXPECT_FALSE(a.accept(make_segment(0, 0, 5, 2, 2, 4, "fp")).is_ok());  // beyond T
+  }
+  {
+    CacheAssembler a(layout(), 10);
+    EXPECT_FALSE(a.accept(make_segment(0, 0, 3, 1, 2, 4, "fp")).is_ok());  // missing layer
+    EXPECT_FALSE(a.accept(make_segment(0, 0, 3, 2, 1, 4, "fp")).is_ok());  // wrong kv heads
+  }
+  {
+    CacheAssembler a(layout(), 10);
+    ASSERT_TRUE(a.accept(make_segment(0, 0, 3, 2, 2, 4, "fp")).is_ok());
+    EXPECT_FALSE(a.finish({"fp", 10, 10, 1, true, ""}).is_ok());  // claims rows not received
+    EXPECT_FALSE(a.finish({"fp", 10, 3, 1, false, "killed"}).is_ok());  // incomplete
+  }
+}
+
+TEST(Assembler, StoreEntryIsComplete) {
+  CacheAssembler a(layout(), 5);
+  ASSERT_TRUE(a.accept(make_segment(0, 0, 5, 2, 2, 4, "fp")).is_ok());
+  const auto dir = std::filesystem::temp_directory_path() / ("hetero_store_" + std::to_string(::getpid()));
+  std::vector<int32_t> ids = {5, 6, 7, 8, 9, 10};
+  auto e = write_store_entry(dir.string(), layout(), ids, 5, 5, a.arrays(5));
+  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+  std::ifstream in(std::filesystem::path(e->path) / "entry.json");
+  auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["B"], 5);
+  EXPECT_EQ(j["ids"].size(), 5u);
+  EXPECT_EQ(j["fingerprint"], "fp");
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(e->path) / "cache.safetensors"));
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace hetero
