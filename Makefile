@@ -13,7 +13,7 @@ JOBS ?= 2
 APT_PACKAGES := cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcpp-httplib-dev \
   libopenblas-dev libxxhash-dev libssl-dev zlib1g-dev libbrotli-dev clang-format python3-venv
 
-.PHONY: up test deps venv model tiny build unit pytest e2e format format-check clean
+.PHONY: up test deps venv model tiny prompts build unit pytest demo format format-check clean
 
 up: build model
 	$(MAKE) --no-print-directory demo
@@ -22,8 +22,13 @@ up: build model
 demo:
 	./build/hetero verify --model $(MODEL) --prompt-file prompts/capital.txt --max-tokens 32
 
-test: build model tiny
+test: build model tiny prompts
 	$(MAKE) --no-print-directory format-check unit pytest
+
+# The long real chat prompt (>= 4,000 tokens), made from a text every Debian system has.
+prompts: prompts/chat/05-long-license.json
+prompts/chat/05-long-license.json: scripts/make_long_prompt.py
+	$(PY) scripts/make_long_prompt.py --out $@
 
 deps: $(STAMPS)/deps
 $(STAMPS)/deps:

@@ -28,14 +28,19 @@ int cmd_compare(int argc, char** argv) {
   auto want = read_safetensors(opts.positional()[1]);
   if (!got.is_ok() || !want.is_ok())
     return std::fprintf(stderr, "compare: %s\n",
-                        (got.is_ok() ? want.status() : got.status()).to_string().c_str()), 1;
+                        (got.is_ok() ? want.status() : got.status()).to_string().c_str()),
+           1;
   CompareSpec spec;
   spec.max_ulp = opts.get_int("max-ulp").is_ok() ? opts.get_int("max-ulp").value() : 0;
   spec.max_abs = opts.get_double("max-abs").is_ok() ? opts.get_double("max-abs").value() : 0;
-  spec.min_cosine = opts.get_double("min-cosine").is_ok() ? opts.get_double("min-cosine").value() : -2;
+  spec.min_cosine =
+      opts.get_double("min-cosine").is_ok() ? opts.get_double("min-cosine").value() : -2;
   spec.reason = opts.get("reason");
-  nlohmann::json report = {{"tolerance", {{"max_ulp", spec.max_ulp}, {"max_abs", spec.max_abs},
-                                          {"min_cosine", spec.min_cosine}, {"reason", spec.reason}}}};
+  nlohmann::json report = {{"tolerance",
+                            {{"max_ulp", spec.max_ulp},
+                             {"max_abs", spec.max_abs},
+                             {"min_cosine", spec.min_cosine},
+                             {"reason", spec.reason}}}};
   bool all = true;
   int64_t exact = 0;
   nlohmann::json failures = nlohmann::json::array();

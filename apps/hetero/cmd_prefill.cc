@@ -35,8 +35,9 @@ int parse_options(Options& opts, int argc, char** argv) {
 
 Options prefill_options() {
   return Options(
-      "prefill", "The prefill engine (CPU backend): chunked prefill with the attention-input tap "
-                 "feeding the decoder-cache program; segments stream back while it runs.",
+      "prefill",
+      "The prefill engine (CPU backend): chunked prefill with the attention-input tap "
+      "feeding the decoder-cache program; segments stream back while it runs.",
       {
           {"model", "HETERO_MODEL", "", "HF checkpoint directory of the model to prefill"},
           {"weights", "HETERO_DECODER_WEIGHTS", "",
@@ -46,7 +47,8 @@ Options prefill_options() {
           {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
           {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "2097152", "longest accepted prompt"},
           {"ids-file", "", "", "offline: JSON array of token ids to prefill instead of serving"},
-          {"fingerprint", "", "", "offline: the decoder fingerprint to require (default: export's)"},
+          {"fingerprint", "", "",
+           "offline: the decoder fingerprint to require (default: export's)"},
           {"out", "", "", "offline: where to write the assembled cache (safetensors)"},
       });
 }
@@ -60,9 +62,14 @@ int cmd_prefill(int argc, char** argv) {
   }
   log_line("prefill", "options " + opts.effective().dump());
   auto engine = LlamaCpuEngine::load(opts.get("model"));
-  if (!engine.is_ok()) return std::fprintf(stderr, "prefill: %s\n", engine.status().to_string().c_str()), 1;
+  if (!engine.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", engine.status().to_string().c_str()), 1;
   auto weights = load_llama_decoder_weights(opts.get("weights"));
-  if (!weights.is_ok()) return std::fprintf(stderr, "prefill: %s\n", weights.status().to_string().c_str()), 1;
+  if (!weights.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", weights.status().to_string().c_str()), 1;
+  if (Status st = check_export_matches_model(engine.value()->config(), weights->layout);
+      !st.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
   auto chunk = opts.get_int("chunk");
   auto max_tokens = opts.get_int("max-tokens");
   if (!chunk.is_ok() || chunk.value() <= 0 || !max_tokens.is_ok())
@@ -79,7 +86,8 @@ int cmd_prefill(int argc, char** argv) {
                            {"chunk", chunk.value()}};
     auto req = parse_prefill_request(body.dump(), engine.value()->config(), weights->layout,
                                      max_tokens.value());
-    if (!req.is_ok()) return std::fprintf(stderr, "prefill: %s\n", req.status().to_string().c_str()), 2;
+    if (!req.is_ok())
+      return std::fprintf(stderr, "prefill: %s\n", req.status().to_string().c_str()), 2;
     // The same path as over HTTP, minus the socket: frames are parsed and verified.
     const int64_t T = static_cast<int64_t>(req->ids.size());
     CacheAssembler assembler(weights->layout, T);
@@ -88,7 +96,8 @@ int cmd_prefill(int argc, char** argv) {
     service.run(req.value(), [&](std::string f) {
       parser.feed(f.data(), f.size());
       auto fr = parser.next();
-      if (!fr.is_ok() || !fr.value()) return (st = fr.is_ok() ? data_loss("partial frame") : fr.status()), false;
+      if (!fr.is_ok() || !fr.value())
+        return (st = fr.is_ok() ? data_loss("partial frame") : fr.status()), false;
       if (fr.value()->header.value("kind", "") == "manifest") {
         auto m = decode_manifest(*fr.value());
         st = m.is_ok() ? assembler.finish(m.value()) : m.status();
@@ -103,12 +112,14 @@ int cmd_prefill(int argc, char** argv) {
       Status w = write_safetensors(opts.get("out"), assembler.arrays(T));
       if (!w.is_ok()) return std::fprintf(stderr, "prefill: %s\n", w.to_string().c_str()), 1;
     }
-    std::printf("%s\n", nlohmann::json({{"T", T}, {"segments", assembler.segments()}}).dump().c_str());
+    std::printf("%s\n",
+                nlohmann::json({{"T", T}, {"segments", assembler.segments()}}).dump().c_str());
     return 0;
   }
 
   auto port = opts.get_int("port");
-  if (!port.is_ok()) return std::fprintf(stderr, "prefill: %s\n", port.status().message().c_str()), 2;
+  if (!port.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", port.status().message().c_str()), 2;
   Status st = service.start(opts.get("host"), static_cast<int>(port.value()));
   if (!st.is_ok()) return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
   log_line("prefill", "serving POST /v1/prefill on " + opts.get("host") + ":" +

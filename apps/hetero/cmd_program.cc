@@ -43,10 +43,11 @@ int cmd_program(int argc, char** argv) {
   TensorMap out;
   for (int64_t l = 0; l < layout.layers; ++l) {
     auto it = in->tensors.find("layers." + std::to_string(l) + ".x");
-    if (it == in->tensors.end() || it->second.dtype != DType::kBF16 || it->second.shape.size() != 2 ||
-        it->second.shape[1] != layout.hidden)
+    if (it == in->tensors.end() || it->second.dtype != DType::kBF16 ||
+        it->second.shape.size() != 2 || it->second.shape[1] != layout.hidden)
       return std::fprintf(stderr, "program: layers.%lld.x missing or not bf16 [T, hidden]\n",
-                          static_cast<long long>(l)), 1;
+                          static_cast<long long>(l)),
+             1;
     const Tensor& x = it->second;
     const int64_t T = x.shape[0], hd = layout.head_dim, kvh = layout.kv_heads;
     Tensor keys(DType::kBF16, {kvh, T, hd}), values(DType::kBF16, {kvh, T, hd});
@@ -55,8 +56,10 @@ int cmd_program(int argc, char** argv) {
       const int64_t n = std::min(chunks[ci], T - p);
       KvRows r = program.run(l, p, n, x.data<uint16_t>() + p * layout.hidden);
       for (int64_t h = 0; h < kvh; ++h) {
-        std::memcpy(keys.data<uint16_t>() + (h * T + p) * hd, r.keys.data<uint16_t>() + h * n * hd, n * hd * 2);
-        std::memcpy(values.data<uint16_t>() + (h * T + p) * hd, r.values.data<uint16_t>() + h * n * hd, n * hd * 2);
+        std::memcpy(keys.data<uint16_t>() + (h * T + p) * hd, r.keys.data<uint16_t>() + h * n * hd,
+                    n * hd * 2);
+        std::memcpy(values.data<uint16_t>() + (h * T + p) * hd,
+                    r.values.data<uint16_t>() + h * n * hd, n * hd * 2);
       }
       p += n;
     }

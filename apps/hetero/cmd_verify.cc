@@ -35,9 +35,11 @@ Options verify_options() {
       "continuation and the decoder's own count of prompt tokens processed.",
       {
           {"model", "HETERO_MODEL", "models/smollm2-135m-instruct", "HF checkpoint directory"},
-          {"weights", "HETERO_DECODER_WEIGHTS", "", "decoder-weights export (default: exported "
-                                                    "into the work dir from the decoder)"},
-          {"prompt-file", "", "", "plain text (one user message) or a JSON chat/completion request"},
+          {"weights", "HETERO_DECODER_WEIGHTS", "",
+           "decoder-weights export (default: exported "
+           "into the work dir from the decoder)"},
+          {"prompt-file", "", "",
+           "plain text (one user message) or a JSON chat/completion request"},
           {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
           {"max-tokens", "", "64", "greedy tokens to compare"},
           {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
@@ -124,8 +126,9 @@ Status wait_healthy(int port, ChildProcess* child, int64_t timeout_ms, const std
 }
 
 int fail(const std::string& what, const Status& st) {
-  json j = {{"pass", false}, {"error", {{"stage", what}, {"code", code_name(st.code())},
-                                        {"message", st.message()}}}};
+  json j = {
+      {"pass", false},
+      {"error", {{"stage", what}, {"code", code_name(st.code())}, {"message", st.message()}}}};
   std::printf("%s\n", j.dump(2).c_str());
   return st.code() == Code::kInvalidArgument || st.code() == Code::kNotFound ? 2 : 1;
 }
@@ -135,7 +138,8 @@ int fail(const std::string& what, const Status& st) {
 int cmd_verify(int argc, char** argv) {
   Options opts = verify_options();
   if (int rc = parse_options(opts, argc, argv); rc >= 0) return rc;
-  if (!opts.has("prompt-file")) return std::fprintf(stderr, "verify: --prompt-file is required\n"), 2;
+  if (!opts.has("prompt-file"))
+    return std::fprintf(stderr, "verify: --prompt-file is required\n"), 2;
   auto chunk = opts.get_int("chunk");
   auto max_new = opts.get_int("max-tokens");
   auto max_ulp = opts.get_int("max-ulp");
@@ -169,9 +173,9 @@ int cmd_verify(int argc, char** argv) {
   const std::string log = work + "/decoder.log";
   if (port == 0) {
     port = free_port();
-    Status st = decoder.start({python, "-m", "hetero_mlx", "serve", "--model", model, "--port",
-                               std::to_string(port)},
-                              {pythonpath}, log);
+    Status st = decoder.start(
+        {python, "-m", "hetero_mlx", "serve", "--model", model, "--port", std::to_string(port)},
+        {pythonpath}, log);
     if (!st.is_ok()) return fail("decoder", st);
   }
   if (Status st = wait_healthy(port, port == dport.value() ? nullptr : &decoder, 300000, log);
@@ -193,6 +197,9 @@ int cmd_verify(int argc, char** argv) {
   if (!weights.is_ok()) return fail("decoder weights", weights.status());
   auto engine = LlamaCpuEngine::load(model);
   if (!engine.is_ok()) return fail("prefill engine", engine.status());
+  if (Status st = check_export_matches_model(engine.value()->config(), weights->layout);
+      !st.is_ok())
+    return fail("decoder weights", st);
   PrefillService service(engine.value().get(), &weights.value(), chunk.value(), int64_t{1} << 21);
   if (Status st = service.start("127.0.0.1", 0); !st.is_ok()) return fail("prefill host", st);
 
@@ -201,8 +208,9 @@ int cmd_verify(int argc, char** argv) {
   if (!tok.is_ok()) return fail("tokenize", tok.status());
   std::vector<int32_t> ids = tok.value()["ids"].get<std::vector<int32_t>>();
   const int64_t T = static_cast<int64_t>(ids.size());
-  if (T < 2) return fail("tokenize", invalid_argument("the prompt has " + std::to_string(T) +
-                                                      " token(s); a bridge needs at least 2"));
+  if (T < 2)
+    return fail("tokenize", invalid_argument("the prompt has " + std::to_string(T) +
+                                             " token(s); a bridge needs at least 2"));
   const int64_t B = T - 1;
   std::vector<int32_t> prefix(ids.begin(), ids.begin() + B);
 
@@ -227,8 +235,8 @@ int cmd_verify(int argc, char** argv) {
   if (!fetched.status.is_ok()) return fail("bridge", fetched.status);
   auto entry = write_store_entry(work + "/store", layout, ids, B, B, assembler.arrays(B));
   if (!entry.is_ok()) return fail("store", entry.status());
-  auto mounted = http_json_ok("127.0.0.1", port, "/hetero/mount",
-                              {{"entry", entry->path}, {"ids", ids}}, tmo);
+  auto mounted =
+      http_json_ok("127.0.0.1", port, "/hetero/mount", {{"entry", entry->path}, {"ids", ids}}, tmo);
   if (!mounted.is_ok()) return fail("mount", mounted.status());
   const std::string mounted_dump = work + "/mounted.safetensors";
   auto md = http_json_ok("127.0.0.1", port, "/hetero/cache",
@@ -265,8 +273,8 @@ int cmd_verify(int argc, char** argv) {
         continue;
       }
       CompareReport r = compare_tensors(gi->second, wi->second, spec);
-      row[kind] = {{"max_ulp", r.max_ulp}, {"equal_fraction", r.equal_fraction},
-                   {"cosine", r.cosine}};
+      row[kind] = {
+          {"max_ulp", r.max_ulp}, {"equal_fraction", r.equal_fraction}, {"cosine", r.cosine}};
       worst_ulp = std::max(worst_ulp, r.max_ulp);
       min_eq = std::min(min_eq, r.equal_fraction);
       min_cosine = std::min(min_cosine, r.cosine);
@@ -291,7 +299,8 @@ int cmd_verify(int argc, char** argv) {
     failures.push_back("decoder reports cached_tokens=" + std::to_string(bridged->cached_tokens) +
                        ", expected B=" + std::to_string(B));
   if (native->cached_tokens != 0)
-    failures.push_back("native leg was not cold: cached_tokens=" + std::to_string(native->cached_tokens));
+    failures.push_back("native leg was not cold: cached_tokens=" +
+                       std::to_string(native->cached_tokens));
 
   json out = {
       {"pass", failures.empty()},
@@ -306,8 +315,8 @@ int cmd_verify(int argc, char** argv) {
         {"max_ulp", worst_ulp},
         {"min_equal_fraction", min_eq},
         {"min_cosine", min_cosine},
-        {"tolerance", {{"max_ulp", spec.max_ulp}, {"min_cosine", spec.min_cosine},
-                       {"reason", spec.reason}}},
+        {"tolerance",
+         {{"max_ulp", spec.max_ulp}, {"min_cosine", spec.min_cosine}, {"reason", spec.reason}}},
         {"per_layer", per_layer}}},
       {"continuation",
        {{"tokens", max_new.value()},
@@ -316,10 +325,12 @@ int cmd_verify(int argc, char** argv) {
         {"native", native->text},
         {"bridged", bridged->text}}},
       {"decoder_accounting",
-       {{"native", {{"prompt_tokens", native->prompt_tokens}, {"cached_tokens", native->cached_tokens}}},
-        {"bridged", {{"prompt_tokens", bridged->prompt_tokens},
-                     {"cached_tokens", bridged->cached_tokens},
-                     {"processed", processed}}}}},
+       {{"native",
+         {{"prompt_tokens", native->prompt_tokens}, {"cached_tokens", native->cached_tokens}}},
+        {"bridged",
+         {{"prompt_tokens", bridged->prompt_tokens},
+          {"cached_tokens", bridged->cached_tokens},
+          {"processed", processed}}}}},
       {"timings_ms",
        {{"native_request", native->ms},
         {"bridge_prefill", fetched.total_ms},

@@ -32,7 +32,8 @@ Status CacheAssembler::accept(const Segment& s) {
                      ", verified rows end at " + std::to_string(covered_));
   if (s.pos0 + s.n_tokens > requested_)
     return data_loss("segment rows [" + std::to_string(s.pos0) + "," +
-                     std::to_string(s.pos0 + s.n_tokens) + ") exceed T=" + std::to_string(requested_));
+                     std::to_string(s.pos0 + s.n_tokens) +
+                     ") exceed T=" + std::to_string(requested_));
   if (static_cast<int64_t>(s.arrays.size()) != 2 * layout_.layers)
     return data_loss("segment has " + std::to_string(s.arrays.size()) + " arrays, expected " +
                      std::to_string(2 * layout_.layers));
@@ -41,7 +42,8 @@ Status CacheAssembler::accept(const Segment& s) {
     for (int which = 0; which < 2; ++which) {
       const WireArray& a = s.arrays[static_cast<size_t>(2 * l + which)];
       const std::string name = "layers." + std::to_string(l) + (which ? ".values" : ".keys");
-      if (a.name != name) return data_loss("segment array '" + a.name + "' where '" + name + "' belongs");
+      if (a.name != name)
+        return data_loss("segment array '" + a.name + "' where '" + name + "' belongs");
       if (a.tensor.dtype != DType::kBF16 || a.tensor.shape != want)
         return data_loss("segment array '" + name + "' is " + dtype_name(a.tensor.dtype) +
                          a.tensor.shape_string() + ", expected BF16 [kv_heads, n, head_dim]");
@@ -101,16 +103,20 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
   if (b <= 0 || b > static_cast<int64_t>(ids.size()))
     return invalid_argument("store entry needs 0 < B <= len(ids)");
   std::vector<int32_t> prefix(ids.begin(), ids.begin() + b);
-  const fs::path dir = fs::path(store_dir) / layout.fingerprint / prefix_key(layout.fingerprint, prefix);
+  const fs::path dir =
+      fs::path(store_dir) / layout.fingerprint / prefix_key(layout.fingerprint, prefix);
   const fs::path tmp = dir.string() + ".partial";
   std::error_code ec;
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
   if (ec) return unavailable("cannot create " + tmp.string() + ": " + ec.message());
   HETERO_RETURN_IF_ERROR(write_safetensors((tmp / "cache.safetensors").string(), arrays));
-  nlohmann::json meta = {{"format", "hetero-store-v1"}, {"family", layout.family},
-                         {"fingerprint", layout.fingerprint}, {"B", b},
-                         {"T", requested_tokens}, {"layers", layout.layers},
+  nlohmann::json meta = {{"format", "hetero-store-v1"},
+                         {"family", layout.family},
+                         {"fingerprint", layout.fingerprint},
+                         {"B", b},
+                         {"T", requested_tokens},
+                         {"layers", layout.layers},
                          {"ids", prefix}};
   {
     std::ofstream out(tmp / "entry.json");

@@ -18,8 +18,7 @@ Status take(TensorMap& all, const std::string& name, std::vector<int64_t> shape,
   auto it = all.find(name);
   if (it == all.end()) return not_found("decoder weights have no tensor '" + name + "'");
   if (it->second.shape != shape)
-    return invalid_argument("decoder weight '" + name + "' has shape " +
-                            it->second.shape_string());
+    return invalid_argument("decoder weight '" + name + "' has shape " + it->second.shape_string());
   if (it->second.dtype != DType::kBF16)
     return invalid_argument("decoder weight '" + name + "' is not bf16 (the decoder's dtype)");
   *out = std::move(it->second);

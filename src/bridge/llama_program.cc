@@ -19,7 +19,9 @@ Tensor to_head_major(const std::vector<uint16_t>& rows, int64_t n, int64_t heads
   return t;
 }
 
-const uint16_t* maybe(const Tensor& t) { return t.numel() > 0 && !t.shape.empty() ? t.data<uint16_t>() : nullptr; }
+const uint16_t* maybe(const Tensor& t) {
+  return t.numel() > 0 && !t.shape.empty() ? t.data<uint16_t>() : nullptr;
+}
 
 }  // namespace
 
@@ -31,8 +33,8 @@ KvRows LlamaCacheProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint
   linear_decoder_order(x, n, H, L.wk_t.data(), kvd, maybe(L.bk), k.data());
   linear_decoder_order(x, n, H, L.wv_t.data(), kvd, maybe(L.bv), v.data());
   if (maybe(L.k_norm))
-    rms_norm(k.data(), n * kvh, hd, L.k_norm.data<uint16_t>(),
-             static_cast<float>(w_->rms_norm_eps), k.data());
+    rms_norm(k.data(), n * kvh, hd, L.k_norm.data<uint16_t>(), static_cast<float>(w_->rms_norm_eps),
+             k.data());
   rope_rotate_half(k.data(), n, kvh, hd, pos0, static_cast<float>(w_->rope_base));
   return KvRows{to_head_major(k, n, kvh, hd), to_head_major(v, n, kvh, hd)};
 }

@@ -1,6 +1,8 @@
 // Bridge producer: see producer.h.
 #include "bridge/producer.h"
 
+#include <omp.h>
+
 #include <cstring>
 
 namespace hetero {
@@ -18,6 +20,9 @@ LlamaBridgeProducer::~LlamaBridgeProducer() {
 
 AttentionInputTap LlamaBridgeProducer::tap() {
   return [this](const TapEvent& e) {
+    // The service checked the export against the model; a mismatch here is a bug.
+    HETERO_CHECK(e.hidden == program_->layout().hidden);
+    HETERO_CHECK(e.layer >= 0 && e.layer < program_->layout().layers);
     if (cancelled_.load()) return;
     Work w{e.layer, e.pos0, e.n_tokens, {}};
     w.x.assign(e.x_bf16, e.x_bf16 + e.n_tokens * e.hidden);
@@ -26,6 +31,9 @@ AttentionInputTap LlamaBridgeProducer::tap() {
 }
 
 void LlamaBridgeProducer::run() {
+  // The program runs beside the forward on a machine with few cores: one thread here, so the
+  // engine's GEMMs keep the others.
+  omp_set_num_threads(1);
   const DecoderCacheLayout& layout = program_->layout();
   while (auto w = queue_.pop()) {
     if (cancelled_.load()) continue;  // drain without work
@@ -65,9 +73,12 @@ Manifest LlamaBridgeProducer::finish(int64_t requested_tokens, const Status& eng
   m.covered_tokens = covered_;
   m.segments = next_seq_;
   m.complete = engine_status.is_ok() && !cancelled_ && covered_ == requested_tokens;
-  if (!engine_status.is_ok()) m.reason = "prefill failed: " + engine_status.to_string();
-  else if (cancelled_) m.reason = "cancelled by the receiver";
-  else if (covered_ != requested_tokens) m.reason = "rows sent do not cover the request";
+  if (!engine_status.is_ok())
+    m.reason = "prefill failed: " + engine_status.to_string();
+  else if (cancelled_)
+    m.reason = "cancelled by the receiver";
+  else if (covered_ != requested_tokens)
+    m.reason = "rows sent do not cover the request";
   if (!cancelled_) sink_(encode_manifest(m));
   return m;
 }

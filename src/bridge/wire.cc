@@ -42,9 +42,14 @@ std::string encode_segment(const Segment& s) {
                       {"bytes", a.tensor.nbytes()}});
     payload.append(reinterpret_cast<const char*>(a.tensor.bytes.data()), a.tensor.bytes.size());
   }
-  json h = {{"v", kWireVersion}, {"kind", "segment"},   {"seq", s.seq},
-            {"family", s.family}, {"fingerprint", s.fingerprint}, {"pos0", s.pos0},
-            {"n_tokens", s.n_tokens}, {"arrays", arrays}};
+  json h = {{"v", kWireVersion},
+            {"kind", "segment"},
+            {"seq", s.seq},
+            {"family", s.family},
+            {"fingerprint", s.fingerprint},
+            {"pos0", s.pos0},
+            {"n_tokens", s.n_tokens},
+            {"arrays", arrays}};
   return frame(h, payload);
 }
 
@@ -65,14 +70,18 @@ Result<std::optional<Frame>> FrameParser::next() {
   const size_t avail = buf_.size() - pos_;
   if (avail < kPrefixBytes) return std::optional<Frame>();
   const char* p = buf_.data() + pos_;
-  if (std::memcmp(p, kMagic, 4) != 0) return failed_ = data_loss("bad frame magic: not a hetero segment stream");
+  if (std::memcmp(p, kMagic, 4) != 0)
+    return failed_ = data_loss("bad frame magic: not a hetero segment stream");
   uint32_t hb;
   uint64_t pb;
   std::memcpy(&hb, p + 4, 4);
   std::memcpy(&pb, p + 8, 8);
-  if (hb > kMaxHeaderBytes) return failed_ = data_loss("frame header of " + std::to_string(hb) + " bytes exceeds the limit");
+  if (hb > kMaxHeaderBytes)
+    return failed_ =
+               data_loss("frame header of " + std::to_string(hb) + " bytes exceeds the limit");
   if (pb > static_cast<uint64_t>(max_payload_))
-    return failed_ = data_loss("frame payload of " + std::to_string(pb) + " bytes exceeds the limit");
+    return failed_ =
+               data_loss("frame payload of " + std::to_string(pb) + " bytes exceeds the limit");
   const size_t total = kPrefixBytes + hb + pb + 8;
   if (avail < total) return std::optional<Frame>();
   uint64_t sum;
@@ -109,7 +118,8 @@ Result<Segment> decode_segment(const Frame& f) {
       HETERO_ASSIGN_OR_RETURN(w.tensor.dtype, dtype_from_name(a.at("dtype").get<std::string>()));
       for (const auto& d : a.at("shape")) {
         const int64_t v = d.get<int64_t>();
-        if (v < 0 || v > (int64_t{1} << 32)) return data_loss("array '" + w.name + "' has a bad dim");
+        if (v < 0 || v > (int64_t{1} << 32))
+          return data_loss("array '" + w.name + "' has a bad dim");
         w.tensor.shape.push_back(v);
       }
       const int64_t off = a.at("offset").get<int64_t>(), bytes = a.at("bytes").get<int64_t>();

@@ -57,8 +57,8 @@ CompareReport compare_tensors(const Tensor& got, const Tensor& want, const Compa
     return r;
   }
   r.numel = got.numel();
-  const bool is_float = got.dtype == DType::kF32 || got.dtype == DType::kF16 ||
-                        got.dtype == DType::kBF16;
+  const bool is_float =
+      got.dtype == DType::kF32 || got.dtype == DType::kF16 || got.dtype == DType::kBF16;
   int64_t equal = 0, worst_ulp = -1;
   double dot = 0, ng = 0, nw = 0, err = 0;
   const size_t esz = static_cast<size_t>(dtype_size(got.dtype));

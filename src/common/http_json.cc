@@ -19,8 +19,8 @@ Result<HttpJsonReply> http_json(const std::string& host, int port, const std::st
   r.status = res->status;
   r.body = nlohmann::json::parse(res->body, nullptr, false);
   if (r.body.is_discarded())
-    return data_loss(where + " answered HTTP " + std::to_string(res->status) + " with non-JSON: " +
-                     res->body.substr(0, 200));
+    return data_loss(where + " answered HTTP " + std::to_string(res->status) +
+                     " with non-JSON: " + res->body.substr(0, 200));
   return r;
 }
 
@@ -33,8 +33,8 @@ Result<nlohmann::json> http_json_ok(const std::string& host, int port, const std
     const auto& e = r.body["error"];
     msg = e.is_object() ? e.value("message", e.dump()) : e.dump();
   }
-  const Code code = r.status == 404 ? Code::kNotFound
-                    : r.status == 409 ? Code::kFailedPrecondition
+  const Code code = r.status == 404       ? Code::kNotFound
+                    : r.status == 409     ? Code::kFailedPrecondition
                     : r.status / 100 == 4 ? Code::kInvalidArgument
                                           : Code::kUnavailable;
   return Status(code, host + ":" + std::to_string(port) + path + " HTTP " +

@@ -18,7 +18,7 @@ struct OptionSpec {
   std::string env;            // "HETERO_PREFILL_CHUNK", or empty
   std::string default_value;  // as text; "" means unset
   std::string help;
-  bool is_bool = false;       // a bare --flag means "true"
+  bool is_bool = false;  // a bare --flag means "true"
 };
 
 class Options {

@@ -13,8 +13,8 @@
 
 namespace hetero {
 
-Status ChildProcess::start(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-                           const std::string& log_path) {
+Status ChildProcess::start(const std::vector<std::string>& argv,
+                           const std::vector<std::string>& env, const std::string& log_path) {
   HETERO_CHECK(pid_ < 0 && !argv.empty());
   pid_t pid = fork();
   if (pid < 0) return unavailable("fork failed");

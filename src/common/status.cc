@@ -5,14 +5,22 @@ namespace hetero {
 
 const char* code_name(Code code) {
   switch (code) {
-    case Code::kOk: return "ok";
-    case Code::kInvalidArgument: return "invalid_argument";
-    case Code::kNotFound: return "not_found";
-    case Code::kFailedPrecondition: return "failed_precondition";
-    case Code::kDataLoss: return "data_loss";
-    case Code::kUnavailable: return "unavailable";
-    case Code::kDeadlineExceeded: return "deadline_exceeded";
-    case Code::kInternal: return "internal";
+    case Code::kOk:
+      return "ok";
+    case Code::kInvalidArgument:
+      return "invalid_argument";
+    case Code::kNotFound:
+      return "not_found";
+    case Code::kFailedPrecondition:
+      return "failed_precondition";
+    case Code::kDataLoss:
+      return "data_loss";
+    case Code::kUnavailable:
+      return "unavailable";
+    case Code::kDeadlineExceeded:
+      return "deadline_exceeded";
+    case Code::kInternal:
+      return "internal";
   }
   return "unknown";
 }

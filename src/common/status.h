@@ -12,12 +12,12 @@ namespace hetero {
 
 enum class Code : int {
   kOk = 0,
-  kInvalidArgument,    // the caller sent something malformed
-  kNotFound,           // a file, tensor or route that does not exist
-  kFailedPrecondition, // e.g. fingerprint mismatch: refused, nothing changed
-  kDataLoss,           // checksum mismatch, truncated segment
-  kUnavailable,        // peer gone; transient, may be retried
-  kDeadlineExceeded,   // stall past a deadline; transient
+  kInvalidArgument,     // the caller sent something malformed
+  kNotFound,            // a file, tensor or route that does not exist
+  kFailedPrecondition,  // e.g. fingerprint mismatch: refused, nothing changed
+  kDataLoss,            // checksum mismatch, truncated segment
+  kUnavailable,         // peer gone; transient, may be retried
+  kDeadlineExceeded,    // stall past a deadline; transient
   kInternal,
 };
 
@@ -73,27 +73,27 @@ class Result {
 
 }  // namespace hetero
 
-#define HETERO_CHECK(cond)                                                               \
-  do {                                                                                   \
-    if (!(cond)) {                                                                       \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);      \
-      std::abort();                                                                      \
-    }                                                                                    \
+#define HETERO_CHECK(cond)                                                          \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                 \
+    }                                                                               \
   } while (0)
 
 #define HETERO_CONCAT_INNER(a, b) a##b
 #define HETERO_CONCAT(a, b) HETERO_CONCAT_INNER(a, b)
 
 // Propagate a non-ok Status from an expression returning Status.
-#define HETERO_RETURN_IF_ERROR(expr)             \
-  do {                                           \
-    ::hetero::Status hetero_status_ = (expr);    \
+#define HETERO_RETURN_IF_ERROR(expr)                    \
+  do {                                                  \
+    ::hetero::Status hetero_status_ = (expr);           \
     if (!hetero_status_.is_ok()) return hetero_status_; \
   } while (0)
 
 // Assign the value of a Result<T> expression to lhs, or return its Status.
-#define HETERO_ASSIGN_OR_RETURN(lhs, expr)                                   \
-  auto HETERO_CONCAT(hetero_result_, __LINE__) = (expr);                     \
-  if (!HETERO_CONCAT(hetero_result_, __LINE__).is_ok())                      \
-    return HETERO_CONCAT(hetero_result_, __LINE__).status();                 \
+#define HETERO_ASSIGN_OR_RETURN(lhs, expr)                   \
+  auto HETERO_CONCAT(hetero_result_, __LINE__) = (expr);     \
+  if (!HETERO_CONCAT(hetero_result_, __LINE__).is_ok())      \
+    return HETERO_CONCAT(hetero_result_, __LINE__).status(); \
   lhs = std::move(HETERO_CONCAT(hetero_result_, __LINE__).value())

@@ -9,24 +9,36 @@ namespace hetero {
 
 int64_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return 4;
-    case DType::kF16: return 2;
-    case DType::kBF16: return 2;
-    case DType::kI32: return 4;
-    case DType::kI64: return 8;
-    case DType::kU8: return 1;
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+      return 2;
+    case DType::kBF16:
+      return 2;
+    case DType::kI32:
+      return 4;
+    case DType::kI64:
+      return 8;
+    case DType::kU8:
+      return 1;
   }
   return 0;
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "F32";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
-    case DType::kI32: return "I32";
-    case DType::kI64: return "I64";
-    case DType::kU8: return "U8";
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
+    case DType::kU8:
+      return "U8";
   }
   return "?";
 }
@@ -53,12 +65,18 @@ int64_t Tensor::numel() const {
 
 float Tensor::at_f32(int64_t i) const {
   switch (dtype) {
-    case DType::kF32: return data<float>()[i];
-    case DType::kF16: return f16_to_f32(data<uint16_t>()[i]);
-    case DType::kBF16: return bf16_to_f32(data<uint16_t>()[i]);
-    case DType::kI32: return static_cast<float>(data<int32_t>()[i]);
-    case DType::kI64: return static_cast<float>(data<int64_t>()[i]);
-    case DType::kU8: return static_cast<float>(data<uint8_t>()[i]);
+    case DType::kF32:
+      return data<float>()[i];
+    case DType::kF16:
+      return f16_to_f32(data<uint16_t>()[i]);
+    case DType::kBF16:
+      return bf16_to_f32(data<uint16_t>()[i]);
+    case DType::kI32:
+      return static_cast<float>(data<int32_t>()[i]);
+    case DType::kI64:
+      return static_cast<float>(data<int64_t>()[i]);
+    case DType::kU8:
+      return static_cast<float>(data<uint8_t>()[i]);
   }
   return 0.f;
 }

@@ -27,9 +27,13 @@ struct Tensor {
   int64_t numel() const;
   int64_t nbytes() const { return static_cast<int64_t>(bytes.size()); }
   template <typename T>
-  T* data() { return reinterpret_cast<T*>(bytes.data()); }
+  T* data() {
+    return reinterpret_cast<T*>(bytes.data());
+  }
   template <typename T>
-  const T* data() const { return reinterpret_cast<const T*>(bytes.data()); }
+  const T* data() const {
+    return reinterpret_cast<const T*>(bytes.data());
+  }
   // Element i as float32 (for F32/F16/BF16/I32/I64/U8).
   float at_f32(int64_t i) const;
   std::string shape_string() const;

@@ -20,7 +20,8 @@ std::vector<float> widen(const Tensor& t, bool transpose) {
   const int64_t n = t.shape[0], k = t.shape[1];
   std::vector<float> out(f.size());
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < k; ++j) out[static_cast<size_t>(j * n + i)] = f[static_cast<size_t>(i * k + j)];
+    for (int64_t j = 0; j < k; ++j)
+      out[static_cast<size_t>(j * n + i)] = f[static_cast<size_t>(i * k + j)];
   return out;
 }
 const uint16_t* bf16_or_null(const Tensor& t) {
@@ -71,7 +72,8 @@ void LlamaCpuEngine::ensure_kv_capacity(int64_t tokens) {
   }
 }
 
-Status LlamaCpuEngine::prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) {
+Status LlamaCpuEngine::prefill_chunk(const std::vector<int32_t>& ids,
+                                     const AttentionInputTap& tap) {
   const LlamaConfig& c = w_.config;
   for (size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= c.vocab)
@@ -138,7 +140,8 @@ std::vector<float> LlamaCpuEngine::last_logits() const {
   for (int64_t v = 0; v < c.vocab; ++v) {
     float acc = 0.f;
     for (int64_t d = 0; d < c.hidden; ++d)
-      acc += bf16_to_f32(last_hidden_[static_cast<size_t>(d)]) * bf16_to_f32(wrow[v * c.hidden + d]);
+      acc +=
+          bf16_to_f32(last_hidden_[static_cast<size_t>(d)]) * bf16_to_f32(wrow[v * c.hidden + d]);
     logits[static_cast<size_t>(v)] = acc;
   }
   return logits;

@@ -44,8 +44,8 @@ void tile(const float* a, int64_t lda, int64_t k, const float* b, int64_t ldb, f
   for (int r = 0; r < MR; ++r) store8(c + r * ldc, acc[r][0]), store8(c + r * ldc + 8, acc[r][1]);
 }
 
-void scalar_block(const float* a, int64_t lda, int64_t rows, int64_t k, const float* b,
-                  int64_t ldb, int64_t cols, float* c, int64_t ldc) {
+void scalar_block(const float* a, int64_t lda, int64_t rows, int64_t k, const float* b, int64_t ldb,
+                  int64_t cols, float* c, int64_t ldc) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) {
       float acc = c[i * ldc + j];
@@ -72,10 +72,18 @@ void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t 
         const float* ap = a + i * k;
         float* cp = c + i * n + j;
         switch (rows) {
-          case 4: tile<4>(ap, k, k, b + j, n, cp, n); break;
-          case 3: tile<3>(ap, k, k, b + j, n, cp, n); break;
-          case 2: tile<2>(ap, k, k, b + j, n, cp, n); break;
-          default: tile<1>(ap, k, k, b + j, n, cp, n); break;
+          case 4:
+            tile<4>(ap, k, k, b + j, n, cp, n);
+            break;
+          case 3:
+            tile<3>(ap, k, k, b + j, n, cp, n);
+            break;
+          case 2:
+            tile<2>(ap, k, k, b + j, n, cp, n);
+            break;
+          default:
+            tile<1>(ap, k, k, b + j, n, cp, n);
+            break;
         }
       }
     }

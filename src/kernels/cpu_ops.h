@@ -24,8 +24,7 @@ void linear_blas(const uint16_t* x, int64_t m, int64_t k, const float* w, int64_
                  const uint16_t* bias, uint16_t* out);
 
 // RMSNorm over the last dim d of x [m, d], weight bf16 [d]. In place is allowed.
-void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
-              uint16_t* out);
+void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps, uint16_t* out);
 
 // Rotate-half RoPE (traditional = false, full head_dim, scale 1) on [tokens, heads, head_dim]
 // rows, row t at position pos0 + t.

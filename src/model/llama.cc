@@ -17,7 +17,8 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
   std::ifstream in(fs::path(model_dir) / "config.json");
   if (!in) return not_found("no config.json in " + model_dir);
   json j = json::parse(in, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return invalid_argument(model_dir + "/config.json is not JSON");
+  if (j.is_discarded() || !j.is_object())
+    return invalid_argument(model_dir + "/config.json is not JSON");
   LlamaConfig c;
   c.model_type = j.value("model_type", "");
   if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2" &&
@@ -29,9 +30,8 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
     c.layers = j.at("num_hidden_layers").get<int64_t>();
     c.heads = j.at("num_attention_heads").get<int64_t>();
     c.kv_heads = j.value("num_key_value_heads", c.heads);
-    c.head_dim = j.contains("head_dim") && !j["head_dim"].is_null()
-                     ? j["head_dim"].get<int64_t>()
-                     : c.hidden / c.heads;
+    c.head_dim = j.contains("head_dim") && !j["head_dim"].is_null() ? j["head_dim"].get<int64_t>()
+                                                                    : c.hidden / c.heads;
     c.vocab = j.at("vocab_size").get<int64_t>();
     c.rms_norm_eps = j.value("rms_norm_eps", 1e-6);
     c.rope_theta = j.value("rope_theta", 10000.0);

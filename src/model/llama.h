@@ -31,16 +31,16 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir);
 // Weights in bf16 as stored (converted from f16/f32 with round-to-nearest-even when needed):
 // the engine keeps bf16 master copies and widens to float32 per GEMM panel.
 struct LlamaLayerWeights {
-  Tensor input_norm, post_norm;       // [hidden]
-  Tensor wq, wk, wv, wo;              // [out, in]
-  Tensor bq, bk, bv;                  // [out] when qkv_bias
-  Tensor q_norm, k_norm;              // [head_dim] when qk_norm
-  Tensor w_gate, w_up, w_down;        // [inter, hidden], [inter, hidden], [hidden, inter]
+  Tensor input_norm, post_norm;  // [hidden]
+  Tensor wq, wk, wv, wo;         // [out, in]
+  Tensor bq, bk, bv;             // [out] when qkv_bias
+  Tensor q_norm, k_norm;         // [head_dim] when qk_norm
+  Tensor w_gate, w_up, w_down;   // [inter, hidden], [inter, hidden], [hidden, inter]
 };
 
 struct LlamaWeights {
   LlamaConfig config;
-  Tensor embed;    // [vocab, hidden]
+  Tensor embed;  // [vocab, hidden]
   Tensor final_norm;
   Tensor lm_head;  // [vocab, hidden]; empty when tied to embed
   std::vector<LlamaLayerWeights> layers;

@@ -68,7 +68,8 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
                              httplib::to_string(res.error()));
   } else if (http_status != 200) {
     auto j = nlohmann::json::parse(error_text, nullptr, false);
-    std::string msg = j.is_object() && j.contains("error") ? j["error"].value("message", error_text) : error_text;
+    std::string msg =
+        j.is_object() && j.contains("error") ? j["error"].value("message", error_text) : error_text;
     out.status = Status(http_status == 409 ? Code::kFailedPrecondition : Code::kInvalidArgument,
                         "prefill host refused (HTTP " + std::to_string(http_status) + "): " + msg);
   } else if (!out.have_manifest) {

@@ -11,8 +11,8 @@
 namespace hetero {
 
 struct FetchResult {
-  Status status;             // ok only when the manifest arrived complete and agreed
-  int64_t bytes = 0;         // bytes received on the wire
+  Status status;      // ok only when the manifest arrived complete and agreed
+  int64_t bytes = 0;  // bytes received on the wire
   double first_segment_ms = -1, last_segment_ms = -1, total_ms = 0;
   bool have_manifest = false;
 };

@@ -15,28 +15,38 @@ using nlohmann::json;
 namespace {
 
 std::string error_body(const Status& s) {
-  return json{{"error", {{"code", code_name(s.code()), }, {"message", s.message()}}}}.dump();
+  return json{{"error",
+               {{
+                    "code",
+                    code_name(s.code()),
+                },
+                {"message", s.message()}}}}
+      .dump();
 }
 
 int http_status_for(const Status& s) {
   switch (s.code()) {
-    case Code::kInvalidArgument: return 400;
-    case Code::kNotFound: return 404;
-    case Code::kFailedPrecondition: return 409;
-    default: return 500;
+    case Code::kInvalidArgument:
+      return 400;
+    case Code::kNotFound:
+      return 404;
+    case Code::kFailedPrecondition:
+      return 409;
+    default:
+      return 500;
   }
 }
 
 }  // namespace
 
 Result<PrefillRequest> parse_prefill_request(const std::string& body, const LlamaConfig& model,
-                                             const DecoderCacheLayout& layout,
-                                             int64_t max_tokens) {
+                                             const DecoderCacheLayout& layout, int64_t max_tokens) {
   json j = json::parse(body, nullptr, false);
   if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
   if (!j.is_object()) return invalid_argument("request body must be a JSON object");
   PrefillRequest r;
-  if (!j.contains("ids") || !j["ids"].is_array()) return invalid_argument("'ids' must be an array of token ids");
+  if (!j.contains("ids") || !j["ids"].is_array())
+    return invalid_argument("'ids' must be an array of token ids");
   if (j["ids"].empty()) return invalid_argument("'ids' is empty: nothing to prefill");
   if (static_cast<int64_t>(j["ids"].size()) > max_tokens)
     return invalid_argument("'ids' has " + std::to_string(j["ids"].size()) +
@@ -48,7 +58,8 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, const Llam
     const int64_t id = v.get<int64_t>();
     if (id < 0 || id >= model.vocab)
       return invalid_argument("ids[" + std::to_string(i) + "] = " + std::to_string(id) +
-                              " is outside the vocabulary [0, " + std::to_string(model.vocab) + ")");
+                              " is outside the vocabulary [0, " + std::to_string(model.vocab) +
+                              ")");
     r.ids.push_back(static_cast<int32_t>(id));
   }
   if (!j.contains("fingerprint") || !j["fingerprint"].is_string())
@@ -65,6 +76,21 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, const Llam
   return r;
 }
 
+Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLayout& layout) {
+  auto mismatch = [&](const char* what, int64_t m, int64_t e) {
+    return failed_precondition(std::string("decoder-weights export does not match the model: ") +
+                               what + " " + std::to_string(e) + " in the export, " +
+                               std::to_string(m) + " in the model");
+  };
+  if (model.layers != layout.layers) return mismatch("layers", model.layers, layout.layers);
+  if (model.hidden != layout.hidden) return mismatch("hidden", model.hidden, layout.hidden);
+  if (model.kv_heads != layout.kv_heads)
+    return mismatch("kv_heads", model.kv_heads, layout.kv_heads);
+  if (model.head_dim != layout.head_dim)
+    return mismatch("head_dim", model.head_dim, layout.head_dim);
+  return Status::ok();
+}
+
 PrefillService::PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights* weights,
                                int64_t default_chunk_tokens, int64_t max_tokens)
     : engine_(engine),
@@ -75,7 +101,8 @@ PrefillService::PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights
 
 PrefillService::~PrefillService() { stop(); }
 
-Manifest PrefillService::run(const PrefillRequest& req, const LlamaBridgeProducer::FrameSink& sink) {
+Manifest PrefillService::run(const PrefillRequest& req,
+                             const LlamaBridgeProducer::FrameSink& sink) {
   std::lock_guard<std::mutex> lock(run_mu_);
   engine_->reset();
   LlamaBridgeProducer producer(&program_, sink);

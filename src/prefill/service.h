@@ -23,14 +23,17 @@ namespace hetero {
 
 struct PrefillRequest {
   std::vector<int32_t> ids;
-  std::string fingerprint;  // the decoder's, as the caller knows it
+  std::string fingerprint;   // the decoder's, as the caller knows it
   int64_t chunk_tokens = 0;  // 0: the service default
 };
 
 // Parses and validates a /v1/prefill body against the model and export (without running it).
 Result<PrefillRequest> parse_prefill_request(const std::string& body, const LlamaConfig& model,
-                                             const DecoderCacheLayout& layout,
-                                             int64_t max_tokens);
+                                             const DecoderCacheLayout& layout, int64_t max_tokens);
+
+// The export must describe this model: same layer count, hidden size, kv heads and head dim.
+// A mismatch would make the program read tap rows with the wrong width; it is refused here.
+Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLayout& layout);
 
 class PrefillService {
  public:

@@ -1,12 +1,12 @@
 // The consumer trusts nothing unverified: gaps, overlaps, wrong fingerprint, wrong shapes,
 // a manifest that disagrees; and the assembled rows land where their tags say.
+#include "bridge/assembler.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-
-#include "bridge/assembler.h"
 
 namespace hetero {
 
@@ -17,7 +17,8 @@ Segment make_segment(int64_t seq, int64_t pos0, int64_t n, int64_t layers, int64
 namespace {
 DecoderCacheLayout layout() {
   DecoderCacheLayout l;
-  l.family = "llama", l.fingerprint = "fp", l.layers = 2, l.kv_heads = 2, l.head_dim = 4, l.hidden = 8;
+  l.family = "llama", l.fingerprint = "fp", l.layers = 2, l.kv_heads = 2, l.head_dim = 4,
+  l.hidden = 8;
   return l;
 }
 }  // namespace
@@ -65,7 +66,7 @@ TEST(Assembler, RefusesWhatDoesNotFit) {
   {
     CacheAssembler a(layout(), 10);
     ASSERT_TRUE(a.accept(make_segment(0, 0, 3, 2, 2, 4, "fp")).is_ok());
-    EXPECT_FALSE(a.finish({"fp", 10, 10, 1, true, ""}).is_ok());  // claims rows not received
+    EXPECT_FALSE(a.finish({"fp", 10, 10, 1, true, ""}).is_ok());        // claims rows not received
     EXPECT_FALSE(a.finish({"fp", 10, 3, 1, false, "killed"}).is_ok());  // incomplete
   }
 }
@@ -73,7 +74,8 @@ TEST(Assembler, RefusesWhatDoesNotFit) {
 TEST(Assembler, StoreEntryIsComplete) {
   CacheAssembler a(layout(), 5);
   ASSERT_TRUE(a.accept(make_segment(0, 0, 5, 2, 2, 4, "fp")).is_ok());
-  const auto dir = std::filesystem::temp_directory_path() / ("hetero_store_" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("hetero_store_" + std::to_string(::getpid()));
   std::vector<int32_t> ids = {5, 6, 7, 8, 9, 10};
   auto e = write_store_entry(dir.string(), layout(), ids, 5, 5, a.arrays(5));
   ASSERT_TRUE(e.is_ok()) << e.status().to_string();

@@ -1,9 +1,9 @@
 // bf16/f16 conversions: round-to-nearest-even, NaN stays NaN, exact round trips.
+#include "common/bf16.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
-
-#include "common/bf16.h"
 
 namespace hetero {
 

@@ -1,10 +1,11 @@
 // The comparison helper: exact by default, tolerances honoured, the worst element named.
+#include "common/compare.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 
 #include "common/bf16.h"
-#include "common/compare.h"
 
 namespace hetero {
 namespace {

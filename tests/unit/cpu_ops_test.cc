@@ -1,11 +1,12 @@
 // CPU ops: the decoder-order GEMM is a strict ascending-k float32 sum (checked against a plain
 // scalar loop bit for bit), and the engine GEMM agrees with it to bf16 rounding.
+#include "kernels/cpu_ops.h"
+
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "common/bf16.h"
-#include "kernels/cpu_ops.h"
 
 namespace hetero {
 
@@ -29,12 +30,14 @@ TEST(CpuOps, DecoderOrderLinearIsSequentialSum) {
   std::vector<uint16_t> blas(m * n);
   linear_blas(x.data(), m, k, w.data(), n, bias.data(), blas.data());
   for (int64_t i = 0; i < m * n; ++i)
-    EXPECT_NEAR(bf16_to_f32(blas[i]), bf16_to_f32(out[i]), 0.02f + 0.01f * std::fabs(bf16_to_f32(out[i])));
+    EXPECT_NEAR(bf16_to_f32(blas[i]), bf16_to_f32(out[i]),
+                0.02f + 0.01f * std::fabs(bf16_to_f32(out[i])));
 }
 
 TEST(CpuOps, RopeAtPositionZeroIsIdentity) {
   std::vector<uint16_t> x(2 * 3 * 8);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = f32_to_bf16(0.25f * static_cast<float>(i % 7) - 0.5f);
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] = f32_to_bf16(0.25f * static_cast<float>(i % 7) - 0.5f);
   auto y = x;
   rope_rotate_half(y.data(), 1, 3, 8, 0, 10000.f);
   for (size_t i = 0; i < 24; ++i) EXPECT_EQ(y[i], x[i]);

@@ -1,17 +1,18 @@
 // Option tables: flags override env, env overrides defaults, unknown flags are errors.
+#include "common/options.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-
-#include "common/options.h"
 
 namespace hetero {
 
 TEST(Options, PrecedenceFlagEnvDefault) {
   setenv("HETERO_TEST_CHUNK", "77", 1);
-  Options o("t", "test", {{"chunk", "HETERO_TEST_CHUNK", "512", "chunk"},
-                          {"port", "", "8010", "port"},
-                          {"quiet", "", "", "quiet", true}});
+  Options o("t", "test",
+            {{"chunk", "HETERO_TEST_CHUNK", "512", "chunk"},
+             {"port", "", "8010", "port"},
+             {"quiet", "", "", "quiet", true}});
   const char* argv[] = {"--port=9", "--quiet"};
   ASSERT_TRUE(o.parse(2, const_cast<char**>(argv)).is_ok());
   EXPECT_EQ(o.get_int("chunk").value(), 77);

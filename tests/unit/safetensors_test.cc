@@ -1,11 +1,11 @@
 // safetensors: round trip, and every malformed file refused with a message (never a crash).
+#include "common/safetensors.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-
-#include "common/safetensors.h"
 
 namespace hetero {
 namespace fs = std::filesystem;

@@ -1,8 +1,8 @@
 // Wire frames: self-describing payloads (each value encodes layer, array and token, so a
 // misrouted byte names itself), byte-at-a-time feeding, and every corruption refused.
-#include <gtest/gtest.h>
-
 #include "bridge/wire.h"
+
+#include <gtest/gtest.h>
 
 namespace hetero {
 
@@ -20,7 +20,8 @@ Segment make_segment(int64_t seq, int64_t pos0, int64_t n, int64_t layers, int64
       Tensor t(DType::kBF16, {kvh, n, hd});
       for (int64_t h = 0; h < kvh; ++h)
         for (int64_t i = 0; i < n; ++i)
-          for (int64_t d = 0; d < hd; ++d) t.data<uint16_t>()[(h * n + i) * hd + d] = tag(l, a, h, pos0 + i, d);
+          for (int64_t d = 0; d < hd; ++d)
+            t.data<uint16_t>()[(h * n + i) * hd + d] = tag(l, a, h, pos0 + i, d);
       s.arrays.push_back({"layers." + std::to_string(l) + (a ? ".values" : ".keys"), std::move(t)});
     }
   return s;
