@@ -20,6 +20,12 @@ volatile std::sig_atomic_t g_stop = 0;
 
 }  // namespace
 
+void wait_for_signal() {
+  std::signal(SIGINT, [](int) { g_stop = 1; });
+  std::signal(SIGTERM, [](int) { g_stop = 1; });
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+}
+
 int parse_options(Options& opts, int argc, char** argv) {
   Status st = opts.parse(argc, argv);
   if (opts.help_requested()) {
@@ -46,6 +52,11 @@ Options prefill_options() {
           {"port", "HETERO_PREFILL_PORT", "8010", "port to listen on (0: any free port)"},
           {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
           {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "2097152", "longest accepted prompt"},
+          {"gemm", "HETERO_PREFILL_GEMM", "ordered",
+           "ordered: the decoder's GEMM order (bit-exact attention inputs); blas: OpenBLAS"},
+          {"fault", "HETERO_PREFILL_FAULT", "",
+           "fault injection for tests: exit-after:N, stall-after:N, truncate-after:N, corrupt:N, "
+           "gap:N, wrong-t"},
           {"ids-file", "", "", "offline: JSON array of token ids to prefill instead of serving"},
           {"fingerprint", "", "",
            "offline: the decoder fingerprint to require (default: export's)"},
@@ -61,7 +72,12 @@ int cmd_prefill(int argc, char** argv) {
     return 2;
   }
   log_line("prefill", "options " + opts.effective().dump());
-  auto engine = LlamaCpuEngine::load(opts.get("model"));
+  const std::string gemm = opts.get("gemm");
+  if (gemm != "ordered" && gemm != "blas")
+    return std::fprintf(stderr, "prefill: --gemm must be 'ordered' or 'blas'\n"), 2;
+  auto engine =
+      LlamaCpuEngine::load(opts.get("model"), gemm == "blas" ? LlamaCpuEngine::Gemm::kBlas
+                                                             : LlamaCpuEngine::Gemm::kOrdered);
   if (!engine.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", engine.status().to_string().c_str()), 1;
   auto weights = load_llama_decoder_weights(opts.get("weights"));
@@ -75,6 +91,11 @@ int cmd_prefill(int argc, char** argv) {
   if (!chunk.is_ok() || chunk.value() <= 0 || !max_tokens.is_ok())
     return std::fprintf(stderr, "prefill: --chunk and --max-tokens must be positive integers\n"), 2;
   PrefillService service(engine.value().get(), &weights.value(), chunk.value(), max_tokens.value());
+  auto fault = parse_fault(opts.get("fault"));
+  if (!fault.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", fault.status().message().c_str()), 2;
+  service.set_fault(fault.value());
+  if (!fault->kind.empty()) log_line("prefill", "FAULT INJECTION ACTIVE: " + opts.get("fault"));
 
   if (opts.has("ids-file")) {
     std::ifstream in(opts.get("ids-file"));
@@ -125,9 +146,7 @@ int cmd_prefill(int argc, char** argv) {
   log_line("prefill", "serving POST /v1/prefill on " + opts.get("host") + ":" +
                           std::to_string(service.bound_port()) + " fingerprint " +
                           weights->layout.fingerprint);
-  std::signal(SIGINT, [](int) { g_stop = 1; });
-  std::signal(SIGTERM, [](int) { g_stop = 1; });
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  wait_for_signal();
   service.stop();
   return 0;
 }

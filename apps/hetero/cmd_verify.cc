@@ -23,6 +23,7 @@
 #include "common/safetensors.h"
 #include "prefill/client.h"
 #include "prefill/service.h"
+#include "stack.h"
 
 namespace hetero {
 namespace fs = std::filesystem;
@@ -53,12 +54,6 @@ Options verify_options() {
 }
 
 namespace {
-
-std::string resolve(const std::string& p) {
-  if (p.empty() || fs::path(p).is_absolute() || fs::exists(p)) return p;
-  fs::path r = fs::path(repo_root()) / p;
-  return fs::exists(r) ? r.string() : p;
-}
 
 // The request body the client would send, and the endpoint it goes to.
 Result<std::pair<std::string, json>> load_prompt(const std::string& path) {
@@ -114,17 +109,6 @@ Result<Answer> ask(int port, const std::string& endpoint, json body, int64_t max
   return a;
 }
 
-Status wait_healthy(int port, ChildProcess* child, int64_t timeout_ms, const std::string& log) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (child && !child->running()) return unavailable("decoder exited during start; see " + log);
-    auto r = http_json("127.0.0.1", port, "/hetero/info", json(), 2000);
-    if (r.is_ok() && r->status == 200) return Status::ok();
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
-  return unavailable("decoder did not come up within the deadline; see " + log);
-}
-
 int fail(const std::string& what, const Status& st) {
   json j = {
       {"pass", false},
@@ -152,7 +136,7 @@ int cmd_verify(int argc, char** argv) {
   if (chunk.value() <= 0 || max_new.value() <= 0)
     return fail("options", invalid_argument("--chunk and --max-tokens must be positive"));
   const int64_t tmo = timeout.value();
-  const std::string model = resolve(opts.get("model"));
+  const std::string model = resolve_path(opts.get("model"));
   if (!fs::exists(fs::path(model) / "config.json"))
     return fail("options", not_found("no model at " + model + " (run: make up)"));
   auto prompt = load_prompt(opts.get("prompt-file"));
@@ -164,8 +148,7 @@ int cmd_verify(int argc, char** argv) {
     work = mkdtemp(tmpl);
   }
   fs::create_directories(work);
-  const std::string python = resolve(opts.get("python"));
-  const std::string pythonpath = "PYTHONPATH=" + (fs::path(repo_root()) / "python").string();
+  const std::string python = resolve_path(opts.get("python"));
 
   // The decoder, with its seam.
   ChildProcess decoder;
@@ -173,25 +156,23 @@ int cmd_verify(int argc, char** argv) {
   const std::string log = work + "/decoder.log";
   if (port == 0) {
     port = free_port();
-    Status st = decoder.start(
-        {python, "-m", "hetero_mlx", "serve", "--model", model, "--port", std::to_string(port)},
-        {pythonpath}, log);
-    if (!st.is_ok()) return fail("decoder", st);
+    if (Status st = start_decoder(&decoder, python, model, port, "", log); !st.is_ok())
+      return fail("decoder", st);
   }
-  if (Status st = wait_healthy(port, port == dport.value() ? nullptr : &decoder, 300000, log);
+  if (Status st = wait_http_ok(port, "/hetero/info", port == dport.value() ? nullptr : &decoder,
+                               300000, log);
       !st.is_ok())
     return fail("decoder", st);
   auto info = http_json_ok("127.0.0.1", port, "/hetero/info", json(), tmo);
   if (!info.is_ok()) return fail("decoder info", info.status());
 
   // The decoder's exported weights for the cache program.
-  std::string weights_dir = resolve(opts.get("weights"));
+  std::string weights_dir = resolve_path(opts.get("weights"));
   if (weights_dir.empty()) {
     weights_dir = work + "/decoder-weights";
-    ChildProcess exporter;
-    exporter.start({python, "-m", "hetero_mlx", "export", "--model", model, "--out", weights_dir},
-                   {pythonpath}, work + "/export.log");
-    while (exporter.running()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (Status st = export_decoder_weights(python, model, weights_dir, work + "/export.log");
+        !st.is_ok())
+      return fail("decoder weights", st);
   }
   auto weights = load_llama_decoder_weights(weights_dir);
   if (!weights.is_ok()) return fail("decoder weights", weights.status());
@@ -231,7 +212,8 @@ int cmd_verify(int argc, char** argv) {
   layout.fingerprint = info.value().value("fingerprint", "");
   CacheAssembler assembler(layout, B);
   PrefillRequest preq{prefix, layout.fingerprint, chunk.value()};
-  FetchResult fetched = fetch_prefill("127.0.0.1", service.bound_port(), preq, &assembler, tmo);
+  FetchResult fetched =
+      fetch_prefill("127.0.0.1", service.bound_port(), preq, &assembler, tmo, tmo);
   if (!fetched.status.is_ok()) return fail("bridge", fetched.status);
   auto entry = write_store_entry(work + "/store", layout, ids, B, B, assembler.arrays(B));
   if (!entry.is_ok()) return fail("store", entry.status());

@@ -10,6 +10,13 @@ int cmd_program(int argc, char** argv);
 int cmd_compare(int argc, char** argv);
 int cmd_verify(int argc, char** argv);
 int cmd_options_doc(int argc, char** argv);
+int cmd_front(int argc, char** argv);
+int cmd_up(int argc, char** argv);
+int cmd_doctor(int argc, char** argv);
+int cmd_bench(int argc, char** argv);
+
+// Blocks until SIGINT or SIGTERM.
+void wait_for_signal();
 
 // The repository root (parent of the directory holding the hetero binary), for defaults such
 // as models/ and python/.
@@ -30,5 +37,7 @@ Options prefill_options();
 Options program_options();
 Options verify_options();
 Options compare_options();
+Options up_options();
+Options doctor_options();
 
 }  // namespace hetero

@@ -33,6 +33,10 @@ const Subcommand kSubcommands[] = {
     {"program", hetero::cmd_program, "run the cache program on dumped attention inputs"},
     {"verify", hetero::cmd_verify, "one bridge vs the decoder natively: arrays and continuation"},
     {"compare", hetero::cmd_compare, "compare the tensors of two safetensors files"},
+    {"front", hetero::cmd_front, "the OpenAI-compatible front door with bridge routing"},
+    {"up", hetero::cmd_up, "start prefill host, decoder (with seam) and front on one model"},
+    {"doctor", hetero::cmd_doctor, "check every link of a running stack"},
+    {"bench", hetero::cmd_bench, "benchmarks: 'hetero bench cold' (native vs bridged TTFT)"},
     {"options-doc", hetero::cmd_options_doc, "print every option table as markdown"},
 };
 

@@ -220,6 +220,8 @@ class SeamHandler(APIHandler):
             store_format=STORE_FORMAT,
             store=str(self.seam.store) if self.seam.store else None,
             versions={"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
+            # The front door refuses prompts that cannot fit, before anything runs.
+            context_window=getattr(self.seam.provider.model.args, "max_position_embeddings", None),
         )
         with cache.lock:
             info["prompt_cache"] = {"sequences": len(cache), "bytes": cache.nbytes}

@@ -9,14 +9,14 @@
 namespace hetero {
 
 FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
-                          CacheAssembler* assembler, int64_t timeout_ms) {
+                          CacheAssembler* assembler, int64_t stall_ms, int64_t deadline_ms) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   auto ms = [&] { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); };
   FetchResult out;
   httplib::Client cli(host, port);
-  cli.set_connection_timeout(std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 5000)));
-  cli.set_read_timeout(std::chrono::milliseconds(timeout_ms));
+  cli.set_connection_timeout(std::chrono::milliseconds(std::min<int64_t>(stall_ms, 5000)));
+  cli.set_read_timeout(std::chrono::milliseconds(stall_ms));
   nlohmann::json body = {{"ids", req.ids}, {"fingerprint", req.fingerprint}};
   if (req.chunk_tokens > 0) body["chunk"] = req.chunk_tokens;
 
@@ -39,6 +39,20 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
       error_text.append(data, n);
       return true;
     }
+    if (ms() > static_cast<double>(deadline_ms)) {
+      stream_status = Status(Code::kDeadlineExceeded, "prefill passed its deadline of " +
+                                                          std::to_string(deadline_ms) + " ms");
+      return false;
+    }
+    const auto t_verify = std::chrono::steady_clock::now();
+    struct AddVerify {  // accounts the parsing/verification time however the loop exits
+      FetchResult* out;
+      std::chrono::steady_clock::time_point t;
+      ~AddVerify() {
+        out->verify_ms +=
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+      }
+    } add_verify{&out, t_verify};
     parser.feed(data, n);
     while (true) {
       auto f = parser.next();
@@ -63,6 +77,9 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   out.total_ms = ms();
   if (!stream_status.is_ok()) {
     out.status = stream_status;
+  } else if (!res && res.error() == httplib::Error::Read && out.bytes > 0) {
+    out.status = Status(Code::kDeadlineExceeded, "prefill host stalled (no bytes for " +
+                                                     std::to_string(stall_ms) + " ms) or closed");
   } else if (!res) {
     out.status = unavailable("prefill host " + host + ":" + std::to_string(port) + ": " +
                              httplib::to_string(res.error()));

@@ -14,10 +14,13 @@ struct FetchResult {
   Status status;      // ok only when the manifest arrived complete and agreed
   int64_t bytes = 0;  // bytes received on the wire
   double first_segment_ms = -1, last_segment_ms = -1, total_ms = 0;
+  double verify_ms = 0;  // time spent parsing and verifying frames
   bool have_manifest = false;
 };
 
+// stall_ms: longest silence tolerated between bytes; deadline_ms: the whole stream's budget.
+// Both end the stream with kDeadlineExceeded; rows verified so far stay in the assembler.
 FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
-                          CacheAssembler* assembler, int64_t timeout_ms);
+                          CacheAssembler* assembler, int64_t stall_ms, int64_t deadline_ms);
 
 }  // namespace hetero

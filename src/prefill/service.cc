@@ -2,8 +2,10 @@
 #include "prefill/service.h"
 
 #include <httplib.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -37,7 +39,44 @@ int http_status_for(const Status& s) {
   }
 }
 
+// Applies a fault to the outgoing frame with index i (segments count from 0). Returns false
+// when the frame must be dropped.
+bool apply_fault(const FaultSpec& f, int64_t i, std::string* frame) {
+  if (f.kind == "corrupt" && i == f.n && frame->size() > 40) {
+    (*frame)[frame->size() - 9] ^= 0x5a;  // last payload byte, before the checksum
+  } else if (f.kind == "gap" && i == f.n) {
+    return false;
+  } else if (f.kind == "wrong-t") {
+    FrameParser p(int64_t{8} << 30);
+    p.feed(frame->data(), frame->size());
+    auto fr = p.next();
+    if (fr.is_ok() && fr.value() && fr.value()->header.value("kind", "") == "manifest") {
+      auto m = decode_manifest(*fr.value());
+      if (m.is_ok()) {
+        m.value().requested_tokens += 1;
+        *frame = encode_manifest(m.value());
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
+
+Result<FaultSpec> parse_fault(const std::string& text) {
+  FaultSpec f;
+  if (text.empty()) return f;
+  const auto colon = text.find(':');
+  f.kind = text.substr(0, colon);
+  if (f.kind == "wrong-t" && colon == std::string::npos) return f;
+  if (colon == std::string::npos) return invalid_argument("--fault '" + text + "' needs ':N'");
+  char* end = nullptr;
+  f.n = std::strtoll(text.c_str() + colon + 1, &end, 10);
+  if (*end != '\0' || f.n < 0) return invalid_argument("--fault '" + text + "': bad N");
+  for (const char* k : {"exit-after", "stall-after", "truncate-after", "corrupt", "gap"})
+    if (f.kind == k) return f;
+  return invalid_argument("--fault kind '" + f.kind + "' is unknown");
+}
 
 Result<PrefillRequest> parse_prefill_request(const std::string& body, const LlamaConfig& model,
                                              const DecoderCacheLayout& layout, int64_t max_tokens) {
@@ -142,10 +181,22 @@ Status PrefillService::start(const std::string& host, int port) {
       });
       frames->close();
     });
+    const FaultSpec fault = fault_;
     res.set_chunked_content_provider(
         "application/x-hetero-segments",
-        [frames, cancelled](size_t, httplib::DataSink& sink) {
+        [frames, cancelled, fault](size_t, httplib::DataSink& sink) {
+          int64_t i = 0;
           while (auto f = frames->pop()) {
+            if (!fault.kind.empty()) {
+              if (fault.kind == "exit-after" && i == fault.n) _exit(3);
+              if (fault.kind == "truncate-after" && i == fault.n) break;
+              if (fault.kind == "stall-after" && i == fault.n) {
+                while (!cancelled->load())
+                  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                return false;
+              }
+              if (!apply_fault(fault, i++, &*f)) continue;
+            }
             if (!sink.write(f->data(), f->size())) {
               cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
               frames->close();

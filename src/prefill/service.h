@@ -27,6 +27,17 @@ struct PrefillRequest {
   int64_t chunk_tokens = 0;  // 0: the service default
 };
 
+// Fault injection for the failure tests of the front door (a wrapper around the real stream,
+// applied as frames leave): "exit-after:N" (the process dies after N segments), "stall-after:N"
+// (silence after N segments), "truncate-after:N" (the response ends after N segments, no
+// manifest), "corrupt:N" (a payload byte of segment N flipped), "gap:N" (segment N never
+// sent), "wrong-t" (the manifest claims another T). Empty: none.
+struct FaultSpec {
+  std::string kind;
+  int64_t n = 0;
+};
+Result<FaultSpec> parse_fault(const std::string& text);
+
 // Parses and validates a /v1/prefill body against the model and export (without running it).
 Result<PrefillRequest> parse_prefill_request(const std::string& body, const LlamaConfig& model,
                                              const DecoderCacheLayout& layout, int64_t max_tokens);
@@ -40,6 +51,7 @@ class PrefillService {
   PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights* weights,
                  int64_t default_chunk_tokens, int64_t max_tokens);
   ~PrefillService();
+  void set_fault(FaultSpec fault) { fault_ = std::move(fault); }
 
   // Runs one prefill (the engine is reset first) and emits frames to sink, manifest last.
   Manifest run(const PrefillRequest& req, const LlamaBridgeProducer::FrameSink& sink);
@@ -54,6 +66,7 @@ class PrefillService {
   const LlamaDecoderWeights* weights_;
   LlamaCacheProgram program_;
   int64_t default_chunk_, max_tokens_;
+  FaultSpec fault_;
   std::mutex run_mu_;  // one prefill at a time
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;

@@ -1,0 +1,105 @@
+// `hetero doctor`: checks every link of a running stack — processes and ports, versions, the
+// seam, fingerprints on both sides, and one small bridged request that must come back
+// `complete`. Prints one line per check; exit 0 only when all are green.
+#include <httplib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+#include "commands.h"
+#include "common/http_json.h"
+#include "front/front.h"
+
+namespace hetero {
+using nlohmann::json;
+
+Options doctor_options() {
+  return Options("doctor", "Check every link of a running stack (hetero up).",
+                 {
+                     {"port", "HETERO_FRONT_PORT", "8012", "front door port"},
+                     {"decoder-port", "HETERO_DECODER_PORT", "8011", "decoder port"},
+                     {"prefill-port", "HETERO_PREFILL_PORT", "8010", "prefill host port"},
+                     {"bridge-words", "", "400", "words in the bridged probe prompt"},
+                 });
+}
+
+namespace {
+
+struct Checks {
+  int failed = 0;
+  void report(bool ok, const std::string& what, const std::string& detail) {
+    std::printf("%s %-34s %s\n", ok ? "[ ok ]" : "[FAIL]", what.c_str(), detail.c_str());
+    std::fflush(stdout);
+    failed += ok ? 0 : 1;
+  }
+};
+
+// A prompt the decoder cannot have seen: random words from a fixed list, fresh seed.
+std::string fresh_prompt(int words) {
+  static const char* kWords[] = {"river",  "copper", "lantern", "orbit",  "meadow", "cipher",
+                                 "harbor", "velvet", "glacier", "summit", "ember",  "quartz",
+                                 "tundra", "falcon", "prism",   "willow", "canyon", "beacon"};
+  std::mt19937_64 rng(std::random_device{}());
+  std::string s = "Repeat the last word of this list: ";
+  for (int i = 0; i < words; ++i) s += std::string(kWords[rng() % 18]) + " ";
+  return s;
+}
+
+}  // namespace
+
+int cmd_doctor(int argc, char** argv) {
+  Options opts = doctor_options();
+  if (int rc = parse_options(opts, argc, argv); rc >= 0) return rc;
+  const int port =
+      static_cast<int>(opts.get_int("port").is_ok() ? opts.get_int("port").value() : 8012);
+  const int dport = static_cast<int>(
+      opts.get_int("decoder-port").is_ok() ? opts.get_int("decoder-port").value() : 8011);
+  const int pport = static_cast<int>(
+      opts.get_int("prefill-port").is_ok() ? opts.get_int("prefill-port").value() : 8010);
+  Checks c;
+
+  auto front = http_json("127.0.0.1", port, "/health", json(), 5000);
+  c.report(front.is_ok() && front->status == 200, "front door :" + std::to_string(port),
+           front.is_ok() ? front->body.dump() : front.status().message());
+  auto info = http_json_ok("127.0.0.1", dport, "/hetero/info", json(), 5000);
+  c.report(info.is_ok(), "decoder seam :" + std::to_string(dport),
+           info.is_ok() ? "model " + info->value("model", "?") : info.status().message());
+  if (info.is_ok())
+    c.report(info->contains("versions"), "decoder versions",
+             info->value("versions", json()).dump());
+  auto prefill = http_json_ok("127.0.0.1", pport, "/health", json(), 5000);
+  c.report(prefill.is_ok(), "prefill host :" + std::to_string(pport),
+           prefill.is_ok() ? prefill->dump() : prefill.status().message());
+  if (info.is_ok() && prefill.is_ok()) {
+    const std::string a = info->value("fingerprint", ""), b = prefill->value("fingerprint", "");
+    c.report(!a.empty() && a == b, "fingerprints agree", "decoder " + a + ", prefill " + b);
+  }
+  auto models = http_json_ok("127.0.0.1", port, "/v1/models", json(), 5000);
+  c.report(models.is_ok(), "front /v1/models",
+           models.is_ok() ? models->dump() : models.status().message());
+
+  // One small bridged request, forced through the bridge, must come back complete.
+  httplib::Client cli("127.0.0.1", port);
+  cli.set_read_timeout(std::chrono::minutes(10));
+  const int words = static_cast<int>(
+      opts.get_int("bridge-words").is_ok() ? opts.get_int("bridge-words").value() : 400);
+  json body = {{"messages", json::array({{{"role", "user"}, {"content", fresh_prompt(words)}}})},
+               {"max_tokens", 4},
+               {"temperature", 0.0}};
+  auto r = cli.Post("/v1/chat/completions", {{"X-PD-Bridge-Mode", "bridge"}}, body.dump(),
+                    "application/json");
+  if (!r) {
+    c.report(false, "bridged request", httplib::to_string(r.error()));
+  } else {
+    const std::string header = r->get_header_value("X-PD-Bridge");
+    json v = json::parse(header, nullptr, false);
+    const bool ok = r->status == 200 && !v.is_discarded() && v.value("verdict", "") == "complete";
+    c.report(ok, "bridged request verdict", "HTTP " + std::to_string(r->status) + " " + header);
+  }
+  std::printf("%s\n", c.failed == 0 ? "all green"
+                                    : (std::to_string(c.failed) + " check(s) failed").c_str());
+  return c.failed == 0 ? 0 : 1;
+}
+
+}  // namespace hetero

@@ -1,0 +1,27 @@
+// Starting the processes of a stack (decoder with seam, prefill host) and waiting for them:
+// shared by `hetero verify`, `hetero up` and `hetero doctor`.
+#pragma once
+
+#include <string>
+
+#include "common/process.h"
+#include "common/status.h"
+
+namespace hetero {
+
+// A path as given if it exists, else relative to the repository root.
+std::string resolve_path(const std::string& p);
+// PYTHONPATH=<repo>/python, so the seam package is importable by the pinned interpreter.
+std::string seam_pythonpath();
+
+// python -m hetero_mlx serve ... (store: "" for none); output to log_path.
+Status start_decoder(ChildProcess* child, const std::string& python, const std::string& model,
+                     int port, const std::string& store, const std::string& log_path);
+// python -m hetero_mlx export: waits for it and checks decoder.json appeared.
+Status export_decoder_weights(const std::string& python, const std::string& model,
+                              const std::string& out, const std::string& log_path);
+// Polls GET path until HTTP 200, the child exits (if given), or timeout.
+Status wait_http_ok(int port, const std::string& path, ChildProcess* child, int64_t timeout_ms,
+                    const std::string& log_path);
+
+}  // namespace hetero

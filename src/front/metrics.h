@@ -1,0 +1,29 @@
+// Prometheus metrics of the front door: requests by verdict kind, bytes bridged, stage time
+// sums and counts. Thread-safe; rendered as text exposition format on GET /metrics.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "front/verdict.h"
+
+namespace hetero {
+
+class FrontMetrics {
+ public:
+  void record(const Verdict& v, int http_status);
+  void inflight(int delta);
+  std::string render() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, int64_t> requests_by_kind_;
+  std::map<int, int64_t> responses_by_status_;
+  std::map<std::string, double> stage_ms_sum_;
+  std::map<std::string, int64_t> stage_count_;
+  int64_t bytes_ = 0, bridged_tokens_ = 0, inflight_ = 0;
+};
+
+}  // namespace hetero
