@@ -6,6 +6,7 @@
 #include "commands.h"
 #include "common/compare.h"
 #include "common/safetensors.h"
+#include "front/front.h"
 
 namespace hetero {
 
@@ -75,7 +76,8 @@ int cmd_compare(int argc, char** argv) {
 }
 
 int cmd_options_doc(int, char**) {
-  for (Options o : {prefill_options(), program_options(), verify_options(), compare_options()})
+  for (Options o : {prefill_options(), front_options(), up_options(), doctor_options(),
+                    verify_options(), program_options(), compare_options()})
     std::fputs(o.markdown_table().c_str(), stdout);
   return 0;
 }

@@ -20,9 +20,13 @@ volatile std::sig_atomic_t g_stop = 0;
 
 }  // namespace
 
-void wait_for_signal() {
+void install_stop_handlers() {
   std::signal(SIGINT, [](int) { g_stop = 1; });
   std::signal(SIGTERM, [](int) { g_stop = 1; });
+}
+
+void wait_for_signal() {
+  install_stop_handlers();
   while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
 }
 

@@ -32,6 +32,7 @@ Options up_options() {
 int cmd_up(int argc, char** argv) {
   Options opts = up_options();
   if (int rc = parse_options(opts, argc, argv); rc >= 0) return rc;
+  install_stop_handlers();  // a signal during start-up still stops the children cleanly
   const std::string model = resolve_path(opts.get("model"));
   const std::string python = resolve_path(opts.get("python"));
   if (!fs::exists(fs::path(model) / "config.json"))

@@ -15,7 +15,9 @@ int cmd_up(int argc, char** argv);
 int cmd_doctor(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
 
-// Blocks until SIGINT or SIGTERM.
+// SIGINT/SIGTERM set a flag instead of killing the process, so children are stopped by pid.
+void install_stop_handlers();
+// Blocks until SIGINT or SIGTERM (also if one arrived since install_stop_handlers()).
 void wait_for_signal();
 
 // The repository root (parent of the directory holding the hetero binary), for defaults such

@@ -210,6 +210,9 @@ class SeamHandler(APIHandler):
     # ---- endpoints -----------------------------------------------------------------------
 
     def _info(self) -> Dict[str, Any]:
+        if self.seam.provider.model is None:
+            # mlx-lm drops its model when a request names one it cannot load; say so plainly.
+            raise SeamError(503, "no_model", "the decoder has no model loaded")
         desc, cache = self.seam.desc, self.seam.prompt_cache
         keys = ("family", "model_type", "fingerprint", "layers", "kv_heads", "head_dim")
         keys += ("hidden", "vocab_size", "dtype", "rope", "qk_norm", "kv_bias")

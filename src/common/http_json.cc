@@ -14,7 +14,14 @@ Result<HttpJsonReply> http_json(const std::string& host, int port, const std::st
   auto res = body.is_null() ? cli.Get(path.c_str())
                             : cli.Post(path.c_str(), body.dump(), "application/json");
   const std::string where = host + ":" + std::to_string(port) + path;
-  if (!res) return unavailable(where + ": " + httplib::to_string(res.error()));
+  if (!res) {
+    const auto e = res.error();
+    return unavailable(where + ": " +
+                       (e == httplib::Error::Connection
+                            ? std::string("cannot connect (not running?)")
+                        : e == httplib::Error::Read ? std::string("no reply within the deadline")
+                                                    : "HTTP error " + httplib::to_string(e)));
+  }
   HttpJsonReply r;
   r.status = res->status;
   r.body = nlohmann::json::parse(res->body, nullptr, false);

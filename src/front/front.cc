@@ -149,7 +149,8 @@ Verdict FrontServer::bridge(const std::vector<int32_t>& ids, const json& info) {
   if (f.status.is_ok()) {
     v.kind = VerdictKind::kComplete;
     v.b = want;
-  } else if (covered >= 1 && covered >= cfg_.partial_min_fraction * static_cast<double>(want)) {
+  } else if (f.salvageable && covered >= 1 &&
+             covered >= cfg_.partial_min_fraction * static_cast<double>(want)) {
     v.kind = VerdictKind::kPartial;  // salvage the longest verified contiguous prefix
     v.b = covered;
     v.reason = f.status.message();
@@ -220,6 +221,11 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
                       std::filesystem::path(have).filename().string() + "'");
   }
 
+  // The client may name the served model as /v1/models lists it; mlx-lm knows it as its
+  // default model and would try to fetch any other name from a hub, so forward that.
+  if (body.contains("model")) body["model"] = "default_model";
+  const std::string forward_body = body.dump();
+
   // 1. The decoder's own ids.
   const auto t_tok = Clock::now();
   auto tok = http_json(cfg_.decoder_host, cfg_.decoder_port, "/hetero/tokenize", body, 60000);
@@ -284,7 +290,7 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     httplib::Client cli(cfg_.decoder_host, cfg_.decoder_port);
     cli.set_read_timeout(std::chrono::milliseconds(cfg_.decoder_timeout_ms));
     const auto t_dec = Clock::now();
-    auto r = cli.Post(path.c_str(), req.body, "application/json");
+    auto r = cli.Post(path.c_str(), forward_body, "application/json");
     v.timings_ms["decoder"] = ms_since(t_dec);
     if (!r) return fail(503, "server_error", "decoder_unavailable", httplib::to_string(r.error()));
     json out = json::parse(r->body, nullptr, false);
@@ -312,7 +318,7 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   metrics_.record(v, 200);
   log_line("front", "POST " + path + " stream " + v.header_value());
   auto cfg = cfg_;
-  auto body_copy = std::make_shared<std::string>(req.body);
+  auto body_copy = std::make_shared<std::string>(forward_body);
   FrontMetrics* metrics = &metrics_;
   res.set_chunked_content_provider("text/event-stream", [cfg, body_copy, path, metrics](
                                                             size_t, httplib::DataSink& sink) {
@@ -355,8 +361,6 @@ Status FrontServer::start() {
   }
   server_->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     auto info = http_json_ok(cfg_.decoder_host, cfg_.decoder_port, "/hetero/info", json(), 10000);
-    Verdict v = Verdict::skipped("not a completion");
-    res.set_header("X-PD-Bridge", v.header_value());
     if (!info.is_ok()) {
       res.status = 503;
       res.set_content(
@@ -381,20 +385,27 @@ Status FrontServer::start() {
     if (dok && pok)
       j["fingerprints_agree"] =
           d->body.value("fingerprint", "") == p->body.value("fingerprint", "-");
-    res.set_header("X-PD-Bridge", Verdict::skipped("not a completion").header_value());
     res.status = dok ? 200 : 503;
     res.set_content(j.dump(), "application/json");
   });
   server_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics_.render(), "text/plain; version=0.0.4");
   });
+  // Every response carries a verdict; the completion handlers set their own first.
+  server_->set_post_routing_handler([](const httplib::Request&, httplib::Response& res) {
+    if (!res.has_header("X-PD-Bridge"))
+      res.set_header("X-PD-Bridge", Verdict::skipped("not a completion").header_value());
+  });
   server_->set_error_handler([](const httplib::Request&, httplib::Response& res) {
     if (!res.body.empty()) return;
-    res.set_header("X-PD-Bridge", Verdict::skipped("error").header_value());
-    res.set_content(error_json("invalid_request_error", "not_found",
-                               "no route; see /v1/chat/completions, /v1/completions, /v1/models")
-                        .dump(),
-                    "application/json");
+    const bool too_large = res.status == 413;
+    res.set_content(
+        error_json("invalid_request_error", too_large ? "payload_too_large" : "not_found",
+                   too_large ? "request body too large for its content type; send "
+                               "Content-Type: application/json"
+                             : "no route; see /v1/chat/completions, /v1/completions, /v1/models")
+            .dump(),
+        "application/json");
   });
   if (cfg_.port == 0) {
     port_ = server_->bind_to_any_port(cfg_.host.c_str());
@@ -405,6 +416,8 @@ Status FrontServer::start() {
     port_ = cfg_.port;
   }
   thread_ = std::thread([this] { server_->listen_after_bind(); });
+  // stop() right after start() must find a running server, or it would not stop it.
+  while (!server_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   return Status::ok();
 }
 

@@ -21,6 +21,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   if (req.chunk_tokens > 0) body["chunk"] = req.chunk_tokens;
 
   FrameParser parser(int64_t{8} << 30);
+  auto last_byte = std::chrono::steady_clock::now();
   Status stream_status;
   int http_status = 0;
   std::string error_text;
@@ -35,6 +36,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   };
   r.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
     out.bytes += static_cast<int64_t>(n);
+    last_byte = std::chrono::steady_clock::now();
     if (http_status != 200) {
       error_text.append(data, n);
       return true;
@@ -63,12 +65,19 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
         auto m = decode_manifest(frame);
         stream_status = m.is_ok() ? assembler->finish(m.value()) : m.status();
         out.have_manifest = m.is_ok();
+        // An honest "ended early" keeps the prefix; a manifest that disagrees voids it all.
+        if (m.is_ok() && !stream_status.is_ok() && stream_status.code() != Code::kUnavailable)
+          out.salvageable = false;
         return stream_status.is_ok();
       }
       auto s = decode_segment(frame);
       if (!s.is_ok()) return (stream_status = s.status()), false;
       Status a = assembler->accept(s.value());
-      if (!a.is_ok()) return (stream_status = a), false;
+      if (!a.is_ok()) {
+        if (a.code() == Code::kFailedPrecondition) out.salvageable = false;  // wrong model
+        return (stream_status = a), false;
+      }
+      last_byte = std::chrono::steady_clock::now();
       if (out.first_segment_ms < 0) out.first_segment_ms = ms();
       out.last_segment_ms = ms();
     }
@@ -78,8 +87,13 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   if (!stream_status.is_ok()) {
     out.status = stream_status;
   } else if (!res && res.error() == httplib::Error::Read && out.bytes > 0) {
-    out.status = Status(Code::kDeadlineExceeded, "prefill host stalled (no bytes for " +
-                                                     std::to_string(stall_ms) + " ms) or closed");
+    const double quiet_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - last_byte)
+            .count();
+    out.status = quiet_ms >= static_cast<double>(stall_ms)
+                     ? Status(Code::kDeadlineExceeded, "prefill host stalled (no bytes for " +
+                                                           std::to_string(stall_ms) + " ms)")
+                     : unavailable("prefill host closed the stream mid-way (process gone?)");
   } else if (!res) {
     out.status = unavailable("prefill host " + host + ":" + std::to_string(port) + ": " +
                              httplib::to_string(res.error()));

@@ -15,6 +15,10 @@ struct FetchResult {
   int64_t bytes = 0;  // bytes received on the wire
   double first_segment_ms = -1, last_segment_ms = -1, total_ms = 0;
   double verify_ms = 0;  // time spent parsing and verifying frames
+  // False when the stream contradicted itself or the request (fingerprint, family, a manifest
+  // that disagrees with what arrived): then no row of it is trusted, verified or not. True
+  // for breaks that leave the verified prefix sound (killed, truncated, stalled, corrupt, gap).
+  bool salvageable = true;
   bool have_manifest = false;
 };
 

@@ -182,9 +182,10 @@ Status PrefillService::start(const std::string& host, int port) {
       frames->close();
     });
     const FaultSpec fault = fault_;
+    auto stopping = stopping_;
     res.set_chunked_content_provider(
         "application/x-hetero-segments",
-        [frames, cancelled, fault](size_t, httplib::DataSink& sink) {
+        [frames, cancelled, fault, stopping](size_t, httplib::DataSink& sink) {
           int64_t i = 0;
           while (auto f = frames->pop()) {
             if (!fault.kind.empty()) {
@@ -221,10 +222,13 @@ Status PrefillService::start(const std::string& host, int port) {
     port_ = port;
   }
   thread_ = std::thread([this] { server_->listen_after_bind(); });
+  // stop() right after start() must find a running server, or it would not stop it.
+  while (!server_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   return Status::ok();
 }
 
 void PrefillService::stop() {
+  stopping_->store(true);
   if (server_) server_->stop();
   if (thread_.joinable()) thread_.join();
 }

@@ -67,6 +67,7 @@ class PrefillService {
   LlamaCacheProgram program_;
   int64_t default_chunk_, max_tokens_;
   FaultSpec fault_;
+  std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);
   std::mutex run_mu_;  // one prefill at a time
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;

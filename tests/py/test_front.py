@@ -1,0 +1,772 @@
+"""The front door end to end on real processes: `hetero prefill` (with and without injected
+faults), the MLX decoder with its seam, and `hetero front`, each started on free ports.
+
+What is checked: the official `openai` client gets the decoder's own native answer through the
+front (short and bridged, streaming and not); every response carries an X-PD-Bridge verdict;
+every prefill-host failure (killed, corrupt, truncated, stalled, gap, wrong T, down,
+fingerprint mismatch) still ends in the native answer with a truthful verdict; concurrent
+clients; bad input refused with a JSON 4xx while serving continues; SSE relayed unbuffered;
+/metrics; `hetero up` and `hetero doctor`.
+
+"Native answer" = the same request sent straight to the decoder port, temperature 0, on a cold
+prompt cache (/hetero/clear before and after, so the front's request is cold too).
+Needs build/hetero, models/tiny-llama and (for the answer-quality checks and a tokenizer)
+models/smollm2-135m-instruct; skips with a reason when one is missing.
+"""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+requests = pytest.importorskip("requests")
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[2]
+HETERO = Path(os.environ.get("HETERO_BIN", ROOT / "build" / "hetero"))
+TINY = Path(os.environ.get("HETERO_TEST_MODEL", ROOT / "models" / "tiny-llama"))
+REAL = Path(os.environ.get("HETERO_MODEL", ROOT / "models" / "smollm2-135m-instruct"))
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+
+# The tiny front bridges prompts of >= 64 tokens (the chat template alone is ~30).
+MIN_TOKENS = 64
+CHUNK = 16  # fault prefill hosts: several segments for a ~150-token prompt
+MODEL_NAME = "default_model"  # mlx-lm's name for the model it was started with
+
+
+def need(path: Path, what: str) -> None:
+    if not path.exists():
+        pytest.skip(f"{what} missing at {path} (run: make model tiny build)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- processes
+
+
+class Proc:
+    """One real process with its log file; stopped by pid (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, name: str, argv: List[str], log_dir: Path, port: int, health: str):
+        self.name, self.port, self.health = name, port, health
+        self.log_path = log_dir / f"{name}-{port}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen([str(a) for a in argv], cwd=ROOT, env=ENV,
+                                      stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120.0) -> "Proc":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if requests.get(f"http://127.0.0.1:{self.port}{self.health}", timeout=2).ok:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        pytest.fail(f"{self.name} not healthy within {timeout}s:\n{self.log()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+        self._log.close()
+
+
+def export_weights(model: Path, out: Path) -> Path:
+    subprocess.run([PY, "-m", "hetero_mlx", "export", "--model", str(model), "--out", str(out)],
+                   check=True, env=ENV, capture_output=True, cwd=ROOT)
+    return out
+
+
+class Stack:
+    """A decoder (shared), prefill hosts and fronts started on demand, stopped at the end."""
+
+    def __init__(self, model: Path, tmp: Path):
+        self.model, self.tmp = model, tmp
+        self.store = tmp / "store"
+        self.store.mkdir()
+        self.weights = export_weights(model, tmp / "weights")
+        self.procs: List[Proc] = []
+        self._cache: Dict[tuple, Proc] = {}
+        self.decoder = self._start("decoder", [PY, "-m", "hetero_mlx", "serve", "--model", model,
+                                               "--store", self.store], "/hetero/info", 300)
+        self.info = requests.get(self.url(self.decoder.port, "/hetero/info"), timeout=10).json()
+
+    def _start(self, name: str, argv: List, health: str, timeout: float = 60) -> Proc:
+        port = free_port()
+        p = Proc(name, argv + ["--port", port], self.tmp, port, health)
+        self.procs.append(p)
+        return p.wait_ready(timeout)
+
+    @staticmethod
+    def url(port: int, path: str) -> str:
+        return f"http://127.0.0.1:{port}{path}"
+
+    def prefill(self, fault: str = "", chunk: int = CHUNK, model: Optional[Path] = None,
+                weights: Optional[Path] = None, fresh: bool = False) -> Proc:
+        """A prefill host; reused per (fault, chunk, model) unless fresh (faults that kill it)."""
+        key = ("prefill", fault, chunk, str(model), str(weights))
+        if not fresh and key in self._cache and self._cache[key].popen.poll() is None:
+            return self._cache[key]
+        argv = [HETERO, "prefill", "--model", model or self.model, "--weights",
+                weights or self.weights, "--chunk", chunk]
+        if fault:
+            argv += ["--fault", fault]
+        p = self._start("prefill", argv, "/health")
+        self._cache[key] = p
+        return p
+
+    def front(self, prefill_port: int, **opts) -> Proc:
+        """A front door on the shared decoder; reused per (prefill port, options)."""
+        opts = {"bridge-min-tokens": MIN_TOKENS, "bridge-min-tail": MIN_TOKENS, **opts}
+        key = ("front", prefill_port, tuple(sorted(opts.items())))
+        if key in self._cache and self._cache[key].popen.poll() is None:
+            return self._cache[key]
+        argv = [HETERO, "front", "--decoder-port", self.decoder.port, "--prefill-port",
+                prefill_port, "--store", self.store]
+        for k, v in opts.items():
+            argv += [f"--{k}", v]
+        p = self._start("front", argv, "/health")
+        self._cache[key] = p
+        return p
+
+    def clear(self) -> None:
+        r = requests.post(self.url(self.decoder.port, "/hetero/clear"), json={}, timeout=30)
+        assert r.status_code == 200, r.text
+
+    def cached(self, ids: List[int]) -> int:
+        r = requests.post(self.url(self.decoder.port, "/hetero/cached_prefix"), json={"ids": ids},
+                          timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["cached_tokens"]
+
+    def native(self, body: dict, path: str = "/v1/chat/completions") -> dict:
+        """The decoder's own answer to body, computed cold; leaves the prompt cache empty."""
+        ids = requests.post(self.url(self.decoder.port, "/hetero/tokenize"), json=body,
+                            timeout=60).json()["ids"]
+        self.clear()
+        r = requests.post(self.url(self.decoder.port, path), json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        # mlx-lm stores prompt + completion in its prompt cache after the reply has gone out
+        # (and the prompt's segments before it): wait for that last insert, then clear, or the
+        # front would find this prompt warm. An entry longer than the prompt is the last one:
+        # ids plus one probe token then reuse all of ids (two probes, in case one is the first
+        # generated token).
+        deadline = time.monotonic() + 60
+        while max(self.cached(ids + [0]), self.cached(ids + [1])) < len(ids):
+            assert time.monotonic() < deadline, "the decoder never cached the native request"
+            time.sleep(0.02)
+        self.clear()
+        assert self.cached(ids) == 0
+        return r.json()
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    need(HETERO, "hetero binary")
+    need(TINY / "config.json", "tiny test model")
+    stack = Stack(TINY, tmp_path_factory.mktemp("tiny"))
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def main_front(tiny) -> Proc:
+    """The healthy front: prefill host without faults, chunk 64."""
+    return tiny.front(tiny.prefill(chunk=64).port)
+
+
+# ---------------------------------------------------------------- requests and prompts
+
+WORDS = ("river copper lantern orbit meadow cipher harbor velvet glacier summit ember quartz "
+         "tundra falcon prism willow canyon beacon marble thistle cobalt saffron harvest "
+         "anchor pepper violin crater ribbon walnut signal dune").split()
+
+
+def text(tag: str, words: int) -> str:
+    """Distinct, deterministic filler: a tag then seeded random words (cold for the decoder)."""
+    rng = random.Random(tag)
+    return tag + ": " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def chat(content: str, max_tokens: int = 16, **extra) -> dict:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0.0}
+    body.update(extra)
+    return body
+
+
+def answer(reply: dict) -> str:
+    choice = reply["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def verdict_of(headers) -> dict:
+    raw = headers.get("X-PD-Bridge")
+    assert raw, f"no X-PD-Bridge header in {dict(headers)}"
+    v = json.loads(raw)
+    assert {"verdict", "B", "T", "bytes", "timings_ms"} <= set(v), v
+    return v
+
+
+def post_front(front: Proc, body, path: str = "/v1/chat/completions", mode: str = "",
+               timeout: float = 600):
+    headers = {"Content-Type": "application/json"}
+    if mode:
+        headers["X-PD-Bridge-Mode"] = mode
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(Stack.url(front.port, path), data=data, headers=headers, timeout=timeout)
+
+
+def cached_tokens(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def metrics(front: Proc) -> Dict[str, float]:
+    out = {}
+    for line in requests.get(Stack.url(front.port, "/metrics"), timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def client(front: Proc) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{front.port}/v1", api_key="unused",
+                         max_retries=0, timeout=600)
+
+
+def openai_chat(front: Proc, body: dict, stream: bool):
+    """(answer text, verdict, usage or None) through the official client."""
+    kwargs = dict(body)
+    c = client(front)
+    if not stream:
+        raw = c.chat.completions.with_raw_response.create(**kwargs)
+        comp = raw.parse()
+        return comp.choices[0].message.content, verdict_of(raw.headers), comp.usage
+    with c.chat.completions.with_streaming_response.create(stream=True, **kwargs) as resp:
+        v = verdict_of(resp.headers)
+        parts = [ch.choices[0].delta.content or "" for ch in resp.parse() if ch.choices]
+    return "".join(parts), v, None
+
+
+# ---------------------------------------------------------------- 1. the openai client
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_openai_client_short_prompt_gets_native_answer(tiny, main_front, stream) -> None:
+    body = chat("Say hello.", max_tokens=16)
+    native = tiny.native(body)
+    got, v, usage = openai_chat(main_front, body, stream)
+    assert v["verdict"].startswith("skipped: short"), v
+    assert v["T"] == native["usage"]["prompt_tokens"] < MIN_TOKENS and v["B"] == 0
+    assert got == answer(native)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_openai_client_bridged_prompt_gets_native_answer(tiny, main_front, stream) -> None:
+    body = chat(text(f"openai-bridged-{stream}", 120), max_tokens=24)
+    native = tiny.native(body)
+    T = native["usage"]["prompt_tokens"]
+    assert T >= MIN_TOKENS
+    got, v, usage = openai_chat(main_front, body, stream)
+    assert v["verdict"] == "complete", v
+    assert (v["B"], v["T"]) == (T - 1, T) and v["bytes"] > 0
+    assert got == answer(native)
+    if not stream:
+        assert usage.prompt_tokens == T
+        assert usage.prompt_tokens_details.cached_tokens == T - 1
+
+
+def test_model_id_from_v1_models_is_served(tiny, main_front) -> None:
+    # Regression: the id /v1/models lists was forwarded as is; mlx-lm then tried to fetch a
+    # model of that name from a hub and dropped its own, breaking every later request.
+    listed = requests.get(Stack.url(main_front.port, "/v1/models"), timeout=30).json()
+    name = listed["data"][0]["id"]
+    body = chat("Say hello.", max_tokens=8)
+    native = tiny.native(body)
+    reply = post_front(main_front, dict(body, model=name))
+    assert reply.status_code == 200, reply.text
+    assert answer(reply.json()) == answer(native)
+    again = post_front(main_front, body)  # the decoder still serves afterwards
+    assert again.status_code == 200 and answer(again.json()) == answer(native)
+
+
+def test_completions_endpoint_bridged(tiny, main_front) -> None:
+    body = {"model": MODEL_NAME, "prompt": text("completions", 120), "max_tokens": 16,
+            "temperature": 0.0}
+    native = tiny.native(body, "/v1/completions")
+    r = post_front(main_front, body, "/v1/completions")
+    assert r.status_code == 200, r.text
+    v = verdict_of(r.headers)
+    T = native["usage"]["prompt_tokens"]
+    assert v["verdict"] == "complete" and v["B"] == T - 1, v
+    assert answer(r.json()) == answer(native) and cached_tokens(r.json()) == T - 1
+
+
+# ---------------------------------------------------------------- 2. verdict header everywhere
+
+
+@pytest.mark.parametrize("method,path,body,status", [
+    ("POST", "/v1/chat/completions", chat("hi", 4), 200),
+    ("POST", "/v1/chat/completions", chat("hi", 4, stream=True), 200),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4}, 200),
+    ("POST", "/v1/chat/completions", b"{not json", 400),
+    ("POST", "/v1/chat/completions", chat("hi", 4, model="no-such-model"), 404),
+    ("GET", "/v1/models", None, 200),
+    ("GET", "/health", None, 200),
+    ("GET", "/metrics", None, 200),
+    ("GET", "/no/such/route", None, 404),
+], ids=["chat", "chat-stream", "completions", "bad-json", "unknown-model", "models", "health",
+        "metrics", "unknown-route"])
+def test_every_response_has_a_verdict_header(main_front, method, path, body, status) -> None:
+    if method == "GET":
+        r = requests.get(Stack.url(main_front.port, path), timeout=60)
+    else:
+        r = post_front(main_front, body, path)
+    assert r.status_code == status, r.text
+    v = verdict_of(r.headers)
+    if status >= 400:
+        assert "error" in r.json()
+        assert v["verdict"].startswith(("skipped", "declined")), v
+
+
+# ---------------------------------------------------------------- 3. faults
+
+
+def run_fault(tiny, front: Proc, tag: str) -> tuple:
+    """A cold bridged request through front: (verdict, reply, native reply)."""
+    body = chat(text(tag, 110), max_tokens=16)
+    native = tiny.native(body)
+    r = post_front(front, body)
+    assert r.status_code == 200, r.text
+    v = verdict_of(r.headers)
+    print(tag, json.dumps(v))
+    assert v["T"] == native["usage"]["prompt_tokens"]
+    assert answer(r.json()) == answer(native), (v, answer(r.json()), answer(native))
+    return v, r.json(), native
+
+
+def assert_declined(v: dict, reply: dict, *needles: str) -> None:
+    assert v["verdict"].startswith("declined: "), v
+    assert v["B"] == 0, v
+    for n in needles:
+        assert n in v["verdict"], v
+    # The decoder ran natively on a cold cache: it reused no bridged rows.
+    assert cached_tokens(reply) == 0
+
+
+def assert_partial(v: dict, reply: dict, rows: int) -> None:
+    T = v["T"]
+    assert v["verdict"] == f"partial {rows}/{T}" and v["B"] == rows, v
+    assert cached_tokens(reply) == rows  # the decoder reused exactly the verified rows
+
+
+def test_fault_prefill_killed_mid_stream(tiny) -> None:
+    prefill = tiny.prefill("exit-after:1", fresh=True)
+    front = tiny.front(prefill.port, **{"stall-ms": 5000})
+    v, reply, _ = run_fault(tiny, front, "fault-exit")
+    assert_declined(v, reply, f"verified {CHUNK}/{v['T'] - 1} rows")
+    assert "closed" in v["verdict"] or "stalled" in v["verdict"]
+    prefill.popen.wait(timeout=10)  # it really died mid-stream
+    assert prefill.popen.returncode != 0
+
+
+@pytest.mark.parametrize("fraction,expect", [(0.05, "partial"), (0.9, "declined")])
+def test_fault_corrupt_segment(tiny, fraction, expect) -> None:
+    # Segment 1 (0-based) has a flipped payload byte: segment 0 (CHUNK rows) verifies.
+    front = tiny.front(tiny.prefill("corrupt:1").port, **{"partial-min-fraction": fraction})
+    v, reply, _ = run_fault(tiny, front, f"fault-corrupt-{fraction}")
+    if expect == "partial":
+        assert_partial(v, reply, CHUNK)
+    else:
+        assert_declined(v, reply, "checksum", f"verified {CHUNK}/")
+
+
+@pytest.mark.parametrize("fraction,expect", [(0.1, "partial"), (0.5, "declined")])
+def test_fault_truncated_stream(tiny, fraction, expect) -> None:
+    front = tiny.front(tiny.prefill("truncate-after:2").port, **{"partial-min-fraction": fraction})
+    v, reply, _ = run_fault(tiny, front, f"fault-truncate-{fraction}")
+    if expect == "partial":
+        assert_partial(v, reply, 2 * CHUNK)
+    else:
+        assert_declined(v, reply, "manifest", f"verified {2 * CHUNK}/")
+
+
+def test_fault_stalled_prefill(tiny) -> None:
+    prefill = tiny.prefill("stall-after:1", fresh=True)
+    front = tiny.front(prefill.port, **{"stall-ms": 2000})
+    try:
+        v, reply, _ = run_fault(tiny, front, "fault-stall")
+    finally:
+        prefill.kill()  # a stalled host stays stalled (and does not stop on SIGTERM)
+    assert_declined(v, reply, f"verified {CHUNK}/")
+    assert "stall" in v["verdict"] or "deadline" in v["verdict"], v
+    assert v["timings_ms"]["prefill"] >= 2000  # it waited out the stall, then fell back
+
+
+@pytest.mark.parametrize("fraction,expect", [(0.05, "partial"), (0.5, "declined")])
+def test_fault_gap(tiny, fraction, expect) -> None:
+    front = tiny.front(tiny.prefill("gap:1").port, **{"partial-min-fraction": fraction})
+    v, reply, _ = run_fault(tiny, front, f"fault-gap-{fraction}")
+    if expect == "partial":
+        assert_partial(v, reply, CHUNK)
+    else:
+        assert_declined(v, reply, f"verified {CHUNK}/")
+
+
+def test_fault_wrong_t_is_declined(tiny) -> None:
+    # Every segment verifies but the manifest claims another T: the stream answered some other
+    # request, so none of it is trusted (the issue: wrong T -> declined).
+    front = tiny.front(tiny.prefill("wrong-t").port)
+    v, reply, _ = run_fault(tiny, front, "fault-wrong-t")
+    assert_declined(v, reply, "T=")
+
+
+def test_prefill_host_down(tiny) -> None:
+    front = tiny.front(free_port())  # nothing listens there
+    v, reply, _ = run_fault(tiny, front, "fault-down")
+    assert_declined(v, reply, "prefill host")
+    assert v["bytes"] == 0
+
+
+@pytest.fixture(scope="module")
+def other_prefill(tiny, tmp_path_factory) -> Proc:
+    """A prefill host for another model (another seed and shape): another fingerprint."""
+    need(REAL / "tokenizer.json", "a tokenizer (SmolLM2's)")
+    tmp = tmp_path_factory.mktemp("other")
+    subprocess.run([PY, "-m", "hetero_mlx", "tiny-llama", "--tokenizer", str(REAL), "--out",
+                    str(tmp / "model"), "--seed", "1", "--hidden", "128"],
+                   check=True, env=ENV, capture_output=True, cwd=ROOT)
+    weights = export_weights(tmp / "model", tmp / "weights")
+    return tiny.prefill(model=tmp / "model", weights=weights)
+
+
+def test_fingerprint_mismatch_is_declined_naming_both(tiny, other_prefill) -> None:
+    theirs = requests.get(Stack.url(other_prefill.port, "/health"), timeout=10).json()
+    ours = tiny.info["fingerprint"]
+    assert theirs["fingerprint"] != ours
+    front = tiny.front(other_prefill.port)
+    health = requests.get(Stack.url(front.port, "/health"), timeout=10).json()
+    assert health["fingerprints_agree"] is False, health
+    v, reply, _ = run_fault(tiny, front, "fault-fingerprint")
+    assert_declined(v, reply, "409", ours, theirs["fingerprint"])
+
+
+# ---------------------------------------------------------------- 4. concurrency
+
+
+def test_concurrent_clients_short_not_blocked_by_bridges(tiny, main_front) -> None:
+    bridged = [chat(text(f"concurrent-long-{i}", 3500), max_tokens=12) for i in range(4)]
+    short = [chat(f"Name a colour, number {i}.", max_tokens=12) for i in range(4)]
+    natives = [tiny.native(b) for b in bridged + short]
+    results: Dict[int, tuple] = {}
+
+    def worker(i: int, body: dict) -> None:
+        r = post_front(main_front, body)
+        results[i] = (time.monotonic(), r.status_code, dict(r.headers), r.json())
+
+    threads = [threading.Thread(target=worker, args=(i, b)) for i, b in enumerate(bridged)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(0.2)  # the bridged ones are in (tokenizing or queued for the one bridge slot)
+    threads += [threading.Thread(target=worker, args=(4 + i, b)) for i, b in enumerate(short)]
+    for t in threads[4:]:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert len(results) == 8
+    for i in sorted(results):
+        print(i, f"{results[i][0] - t0:.3f}s", results[i][2].get("X-PD-Bridge"))
+    for i, native in enumerate(natives):
+        done, status, headers, reply = results[i]
+        assert status == 200, reply
+        v = verdict_of(headers)
+        T = native["usage"]["prompt_tokens"]
+        assert v["T"] == T
+        if i < 4:
+            assert v["verdict"] == "complete" and v["B"] == T - 1, v
+            assert cached_tokens(reply) == T - 1
+        else:
+            assert v["verdict"].startswith("skipped: short"), v
+        assert answer(reply) == answer(native), (i, v)
+    # Bridges run one at a time (the later ones queued) ...
+    assert max(verdict_of(results[i][2])["timings_ms"]["bridge_queue"] for i in range(4)) > 0
+    # ... and requests that do not bridge never wait for one.
+    assert max(results[i][0] for i in range(4, 8)) < max(results[i][0] for i in range(4))
+
+
+# ---------------------------------------------------------------- 5. bad input
+
+
+@pytest.mark.parametrize("body,status,code", [
+    (b"{\"messages\": [", 400, "invalid_json"),
+    (chat("hi", 4, model="gpt-17-ultra"), 404, "model_not_found"),
+    ({"model": MODEL_NAME, "messages": "hi", "max_tokens": 4}, 400, "invalid_field"),
+    ({**chat("hi", 4), "max_tokens": "4"}, 400, "invalid_field"),
+    (chat("hi", 4, stream="yes"), 400, "invalid_field"),
+    (chat("x " * 34000, 4), 400, "context_length_exceeded"),
+], ids=["malformed-json", "unknown-model", "messages-not-list", "max-tokens-string",
+        "stream-string", "beyond-context-window"])
+def test_bad_input_gets_json_4xx_and_serving_continues(tiny, main_front, body, status,
+                                                       code) -> None:
+    if code == "context_length_exceeded":
+        assert json.loads((TINY / "config.json").read_text())["max_position_embeddings"] < 34000
+    r = post_front(main_front, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"], err
+    v = verdict_of(r.headers)
+    assert not v["verdict"].startswith(("complete", "partial")), v
+    ok = post_front(main_front, chat("Still there?", 4))
+    assert ok.status_code == 200 and answer(ok.json()), ok.text
+
+
+# ---------------------------------------------------------------- 6. streaming is unbuffered
+
+
+def test_stream_first_chunk_arrives_before_last(main_front) -> None:
+    body = chat(text("stream-timing", 20), max_tokens=64, stream=True)
+    events = []  # (read index, arrival ns) of each SSE data event, by the read that completed it
+    inflight_after_first = None
+    buf = b""
+    with requests.post(Stack.url(main_front.port, "/v1/chat/completions"), json=body,
+                       stream=True, timeout=600) as r:
+        assert r.status_code == 200
+        verdict_of(r.headers)
+        for n_read, data in enumerate(r.iter_content(chunk_size=None)):  # as the bytes arrive
+            now = time.perf_counter_ns()
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                    events.append((n_read, now))
+            if events and inflight_after_first is None:
+                # The front still relays this stream while its first event is in our hands.
+                inflight_after_first = metrics(main_front)["hetero_inflight_requests"]
+    print(f"{len(events)} events in {len({n for n, _ in events})} reads over "
+          f"{(events[-1][1] - events[0][1]) / 1e6:.1f} ms; inflight {inflight_after_first}")
+    assert len(events) >= 32, len(events)
+    assert events[0][1] < events[-1][1]
+    assert events[0][0] < events[-1][0]  # different reads: not one buffered block
+    assert len({n for n, _ in events}) > len(events) // 4
+    assert inflight_after_first >= 1
+
+
+# ---------------------------------------------------------------- 7. metrics
+
+
+def test_metrics_count_verdicts(tiny, main_front) -> None:
+    down = tiny.front(free_port())
+    before_ok, before_down = metrics(main_front), metrics(down)
+    body = chat(text("metrics", 110), max_tokens=4)
+    tiny.clear()
+    assert verdict_of(post_front(main_front, body).headers)["verdict"] == "complete"
+    body = chat(text("metrics-down", 110), max_tokens=4)
+    assert verdict_of(post_front(down, body).headers)["verdict"].startswith("declined")
+    after_ok, after_down = metrics(main_front), metrics(down)
+    key = 'hetero_requests_total{verdict="%s"}'
+    assert after_ok[key % "complete"] == before_ok[key % "complete"] + 1
+    assert after_down[key % "declined"] == before_down[key % "declined"] + 1
+    assert after_ok["hetero_bridge_bytes_total"] > before_ok["hetero_bridge_bytes_total"]
+
+
+# ---------------------------------------------------------------- 8. hetero up / doctor
+
+
+def children_of(pid: int) -> List[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+def kill_with_children(proc: subprocess.Popen) -> None:
+    """Stops a `hetero up` that did not stop itself, and what it started, by pid."""
+    if proc.poll() is not None:
+        return
+    kids = children_of(proc.pid)
+    proc.kill()
+    proc.wait()
+    for k in kids:
+        try:
+            os.kill(k, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_up_exit_when_ready(tmp_path) -> None:
+    need(HETERO, "hetero binary")
+    need(TINY / "config.json", "tiny test model")
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen(
+            [str(HETERO), "up", "--exit-when-ready", "--port", str(port), "--decoder-port",
+             str(free_port()), "--prefill-port", str(free_port()), "--work-dir",
+             str(tmp_path / "work"), "--model", str(TINY), "--python", PY],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
+        try:
+            rc = up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            kill_with_children(up)
+            pytest.fail("hetero up --exit-when-ready did not exit within 60 s after printing:\n"
+                        + log_path.read_text(errors="replace"))
+    out = log_path.read_text(errors="replace")
+    assert rc == 0, out
+    assert f"http://127.0.0.1:{port}/v1" in out, out
+
+
+def test_doctor_all_green_then_sigint_stops_up(tmp_path) -> None:
+    need(HETERO, "hetero binary")
+    need(TINY / "config.json", "tiny test model")
+    port, dport, pport = free_port(), free_port(), free_port()
+    log = open(tmp_path / "up.log", "wb")
+    up = subprocess.Popen(
+        [str(HETERO), "up", "--port", str(port), "--decoder-port", str(dport), "--prefill-port",
+         str(pport), "--work-dir", str(tmp_path / "work"), "--model", str(TINY), "--python", PY],
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while "hetero is up" not in (tmp_path / "up.log").read_text(errors="replace"):
+            assert up.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+            time.sleep(0.2)
+        kids = children_of(up.pid)
+        assert len(kids) >= 2, kids  # decoder and prefill host
+        doc = subprocess.run([str(HETERO), "doctor", "--port", str(port), "--decoder-port",
+                              str(dport), "--prefill-port", str(pport)],
+                             capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+        print(doc.stdout)
+        assert doc.returncode == 0, doc.stdout + doc.stderr
+        assert "all green" in doc.stdout
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0, (tmp_path / "up.log").read_text()
+        deadline = time.monotonic() + 10
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(k) for k in kids), kids
+    finally:
+        kill_with_children(up)
+        log.close()
+
+
+# ---------------------------------------------------------------- the real model
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    need(HETERO, "hetero binary")
+    need(REAL / "config.json", "SmolLM2-135M-Instruct")
+    stack = Stack(REAL, tmp_path_factory.mktemp("real"))
+    try:
+        # The chat template alone is ~30 tokens: a greeting stays short, a question bridges.
+        front = stack.front(stack.prefill(chunk=32).port,
+                            **{"bridge-min-tokens": 40, "bridge-min-tail": 40})
+        yield stack, front
+    finally:
+        stack.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_real_model_answers_through_openai_client(real, stream) -> None:
+    stack, front = real
+    q = "What is the capital of France? Answer in one sentence."
+    bridged = chat(q, max_tokens=24 if not stream else 12)
+    short = chat("Hi!", max_tokens=8)
+    for body, kind in ((bridged, "complete"), (short, "skipped: short")):
+        native = stack.native(body)
+        got, v, usage = openai_chat(front, body, stream)
+        assert v["verdict"].startswith(kind), v
+        assert got == answer(native), (v, got, answer(native))
+        if kind == "complete" and not stream:
+            assert "Paris" in got
+            assert usage.prompt_tokens_details.cached_tokens == v["T"] - 1
+
+
+@pytest.mark.slow
+def test_real_model_long_prompt_bridged(real) -> None:
+    stack, front = real
+    prompt = ROOT / "prompts" / "chat" / "04-notes.json"
+    need(prompt, "prompt")
+    body = {"model": MODEL_NAME, "max_tokens": 32, "temperature": 0.0,
+            **json.loads(prompt.read_text())}
+    native = stack.native(body)
+    got, v, usage = openai_chat(front, body, stream=False)
+    T = native["usage"]["prompt_tokens"]
+    assert v["verdict"] == "complete" and (v["B"], v["T"]) == (T - 1, T), v
+    assert usage.prompt_tokens_details.cached_tokens == T - 1
+    assert got == answer(native)
+
+
+# ---------------------------------------------------------------- last: the advertised model id
+
+
+def test_model_id_from_v1_models_is_served(tiny, main_front) -> None:
+    """A client that lists /v1/models and uses that id must be served, and the stack must keep
+    serving afterwards. (Runs last: when it fails it may leave the decoder unloaded, so the
+    finalizer reloads it with a direct default-model request.)"""
+    model_id = requests.get(Stack.url(main_front.port, "/v1/models"), timeout=10).json()
+    model_id = model_id["data"][0]["id"]
+    try:
+        r = post_front(main_front, chat("hi", 4, model=model_id))
+        after = post_front(main_front, chat("hi", 4))
+        assert (r.status_code, after.status_code) == (200, 200), (model_id, r.text, after.text)
+    finally:
+        requests.post(Stack.url(tiny.decoder.port, "/v1/chat/completions"),
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                      timeout=120)
