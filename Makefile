@@ -1,5 +1,5 @@
 # hetero: two commands for a fresh machine (Debian 12, 2 cores).
-#   make up    installs what is missing, builds, converts the default model, runs the main job
+#   make up    installs what is missing, builds, converts the default model, serves the stack
 #   make test  same installs, then every test (unit, decoder-side, end to end)
 # Both are idempotent: stamps under .stamps/ make the second run quick.
 
@@ -15,11 +15,13 @@ APT_PACKAGES := cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev 
 
 .PHONY: up test deps venv model tiny prompts build unit pytest demo format format-check clean
 
+# The whole served stack on the default model: prefill host, decoder with seam, front door on
+# :8012 (Ctrl-C stops all three). Check it from another shell with ./build/hetero doctor.
 up: build model
-	$(MAKE) --no-print-directory demo
+	./build/hetero up --model $(MODEL)
 
-# One bridged request shown beside the native one, on the default model.
-demo:
+# One bridged request checked against the native one (arrays, continuation, accounting).
+demo: build model
 	./build/hetero verify --model $(MODEL) --prompt-file prompts/capital.txt --max-tokens 32
 
 test: build model tiny prompts

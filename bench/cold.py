@@ -89,6 +89,11 @@ def git_rev() -> str:
     return r.stdout.strip() or "unknown"
 
 
+def rate(tok_s) -> str:
+    # None: the answer had a single content chunk, so no decode rate can be measured.
+    return f"{tok_s:.1f}" if tok_s else "n/a"
+
+
 def plot(rows: list, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -169,7 +174,7 @@ def main() -> int:
     for r in rows:
         table.append(f"| {r['T']} | {r['native_ttft_s']:.2f} | {r['bridged_ttft_s']:.2f} | "
                      f"{r['ttft_ratio']:.2f}x | {', '.join(r['bridged_verdicts'])} | "
-                     f"{r['native_decode_tok_s'] or 0:.1f} / {r['bridged_decode_tok_s'] or 0:.1f} |")
+                     f"{rate(r['native_decode_tok_s'])} / {rate(r['bridged_decode_tok_s'])} |")
     Path(f"{stem}.md").write_text("\n".join(table) + "\n")
     plot(rows, Path(f"{stem}.png"))
     print("\n".join(table))

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""Run `hetero verify` on every chat prompt in prompts/chat/ and record each report.
+
+Each run bridges the prompt into the decoder and compares against the decoder's native run:
+every cache array, the greedy continuation, the decoder's own prompt-token accounting.
+Writes bench/results/verify-<revision>.jsonl and prints a markdown table.
+
+usage: python bench/verify_prompts.py [--chunks 7,512,13,100,1000] [--max-tokens 64]
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chunks", default="7,512,13,100,1000", help="one chunk size per prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    a = p.parse_args()
+    prompts = sorted((ROOT / "prompts" / "chat").glob("*.json"))
+    chunks = [int(c) for c in a.chunks.split(",")]
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip()
+    rows = []
+    for prompt, chunk in zip(prompts, chunks * len(prompts)):
+        proc = subprocess.run([str(ROOT / "build" / "hetero"), "verify", "--model", a.model,
+                               "--prompt-file", str(prompt), "--chunk", str(chunk),
+                               "--max-tokens", str(a.max_tokens), "--python", sys.executable],
+                              capture_output=True, text=True)
+        r = json.loads(proc.stdout)
+        r["arrays"].pop("per_layer", None)
+        r.update(prompt=prompt.name, rc=proc.returncode, revision=rev)
+        rows.append(r)
+        with open(ROOT / "bench" / "results" / f"verify-{rev}.jsonl", "a") as f:
+            f.write(json.dumps(r) + "\n")
+    print("| prompt | T | chunk | arrays bit-exact | continuation | decoder processed | "
+          "native request (s) | bridge prefill (s) | pass |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---|")
+    for r in rows:
+        acc = r["decoder_accounting"]["bridged"]
+        print(f"| {r['prompt']} | {r['T']} | {r['chunk']} | "
+              f"{r['arrays']['bit_exact']}/{r['arrays']['count']} | "
+              f"{'identical' if r['continuation']['identical'] else 'differs at ' + str(r['continuation']['diverges_at'])} | "
+              f"{acc['processed']} | {r['timings_ms']['native_request'] / 1000:.1f} | "
+              f"{r['timings_ms']['bridge_prefill'] / 1000:.1f} | {r['pass']} |")
+    return 0 if all(r["pass"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
