@@ -65,8 +65,9 @@ build: $(STAMPS)/deps
 	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 	cmake --build build -j$(JOBS)
 
+# Unit tests, and the GPU tests where nvcc built them (they skip themselves without a GPU).
 unit: build
-	cd build && ctest --output-on-failure -L unit -j$(JOBS)
+	cd build && ctest --output-on-failure -L 'unit|gpu' -j$(JOBS)
 
 pytest: build model tiny
 	HETERO_TEST_MODEL=$(CURDIR)/models/tiny-llama HETERO_TOKENIZER=$(CURDIR)/$(MODEL) \

@@ -3,8 +3,6 @@
 // the contract with the decoder.
 #include "kernels/cpu_ops.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -57,6 +55,8 @@ void scalar_block(const float* a, int64_t lda, int64_t rows, int64_t k, const fl
     }
 }
 
+}  // namespace
+
 // The decoder's addmm epilogue: the bias joins the float32 sum, then one bf16 rounding.
 void round_linear_output(const std::vector<float>& acc, int64_t m, int64_t n, const uint16_t* bias,
                          uint16_t* out) {
@@ -67,8 +67,6 @@ void round_linear_output(const std::vector<float>& acc, int64_t m, int64_t n, co
       out[i * n + j] = f32_to_bf16(v);
     }
 }
-
-}  // namespace
 
 void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c) {
   const int64_t n_full = n / kNr * kNr;
@@ -108,16 +106,6 @@ void linear_decoder_order(const uint16_t* x, int64_t m, int64_t k, const float* 
   for (int64_t i = 0; i < m * k; ++i) xf[static_cast<size_t>(i)] = bf16_to_f32(x[i]);
   gemm_ordered(xf.data(), m, k, wt, n, acc.data());
   round_linear_output(acc, m, n, bias, out);
-}
-
-void linear_blas(const uint16_t* x, int64_t m, int64_t k, const float* w, int64_t n,
-                 const uint16_t* bias, uint16_t* out) {
-  std::vector<float> xf(static_cast<size_t>(m * k)), y(static_cast<size_t>(m * n));
-  for (int64_t i = 0; i < m * k; ++i) xf[static_cast<size_t>(i)] = bf16_to_f32(x[i]);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(n),
-              static_cast<int>(k), 1.0f, xf.data(), static_cast<int>(k), w, static_cast<int>(k),
-              0.0f, y.data(), static_cast<int>(n));
-  round_linear_output(y, m, n, bias, out);
 }
 
 void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,

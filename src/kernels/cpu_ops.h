@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace hetero {
 
@@ -22,6 +23,10 @@ void linear_decoder_order(const uint16_t* x, int64_t m, int64_t k, const float* 
 // Same contract with OpenBLAS (w float32 [n, k]); not bit-exact with the decoder.
 void linear_blas(const uint16_t* x, int64_t m, int64_t k, const float* w, int64_t n,
                  const uint16_t* bias, uint16_t* out);
+
+// out = bf16(acc[i, j] (+ bias[j])): the decoder's addmm epilogue (bias joins the float32 sum).
+void round_linear_output(const std::vector<float>& acc, int64_t m, int64_t n, const uint16_t* bias,
+                         uint16_t* out);
 
 // RMSNorm over the last dim d of x [m, d], weight bf16 [d]. In place is allowed.
 void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps, uint16_t* out);

@@ -1,0 +1,275 @@
+// CUDA ops in the decoder's arithmetic: see ops.h. Compiled with --fmad=false; the explicit
+// __fmaf_rn calls are exactly MLX's fma steps.
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cuda/ops.h"
+
+namespace hetero::cuda {
+namespace {
+
+__device__ __forceinline__ float b2f(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+
+__device__ __forceinline__ uint16_t f2b(float f) {
+  uint32_t bits = __float_as_uint(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+__device__ __forceinline__ float rb(float f) { return b2f(f2b(f)); }
+
+__device__ float mlx_exp(float xin) {
+  if (isnan(xin)) return xin;
+  if (xin > 88.0f) return INFINITY;
+  if (xin < -88.0f) return 0.0f;
+  const float x = __fmul_rn(xin, 1.442695f);
+  const float ip = float(floor(double(x) + 0.5));
+  const float f = __fsub_rn(x, ip);
+  float p = 1.535336188319500e-4f;
+  p = __fmaf_rn(p, f, 1.339887440266574e-3f);
+  p = __fmaf_rn(p, f, 9.618437357674640e-3f);
+  p = __fmaf_rn(p, f, 5.550332471162809e-2f);
+  p = __fmaf_rn(p, f, 2.402264791363012e-1f);
+  p = __fmaf_rn(p, f, 6.931472028550421e-1f);
+  p = __fmaf_rn(p, f, 1.0f);
+  return __fmul_rn(__uint_as_float(uint32_t(int32_t(ip) + 127) << 23), p);
+}
+
+__device__ float mlx_sincos(float xin, bool sine) {
+  bool sign_sin = xin < 0;
+  float x = fabsf(xin);
+  float y = __fmul_rn(x, 1.27323954473516f);
+  uint32_t emm2 = uint32_t(y);
+  emm2 = (emm2 + 1u) & ~1u;
+  y = float(emm2);
+  const bool poly = (emm2 & 2u) != 0;
+  x = __fmaf_rn(y, -0.78515625f, x);
+  x = __fmaf_rn(y, -2.4187564849853515625e-4f, x);
+  x = __fmaf_rn(y, -3.77489497744594108e-8f, x);
+  sign_sin = sign_sin ^ ((emm2 & 4u) != 0);
+  const bool sign_cos = ((emm2 - 2u) & 4u) != 0;
+  const float z = __fmul_rn(x, x);
+  float y1 = __fmaf_rn(z, 2.443315711809948e-5f, -1.388731625493765e-3f);
+  float y2 = __fmaf_rn(z, -1.9515295891e-4f, 8.3321608736e-3f);
+  y1 = __fmaf_rn(y1, z, 4.166664568298827e-2f);
+  y2 = __fmaf_rn(y2, z, -1.6666654611e-1f);
+  y1 = __fmul_rn(y1, z);
+  y2 = __fmul_rn(y2, z);
+  y1 = __fmul_rn(y1, z);
+  y2 = __fmaf_rn(x, y2, x);
+  y1 = __fmaf_rn(z, -0.5f, y1);
+  y1 = __fadd_rn(y1, 1.0f);
+  if (sine) {
+    const float s = poly ? y1 : y2;
+    return sign_sin ? -s : s;
+  }
+  const float c = poly ? y2 : y1;
+  return sign_cos ? c : -c;
+}
+
+constexpr int kTile = 32;
+
+// Shared-memory tiled GEMM; each thread owns one C element and walks k in ascending order.
+__global__ void gemm_ordered_kernel(const float* a, int64_t m, int64_t k, const float* b, int64_t n,
+                                    float* c) {
+  __shared__ float as[kTile][kTile], bs[kTile][kTile + 1];
+  const int64_t row = int64_t(blockIdx.y) * kTile + threadIdx.y;
+  const int64_t col = int64_t(blockIdx.x) * kTile + threadIdx.x;
+  float acc = (row < m && col < n) ? c[row * n + col] : 0.0f;
+  for (int64_t k0 = 0; k0 < k; k0 += kTile) {
+    const int64_t ak = k0 + threadIdx.x, bk = k0 + threadIdx.y;
+    as[threadIdx.y][threadIdx.x] = (row < m && ak < k) ? a[row * k + ak] : 0.0f;
+    bs[threadIdx.y][threadIdx.x] = (bk < k && col < n) ? b[bk * n + col] : 0.0f;
+    __syncthreads();
+    const int lim = (k - k0 < kTile) ? int(k - k0) : kTile;
+    for (int l = 0; l < lim; ++l)
+      acc = __fadd_rn(acc, __fmul_rn(as[threadIdx.y][l], bs[l][threadIdx.x]));
+    __syncthreads();
+  }
+  if (row < m && col < n) c[row * n + col] = acc;
+}
+
+__global__ void bf16_to_f32_kernel(const uint16_t* x, int64_t n, float* out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = b2f(x[i]);
+}
+
+__global__ void round_linear_kernel(const float* acc, int64_t m, int64_t n, const uint16_t* bias,
+                                    uint16_t* out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= m * n) return;
+  float v = acc[i];
+  if (bias) v = __fadd_rn(v, b2f(bias[i % n]));
+  out[i] = f2b(v);
+}
+
+// One block per row: the sum of squares is sequential (thread 0), the outputs parallel.
+__global__ void rms_norm_kernel(const uint16_t* x, int64_t d, const uint16_t* w, float eps,
+                                uint16_t* out) {
+  __shared__ float r;
+  const uint16_t* xr = x + int64_t(blockIdx.x) * d;
+  if (threadIdx.x == 0) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < d; ++j) {
+      const float v = b2f(xr[j]);
+      s = __fadd_rn(s, __fmul_rn(v, v));
+    }
+    const float inv_n = float(1.0 / double(d));
+    r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fmul_rn(s, inv_n), eps)));
+  }
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    const float y = rb(__fmul_rn(b2f(xr[j]), r));
+    out[int64_t(blockIdx.x) * d + j] = f2b(__fmul_rn(y, b2f(w[j])));
+  }
+}
+
+// One thread per (token, head, i < half).
+__global__ void rope_kernel(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                            int64_t pos0, float c) {
+  const int64_t half = head_dim / 2;
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= tokens * heads * half) return;
+  const int64_t i = id % half, h = (id / half) % heads, t = id / (half * heads);
+  const float inv = mlx_exp(__fmul_rn(float(-i), c));
+  const float pos = __fadd_rn(float(t), float(pos0));
+  const float theta = __fmul_rn(pos, inv);
+  const float co = rb(mlx_sincos(theta, false)), si = rb(mlx_sincos(theta, true));
+  uint16_t* row = x + (t * heads + h) * head_dim;
+  const float x1 = b2f(row[i]), x2 = b2f(row[i + half]);
+  row[i] = f2b(__fsub_rn(rb(__fmul_rn(x1, co)), rb(__fmul_rn(x2, si))));
+  row[i + half] = f2b(__fadd_rn(rb(__fmul_rn(x1, si)), rb(__fmul_rn(x2, co))));
+}
+
+__global__ void silu_mul_kernel(const uint16_t* gate, const uint16_t* up, int64_t n,
+                                uint16_t* out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float g = b2f(gate[i]);
+  const float e = rb(mlx_exp(fabsf(g)));
+  const float y = __fdiv_rn(1.0f, __fadd_rn(1.0f, e));
+  const float sig = rb(g < 0 ? y : __fsub_rn(1.0f, y));
+  const float silu = rb(__fmul_rn(g, sig));
+  out[i] = f2b(__fmul_rn(silu, b2f(up[i])));
+}
+
+__global__ void add_kernel(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = f2b(__fadd_rn(b2f(a[i]), b2f(b[i])));
+}
+
+// Scores for one (query row, q head) per block; keys across threads; each a d-long ordered sum.
+__global__ void attn_scores_kernel(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
+                                   int64_t kv_heads, int64_t d, int64_t pos0, float scale_b,
+                                   float* s) {
+  const int64_t i = blockIdx.x, hq = blockIdx.y, total = pos0 + n;
+  const int64_t g = hq / (q_heads / kv_heads), visible = pos0 + i + 1;
+  const uint16_t* qr = q + (i * q_heads + hq) * d;
+  float* row = s + (hq * n + i) * total;
+  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) {
+    const uint16_t* kr = k + (j * kv_heads + g) * d;
+    float acc = 0.0f;
+    for (int64_t e = 0; e < d; ++e)
+      acc = __fadd_rn(acc, __fmul_rn(rb(__fmul_rn(b2f(qr[e]), scale_b)), b2f(kr[e])));
+    row[j] = rb(acc);
+  }
+}
+
+// Softmax per row: max (order-free), exp, a sequential sum (thread 0), then probabilities.
+__global__ void attn_softmax_kernel(int64_t n, int64_t pos0, float* s) {
+  const int64_t i = blockIdx.x, hq = blockIdx.y, total = pos0 + n, visible = pos0 + i + 1;
+  float* row = s + (hq * n + i) * total;
+  __shared__ float mx, inv;
+  if (threadIdx.x == 0) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < visible; ++j) m = fmaxf(m, row[j]);
+    mx = m;
+  }
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x)
+    row[j] = mlx_exp(__fsub_rn(row[j], mx));
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float tot = 0.0f;
+    for (int64_t j = 0; j < visible; ++j) tot = __fadd_rn(tot, row[j]);
+    inv = __fdiv_rn(1.0f, tot);
+  }
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) row[j] = rb(__fmul_rn(row[j], inv));
+}
+
+// Output: thread per dim, ordered sum over the visible keys.
+__global__ void attn_pv_kernel(const float* s, int64_t n, int64_t q_heads, const uint16_t* v,
+                               int64_t kv_heads, int64_t d, int64_t pos0, uint16_t* out) {
+  const int64_t i = blockIdx.x, hq = blockIdx.y, total = pos0 + n, visible = pos0 + i + 1;
+  const int64_t g = hq / (q_heads / kv_heads);
+  const float* row = s + (hq * n + i) * total;
+  for (int64_t e = threadIdx.x; e < d; e += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < visible; ++j)
+      acc = __fadd_rn(acc, __fmul_rn(row[j], b2f(v[(j * kv_heads + g) * d + e])));
+    out[(i * q_heads + hq) * d + e] = f2b(acc);
+  }
+}
+
+unsigned blocks(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
+
+}  // namespace
+
+void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c,
+                  cudaStream_t stream) {
+  dim3 grid(unsigned((n + kTile - 1) / kTile), unsigned((m + kTile - 1) / kTile));
+  gemm_ordered_kernel<<<grid, dim3(kTile, kTile), 0, stream>>>(a, m, k, b, n, c);
+}
+
+void bf16_to_f32(const uint16_t* x, int64_t n, float* out, cudaStream_t stream) {
+  bf16_to_f32_kernel<<<blocks(n, 256), 256, 0, stream>>>(x, n, out);
+}
+
+void round_linear_output(const float* acc, int64_t m, int64_t n, const uint16_t* bias,
+                         uint16_t* out, cudaStream_t stream) {
+  round_linear_kernel<<<blocks(m * n, 256), 256, 0, stream>>>(acc, m, n, bias, out);
+}
+
+void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps, uint16_t* out,
+              cudaStream_t stream) {
+  if (m > 0) rms_norm_kernel<<<unsigned(m), 128, 0, stream>>>(x, d, w, eps, out);
+}
+
+void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
+                      float base, cudaStream_t stream) {
+  const float c = std::log(base) / float(head_dim / 2);  // host logf, as the CPU op
+  const int64_t work = tokens * heads * (head_dim / 2);
+  if (work > 0)
+    rope_kernel<<<blocks(work, 256), 256, 0, stream>>>(x, tokens, heads, head_dim, pos0, c);
+}
+
+void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out,
+              cudaStream_t stream) {
+  silu_mul_kernel<<<blocks(n, 256), 256, 0, stream>>>(gate, up, n, out);
+}
+
+void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out, cudaStream_t stream) {
+  add_kernel<<<blocks(n, 256), 256, 0, stream>>>(a, b, n, out);
+}
+
+void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
+                      const uint16_t* v, int64_t kv_heads, int64_t d, int64_t pos0, float scale,
+                      float* scratch, uint16_t* out, cudaStream_t stream) {
+  if (n <= 0) return;
+  // The decoder rounds the scale to bf16 before multiplying (bit pattern as the CPU op).
+  uint32_t bits;
+  std::memcpy(&bits, &scale, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  bits &= 0xffff0000u;
+  float scale_b;
+  std::memcpy(&scale_b, &bits, 4);
+  const dim3 grid{unsigned(n), unsigned(q_heads), 1u};
+  attn_scores_kernel<<<grid, 128, 0, stream>>>(q, n, q_heads, k, kv_heads, d, pos0, scale_b,
+                                               scratch);
+  attn_softmax_kernel<<<grid, 128, 0, stream>>>(n, pos0, scratch);
+  attn_pv_kernel<<<grid, 64, 0, stream>>>(scratch, n, q_heads, v, kv_heads, d, pos0, out);
+}
+
+}  // namespace hetero::cuda

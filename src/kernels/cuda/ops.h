@@ -1,0 +1,35 @@
+// CUDA ops in the decoder's arithmetic: the GPU twins of kernels/cpu_ops.h, bit-identical to
+// them (and so to MLX 0.32.4 on CPU). Every sum keeps its order per output element; parallelism
+// goes across outputs; no FMA contraction outside MLX's own exp and sin/cos (built with
+// --fmad=false, fmaf only where MLX calls fma). This is the correctness-first slice of the CUDA
+// backend: simple kernels whose outputs are the contract; fast kernels must match them.
+// All pointers are device pointers; every op is enqueued on `stream` and returns at once.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hetero::cuda {
+
+// C[M,N] += A[M,K] @ B[K,N], float32, ascending k per element, one rounding per add.
+void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c,
+                  cudaStream_t stream);
+// bf16 <-> f32 conversions (round to nearest even).
+void bf16_to_f32(const uint16_t* x, int64_t n, float* out, cudaStream_t stream);
+// out = bf16(acc (+ bias[j])) for acc [m, n].
+void round_linear_output(const float* acc, int64_t m, int64_t n, const uint16_t* bias,
+                         uint16_t* out, cudaStream_t stream);
+void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps, uint16_t* out,
+              cudaStream_t stream);
+void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
+                      float base, cudaStream_t stream);
+void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out,
+              cudaStream_t stream);
+void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out, cudaStream_t stream);
+// Causal GQA attention, same layouts as the CPU op. scratch: float [q_heads, n, pos0 + n].
+void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
+                      const uint16_t* v, int64_t kv_heads, int64_t d, int64_t pos0, float scale,
+                      float* scratch, uint16_t* out, cudaStream_t stream);
+
+}  // namespace hetero::cuda

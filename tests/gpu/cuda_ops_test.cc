@@ -1,0 +1,129 @@
+// GPU ops against the CPU ops, bit for bit (the CPU ops are proven against the decoder, so this
+// chains the GPU to the decoder's arithmetic). Skips itself, with the reason, without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "common/bf16.h"
+#include "kernels/cpu_ops.h"
+#include "kernels/cuda/ops.h"
+
+namespace hetero {
+namespace {
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0)
+      GTEST_SKIP() << "no CUDA device (" << cudaGetErrorString(e) << ")";
+    cudaDeviceProp p{};
+    cudaGetDeviceProperties(&p, 0);
+    std::printf("[ device ] %s, sm_%d%d\n", p.name, p.major, p.minor);
+  }
+};
+
+template <typename T>
+T* to_device(const std::vector<T>& v) {
+  T* d = nullptr;
+  EXPECT_EQ(cudaMalloc(&d, v.size() * sizeof(T) + 16), cudaSuccess);
+  cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+
+template <typename T>
+std::vector<T> to_host(const T* d, size_t n) {
+  std::vector<T> v(n);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+  return v;
+}
+
+std::vector<uint16_t> random_bf16(size_t n, float scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = f32_to_bf16(nd(rng));
+  return v;
+}
+
+size_t count_diff(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  size_t d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d += a[i] != b[i];
+  return d;
+}
+
+TEST_F(CudaOps, LinearIsBitIdentical) {
+  for (auto [m, k, n] : {std::tuple{1, 576, 192}, {129, 576, 1536}, {37, 1536, 576}, {5, 33, 19}}) {
+    auto x = random_bf16(size_t(m) * k, 1.f, 1), w = random_bf16(size_t(n) * k, 0.05f, 2),
+         bias = random_bf16(n, 0.1f, 3);
+    std::vector<float> wt(size_t(k) * n), xf(size_t(m) * k);
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < k; ++j) wt[size_t(j) * n + i] = bf16_to_f32(w[size_t(i) * k + j]);
+    for (size_t i = 0; i < xf.size(); ++i) xf[i] = bf16_to_f32(x[i]);
+    std::vector<uint16_t> cpu(size_t(m) * n);
+    linear_decoder_order(x.data(), m, k, wt.data(), n, bias.data(), cpu.data());
+    float *dx = to_device(xf), *dw = to_device(wt),
+          *dc = to_device(std::vector<float>(size_t(m) * n, 0.f));
+    uint16_t *db = to_device(bias), *dout = to_device(std::vector<uint16_t>(size_t(m) * n));
+    cuda::gemm_ordered(dx, m, k, dw, n, dc, nullptr);
+    cuda::round_linear_output(dc, m, n, db, dout, nullptr);
+    EXPECT_EQ(count_diff(to_host(dout, cpu.size()), cpu), 0u) << m << "x" << k << "x" << n;
+    for (void* p : {(void*)dx, (void*)dw, (void*)dc, (void*)db, (void*)dout}) cudaFree(p);
+  }
+}
+
+TEST_F(CudaOps, RmsNormRopeSiluAddAreBitIdentical) {
+  const int m = 67, d = 576;
+  auto x = random_bf16(size_t(m) * d, 2.f, 4), w = random_bf16(d, 0.5f, 5);
+  std::vector<uint16_t> cpu(x.size());
+  rms_norm(x.data(), m, d, w.data(), 1e-5f, cpu.data());
+  uint16_t *dx = to_device(x), *dw = to_device(w), *dout = to_device(cpu);
+  cuda::rms_norm(dx, m, d, dw, 1e-5f, dout, nullptr);
+  EXPECT_EQ(count_diff(to_host(dout, cpu.size()), cpu), 0u) << "rms_norm";
+
+  for (int64_t pos0 : {0, 2047, 100000}) {
+    auto q = random_bf16(size_t(5) * 9 * 64, 1.f, 6);
+    auto cq = q;
+    rope_rotate_half(cq.data(), 5, 9, 64, pos0, 100000.f);
+    uint16_t* dq = to_device(q);
+    cuda::rope_rotate_half(dq, 5, 9, 64, pos0, 100000.f, nullptr);
+    EXPECT_EQ(count_diff(to_host(dq, q.size()), cq), 0u) << "rope at " << pos0;
+    cudaFree(dq);
+  }
+
+  auto g = random_bf16(4096, 3.f, 7), u = random_bf16(4096, 1.f, 8);
+  std::vector<uint16_t> s(4096), a(4096);
+  silu_mul(g.data(), u.data(), 4096, s.data());
+  add_bf16(g.data(), u.data(), 4096, a.data());
+  uint16_t *dg = to_device(g), *du = to_device(u), *ds = to_device(s), *da = to_device(a);
+  cuda::silu_mul(dg, du, 4096, ds, nullptr);
+  cuda::add_bf16(dg, du, 4096, da, nullptr);
+  EXPECT_EQ(count_diff(to_host(ds, 4096), s), 0u) << "silu_mul";
+  EXPECT_EQ(count_diff(to_host(da, 4096), a), 0u) << "add";
+  for (void* p : {(void*)dx, (void*)dw, (void*)dout, (void*)dg, (void*)du, (void*)ds, (void*)da})
+    cudaFree(p);
+}
+
+TEST_F(CudaOps, AttentionIsBitIdentical) {
+  for (auto [n, pos0] : {std::pair{1, 0}, {7, 100}, {129, 0}, {33, 2016}}) {
+    const int qh = 9, kvh = 3, d = 64, total = pos0 + n;
+    auto q = random_bf16(size_t(n) * qh * d, 1.f, 9),
+         k = random_bf16(size_t(total) * kvh * d, 1.f, 10),
+         v = random_bf16(size_t(total) * kvh * d, 1.f, 11);
+    std::vector<uint16_t> cpu(size_t(n) * qh * d);
+    attention_causal(q.data(), n, qh, k.data(), v.data(), kvh, d, pos0, 0.125f, cpu.data());
+    uint16_t *dq = to_device(q), *dk = to_device(k), *dv = to_device(v), *dout = to_device(cpu);
+    float* scratch = to_device(std::vector<float>(size_t(qh) * n * total));
+    cuda::attention_causal(dq, n, qh, dk, dv, kvh, d, pos0, 0.125f, scratch, dout, nullptr);
+    EXPECT_EQ(count_diff(to_host(dout, cpu.size()), cpu), 0u) << "n=" << n << " pos0=" << pos0;
+    for (void* p : {(void*)dq, (void*)dk, (void*)dv, (void*)dout, (void*)scratch}) cudaFree(p);
+  }
+}
+
+}  // namespace
+}  // namespace hetero
