@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <string_view>
 
 #include "bridge/assembler.h"
 #include "common/http_json.h"
@@ -330,11 +331,22 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     dreq.body = *body_copy;
     dreq.set_header("Content-Type", "application/json");
     bool client_gone = false;
+    const auto t_send = Clock::now();
+    double first_ms = -1;
     dreq.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      // SSE keep-alive comments precede the first token; time the first data event.
+      if (first_ms < 0 && std::string_view(data, n).find("data:") != std::string_view::npos)
+        first_ms = ms_since(t_send);
       if (!sink.write(data, n)) return (client_gone = true), false;
       return true;
     };
     auto r = cli.send(dreq);
+    if (first_ms >= 0) {
+      metrics->record_stage("decoder_first_token", first_ms);
+      log_line("front", "POST " + path +
+                            " stream decoder_first_token_ms=" + std::to_string(first_ms) +
+                            " decoder_total_ms=" + std::to_string(ms_since(t_send)));
+    }
     if (!r && !client_gone) {
       const std::string ev =
           "data: " +

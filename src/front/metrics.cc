@@ -17,6 +17,12 @@ void FrontMetrics::record(const Verdict& v, int http_status) {
   }
 }
 
+void FrontMetrics::record_stage(const std::string& stage, double ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stage_ms_sum_[stage] += ms;
+  ++stage_count_[stage];
+}
+
 void FrontMetrics::inflight(int delta) {
   std::lock_guard<std::mutex> lock(mu_);
   inflight_ += delta;

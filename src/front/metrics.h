@@ -15,6 +15,8 @@ class FrontMetrics {
  public:
   void record(const Verdict& v, int http_status);
   void inflight(int delta);
+  // A stage timed after the response headers left (a stream's decoder first token).
+  void record_stage(const std::string& stage, double ms);
   std::string render() const;
 
  private:
