@@ -32,10 +32,14 @@ int cmd_compare(int argc, char** argv) {
                         (got.is_ok() ? want.status() : got.status()).to_string().c_str()),
            1;
   CompareSpec spec;
-  spec.max_ulp = opts.get_int("max-ulp").is_ok() ? opts.get_int("max-ulp").value() : 0;
-  spec.max_abs = opts.get_double("max-abs").is_ok() ? opts.get_double("max-abs").value() : 0;
-  spec.min_cosine =
-      opts.get_double("min-cosine").is_ok() ? opts.get_double("min-cosine").value() : -2;
+  auto max_ulp = opts.get_int("max-ulp");
+  auto max_abs = opts.get_double("max-abs");
+  auto min_cosine = opts.get_double("min-cosine");
+  for (const Status& st : {max_ulp.status(), max_abs.status(), min_cosine.status()})
+    if (!st.is_ok()) return std::fprintf(stderr, "compare: %s\n", st.message().c_str()), 2;
+  spec.max_ulp = max_ulp.value();
+  spec.max_abs = max_abs.value();
+  spec.min_cosine = min_cosine.value();
   spec.reason = opts.get("reason");
   nlohmann::json report = {{"tolerance",
                             {{"max_ulp", spec.max_ulp},

@@ -51,12 +51,12 @@ std::string fresh_prompt(int words) {
 int cmd_doctor(int argc, char** argv) {
   Options opts = doctor_options();
   if (int rc = parse_options(opts, argc, argv); rc >= 0) return rc;
-  const int port =
-      static_cast<int>(opts.get_int("port").is_ok() ? opts.get_int("port").value() : 8012);
-  const int dport = static_cast<int>(
-      opts.get_int("decoder-port").is_ok() ? opts.get_int("decoder-port").value() : 8011);
-  const int pport = static_cast<int>(
-      opts.get_int("prefill-port").is_ok() ? opts.get_int("prefill-port").value() : 8010);
+  auto port_r = opts.get_int("port"), dport_r = opts.get_int("decoder-port"),
+       pport_r = opts.get_int("prefill-port"), words_r = opts.get_int("bridge-words");
+  for (const Status& st : {port_r.status(), dport_r.status(), pport_r.status(), words_r.status()})
+    if (!st.is_ok()) return std::fprintf(stderr, "doctor: %s\n", st.message().c_str()), 2;
+  const int port = static_cast<int>(port_r.value()), dport = static_cast<int>(dport_r.value());
+  const int pport = static_cast<int>(pport_r.value()), words = static_cast<int>(words_r.value());
   Checks c;
 
   auto front = http_json("127.0.0.1", port, "/health", json(), 5000);
@@ -82,8 +82,6 @@ int cmd_doctor(int argc, char** argv) {
   // One small bridged request, forced through the bridge, must come back complete.
   httplib::Client cli("127.0.0.1", port);
   cli.set_read_timeout(std::chrono::minutes(10));
-  const int words = static_cast<int>(
-      opts.get_int("bridge-words").is_ok() ? opts.get_int("bridge-words").value() : 400);
   json body = {{"messages", json::array({{{"role", "user"}, {"content", fresh_prompt(words)}}})},
                {"max_tokens", 4},
                {"temperature", 0.0}};
