@@ -13,7 +13,7 @@ JOBS ?= 2
 APT_PACKAGES := cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcpp-httplib-dev \
   libopenblas-dev libxxhash-dev libssl-dev zlib1g-dev libbrotli-dev clang-format python3-venv
 
-.PHONY: up test deps venv model tiny prompts build unit pytest demo format format-check clean
+.PHONY: up test deps venv model tiny tiny-dsv4 prompts build unit pytest demo format format-check clean
 
 # The whole served stack on the default model: prefill host, decoder with seam, front door on
 # :8012 (Ctrl-C stops all three). Check it from another shell with ./build/hetero doctor.
@@ -24,7 +24,7 @@ up: build model
 demo: build model
 	./build/hetero verify --model $(MODEL) --prompt-file prompts/capital.txt --max-tokens 32
 
-test: build model tiny prompts
+test: build model tiny tiny-dsv4 prompts
 	$(MAKE) --no-print-directory format-check unit pytest
 
 # The long real chat prompt (>= 4,000 tokens), made from a text every Debian system has.
@@ -61,6 +61,12 @@ $(STAMPS)/tiny: $(MODEL)/config.json python/hetero_mlx/tiny.py
 	PYTHONPATH=python $(VPY) -m hetero_mlx tiny-llama --tokenizer $(MODEL) --out models/tiny-llama
 	@touch $@
 
+# Tiny random DeepSeek-V4: the official FP8 layout (fp8/) and mlx-vlm's bf16/ and mxfp4/ of it.
+tiny-dsv4: $(STAMPS)/tiny-dsv4
+$(STAMPS)/tiny-dsv4: $(MODEL)/config.json python/hetero_mlx/dsv4_tiny.py python/hetero_mlx/tiny.py
+	PYTHONPATH=python $(VPY) -m hetero_mlx tiny-dsv4 --tokenizer $(MODEL) --out models/dsv4-tiny
+	@touch $@
+
 build: $(STAMPS)/deps
 	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 	cmake --build build -j$(JOBS)
@@ -69,8 +75,9 @@ build: $(STAMPS)/deps
 unit: build
 	cd build && ctest --output-on-failure -L 'unit|gpu' -j$(JOBS)
 
-pytest: build model tiny
+pytest: build model tiny tiny-dsv4
 	HETERO_TEST_MODEL=$(CURDIR)/models/tiny-llama HETERO_TOKENIZER=$(CURDIR)/$(MODEL) \
+	HETERO_DSV4_MODEL=$(CURDIR)/models/dsv4-tiny \
 	HETERO_MODEL=$(CURDIR)/$(MODEL) PYTHONPATH=python $(VPY) -m pytest -q tests/py
 
 format:

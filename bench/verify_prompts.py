@@ -6,6 +6,8 @@ every cache array, the greedy continuation, the decoder's own prompt-token accou
 Writes bench/results/verify-<revision>.jsonl and prints a markdown table.
 
 usage: python bench/verify_prompts.py [--chunks 7,512,13,100,1000] [--max-tokens 64]
+       python bench/verify_prompts.py --model models/dsv4-tiny/native \
+           --prefill-model models/dsv4-tiny/fp8 --max-tokens 32 --tag dsv4
 """
 
 import argparse
@@ -22,6 +24,8 @@ def main() -> int:
     p.add_argument("--chunks", default="7,512,13,100,1000", help="one chunk size per prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    p.add_argument("--prefill-model", default="", help="the prefill host's checkpoint")
+    p.add_argument("--tag", default="", help="results file: verify-[<tag>-]<revision>.jsonl")
     a = p.parse_args()
     prompts = sorted((ROOT / "prompts" / "chat").glob("*.json"))
     chunks = [int(c) for c in a.chunks.split(",")]
@@ -29,15 +33,18 @@ def main() -> int:
                          text=True).stdout.strip()
     rows = []
     for prompt, chunk in zip(prompts, chunks * len(prompts)):
-        proc = subprocess.run([str(ROOT / "build" / "hetero"), "verify", "--model", a.model,
-                               "--prompt-file", str(prompt), "--chunk", str(chunk),
-                               "--max-tokens", str(a.max_tokens), "--python", sys.executable],
-                              capture_output=True, text=True)
+        argv = [str(ROOT / "build" / "hetero"), "verify", "--model", a.model,
+                "--prompt-file", str(prompt), "--chunk", str(chunk),
+                "--max-tokens", str(a.max_tokens), "--python", sys.executable]
+        if a.prefill_model:
+            argv += ["--prefill-model", a.prefill_model]
+        proc = subprocess.run(argv, capture_output=True, text=True)
         r = json.loads(proc.stdout)
         r["arrays"].pop("per_layer", None)
         r.update(prompt=prompt.name, rc=proc.returncode, revision=rev)
         rows.append(r)
-        with open(ROOT / "bench" / "results" / f"verify-{rev}.jsonl", "a") as f:
+        name = f"verify-{a.tag}-{rev}.jsonl" if a.tag else f"verify-{rev}.jsonl"
+        with open(ROOT / "bench" / "results" / name, "a") as f:
             f.write(json.dumps(r) + "\n")
     print("| prompt | T | chunk | arrays bit-exact | continuation | decoder processed | "
           "native request (s) | bridge prefill (s) | pass |")

@@ -1,22 +1,115 @@
 // `hetero prefill`: the prefill host. Serves POST /v1/prefill, or with --ids-file runs one
 // prefill offline through the same producer, wire and verifier and writes the assembled cache.
+// For a deepseek_v4 checkpoint the offline mode runs the CPU forward alone and writes each
+// layer's attention input (layers.{i}.x, bf16 [T, hidden]) under --out.
+#include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "bridge/assembler.h"
 #include "commands.h"
 #include "common/log.h"
 #include "common/safetensors.h"
+#include "engine/dsv4_cpu.h"
+#include "model/dsv4.h"
+#include "prefill/families.h"
 #include "prefill/service.h"
 
 namespace hetero {
 namespace {
 
 volatile std::sig_atomic_t g_stop = 0;
+
+// "N" (chunks of N) or "a,b,c" (then c repeated) as the chunk sizes covering T tokens.
+Result<std::vector<int64_t>> chunk_schedule(const std::string& spec, int64_t T) {
+  std::vector<int64_t> sizes;
+  std::stringstream ss(spec);
+  for (std::string item; std::getline(ss, item, ',');) {
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v <= 0)
+      return invalid_argument(
+          "--chunk must be a positive integer or a comma-separated list of them");
+    sizes.push_back(v);
+  }
+  if (sizes.empty()) return invalid_argument("--chunk is empty");
+  std::vector<int64_t> out;
+  for (int64_t done = 0, i = 0; done < T; ++i) {
+    const int64_t n = std::min(sizes[std::min<size_t>(i, sizes.size() - 1)], T - done);
+    out.push_back(n);
+    done += n;
+  }
+  return out;
+}
+
+// Offline DeepSeek-V4: the forward alone, its attention inputs written for comparison.
+int run_dsv4_offline(const Options& opts) {
+  if (!opts.has("ids-file") || !opts.has("out"))
+    return std::fprintf(stderr,
+                        "prefill: a deepseek_v4 model runs offline only: --ids-file and "
+                        "--out are required\n"),
+           2;
+  std::ifstream in(opts.get("ids-file"));
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.is_array() || j.empty())
+    return std::fprintf(stderr, "prefill: --ids-file must hold a non-empty JSON array of ids\n"), 2;
+  std::vector<int32_t> ids;
+  for (auto& v : j) {
+    if (!v.is_number_integer()) return std::fprintf(stderr, "prefill: ids must be integers\n"), 2;
+    ids.push_back(v.get<int32_t>());
+  }
+  const int64_t T = static_cast<int64_t>(ids.size());
+  auto schedule = chunk_schedule(opts.get("chunk"), T);
+  if (!schedule.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", schedule.status().message().c_str()), 2;
+  auto arith = parse_dsv4_quant_arith(opts.get("quant-arith"));
+  if (!arith.is_ok())
+    return std::fprintf(stderr, "prefill: --quant-arith: %s\n", arith.status().message().c_str()),
+           2;
+  Dsv4EngineOptions engine_options;
+  engine_options.quant_arith = arith.value();
+  auto engine = Dsv4CpuEngine::load(opts.get("model"), engine_options);
+  if (!engine.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", engine.status().to_string().c_str()), 1;
+  const Dsv4Config& c = engine.value()->config();
+  TensorMap out;
+  for (int64_t l = 0; l < c.layers; ++l)
+    out["layers." + std::to_string(l) + ".x"] = Tensor(DType::kBF16, {T, c.hidden});
+  auto tap = [&](const TapEvent& e) {
+    uint16_t* dst = out["layers." + std::to_string(e.layer) + ".x"].data<uint16_t>();
+    std::memcpy(dst + e.pos0 * e.hidden, e.x_bf16, static_cast<size_t>(e.n_tokens * e.hidden) * 2);
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t done = 0;
+  for (int64_t n : schedule.value()) {
+    std::vector<int32_t> part(ids.begin() + done, ids.begin() + done + n);
+    if (Status st = engine.value()->prefill_chunk(part, tap); !st.is_ok())
+      return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 2;
+    done += n;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::error_code ec;
+  std::filesystem::create_directories(opts.get("out"), ec);
+  const std::string dir = opts.get("out");
+  if (Status st = write_safetensors(dir + "/attention_inputs.safetensors", out); !st.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
+  nlohmann::json info = {{"model_type", c.model_type},
+                         {"T", T},
+                         {"layers", c.layers},
+                         {"hidden", c.hidden},
+                         {"schedule", schedule.value()},
+                         {"quant_arith", dsv4_quant_arith_name(arith.value())},
+                         {"seconds", secs}};
+  std::ofstream(dir + "/prefill.json") << info.dump(1) << "\n";
+  std::printf("%s\n", info.dump().c_str());
+  return 0;
+}
 
 }  // namespace
 
@@ -54,47 +147,54 @@ Options prefill_options() {
            "decoder-weights export (python -m hetero_mlx export)"},
           {"host", "HETERO_PREFILL_HOST", "127.0.0.1", "address to listen on"},
           {"port", "HETERO_PREFILL_PORT", "8010", "port to listen on (0: any free port)"},
-          {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
+          {"chunk", "HETERO_PREFILL_CHUNK", "512",
+           "prefill chunk size in tokens (offline deepseek_v4: also a list a,b,c, the last "
+           "repeated)"},
           {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "2097152", "longest accepted prompt"},
           {"gemm", "HETERO_PREFILL_GEMM", "ordered",
            "ordered: the decoder's GEMM order (bit-exact attention inputs); blas: OpenBLAS"},
+          {"quant-arith", "HETERO_PREFILL_QUANT_ARITH", "mlx-cpu",
+           "deepseek_v4, offline: how FP8/FP4 projections are computed. mlx-cpu: as the native "
+           "decoder (mxfp8/mxfp4 on MLX's CPU backend, bf16 sums; bf16 ape); dequant: "
+           "dequantized bf16 weights, float32 sums (a decoder on a dense bf16 conversion)"},
           {"fault", "HETERO_PREFILL_FAULT", "",
            "fault injection for tests: exit-after:N, stall-after:N, truncate-after:N, corrupt:N, "
            "gap:N, wrong-t"},
           {"ids-file", "", "", "offline: JSON array of token ids to prefill instead of serving"},
           {"fingerprint", "", "",
            "offline: the decoder fingerprint to require (default: export's)"},
-          {"out", "", "", "offline: where to write the assembled cache (safetensors)"},
+          {"decoder-calls", "", "",
+           "offline, deepseek_v4: the decoder's call lengths a,b,c for the ids (default: its "
+           "server's schedule)"},
+          {"out", "", "",
+           "offline: where to write the assembled cache (safetensors); for deepseek_v4 a "
+           "directory for the attention inputs"},
       });
 }
 
 int cmd_prefill(int argc, char** argv) {
   Options opts = prefill_options();
   if (int rc = parse_options(opts, argc, argv); rc >= 0) return rc;
+  if (opts.has("model") && is_dsv4_checkpoint(opts.get("model")) && !opts.has("weights")) {
+    // No decoder export: the forward alone, writing each layer's attention input.
+    log_line("prefill", "options " + opts.effective().dump());
+    return run_dsv4_offline(opts);
+  }
   if (!opts.has("model") || !opts.has("weights")) {
     std::fprintf(stderr, "prefill: --model and --weights are required\n");
     return 2;
   }
   log_line("prefill", "options " + opts.effective().dump());
-  const std::string gemm = opts.get("gemm");
-  if (gemm != "ordered" && gemm != "blas")
-    return std::fprintf(stderr, "prefill: --gemm must be 'ordered' or 'blas'\n"), 2;
-  auto engine =
-      LlamaCpuEngine::load(opts.get("model"), gemm == "blas" ? LlamaCpuEngine::Gemm::kBlas
-                                                             : LlamaCpuEngine::Gemm::kOrdered);
-  if (!engine.is_ok())
-    return std::fprintf(stderr, "prefill: %s\n", engine.status().to_string().c_str()), 1;
-  auto weights = load_llama_decoder_weights(opts.get("weights"));
-  if (!weights.is_ok())
-    return std::fprintf(stderr, "prefill: %s\n", weights.status().to_string().c_str()), 1;
-  if (Status st = check_export_matches_model(engine.value()->config(), weights->layout);
-      !st.is_ok())
-    return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
+  auto stack = load_prefill_stack(opts.get("model"), opts.get("weights"), opts.get("gemm"));
+  if (!stack.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", stack.status().to_string().c_str()), 1;
+  const DecoderCacheLayout layout = stack->layout;
   auto chunk = opts.get_int("chunk");
   auto max_tokens = opts.get_int("max-tokens");
   if (!chunk.is_ok() || chunk.value() <= 0 || !max_tokens.is_ok())
     return std::fprintf(stderr, "prefill: --chunk and --max-tokens must be positive integers\n"), 2;
-  PrefillService service(engine.value().get(), &weights.value(), chunk.value(), max_tokens.value());
+  PrefillService service(stack->engine.get(), layout, stack->programs, chunk.value(),
+                         max_tokens.value());
   auto fault = parse_fault(opts.get("fault"));
   if (!fault.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", fault.status().message().c_str()), 2;
@@ -105,17 +205,20 @@ int cmd_prefill(int argc, char** argv) {
     std::ifstream in(opts.get("ids-file"));
     nlohmann::json ids = nlohmann::json::parse(in, nullptr, false);
     if (ids.is_discarded()) return std::fprintf(stderr, "prefill: --ids-file is not JSON\n"), 2;
-    nlohmann::json body = {{"ids", ids},
-                           {"fingerprint", opts.has("fingerprint") ? opts.get("fingerprint")
-                                                                   : weights->layout.fingerprint},
-                           {"chunk", chunk.value()}};
-    auto req = parse_prefill_request(body.dump(), engine.value()->config(), weights->layout,
-                                     max_tokens.value());
+    nlohmann::json body = {
+        {"ids", ids},
+        {"fingerprint", opts.has("fingerprint") ? opts.get("fingerprint") : layout.fingerprint},
+        {"chunk", chunk.value()}};
+    if (opts.has("decoder-calls"))
+      body["decoder_calls"] =
+          nlohmann::json::parse("[" + opts.get("decoder-calls") + "]", nullptr, false);
+    auto req =
+        parse_prefill_request(body.dump(), stack->engine->vocab(), layout, max_tokens.value());
     if (!req.is_ok())
       return std::fprintf(stderr, "prefill: %s\n", req.status().to_string().c_str()), 2;
     // The same path as over HTTP, minus the socket: frames are parsed and verified.
     const int64_t T = static_cast<int64_t>(req->ids.size());
-    CacheAssembler assembler(weights->layout, T);
+    auto assembler = make_assembler(layout, T);
     FrameParser parser(int64_t{8} << 30);
     Status st;
     service.run(req.value(), [&](std::string f) {
@@ -125,20 +228,23 @@ int cmd_prefill(int argc, char** argv) {
         return (st = fr.is_ok() ? data_loss("partial frame") : fr.status()), false;
       if (fr.value()->header.value("kind", "") == "manifest") {
         auto m = decode_manifest(*fr.value());
-        st = m.is_ok() ? assembler.finish(m.value()) : m.status();
+        st = m.is_ok() ? assembler->finish(m.value()) : m.status();
         return st.is_ok();
       }
       auto seg = decode_segment(*fr.value());
-      st = seg.is_ok() ? assembler.accept(seg.value()) : seg.status();
+      st = seg.is_ok() ? assembler->accept(seg.value()) : seg.status();
       return st.is_ok();
     });
     if (!st.is_ok()) return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
     if (opts.has("out")) {
-      Status w = write_safetensors(opts.get("out"), assembler.arrays(T));
+      std::map<std::string, std::string> meta;
+      const nlohmann::json extra = assembler->entry_extra();
+      for (const auto& [k, v] : extra.items()) meta[k] = v.dump();
+      Status w = write_safetensors(opts.get("out"), assembler->arrays(T), meta);
       if (!w.is_ok()) return std::fprintf(stderr, "prefill: %s\n", w.to_string().c_str()), 1;
     }
     std::printf("%s\n",
-                nlohmann::json({{"T", T}, {"segments", assembler.segments()}}).dump().c_str());
+                nlohmann::json({{"T", T}, {"segments", assembler->segments()}}).dump().c_str());
     return 0;
   }
 
@@ -149,7 +255,7 @@ int cmd_prefill(int argc, char** argv) {
   if (!st.is_ok()) return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
   log_line("prefill", "serving POST /v1/prefill on " + opts.get("host") + ":" +
                           std::to_string(service.bound_port()) + " fingerprint " +
-                          weights->layout.fingerprint);
+                          layout.fingerprint);
   wait_for_signal();
   service.stop();
   return 0;

@@ -18,7 +18,11 @@ Options up_options() {
   return Options(
       "up", "Start prefill host, decoder (with seam) and front door on one model.",
       {
-          {"model", "HETERO_MODEL", "models/smollm2-135m-instruct", "HF checkpoint directory"},
+          {"model", "HETERO_MODEL", "models/smollm2-135m-instruct",
+           "the decoder's checkpoint directory"},
+          {"prefill-model", "HETERO_PREFILL_MODEL", "",
+           "the prefill host's checkpoint (default: --model; deepseek_v4: the official FP8 "
+           "layout)"},
           {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
           {"work-dir", "HETERO_WORK_DIR", "out/up", "logs, decoder weights and the store"},
           {"port", "HETERO_FRONT_PORT", "8012", "front door port"},
@@ -35,6 +39,8 @@ int cmd_up(int argc, char** argv) {
   install_stop_handlers();  // a signal during start-up still stops the children cleanly
   const std::string model = resolve_path(opts.get("model"));
   const std::string python = resolve_path(opts.get("python"));
+  const std::string prefill_model =
+      opts.has("prefill-model") ? resolve_path(opts.get("prefill-model")) : model;
   if (!fs::exists(fs::path(model) / "config.json"))
     return std::fprintf(stderr, "up: no model at %s (run: make up)\n", model.c_str()), 2;
   fs::path work = opts.get("work-dir");
@@ -59,7 +65,7 @@ int cmd_up(int argc, char** argv) {
       !st.is_ok())
     return std::fprintf(stderr, "up: decoder: %s\n", st.message().c_str()), 1;
   if (Status st = prefill.start({(fs::path(repo_root()) / "build" / "hetero").string(), "prefill",
-                                 "--model", model, "--weights", weights, "--port",
+                                 "--model", prefill_model, "--weights", weights, "--port",
                                  std::to_string(pport.value()), "--chunk", opts.get("chunk")},
                                 {}, plog);
       !st.is_ok())

@@ -22,6 +22,7 @@
 #include "common/process.h"
 #include "common/safetensors.h"
 #include "prefill/client.h"
+#include "prefill/families.h"
 #include "prefill/service.h"
 #include "stack.h"
 
@@ -35,7 +36,11 @@ Options verify_options() {
       "One bridge vs the decoder natively on the same ids: every cache array, the greedy "
       "continuation and the decoder's own count of prompt tokens processed.",
       {
-          {"model", "HETERO_MODEL", "models/smollm2-135m-instruct", "HF checkpoint directory"},
+          {"model", "HETERO_MODEL", "models/smollm2-135m-instruct",
+           "the decoder's checkpoint directory"},
+          {"prefill-model", "", "",
+           "the prefill host's checkpoint (default: --model; deepseek_v4: the official FP8 "
+           "layout the decoder's variant was converted from)"},
           {"weights", "HETERO_DECODER_WEIGHTS", "",
            "decoder-weights export (default: exported "
            "into the work dir from the decoder)"},
@@ -76,7 +81,7 @@ Result<std::pair<std::string, json>> load_prompt(const std::string& path) {
 
 struct Answer {
   std::string text;
-  std::vector<int64_t> tokens;
+  std::vector<std::string> tokens;  // per generated token: its id, or its text (mlx-vlm)
   int64_t prompt_tokens = -1, cached_tokens = -1;
   double ms = 0;
 };
@@ -98,8 +103,12 @@ Result<Answer> ask(int port, const std::string& endpoint, json body, int64_t max
                                          : ""
                                    : c.value("text", "");
     if (c.contains("logprobs") && c["logprobs"].is_object())
-      for (const auto& t : c["logprobs"]["content"])
-        if (t.contains("id")) a.tokens.push_back(t["id"].get<int64_t>());
+      for (const auto& t : c["logprobs"]["content"]) {
+        if (t.contains("id"))
+          a.tokens.push_back(std::to_string(t["id"].get<int64_t>()));
+        else if (t.contains("token") && t["token"].is_string())
+          a.tokens.push_back(t["token"].get<std::string>());
+      }
     a.prompt_tokens = r.at("usage").at("prompt_tokens").get<int64_t>();
     if (r["usage"].contains("prompt_tokens_details"))
       a.cached_tokens = r["usage"]["prompt_tokens_details"].value("cached_tokens", int64_t{-1});
@@ -174,17 +183,18 @@ int cmd_verify(int argc, char** argv) {
         !st.is_ok())
       return fail("decoder weights", st);
   }
-  auto weights = load_llama_decoder_weights(weights_dir);
-  if (!weights.is_ok()) return fail("decoder weights", weights.status());
-  auto engine = LlamaCpuEngine::load(model);
-  if (!engine.is_ok()) return fail("prefill engine", engine.status());
-  if (Status st = check_export_matches_model(engine.value()->config(), weights->layout);
-      !st.is_ok())
-    return fail("decoder weights", st);
-  PrefillService service(engine.value().get(), &weights.value(), chunk.value(), int64_t{1} << 21);
+  const std::string prefill_model =
+      opts.has("prefill-model") ? resolve_path(opts.get("prefill-model")) : model;
+  auto stack = load_prefill_stack(prefill_model, weights_dir);
+  if (!stack.is_ok()) return fail("prefill host", stack.status());
+  PrefillService service(stack->engine.get(), stack->layout, stack->programs, chunk.value(),
+                         int64_t{1} << 21);
   if (Status st = service.start("127.0.0.1", 0); !st.is_ok()) return fail("prefill host", st);
-
-  const auto& [endpoint, request] = prompt.value();
+  const std::string endpoint = prompt.value().first;
+  json request = prompt.value().second;
+  // A decoder that requires the exact served name in requests says so in its info.
+  if (info.value().contains("forward_model") && info.value()["forward_model"].is_string())
+    request["model"] = info.value()["forward_model"];
   auto tok = http_json_ok("127.0.0.1", port, "/hetero/tokenize", request, tmo);
   if (!tok.is_ok()) return fail("tokenize", tok.status());
   std::vector<int32_t> ids = tok.value()["ids"].get<std::vector<int32_t>>();
@@ -208,14 +218,20 @@ int cmd_verify(int argc, char** argv) {
     return fail("clear", c.status());
 
   // Bridged leg.
-  DecoderCacheLayout layout = weights->layout;
-  layout.fingerprint = info.value().value("fingerprint", "");
-  CacheAssembler assembler(layout, B);
-  PrefillRequest preq{prefix, layout.fingerprint, chunk.value()};
+  auto layout_or = layout_from_json(info.value().dump());
+  if (!layout_or.is_ok()) return fail("decoder info", layout_or.status());
+  const DecoderCacheLayout layout = layout_or.value();
+  auto assembler = make_assembler(layout, B);
+  PrefillRequest preq{prefix, layout.fingerprint, chunk.value(),
+                      decoder_calls_from_info(info.value().dump(), B)};
   FetchResult fetched =
-      fetch_prefill("127.0.0.1", service.bound_port(), preq, &assembler, tmo, tmo);
+      fetch_prefill("127.0.0.1", service.bound_port(), preq, assembler.get(), tmo, tmo);
   if (!fetched.status.is_ok()) return fail("bridge", fetched.status);
-  auto entry = write_store_entry(work + "/store", layout, ids, B, B, assembler.arrays(B));
+  if (!assembler->can_mount(B))
+    return fail("bridge", data_loss("the verified rows cannot be mounted as a " +
+                                    std::to_string(B) + "-token prefix"));
+  auto entry = write_store_entry(work + "/store", layout, ids, B, B, assembler->arrays(B),
+                                 assembler->entry_extra());
   if (!entry.is_ok()) return fail("store", entry.status());
   auto mounted =
       http_json_ok("127.0.0.1", port, "/hetero/mount", {{"entry", entry->path}, {"ids", ids}}, tmo);
@@ -244,26 +260,34 @@ int cmd_verify(int argc, char** argv) {
   json per_layer = json::array(), failures = json::array();
   int64_t worst_ulp = 0, exact = 0;
   double min_eq = 1.0, min_cosine = 1.0;
-  for (int64_t l = 0; l < layout.layers; ++l) {
-    json row = {{"layer", l}};
-    for (const char* kind : {"keys", "values"}) {
-      const std::string name = "layers." + std::to_string(l) + "." + kind;
-      auto wi = want->tensors.find(name);
-      auto gi = got->tensors.find(name);
-      if (wi == want->tensors.end() || gi == got->tensors.end()) {
-        failures.push_back(name + " missing");
-        continue;
-      }
-      CompareReport r = compare_tensors(gi->second, wi->second, spec);
-      row[kind] = {
-          {"max_ulp", r.max_ulp}, {"equal_fraction", r.equal_fraction}, {"cosine", r.cosine}};
-      worst_ulp = std::max(worst_ulp, r.max_ulp);
-      min_eq = std::min(min_eq, r.equal_fraction);
-      min_cosine = std::min(min_cosine, r.cosine);
-      if (r.equal_fraction == 1.0) ++exact;
-      if (!r.pass) failures.push_back(name + ": " + r.message);
+  // Every array of the decoder's own dump, whatever the family's layout.
+  std::map<int64_t, json> rows;
+  for (const auto& [name, wt] : want->tensors) {
+    auto gi = got->tensors.find(name);
+    if (gi == got->tensors.end()) {
+      failures.push_back(name + " missing from the mounted cache");
+      continue;
     }
-    per_layer.push_back(row);
+    CompareReport r = compare_tensors(gi->second, wt, spec);
+    int64_t layer = -1;
+    std::string kind = name;
+    if (std::sscanf(name.c_str(), "layers.%lld.", reinterpret_cast<long long*>(&layer)) == 1)
+      kind = name.substr(name.find('.', 7) + 1);
+    json& row = rows[layer];
+    row["layer"] = layer;
+    row[kind] = {
+        {"max_ulp", r.max_ulp}, {"equal_fraction", r.equal_fraction}, {"cosine", r.cosine}};
+    worst_ulp = std::max(worst_ulp, r.max_ulp);
+    min_eq = std::min(min_eq, r.equal_fraction);
+    min_cosine = std::min(min_cosine, r.cosine);
+    if (r.equal_fraction == 1.0) ++exact;
+    if (!r.pass) failures.push_back(name + ": " + r.message);
+  }
+  for (auto& [layer, row] : rows) per_layer.push_back(row);
+  if (got->metadata.count("window_idx") || want->metadata.count("window_idx")) {
+    const std::string a = want->metadata.count("window_idx") ? want->metadata["window_idx"] : "-";
+    const std::string b = got->metadata.count("window_idx") ? got->metadata["window_idx"] : "-";
+    if (a != b) failures.push_back("window_idx: native " + a + ", mounted " + b);
   }
   const bool same_text = native->text == bridged->text;
   const bool same_tokens = native->tokens == bridged->tokens;
@@ -287,12 +311,14 @@ int cmd_verify(int argc, char** argv) {
   json out = {
       {"pass", failures.empty()},
       {"model", model},
+      {"prefill_model", prefill_model},
+      {"family", layout.family},
       {"fingerprint", layout.fingerprint},
       {"T", T},
       {"B", B},
       {"chunk", chunk.value()},
       {"arrays",
-       {{"count", 2 * layout.layers},
+       {{"count", static_cast<int64_t>(want->tensors.size())},
         {"bit_exact", exact},
         {"max_ulp", worst_ulp},
         {"min_equal_fraction", min_eq},

@@ -1,4 +1,4 @@
-"""Command line: python -m hetero_mlx {serve,export,tiny-llama} ...
+"""Command line: python -m hetero_mlx {serve,export,tiny-llama,tiny-dsv4} ...
 
 serve options not listed here are passed to mlx-lm's own server parser unchanged.
 """
@@ -42,7 +42,70 @@ def _parser() -> argparse.ArgumentParser:
         "--tie", action=argparse.BooleanOptionalAction, default=True, help="tie lm_head to embed"
     )
     tiny.add_argument("--rope-theta", type=float, default=100000.0)
+
+    dsv4 = sub.add_parser(
+        "tiny-dsv4", help="tiny random DeepSeek-V4 checkpoint: fp8/ (official), bf16/, mxfp4/"
+    )
+    dsv4.add_argument("--tokenizer", required=True, type=Path, help="dir with tokenizer files")
+    dsv4.add_argument("--out", required=True, type=Path, help="writes OUT/{fp8,bf16,mxfp4,native}")
+    dsv4.add_argument("--seed", type=int, default=0, help="same seed and shape, same bytes")
+    dsv4.add_argument("--variants", default="fp8,bf16,mxfp4,native", help="fp8 is always written")
+    dsv4.add_argument("--layers", type=int, default=6)
+    dsv4.add_argument(
+        "--ratios",
+        help="per-layer compress ratios (0, 4, 128), comma-separated; "
+        "default: 0,0 then 4,128 alternating, as in DeepSeek-V4-Flash",
+    )
+    dsv4.add_argument("--hidden", type=int, default=256)
+    dsv4.add_argument("--heads", type=int, default=4)
+    dsv4.add_argument("--head-dim", type=int, default=128)
+    dsv4.add_argument("--rope-dim", type=int, default=64, help="qk_rope_head_dim")
+    dsv4.add_argument("--q-lora-rank", type=int, default=128)
+    dsv4.add_argument("--o-groups", type=int, default=2)
+    dsv4.add_argument("--o-lora-rank", type=int, default=128)
+    dsv4.add_argument("--experts", type=int, default=8, help="n_routed_experts")
+    dsv4.add_argument("--top-k", type=int, default=2, help="num_experts_per_tok")
+    dsv4.add_argument("--moe-intermediate", type=int, default=128)
+    dsv4.add_argument("--hash-layers", type=int, default=2, help="num_hash_layers")
+    dsv4.add_argument("--index-heads", type=int, default=4)
+    dsv4.add_argument("--index-head-dim", type=int, default=128)
+    dsv4.add_argument("--index-topk", type=int, default=16)
+    dsv4.add_argument("--sliding-window", type=int, default=128)
+    dsv4.add_argument("--hc-mult", type=int, default=4)
+    dsv4.add_argument("--mtp-layers", type=int, default=1, choices=(0, 1))
     return parser
+
+
+def _tiny_dsv4(args: argparse.Namespace) -> dict:
+    from .dsv4_tiny import Dsv4Shape, default_ratios, make_tiny_dsv4
+
+    if args.ratios:
+        ratios = tuple(int(r) for r in args.ratios.split(","))
+    else:
+        ratios = default_ratios(args.layers)
+    shape = Dsv4Shape(
+        layers=args.layers,
+        ratios=ratios,
+        hidden=args.hidden,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        rope_dim=args.rope_dim,
+        q_lora_rank=args.q_lora_rank,
+        o_groups=args.o_groups,
+        o_lora_rank=args.o_lora_rank,
+        experts=args.experts,
+        top_k=args.top_k,
+        moe_intermediate=args.moe_intermediate,
+        hash_layers=args.hash_layers,
+        index_heads=args.index_heads,
+        index_head_dim=args.index_head_dim,
+        index_topk=args.index_topk,
+        sliding_window=args.sliding_window,
+        hc_mult=args.hc_mult,
+        mtp_layers=args.mtp_layers,
+    )
+    variants = tuple(v for v in args.variants.split(",") if v)
+    return make_tiny_dsv4(args.tokenizer, args.out, args.seed, shape, variants)
 
 
 def _mlx_argv(args: argparse.Namespace, extra: List[str]) -> List[str]:
@@ -66,6 +129,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .export import export
 
         print(json.dumps(export(args.model, args.out), sort_keys=True))
+    elif args.command == "tiny-dsv4":
+        try:
+            made = _tiny_dsv4(args)
+        except ValueError as e:
+            parser.error(str(e))
+        print(json.dumps(made, sort_keys=True))
     else:
         from .tiny import TinyShape, make_tiny_llama
 

@@ -27,7 +27,7 @@ from . import STORE_FORMAT
 from .errors import SeamError, bad_request
 from .llama import build_cache, cache_arrays
 from .prompt_cache import LockedPromptCache
-from .store import read_entry, resolve
+from .store import dump_request, entry_path, read_entry, request_ids
 
 log = logging.getLogger("hetero_mlx")
 
@@ -76,20 +76,6 @@ class _TokenizeProbe:
         except Exception as e:  # template errors, bad message content: reported as 400
             self.error = e
         raise _ProbeDone()
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _ids(body: Dict[str, Any], vocab_size: int) -> List[int]:
-    ids = body.get("ids")
-    if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
-        raise bad_request("bad_ids", "ids must be a non-empty list of integers")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request("ids_out_of_vocab", f"ids {bad[:4]} are outside [0, {vocab_size})")
-    return ids
 
 
 def _openai_path(body: Dict[str, Any]) -> str:
@@ -262,15 +248,13 @@ class SeamHandler(APIHandler):
         return probe.result
 
     def _cached_prefix(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
-        ids = _ids(body, self.seam.desc["vocab_size"])
+        ids = request_ids(body, self.seam.desc["vocab_size"])
         cached = self.seam.prompt_cache.reuse_length(self.seam.model_key, ids)
         return {"cached_tokens": cached, "n": len(ids)}
 
     def _mount(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
-        ids = _ids(body, self.seam.desc["vocab_size"])
-        if not isinstance(body.get("entry"), str) or not body["entry"]:
-            raise bad_request("bad_entry", "entry must be a directory path")
-        entry = read_entry(resolve(body["entry"], self.seam.store), ids, self.seam.desc)
+        ids = request_ids(body, self.seam.desc["vocab_size"])
+        entry = read_entry(entry_path(body, self.seam.store), ids, self.seam.desc)
         # Built and evaluated outside the lock: only the insert touches shared state.
         cache = build_cache(self.seam.provider.model, entry.arrays, entry.n_tokens)
         prefix = list(ids[: entry.n_tokens])
@@ -279,12 +263,8 @@ class SeamHandler(APIHandler):
         return {"mounted": entry.n_tokens}
 
     def _cache_dump(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
-        ids = _ids(body, self.seam.desc["vocab_size"])
-        n, out = body.get("B"), body.get("out")
-        if not _is_int(n) or not 1 <= n <= len(ids):
-            raise bad_request("bad_prefix_length", f"B must be an integer in [1, {len(ids)}]")
-        if not isinstance(out, str) or not out.endswith(".safetensors"):
-            raise bad_request("bad_out", "out must be a path ending in .safetensors")
+        ids = request_ids(body, self.seam.desc["vocab_size"])
+        n, out = dump_request(body, ids)
         arrays = self._native_arrays(ids[:n])
         mx.save_safetensors(out, arrays, metadata={"format": STORE_FORMAT, "B": str(n)})
         return {"B": n, "path": out}

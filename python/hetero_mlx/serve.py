@@ -10,9 +10,13 @@ Construction, in order:
   3. Wait until the model is loaded, so /health and the seam only answer once it can serve.
   4. As run() does: _run_http_server(host, port, generator), here with the seam's handler.
      (run() accepts a handler_class but does not pass it on, so it cannot be used directly.)
+
+Models whose config.json names a model_type that mlx-vlm serves (DeepSeek-V4) go to
+vlm_serve.serve instead: mlx-vlm's own server with the same seam.
 """
 
 import functools
+import json
 import logging
 import sys
 import threading
@@ -69,8 +73,25 @@ def _wait_for_model(provider: ModelProvider, generator: ResponseGenerator, loade
         raise SystemExit(f"hetero_mlx: model {provider.cli_args.model} did not load")
 
 
+# config.json model types whose decoder is mlx-vlm's server (see vlm_serve.py).
+VLM_MODEL_TYPES = ("deepseek_v4",)
+
+
+def _model_type(argv: List[str]) -> Optional[str]:
+    """model_type from config.json of a local --model directory (None for anything else)."""
+    model = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--model"), None)
+    try:
+        return json.loads((Path(model) / "config.json").read_text()).get("model_type")
+    except (TypeError, OSError, ValueError, AttributeError):
+        return None
+
+
 def serve(argv: List[str], store: Optional[Path]) -> None:
-    """Runs the server until interrupted; argv is mlx-lm server options."""
+    """Runs the server until interrupted; argv is the decoder server's options."""
+    if _model_type(argv) in VLM_MODEL_TYPES:
+        from .vlm_serve import serve as serve_vlm
+
+        return serve_vlm(argv, store)
     provider = mlx_provider(argv)
     log.info("mlx-lm options: %s", vars(provider.cli_args))
     group = mx.distributed.init()

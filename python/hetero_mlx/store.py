@@ -1,16 +1,20 @@
-"""Reading one decoder-store entry written by the C++ front, trusting nothing in it.
+"""Reading one decoder-store entry written by the C++ front, trusting nothing in it; and the
+request fields that name ids, entries and dump targets, checked the same way for every decoder.
 
 An entry is a directory with
   entry.json         {"format": "hetero-store-v1", "family", "fingerprint", "B", "T",
-                      "layers", "ids": [B token ids]}
-  cache.safetensors  per layer `layers.{i}.keys` / `layers.{i}.values`, [kv_heads, B, head_dim]
+                      "layers", "ids": [B token ids]} plus any integers the family needs
+                      (deepseek_v4: "window_idx", the rotating window's slot index)
+  cache.safetensors  the family's arrays for the prefix (llama: per layer `layers.{i}.keys` /
+                     `layers.{i}.values`, [kv_heads, B, head_dim])
 Every field is checked against the request and the loaded decoder before anything is mounted.
+The family says which arrays it expects and their shapes (`Layout`); llama's is the default.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -26,6 +30,32 @@ CACHE_FILE = "cache.safetensors"
 class Entry:
     n_tokens: int  # B: the prefix the arrays cover
     arrays: Dict[str, mx.array]
+    extra: Dict[str, int] = field(default_factory=dict)  # the family's integers from entry.json
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a family expects in cache.safetensors for one prefix.
+
+    shapes: every expected array and its shape; -1 on an axis accepts any length there (a
+    length the family's builder checks itself). dtype: the decoder's cache dtype, which every
+    array must have.
+    """
+
+    shapes: Dict[str, List[int]]
+    dtype: str
+
+
+# A family's expected layout for a prefix of B tokens, given the entry's family integers.
+LayoutFn = Callable[[int, Dict[str, int]], Layout]
+
+
+def llama_layout(desc: Dict[str, Any]) -> LayoutFn:
+    def layout(n_tokens: int, extra: Dict[str, int]) -> Layout:
+        shape = [desc["kv_heads"], n_tokens, desc["head_dim"]]
+        return Layout({name: shape for name in array_names(desc["layers"])}, desc["dtype"])
+
+    return layout
 
 
 def resolve(entry: str, store: Optional[Path]) -> Path:
@@ -37,6 +67,34 @@ def resolve(entry: str, store: Optional[Path]) -> Path:
     if store.resolve() not in path.parents:
         raise bad_request("entry_outside_store", f"entry {entry} is not inside the store {store}")
     return path
+
+
+def entry_path(body: Dict[str, Any], store: Optional[Path]) -> Path:
+    """The request's "entry" field as a directory, inside the store when one is configured."""
+    if not isinstance(body.get("entry"), str) or not body["entry"]:
+        raise bad_request("bad_entry", "entry must be a directory path")
+    return resolve(body["entry"], store)
+
+
+def request_ids(body: Dict[str, Any], vocab_size: int) -> List[int]:
+    """The request's "ids": a non-empty list of token ids of the decoder's vocabulary."""
+    ids = body.get("ids")
+    if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+        raise bad_request("bad_ids", "ids must be a non-empty list of integers")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request("ids_out_of_vocab", f"ids {bad[:4]} are outside [0, {vocab_size})")
+    return ids
+
+
+def dump_request(body: Dict[str, Any], ids: Sequence[int]) -> Tuple[int, str]:
+    """The (B, out) of a truth-dump request for `ids`."""
+    n, out = body.get("B"), body.get("out")
+    if not _is_int(n) or not 1 <= n <= len(ids):
+        raise bad_request("bad_prefix_length", f"B must be an integer in [1, {len(ids)}]")
+    if not isinstance(out, str) or not out.endswith(".safetensors"):
+        raise bad_request("bad_out", "out must be a path ending in .safetensors")
+    return n, out
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
@@ -94,30 +152,55 @@ def _load_arrays(path: Path) -> Dict[str, mx.array]:
     return arrays
 
 
-def _check_arrays(arrays: Dict[str, mx.array], n: int, desc: Dict[str, Any]) -> None:
-    expected = array_names(desc["layers"])
+def _extra_ints(meta: Dict[str, Any], names: Sequence[str]) -> Dict[str, int]:
+    extra = {}
+    for name in names:
+        value = meta.get(name)
+        if not _is_int(value) or value < 0:
+            raise bad_request("bad_entry", f"{ENTRY_JSON} needs a non-negative integer {name!r}")
+        extra[name] = value
+    return extra
+
+
+def _shape_matches(shape: Sequence[int], want: Sequence[int]) -> bool:
+    return len(shape) == len(want) and all(w in (-1, s) for s, w in zip(shape, want))
+
+
+def _check_arrays(arrays: Dict[str, mx.array], layout: Layout) -> None:
+    expected = list(layout.shapes)
     missing = [name for name in expected if name not in arrays]
     if missing:
         raise bad_request("missing_array", f"{CACHE_FILE} lacks {missing[:4]}")
     extra = sorted(set(arrays) - set(expected))
     if extra:
         raise bad_request("unexpected_array", f"{CACHE_FILE} has unexpected arrays {extra[:4]}")
-    shape = [desc["kv_heads"], n, desc["head_dim"]]
     for name in expected:
-        array = arrays[name]
-        if list(array.shape) != shape:
+        array, shape = arrays[name], layout.shapes[name]
+        if not _shape_matches(array.shape, shape):
             raise conflict("layout_mismatch", f"{name} has shape {list(array.shape)}, want {shape}")
-        if dtype_name(array.dtype) != desc["dtype"]:
+        if dtype_name(array.dtype) != layout.dtype:
             raise conflict(
-                "dtype_mismatch", f"{name} is {dtype_name(array.dtype)}, decoder is {desc['dtype']}"
+                "dtype_mismatch", f"{name} is {dtype_name(array.dtype)}, decoder is {layout.dtype}"
             )
 
 
-def read_entry(path: Path, ids: List[int], desc: Dict[str, Any]) -> Entry:
-    """Reads and fully validates an entry for a request whose prompt is `ids`."""
+def read_entry(
+    path: Path,
+    ids: List[int],
+    desc: Dict[str, Any],
+    layout: Optional[LayoutFn] = None,
+    extra_ints: Sequence[str] = (),
+) -> Entry:
+    """Reads and fully validates an entry for a request whose prompt is `ids`.
+
+    layout: the family's expected arrays (llama's when omitted); extra_ints: the integer fields
+    the family needs in entry.json besides the common ones.
+    """
     if not path.is_dir():
         raise bad_request("bad_entry", f"entry {path} is not a directory")
-    n = _check_meta(_read_json(path), ids, desc)
+    meta = _read_json(path)
+    n = _check_meta(meta, ids, desc)
+    extra = _extra_ints(meta, extra_ints)
     arrays = _load_arrays(path)
-    _check_arrays(arrays, n, desc)
-    return Entry(n_tokens=n, arrays=arrays)
+    _check_arrays(arrays, (layout or llama_layout(desc))(n, extra))
+    return Entry(n_tokens=n, arrays=arrays, extra=extra)

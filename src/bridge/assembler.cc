@@ -18,22 +18,44 @@ CacheAssembler::CacheAssembler(DecoderCacheLayout expected, int64_t requested_to
   values_.assign(static_cast<size_t>(layout_.layers), std::vector<uint16_t>(per_layer));
 }
 
-Status CacheAssembler::accept(const Segment& s) {
-  if (s.fingerprint != layout_.fingerprint)
+Status check_segment_order(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
+                           int64_t segments, const Segment& s) {
+  if (s.fingerprint != layout.fingerprint)
     return failed_precondition("segment fingerprint " + s.fingerprint +
-                               " does not match the decoder's " + layout_.fingerprint);
-  if (s.family != layout_.family)
-    return failed_precondition("segment family '" + s.family + "' is not '" + layout_.family + "'");
-  if (s.seq != segments_)
+                               " does not match the decoder's " + layout.fingerprint);
+  if (s.family != layout.family)
+    return failed_precondition("segment family '" + s.family + "' is not '" + layout.family + "'");
+  if (s.seq != segments)
     return data_loss("segment seq " + std::to_string(s.seq) + " arrived, expected " +
-                     std::to_string(segments_));
-  if (s.pos0 != covered_)
+                     std::to_string(segments));
+  if (s.pos0 != covered)
     return data_loss("gap in positions: segment starts at " + std::to_string(s.pos0) +
-                     ", verified rows end at " + std::to_string(covered_));
-  if (s.pos0 + s.n_tokens > requested_)
+                     ", verified rows end at " + std::to_string(covered));
+  if (s.n_tokens <= 0 || s.pos0 + s.n_tokens > requested)
     return data_loss("segment rows [" + std::to_string(s.pos0) + "," +
                      std::to_string(s.pos0 + s.n_tokens) +
-                     ") exceed T=" + std::to_string(requested_));
+                     ") exceed T=" + std::to_string(requested));
+  return Status::ok();
+}
+
+Status check_manifest(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
+                      int64_t segments, const Manifest& m) {
+  if (m.fingerprint != layout.fingerprint)
+    return failed_precondition("manifest fingerprint " + m.fingerprint + " does not match " +
+                               layout.fingerprint);
+  if (m.requested_tokens != requested)
+    return data_loss("manifest says T=" + std::to_string(m.requested_tokens) + ", requested " +
+                     std::to_string(requested));
+  if (m.covered_tokens != covered || m.segments != segments)
+    return data_loss("manifest claims " + std::to_string(m.covered_tokens) + " rows in " +
+                     std::to_string(m.segments) + " segments; verified " + std::to_string(covered) +
+                     " in " + std::to_string(segments));
+  if (!m.complete) return unavailable("prefill ended early: " + m.reason);
+  return Status::ok();
+}
+
+Status CacheAssembler::accept(const Segment& s) {
+  HETERO_RETURN_IF_ERROR(check_segment_order(layout_, requested_, covered_, segments_, s));
   if (static_cast<int64_t>(s.arrays.size()) != 2 * layout_.layers)
     return data_loss("segment has " + std::to_string(s.arrays.size()) + " arrays, expected " +
                      std::to_string(2 * layout_.layers));
@@ -66,18 +88,7 @@ Status CacheAssembler::accept(const Segment& s) {
 }
 
 Status CacheAssembler::finish(const Manifest& m) {
-  if (m.fingerprint != layout_.fingerprint)
-    return failed_precondition("manifest fingerprint " + m.fingerprint + " does not match " +
-                               layout_.fingerprint);
-  if (m.requested_tokens != requested_)
-    return data_loss("manifest says T=" + std::to_string(m.requested_tokens) + ", requested " +
-                     std::to_string(requested_));
-  if (m.covered_tokens != covered_ || m.segments != segments_)
-    return data_loss("manifest claims " + std::to_string(m.covered_tokens) + " rows in " +
-                     std::to_string(m.segments) + " segments; verified " +
-                     std::to_string(covered_) + " in " + std::to_string(segments_));
-  if (!m.complete) return unavailable("prefill ended early: " + m.reason);
-  return Status::ok();
+  return check_manifest(layout_, requested_, covered_, segments_, m);
 }
 
 TensorMap CacheAssembler::arrays(int64_t b) const {
@@ -99,7 +110,8 @@ TensorMap CacheAssembler::arrays(int64_t b) const {
 
 Result<StoreEntry> write_store_entry(const std::string& store_dir, const DecoderCacheLayout& layout,
                                      const std::vector<int32_t>& ids, int64_t b,
-                                     int64_t requested_tokens, const TensorMap& arrays) {
+                                     int64_t requested_tokens, const TensorMap& arrays,
+                                     const nlohmann::json& extra) {
   if (b <= 0 || b > static_cast<int64_t>(ids.size()))
     return invalid_argument("store entry needs 0 < B <= len(ids)");
   std::vector<int32_t> prefix(ids.begin(), ids.begin() + b);
@@ -118,6 +130,7 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
                          {"T", requested_tokens},
                          {"layers", layout.layers},
                          {"ids", prefix}};
+  for (const auto& [key, value] : extra.items()) meta[key] = value;
   {
     std::ofstream out(tmp / "entry.json");
     out << meta.dump();

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -15,23 +17,54 @@
 
 namespace hetero {
 
-class CacheAssembler {
+// The decode side's receiver for one bridged request, whatever the family.
+class Assembler {
+ public:
+  virtual ~Assembler() = default;
+  // Verifies and appends; on error nothing is appended and the stream should be abandoned.
+  virtual Status accept(const Segment& s) = 0;
+  // Checks the manifest agrees with what arrived.
+  virtual Status finish(const Manifest& m) = 0;
+  virtual int64_t covered_tokens() const = 0;
+  virtual int64_t segments() const = 0;
+  // Whether a prefix of b verified tokens can be mounted (llama: any b <= covered; a family
+  // whose cache carries end-of-prefix state: only the whole request once it arrived).
+  virtual bool can_mount(int64_t b) const = 0;
+  // The store arrays for the prefix [0, b) (can_mount(b) must hold).
+  virtual TensorMap arrays(int64_t b) const = 0;
+  // Extra fields for the store entry's entry.json (e.g. the window slot index).
+  virtual nlohmann::json entry_extra() const { return nlohmann::json::object(); }
+};
+
+// The assembler for the layout's family.
+std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
+                                          int64_t requested_tokens);
+
+// The checks every family shares: fingerprint, family, sequence, contiguity, bounds.
+Status check_segment_order(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
+                           int64_t segments, const Segment& s);
+
+// llama: per layer keys and values rows, any verified prefix mountable.
+class CacheAssembler : public Assembler {
  public:
   CacheAssembler(DecoderCacheLayout expected, int64_t requested_tokens);
-  // Verifies and appends; on error nothing is appended and the stream should be abandoned.
-  Status accept(const Segment& s);
-  // Checks the manifest agrees with what arrived.
-  Status finish(const Manifest& m);
-  int64_t covered_tokens() const { return covered_; }
-  int64_t segments() const { return segments_; }
+  Status accept(const Segment& s) override;
+  Status finish(const Manifest& m) override;
+  int64_t covered_tokens() const override { return covered_; }
+  int64_t segments() const override { return segments_; }
+  bool can_mount(int64_t b) const override { return b >= 1 && b <= covered_; }
   // Per layer `layers.{i}.keys` / `.values`, bf16 [kv_heads, b, head_dim], for rows [0, b).
-  TensorMap arrays(int64_t b) const;
+  TensorMap arrays(int64_t b) const override;
 
  private:
   DecoderCacheLayout layout_;
   int64_t requested_, covered_ = 0, segments_ = 0;
   std::vector<std::vector<uint16_t>> keys_, values_;  // per layer [kv_heads, requested, hd]
 };
+
+// The manifest checks every family shares.
+Status check_manifest(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
+                      int64_t segments, const Manifest& m);
 
 struct StoreEntry {
   std::string path;  // directory holding entry.json and cache.safetensors
@@ -40,8 +73,10 @@ struct StoreEntry {
 
 // Writes ids[:b] and the assembled rows as a decoder-store entry under
 // store_dir/<fingerprint>/<prefix key>/ (atomically: written aside, then renamed).
+// `extra` adds family fields to entry.json.
 Result<StoreEntry> write_store_entry(const std::string& store_dir, const DecoderCacheLayout& layout,
                                      const std::vector<int32_t>& ids, int64_t b,
-                                     int64_t requested_tokens, const TensorMap& arrays);
+                                     int64_t requested_tokens, const TensorMap& arrays,
+                                     const nlohmann::json& extra = nlohmann::json::object());
 
 }  // namespace hetero

@@ -2,6 +2,7 @@
 // exactly (rope scaling, partial rotary dims, traditional rope) is refused with a message.
 #include "bridge/decoder_weights.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -34,6 +35,65 @@ std::vector<float> transpose_to_f32(const Tensor& w) {  // [n, k] -> [k, n]
 }
 
 }  // namespace
+
+Result<DecoderCacheLayout> layout_from_json(const std::string& text) {
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object())
+    return invalid_argument("decoder layout is not a JSON object");
+  DecoderCacheLayout l;
+  try {
+    l.family = j.at("family").get<std::string>();
+    l.fingerprint = j.at("fingerprint").get<std::string>();
+    l.layers = j.at("layers").get<int64_t>();
+    l.kv_heads = j.at("kv_heads").get<int64_t>();
+    l.head_dim = j.at("head_dim").get<int64_t>();
+    l.hidden = j.at("hidden").get<int64_t>();
+    if (l.family == "deepseek_v4") {
+      l.ratios = j.at("ratios").get<std::vector<int64_t>>();
+      l.index_head_dim = j.at("index_head_dim").get<int64_t>();
+      l.window = j.at("window").get<int64_t>();
+      if (static_cast<int64_t>(l.ratios.size()) != l.layers)
+        return invalid_argument("decoder layout has " + std::to_string(l.ratios.size()) +
+                                " ratios for " + std::to_string(l.layers) + " layers");
+    }
+  } catch (const json::exception& e) {
+    return invalid_argument(std::string("decoder layout: ") + e.what());
+  }
+  return l;
+}
+
+std::vector<int64_t> decoder_calls_from_info(const std::string& info_json, int64_t n) {
+  json info = json::parse(info_json, nullptr, false);
+  if (info.is_discarded() || !info.is_object() || !info.contains("prefill") ||
+      !info["prefill"].is_object())
+    return {};
+  const json& p = info["prefill"];
+  auto integer = [&](const char* key) {
+    return p.contains(key) && p[key].is_number_integer() ? p[key].get<int64_t>() : int64_t{0};
+  };
+  const int64_t step = integer("step"), interval = integer("checkpoint_interval");
+  const bool last_alone =
+      p.contains("last_alone") && p["last_alone"].is_boolean() ? p["last_alone"].get<bool>() : true;
+  if (step <= 0 || n <= 0) return {};
+  std::vector<int64_t> calls;
+  const int64_t body = last_alone ? n - 1 : n;
+  for (int64_t s = 0; s < body;) {
+    int64_t e = std::min(s + step, body);
+    if (interval > 0) e = std::min(e, (s / interval + 1) * interval);
+    calls.push_back(e - s);
+    s = e;
+  }
+  if (last_alone) calls.push_back(1);
+  return calls;
+}
+
+std::string decoder_family(const std::string& dir) {
+  std::ifstream in(fs::path(dir) / "decoder.json");
+  json j = json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("family") || !j["family"].is_string())
+    return "";
+  return j["family"].get<std::string>();
+}
 
 Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
   std::ifstream in(fs::path(dir) / "decoder.json");

@@ -15,10 +15,16 @@ namespace hetero {
 // What the decoder's cache looks like, per layer: the small descriptor the bridge and the
 // decode side agree on (ARCHITECTURE.md, "the seam ... plus a small descriptor").
 struct DecoderCacheLayout {
-  std::string family;  // "llama"
+  std::string family;  // "llama" or "deepseek_v4"
   std::string fingerprint;
   int64_t layers = 0, kv_heads = 0, head_dim = 0, hidden = 0;
+  // deepseek_v4 only: per-layer compress ratio (0, 4, 128), the indexer's head dim, the window.
+  std::vector<int64_t> ratios;
+  int64_t index_head_dim = 0, window = 0;
 };
+
+// The layout from the seam's /hetero/info (or an export's decoder.json): the fields above.
+Result<DecoderCacheLayout> layout_from_json(const std::string& text);
 
 struct LlamaProgramLayer {
   std::vector<float> wk_t, wv_t;  // float32 [hidden, kv_heads*head_dim] (transposed)
@@ -36,5 +42,12 @@ struct LlamaDecoderWeights {
 };
 
 Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir);
+
+// The decoder's own call schedule for prefilling n tokens, as its /hetero/info describes it
+// ("prefill": {"step", "last_alone"}); empty when it says nothing (the prefill host's default).
+std::vector<int64_t> decoder_calls_from_info(const std::string& info_json, int64_t n);
+
+// The "family" of an export's decoder.json, or "" when it cannot be read.
+std::string decoder_family(const std::string& dir);
 
 }  // namespace hetero

@@ -7,18 +7,25 @@
 
 namespace hetero {
 
-LlamaBridgeProducer::LlamaBridgeProducer(const LlamaCacheProgram* program, FrameSink sink,
-                                         size_t max_queued_inputs)
+Status LlamaSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                                std::vector<WireArray>* arrays) {
+  KvRows r = program_->run(layer, pos0, n, x);
+  arrays->push_back({"layers." + std::to_string(layer) + ".keys", std::move(r.keys)});
+  arrays->push_back({"layers." + std::to_string(layer) + ".values", std::move(r.values)});
+  return Status::ok();
+}
+
+BridgeProducer::BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs)
     : program_(program), sink_(std::move(sink)), queue_(max_queued_inputs) {
   worker_ = std::thread([this] { run(); });
 }
 
-LlamaBridgeProducer::~LlamaBridgeProducer() {
+BridgeProducer::~BridgeProducer() {
   queue_.close();
   if (worker_.joinable()) worker_.join();
 }
 
-AttentionInputTap LlamaBridgeProducer::tap() {
+AttentionInputTap BridgeProducer::tap() {
   return [this](const TapEvent& e) {
     // The service checked the export against the model; a mismatch here is a bug.
     HETERO_CHECK(e.hidden == program_->layout().hidden);
@@ -30,7 +37,7 @@ AttentionInputTap LlamaBridgeProducer::tap() {
   };
 }
 
-void LlamaBridgeProducer::run() {
+void BridgeProducer::run() {
   // The program runs beside the forward on a machine with few cores: one thread here, so the
   // engine's GEMMs keep the others.
   omp_set_num_threads(1);
@@ -38,9 +45,10 @@ void LlamaBridgeProducer::run() {
   while (auto w = queue_.pop()) {
     if (cancelled_.load()) continue;  // drain without work
     Pending& p = pending_[w->pos0];
-    if (p.rows.empty()) p.rows.resize(static_cast<size_t>(layout.layers)), p.n = w->n;
-    p.rows[static_cast<size_t>(w->layer)] = program_->run(w->layer, w->pos0, w->n, w->x.data());
-    if (++p.layers_done < layout.layers) continue;
+    if (p.arrays.empty()) p.arrays.resize(static_cast<size_t>(layout.layers)), p.n = w->n;
+    Status st = program_->run(w->layer, w->pos0, w->n, w->x.data(),
+                              &p.arrays[static_cast<size_t>(w->layer)]);
+    if (st.is_ok() && ++p.layers_done < layout.layers) continue;
     // Every layer has passed this boundary: the segment can leave now.
     Segment s;
     s.seq = next_seq_++;
@@ -48,12 +56,16 @@ void LlamaBridgeProducer::run() {
     s.fingerprint = layout.fingerprint;
     s.pos0 = w->pos0;
     s.n_tokens = p.n;
-    for (int64_t l = 0; l < layout.layers; ++l) {
-      auto& r = p.rows[static_cast<size_t>(l)];
-      s.arrays.push_back({"layers." + std::to_string(l) + ".keys", std::move(r.keys)});
-      s.arrays.push_back({"layers." + std::to_string(l) + ".values", std::move(r.values)});
-    }
+    for (auto& layer_arrays : p.arrays)
+      for (auto& a : layer_arrays) s.arrays.push_back(std::move(a));
+    if (st.is_ok()) st = program_->close_segment(s.pos0, s.n_tokens, &s.arrays);
     pending_.erase(w->pos0);
+    if (!st.is_ok()) {
+      // A program error ends the stream without this segment; the manifest says why.
+      program_status_ = st;
+      cancelled_ = true;
+      continue;
+    }
     if (!sink_(encode_segment(s))) {
       cancelled_ = true;
       continue;
@@ -62,7 +74,7 @@ void LlamaBridgeProducer::run() {
   }
 }
 
-Manifest LlamaBridgeProducer::finish(int64_t requested_tokens, const Status& engine_status) {
+Manifest BridgeProducer::finish(int64_t requested_tokens, const Status& engine_status) {
   HETERO_CHECK(!finished_);
   finished_ = true;
   queue_.close();
@@ -75,11 +87,13 @@ Manifest LlamaBridgeProducer::finish(int64_t requested_tokens, const Status& eng
   m.complete = engine_status.is_ok() && !cancelled_ && covered_ == requested_tokens;
   if (!engine_status.is_ok())
     m.reason = "prefill failed: " + engine_status.to_string();
+  else if (!program_status_.is_ok())
+    m.reason = "cache program failed: " + program_status_.to_string();
   else if (cancelled_)
     m.reason = "cancelled by the receiver";
   else if (covered_ != requested_tokens)
     m.reason = "rows sent do not cover the request";
-  if (!cancelled_) sink_(encode_manifest(m));
+  if (!cancelled_ || !program_status_.is_ok()) sink_(encode_manifest(m));
   return m;
 }
 

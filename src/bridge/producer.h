@@ -1,7 +1,7 @@
 // The bridge producer: the tap's consumer on the prefill host. It copies each attention input
 // into a bounded queue (so the forward does not wait on it unless the program falls a few
-// layers behind), runs the cache program on its own thread, and emits one segment as soon as
-// every layer has passed a chunk boundary, then a manifest.
+// layers behind), runs the family's cache program on its own thread, and emits one segment as
+// soon as every layer has passed a chunk boundary, then a manifest.
 #pragma once
 
 #include <atomic>
@@ -9,7 +9,9 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "bridge/decoder_weights.h"
 #include "bridge/llama_program.h"
 #include "bridge/wire.h"
 #include "common/queue.h"
@@ -17,13 +19,41 @@
 
 namespace hetero {
 
-class LlamaBridgeProducer {
+// What the producer needs from a family's cache program, for one request.
+class SegmentProgram {
+ public:
+  virtual ~SegmentProgram() = default;
+  virtual const DecoderCacheLayout& layout() const = 0;
+  // One layer's attention input rows [pos0, pos0+n): the arrays this layer adds to the
+  // segment of that range (each layer's rows arrive in order).
+  virtual Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                     std::vector<WireArray>* arrays) = 0;
+  // Arrays added once every layer has passed [pos0, pos0+n), after the layers' own (e.g. a
+  // family's final state on the last segment). Default: none.
+  virtual Status close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) {
+    (void)pos0, (void)n, (void)arrays;
+    return Status::ok();
+  }
+};
+
+// The llama program as a segment program: per layer `layers.{i}.keys` / `.values`.
+class LlamaSegmentProgram : public SegmentProgram {
+ public:
+  explicit LlamaSegmentProgram(const LlamaCacheProgram* program) : program_(program) {}
+  const DecoderCacheLayout& layout() const override { return program_->layout(); }
+  Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+             std::vector<WireArray>* arrays) override;
+
+ private:
+  const LlamaCacheProgram* program_;
+};
+
+class BridgeProducer {
  public:
   // sink receives each encoded frame in order; returning false cancels the capture.
   using FrameSink = std::function<bool(std::string frame)>;
-  LlamaBridgeProducer(const LlamaCacheProgram* program, FrameSink sink,
-                      size_t max_queued_inputs = 4);
-  ~LlamaBridgeProducer();
+  BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs = 4);
+  ~BridgeProducer();
 
   AttentionInputTap tap();
   // Ends the stream: drains the queue, then sends the manifest. engine_status says whether
@@ -40,16 +70,17 @@ class LlamaBridgeProducer {
   struct Pending {
     int64_t n = 0;
     int64_t layers_done = 0;
-    std::vector<KvRows> rows;
+    std::vector<std::vector<WireArray>> arrays;  // per layer
   };
   void run();
 
-  const LlamaCacheProgram* program_;
+  SegmentProgram* program_;
   FrameSink sink_;
   BoundedQueue<Work> queue_;
   std::thread worker_;
   std::map<int64_t, Pending> pending_;  // by pos0; touched by the worker only
   int64_t next_seq_ = 0, covered_ = 0;
+  Status program_status_;  // the first program error, if any
   std::atomic<bool> cancelled_{false};
   bool finished_ = false;
 };

@@ -10,7 +10,19 @@
 
 namespace hetero {
 
-enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI32 = 3, kI64 = 4, kU8 = 5 };
+// kI8, kF8E4M3 and kF8E8M0 are the storage types of FP8/FP4 checkpoints (DeepSeek-V4's official
+// release): e4m3 weights, e2m1 pairs packed in int8, and power-of-two (UE8M0) block scales.
+enum class DType : int32_t {
+  kF32 = 0,
+  kF16 = 1,
+  kBF16 = 2,
+  kI32 = 3,
+  kI64 = 4,
+  kU8 = 5,
+  kI8 = 6,
+  kF8E4M3 = 7,  // OCP e4m3fn: bias 7, no infinities, 0x7f/0xff are NaN
+  kF8E8M0 = 8,  // unsigned exponent only: 2^(e - 127), 0xff is NaN
+};
 
 int64_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);  // safetensors spelling: "F32", "BF16", ...
@@ -34,12 +46,18 @@ struct Tensor {
   const T* data() const {
     return reinterpret_cast<const T*>(bytes.data());
   }
-  // Element i as float32 (for F32/F16/BF16/I32/I64/U8).
+  // Element i as float32 (any dtype; F8 types decoded exactly).
   float at_f32(int64_t i) const;
   std::string shape_string() const;
 };
 
 // Convert any float tensor to float32 (copy).
 std::vector<float> to_f32(const Tensor& t);
+
+// Exact decodings of the narrow float formats (every value is representable in float32).
+float fp8_e4m3_to_f32(uint8_t v);
+float fp8_e8m0_to_f32(uint8_t v);
+// One e2m1 (FP4) code in the low 4 bits: sign, 2 exponent bits (bias 1), 1 mantissa bit.
+float fp4_e2m1_to_f32(uint8_t nibble);
 
 }  // namespace hetero

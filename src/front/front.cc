@@ -124,45 +124,47 @@ Verdict FrontServer::bridge(const std::vector<int32_t>& ids, const json& info) {
   Verdict v;
   v.t = static_cast<int64_t>(ids.size());
   v.timings_ms["bridge_queue"] = ms_since(t_wait);
-  DecoderCacheLayout layout;
-  try {
-    layout.family = info.at("family").get<std::string>();
-    layout.fingerprint = info.at("fingerprint").get<std::string>();
-    layout.layers = info.at("layers").get<int64_t>();
-    layout.kv_heads = info.at("kv_heads").get<int64_t>();
-    layout.head_dim = info.at("head_dim").get<int64_t>();
-    layout.hidden = info.at("hidden").get<int64_t>();
-  } catch (const json::exception& e) {
-    return Verdict::declined(std::string("decoder info incomplete: ") + e.what());
-  }
+  auto layout_or = layout_from_json(info.dump());
+  if (!layout_or.is_ok())
+    return Verdict::declined("decoder info incomplete: " + layout_or.status().message());
+  const DecoderCacheLayout& layout = layout_or.value();
   const int64_t want = v.t - 1;  // the decoder keeps at least one token to process
-  CacheAssembler assembler(layout, want);
-  PrefillRequest preq{std::vector<int32_t>(ids.begin(), ids.begin() + want), layout.fingerprint, 0};
+  auto assembler = make_assembler(layout, want);
+  PrefillRequest preq{std::vector<int32_t>(ids.begin(), ids.begin() + want), layout.fingerprint, 0,
+                      decoder_calls_from_info(info.dump(), want)};
   const int64_t deadline = cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * v.t;
-  FetchResult f = fetch_prefill(cfg_.prefill_host, cfg_.prefill_port, preq, &assembler,
+  FetchResult f = fetch_prefill(cfg_.prefill_host, cfg_.prefill_port, preq, assembler.get(),
                                 cfg_.stall_ms, deadline);
   v.bytes = f.bytes;
   v.timings_ms["prefill"] = f.total_ms;
   if (f.first_segment_ms >= 0) v.timings_ms["first_segment"] = f.first_segment_ms;
   if (f.last_segment_ms >= 0) v.timings_ms["last_segment"] = f.last_segment_ms;
   v.timings_ms["verify"] = f.verify_ms;
-  const int64_t covered = assembler.covered_tokens();
-  if (f.status.is_ok()) {
+  const int64_t covered = assembler->covered_tokens();
+  if (f.status.is_ok() && assembler->can_mount(want)) {
     v.kind = VerdictKind::kComplete;
     v.b = want;
-  } else if (f.salvageable && covered >= 1 &&
+  } else if (f.status.is_ok()) {
+    return Verdict::declined("the verified rows cannot be mounted as a " + std::to_string(want) +
+                             "-token prefix");
+  } else if (f.salvageable && assembler->can_mount(covered) &&
              covered >= cfg_.partial_min_fraction * static_cast<double>(want)) {
     v.kind = VerdictKind::kPartial;  // salvage the longest verified contiguous prefix
     v.b = covered;
     v.reason = f.status.message();
   } else {
-    Verdict d = Verdict::declined(f.status.message() + " (verified " + std::to_string(covered) +
-                                  "/" + std::to_string(want) + " rows)");
+    const bool family_no_partial = covered >= 1 && !assembler->can_mount(covered);
+    Verdict d = Verdict::declined(
+        f.status.message() + " (verified " + std::to_string(covered) + "/" + std::to_string(want) +
+        " rows" +
+        (family_no_partial ? "; a " + layout.family + " prefix cannot be mounted partially" : "") +
+        ")");
     d.t = v.t, d.bytes = v.bytes, d.timings_ms = v.timings_ms;
     return d;
   }
   const auto t_store = Clock::now();
-  auto entry = write_store_entry(cfg_.store_dir, layout, ids, v.b, want, assembler.arrays(v.b));
+  auto entry = write_store_entry(cfg_.store_dir, layout, ids, v.b, want, assembler->arrays(v.b),
+                                 assembler->entry_extra());
   v.timings_ms["store"] = ms_since(t_store);
   if (!entry.is_ok()) {
     Verdict d = Verdict::declined("store failed: " + entry.status().message());
@@ -222,9 +224,14 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
                       std::filesystem::path(have).filename().string() + "'");
   }
 
-  // The client may name the served model as /v1/models lists it; mlx-lm knows it as its
-  // default model and would try to fetch any other name from a hub, so forward that.
-  if (body.contains("model")) body["model"] = "default_model";
+  // The client may name the served model as /v1/models lists it. mlx-lm knows it as its
+  // default model and would try to fetch any other name from a hub, so forward that; a
+  // decoder whose seam names the exact string it serves under ("forward_model": mlx-vlm, which
+  // requires the field and would unload its model for any other name) gets that string.
+  if (info.value().contains("forward_model") && info.value()["forward_model"].is_string())
+    body["model"] = info.value()["forward_model"];
+  else if (body.contains("model"))
+    body["model"] = "default_model";
   const std::string forward_body = body.dump();
 
   // 1. The decoder's own ids.

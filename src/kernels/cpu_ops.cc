@@ -55,6 +55,21 @@ void scalar_block(const float* a, int64_t lda, int64_t rows, int64_t k, const fl
     }
 }
 
+typedef uint32_t U8 __attribute__((vector_size(32)));
+
+// round_bf16 on 8 lanes: round to nearest even, NaN kept quiet (common/bf16.h's rounding).
+inline V8 round_bf16_v(V8 f) {
+  U8 b;
+  __builtin_memcpy(&b, &f, sizeof b);
+  const U8 rounded = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  const U8 quiet = (b & 0xffff0000u) | 0x00400000u;
+  const U8 nan = (U8)((b & 0x7fffffffu) > 0x7f800000u);  // all ones in NaN lanes
+  const U8 r = (rounded & ~nan) | (quiet & nan);
+  V8 out;
+  __builtin_memcpy(&out, &r, sizeof out);
+  return out;
+}
+
 }  // namespace
 
 // The decoder's addmm epilogue: the bias joins the float32 sum, then one bf16 rounding.
@@ -106,6 +121,70 @@ void linear_decoder_order(const uint16_t* x, int64_t m, int64_t k, const float* 
   for (int64_t i = 0; i < m * k; ++i) xf[static_cast<size_t>(i)] = bf16_to_f32(x[i]);
   gemm_ordered(xf.data(), m, k, wt, n, acc.data());
   round_linear_output(acc, m, n, bias, out);
+}
+
+void linear_quantized_mx(const uint16_t* x, int64_t m, int64_t k, const float* q,
+                         const float* scales, int64_t n, int64_t group, uint16_t* out) {
+  const int64_t groups = k / group, blocks = m / 8;
+  // Rows in blocks of 8, one vector lane per row: each lane runs the scalar recipe below, the
+  // same operations in the same order, so the blocking changes no bit. xt: [block][k][8].
+  std::vector<float> xt(static_cast<size_t>(blocks * k * 8));
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t t = 0; t < k; ++t)
+      for (int64_t l = 0; l < 8; ++l)
+        xt[static_cast<size_t>((b * k + t) * 8 + l)] = bf16_to_f32(x[(b * 8 + l) * k + t]);
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < n; ++j) {
+    const float* qj = q + j * k;
+    const float* sj = scales + j * groups;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = xt.data() + b * k * 8;
+      V8 sum = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t g = 0; g < groups; ++g) {
+        V8 gsum = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t t = g * group; t < (g + 1) * group; ++t)
+          gsum = round_bf16_v(gsum + round_bf16_v(load8(xb + t * 8) * qj[t]));
+        sum = round_bf16_v(sum + round_bf16_v(sj[g] * gsum));
+      }
+      float lanes[8];
+      store8(lanes, sum);
+      for (int64_t l = 0; l < 8; ++l) out[(b * 8 + l) * n + j] = f32_to_bf16(lanes[l]);
+    }
+    for (int64_t i = blocks * 8; i < m; ++i) {
+      const uint16_t* xi = x + i * k;
+      float sum = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float gsum = 0.0f;
+        for (int64_t t = g * group; t < (g + 1) * group; ++t)
+          gsum = round_bf16(gsum + round_bf16(bf16_to_f32(xi[t]) * qj[t]));
+        sum = round_bf16(sum + round_bf16(sj[g] * gsum));
+      }
+      out[i * n + j] = f32_to_bf16(sum);
+    }
+  }
+}
+
+void linear_quantized_affine(const uint16_t* x, int64_t m, int64_t k, const float* q,
+                             const float* scales, const float* biases, int64_t n, int64_t group,
+                             uint16_t* out) {
+  const int64_t groups = k / group;
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < n; ++j) {
+    const float* qj = q + j * k;
+    std::vector<float> w(static_cast<size_t>(k));
+    for (int64_t t = 0; t < k; ++t) {
+      const int64_t g = t / group;
+      w[static_cast<size_t>(t)] =
+          round_bf16(round_bf16(scales[j * groups + g] * qj[t]) + biases[j * groups + g]);
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      const uint16_t* xi = x + i * k;
+      float sum = 0.0f;
+      for (int64_t t = 0; t < k; ++t)
+        sum = round_bf16(sum + round_bf16(bf16_to_f32(xi[t]) * w[static_cast<size_t>(t)]));
+      out[i * n + j] = f32_to_bf16(sum);
+    }
+  }
 }
 
 void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,

@@ -25,6 +25,17 @@ void linear_blas(const uint16_t* x, int64_t m, int64_t k, const float* w, int64_
                  const uint16_t* bias, uint16_t* out);
 
 // out = bf16(acc[i, j] (+ bias[j])): the decoder's addmm epilogue (bias joins the float32 sum).
+// MLX 0.32.4's CPU quantized matmul (x @ W^T with W quantized, bf16 activations): every
+// product and every running sum is a bf16 operation. mx modes (mxfp4/mxfp8): per group,
+// gsum += x*q in bf16, then sum += scale*gsum in bf16. Affine: w = bf16(bf16(scale*q) + bias),
+// sum += x*w in bf16. q: element values [n, k] (fp4/fp8 values, or affine integers), scales
+// (and biases) [n, k/group].
+void linear_quantized_mx(const uint16_t* x, int64_t m, int64_t k, const float* q,
+                         const float* scales, int64_t n, int64_t group, uint16_t* out);
+void linear_quantized_affine(const uint16_t* x, int64_t m, int64_t k, const float* q,
+                             const float* scales, const float* biases, int64_t n, int64_t group,
+                             uint16_t* out);
+
 void round_linear_output(const std::vector<float>& acc, int64_t m, int64_t n, const uint16_t* bias,
                          uint16_t* out);
 

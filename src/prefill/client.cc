@@ -9,7 +9,7 @@
 namespace hetero {
 
 FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
-                          CacheAssembler* assembler, int64_t stall_ms, int64_t deadline_ms) {
+                          Assembler* assembler, int64_t stall_ms, int64_t deadline_ms) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   auto ms = [&] { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); };
@@ -19,6 +19,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   cli.set_read_timeout(std::chrono::milliseconds(stall_ms));
   nlohmann::json body = {{"ids", req.ids}, {"fingerprint", req.fingerprint}};
   if (req.chunk_tokens > 0) body["chunk"] = req.chunk_tokens;
+  if (!req.decoder_calls.empty()) body["decoder_calls"] = req.decoder_calls;
 
   FrameParser parser(int64_t{8} << 30);
   auto last_byte = std::chrono::steady_clock::now();

@@ -25,6 +25,6 @@ struct FetchResult {
 // stall_ms: longest silence tolerated between bytes; deadline_ms: the whole stream's budget.
 // Both end the stream with kDeadlineExceeded; rows verified so far stay in the assembler.
 FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
-                          CacheAssembler* assembler, int64_t stall_ms, int64_t deadline_ms);
+                          Assembler* assembler, int64_t stall_ms, int64_t deadline_ms);
 
 }  // namespace hetero

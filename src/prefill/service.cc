@@ -78,7 +78,7 @@ Result<FaultSpec> parse_fault(const std::string& text) {
   return invalid_argument("--fault kind '" + f.kind + "' is unknown");
 }
 
-Result<PrefillRequest> parse_prefill_request(const std::string& body, const LlamaConfig& model,
+Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
                                              const DecoderCacheLayout& layout, int64_t max_tokens) {
   json j = json::parse(body, nullptr, false);
   if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
@@ -95,10 +95,9 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, const Llam
     if (!v.is_number_integer())
       return invalid_argument("ids[" + std::to_string(i) + "] is not an integer");
     const int64_t id = v.get<int64_t>();
-    if (id < 0 || id >= model.vocab)
+    if (id < 0 || id >= vocab)
       return invalid_argument("ids[" + std::to_string(i) + "] = " + std::to_string(id) +
-                              " is outside the vocabulary [0, " + std::to_string(model.vocab) +
-                              ")");
+                              " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
     r.ids.push_back(static_cast<int32_t>(id));
   }
   if (!j.contains("fingerprint") || !j["fingerprint"].is_string())
@@ -111,6 +110,20 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, const Llam
     if (!j["chunk"].is_number_integer() || j["chunk"].get<int64_t>() <= 0)
       return invalid_argument("'chunk' must be a positive integer");
     r.chunk_tokens = j["chunk"].get<int64_t>();
+  }
+  if (j.contains("decoder_calls")) {
+    const json& c = j["decoder_calls"];
+    int64_t total = 0;
+    if (!c.is_array()) return invalid_argument("'decoder_calls' must be an array of lengths");
+    for (const json& v : c) {
+      if (!v.is_number_integer() || v.get<int64_t>() <= 0)
+        return invalid_argument("'decoder_calls' entries must be positive integers");
+      r.decoder_calls.push_back(v.get<int64_t>());
+      total += r.decoder_calls.back();
+    }
+    if (total != static_cast<int64_t>(r.ids.size()))
+      return invalid_argument("'decoder_calls' cover " + std::to_string(total) +
+                              " tokens, 'ids' has " + std::to_string(r.ids.size()));
   }
   return r;
 }
@@ -130,23 +143,46 @@ Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLa
   return Status::ok();
 }
 
-PrefillService::PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights* weights,
-                               int64_t default_chunk_tokens, int64_t max_tokens)
+PrefillService::PrefillService(PrefillEngine* engine, DecoderCacheLayout layout,
+                               ProgramFactory programs, int64_t default_chunk_tokens,
+                               int64_t max_tokens)
     : engine_(engine),
-      weights_(weights),
-      program_(weights),
+      layout_(std::move(layout)),
+      programs_(std::move(programs)),
       default_chunk_(default_chunk_tokens),
       max_tokens_(max_tokens) {}
 
+PrefillService::PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights* weights,
+                               int64_t default_chunk_tokens, int64_t max_tokens)
+    : owned_engine_(std::make_unique<EngineAdapter<LlamaCpuEngine>>(engine)),
+      llama_program_(std::make_unique<LlamaCacheProgram>(weights)),
+      engine_(owned_engine_.get()),
+      layout_(weights->layout),
+      default_chunk_(default_chunk_tokens),
+      max_tokens_(max_tokens) {
+  const LlamaCacheProgram* program = llama_program_.get();
+  programs_ = [program](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+    return std::unique_ptr<SegmentProgram>(std::make_unique<LlamaSegmentProgram>(program));
+  };
+}
+
 PrefillService::~PrefillService() { stop(); }
 
-Manifest PrefillService::run(const PrefillRequest& req,
-                             const LlamaBridgeProducer::FrameSink& sink) {
+Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink) {
   std::lock_guard<std::mutex> lock(run_mu_);
-  engine_->reset();
-  LlamaBridgeProducer producer(&program_, sink);
-  const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
   const int64_t T = static_cast<int64_t>(req.ids.size());
+  auto program = programs_(req);
+  if (!program.is_ok()) {
+    Manifest m;
+    m.fingerprint = layout_.fingerprint;
+    m.requested_tokens = T;
+    m.reason = "cache program refused the request: " + program.status().to_string();
+    sink(encode_manifest(m));
+    return m;
+  }
+  engine_->reset();
+  BridgeProducer producer(program.value().get(), sink);
+  const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
   Status st;
   for (int64_t p = 0; p < T && st.is_ok() && !producer.cancelled(); p += chunk) {
     std::vector<int32_t> part(req.ids.begin() + p, req.ids.begin() + std::min(T, p + chunk));
@@ -159,13 +195,13 @@ Status PrefillService::start(const std::string& host, int port) {
   server_ = std::make_unique<httplib::Server>();
   server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     json j = {{"status", "ok"},
-              {"family", weights_->layout.family},
-              {"fingerprint", weights_->layout.fingerprint},
-              {"layers", weights_->layout.layers}};
+              {"family", layout_.family},
+              {"fingerprint", layout_.fingerprint},
+              {"layers", layout_.layers}};
     res.set_content(j.dump(), "application/json");
   });
   server_->Post("/v1/prefill", [this](const httplib::Request& req, httplib::Response& res) {
-    auto parsed = parse_prefill_request(req.body, engine_->config(), weights_->layout, max_tokens_);
+    auto parsed = parse_prefill_request(req.body, engine_->vocab(), layout_, max_tokens_);
     if (!parsed.is_ok()) {
       res.status = http_status_for(parsed.status());
       res.set_content(error_body(parsed.status()), "application/json");

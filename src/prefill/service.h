@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,7 +26,38 @@ struct PrefillRequest {
   std::vector<int32_t> ids;
   std::string fingerprint;   // the decoder's, as the caller knows it
   int64_t chunk_tokens = 0;  // 0: the service default
+  // deepseek_v4: the decoder's own call schedule for these ids (its cache depends on it);
+  // empty: the decoder server's default (2048-token chunks, the last token alone).
+  std::vector<int64_t> decoder_calls;
 };
+
+// A prefill engine of any family, as the service drives it.
+class PrefillEngine {
+ public:
+  virtual ~PrefillEngine() = default;
+  virtual void reset() = 0;
+  virtual Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) = 0;
+  virtual int64_t vocab() const = 0;
+};
+
+template <class Engine>
+class EngineAdapter : public PrefillEngine {
+ public:
+  explicit EngineAdapter(Engine* engine) : engine_(engine) {}
+  void reset() override { engine_->reset(); }
+  Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) override {
+    return engine_->prefill_chunk(ids, tap);
+  }
+  int64_t vocab() const override { return engine_->config().vocab; }
+
+ private:
+  Engine* engine_;
+};
+
+// The cache program for one request (llama: one shared program; deepseek_v4: one per request,
+// built for its decoder call schedule).
+using ProgramFactory =
+    std::function<Result<std::unique_ptr<SegmentProgram>>(const PrefillRequest& req)>;
 
 // Fault injection for the failure tests of the front door (a wrapper around the real stream,
 // applied as frames leave): "exit-after:N" (the process dies after N segments), "stall-after:N"
@@ -39,8 +71,14 @@ struct FaultSpec {
 Result<FaultSpec> parse_fault(const std::string& text);
 
 // Parses and validates a /v1/prefill body against the model and export (without running it).
-Result<PrefillRequest> parse_prefill_request(const std::string& body, const LlamaConfig& model,
+Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
                                              const DecoderCacheLayout& layout, int64_t max_tokens);
+inline Result<PrefillRequest> parse_prefill_request(const std::string& body,
+                                                    const LlamaConfig& model,
+                                                    const DecoderCacheLayout& layout,
+                                                    int64_t max_tokens) {
+  return parse_prefill_request(body, model.vocab, layout, max_tokens);
+}
 
 // The export must describe this model: same layer count, hidden size, kv heads and head dim.
 // A mismatch would make the program read tap rows with the wrong width; it is refused here.
@@ -48,13 +86,16 @@ Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLa
 
 class PrefillService {
  public:
+  PrefillService(PrefillEngine* engine, DecoderCacheLayout layout, ProgramFactory programs,
+                 int64_t default_chunk_tokens, int64_t max_tokens);
+  // The llama family: the engine and the export's program.
   PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights* weights,
                  int64_t default_chunk_tokens, int64_t max_tokens);
   ~PrefillService();
   void set_fault(FaultSpec fault) { fault_ = std::move(fault); }
 
   // Runs one prefill (the engine is reset first) and emits frames to sink, manifest last.
-  Manifest run(const PrefillRequest& req, const LlamaBridgeProducer::FrameSink& sink);
+  Manifest run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink);
 
   // Serves HTTP until stop(). port 0 picks a free port; bound_port() says which.
   Status start(const std::string& host, int port);
@@ -62,9 +103,11 @@ class PrefillService {
   void stop();
 
  private:
-  LlamaCpuEngine* engine_;
-  const LlamaDecoderWeights* weights_;
-  LlamaCacheProgram program_;
+  std::unique_ptr<PrefillEngine> owned_engine_;  // the llama constructor's adapter
+  std::unique_ptr<LlamaCacheProgram> llama_program_;
+  PrefillEngine* engine_;
+  DecoderCacheLayout layout_;
+  ProgramFactory programs_;
   int64_t default_chunk_, max_tokens_;
   FaultSpec fault_;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);

@@ -1,0 +1,580 @@
+"""`serve` for DeepSeek-V4: mlx-vlm's own OpenAI server (FastAPI + uvicorn) plus the seam.
+
+The decoder is mlx-vlm 0.7.10, unmodified. Its only cross-request prompt cache is APC
+(mlx_vlm/apc.py); for DeepSeek-V4's windowed and pooled caches APC keeps whole-prefix
+checkpoints (`APCManager._exact_cache`), and the seam mounts into exactly that.
+
+Construction, in order:
+  1. APC on and its disk tier off, unless the environment says otherwise (the seam then
+     refuses to start: a disk tier would serve prefixes that cached_prefix and clear cannot see).
+  2. mlx_vlm.server.cli.main() parses the command line with mlx-vlm's own parser and publishes
+     the options as it always does (environment, runtime.config); its closing uvicorn.run is
+     swapped for the duration of that call to capture the server arguments instead.
+  3. Three substitutions in mlx-vlm's server modules, before the model loads: the response
+     generator class (a subclass that can tokenize a request without generating), the metrics
+     store (one that does not count those dry runs), and the context compactor (wrapped so a
+     dry run knows when it is compacting).
+  4. The app's lifespan is wrapped: once mlx-vlm's own startup has loaded the model, the seam
+     describes it and checks the prefix cache; a failure stops the server before its port opens.
+  5. The /hetero/ routes are added to mlx-vlm's FastAPI app, which uvicorn then serves.
+
+  POST /hetero/tokenize       OpenAI chat body -> {"ids", "n", "segments"} (mlx-vlm's own path)
+  GET  /hetero/info           model layout, fingerprint, versions, prefix-cache state
+  POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
+  POST /hetero/mount          {"entry", "ids"} -> {"mounted": B}
+  POST /hetero/cache          {"ids", "B", "out"} -> {"B", "path", "window_idx"} (truth dump)
+  POST /hetero/clear          -> {"cleared": number of checkpoints dropped}
+"""
+
+import asyncio
+import functools
+import importlib
+import json
+import logging
+import os
+import sys
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Dict, List, Optional
+
+import mlx.core as mx
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse
+from mlx_vlm import apc as vlm_apc
+from mlx_vlm.server.generation import (
+    GenerationArguments,
+    ResponseGenerator,
+    ServerMetricsStore,
+    _check_configured_context_budget,
+    _count_prompt_tokens,
+    get_server_max_tokens,
+)
+from mlx_vlm.version import __version__ as mlx_vlm_version
+
+from . import STORE_FORMAT, dsv4
+from .errors import SeamError, bad_request, conflict
+from .store import Layout, dump_request, entry_path, read_entry, request_ids
+
+log = logging.getLogger("hetero_mlx")
+
+PREFIX = "/hetero/"
+# Model types served through mlx-vlm, and the family module of each.
+FAMILIES = {"deepseek_v4": dsv4}
+# The seam needs APC's in-memory checkpoints and nothing else; see the module docstring.
+APC_DEFAULTS = {"APC_ENABLED": "1", "APC_DISK_ENABLED": "0"}
+
+
+def _server_module(name: str) -> Any:
+    # mlx_vlm.server re-exports its `app` module's names, so `mlx_vlm.server.app` is the FastAPI
+    # object, not the module; importlib returns the module itself.
+    return importlib.import_module(f"mlx_vlm.server.{name}")
+
+
+# ---- the tokenize dry run ----------------------------------------------------------------
+
+
+@dataclass
+class _Probe:
+    """One dry run of the chat endpoint: what the seam learns from it."""
+
+    ids: Optional[List[int]] = None
+    media: bool = False  # the request carries images, audio or video
+    compacting: bool = False  # inside mlx-vlm's context compaction
+    compacted: bool = False  # compaction wanted to summarize (the prompt does not fit)
+
+
+_PROBE: ContextVar[Optional[_Probe]] = ContextVar("hetero_probe", default=None)
+
+
+class _ProbeDone(BaseException):
+    """Ends a dry run once the request is tokenized.
+
+    A BaseException, so the endpoint's `except Exception` handlers (which log a traceback and
+    answer 500) let it through to the seam.
+    """
+
+
+class SeamResponseGenerator(ResponseGenerator):
+    """mlx-vlm's ResponseGenerator; inside a dry run, generate() tokenizes and stops.
+
+    The tokenization is generate()'s own: the request's prompt through _preprocess_request with
+    the request's preprocessing arguments, under the tokenizer lock, then the configured context
+    budget check. Outside a dry run every call goes to mlx-vlm unchanged.
+    """
+
+    def generate(self, prompt, images=None, audio=None, args=None, videos=None):
+        probe = _PROBE.get()
+        if probe is None:
+            return super().generate(prompt, images=images, audio=audio, args=args, videos=videos)
+        if probe.compacting:
+            probe.compacted = True
+            raise _ProbeDone()
+        if images or audio or videos:
+            probe.media = True
+            raise _ProbeDone()
+        self.wait_until_ready()
+        args = args or GenerationArguments(max_tokens=get_server_max_tokens())
+        with self._tokenizer_lock:
+            raw_inputs = self._preprocess_request(prompt, **args.preprocessing_kwargs())
+        probe.ids = [int(t) for t in raw_inputs["input_ids"].reshape(-1).tolist()]
+        _check_configured_context_budget(_count_prompt_tokens(raw_inputs), args.max_tokens)
+        raise _ProbeDone()
+
+
+class SeamMetricsStore(ServerMetricsStore):
+    """mlx-vlm's request metrics, without the seam's dry runs."""
+
+    def begin_request(self, **kwargs: Any):
+        if _PROBE.get() is None:
+            super().begin_request(**kwargs)
+
+    def record_success(self, envelope: dict):
+        if _PROBE.get() is None:
+            super().record_success(envelope)
+
+    def record_failure(self, **kwargs: Any):
+        if _PROBE.get() is None:
+            super().record_failure(**kwargs)
+
+
+def _compaction_aware(compact: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """mlx-vlm compacts a chat whose prompt exceeds the context window by generating a summary
+    through the same generate(); a dry run must not take that summary's ids for the request's."""
+
+    @functools.wraps(compact)
+    async def wrapper(*args: Any, **kwargs: Any):
+        probe = _PROBE.get()
+        if probe is None:
+            return await compact(*args, **kwargs)
+        probe.compacting = True
+        try:
+            return await compact(*args, **kwargs)
+        finally:
+            probe.compacting = False
+
+    return wrapper
+
+
+def _check_chat_body(body: Dict[str, Any], model: str) -> None:
+    """Checks the server itself would skip or could only answer by reloading."""
+    if "messages" not in body:
+        if "prompt" in body:
+            raise bad_request(
+                "unsupported_endpoint", "mlx-vlm serves /v1/chat/completions only (no prompt)"
+            )
+        raise bad_request("missing_prompt", "body has neither messages nor prompt")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("bad_messages", "messages must be a non-empty list")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise bad_request("bad_messages", "each message must be an object with a role")
+    # mlx-vlm unloads the served model to load any other one a request names.
+    if "model" in body and body["model"] != model:
+        raise bad_request(
+            "model_not_served", f"model {body['model']!r} is not served here; this is {model!r}"
+        )
+    if body.get("adapter_path") is not None:
+        raise bad_request("adapter_not_served", "requests naming an adapter are not bridged")
+
+
+# ---- the seam ----------------------------------------------------------------------------
+
+
+class VlmSeam:
+    """What the seam endpoints share: mlx-vlm's runtime, its prefix cache and the family."""
+
+    def __init__(self, model_path: str, store: Optional[Path]):
+        self.model_path = model_path
+        self.store = store
+        self.runtime = _server_module("runtime").runtime
+        self.generator: Any = None
+        self.manager: Any = None
+        self.family: Any = None
+        self.desc: Dict[str, Any] = {}
+        self.extra_hash = 0
+        self.media_ids: set = set()
+
+    def attach(self) -> None:
+        """After mlx-vlm's startup: describe the loaded model and check the prefix cache."""
+        generator, manager = self.runtime.response_generator, self.runtime.apc_manager
+        if not isinstance(generator, SeamResponseGenerator) or generator.model is None:
+            raise RuntimeError("mlx-vlm loaded no text model through the seam's generator")
+        if manager is None:
+            raise RuntimeError("mlx-vlm's prefix cache (APC) is off; the seam needs APC_ENABLED=1")
+        if manager.disk is not None:
+            raise RuntimeError("APC's disk tier is on; the seam needs APC_DISK_ENABLED=0")
+        if manager._exact_cache_max < 1:
+            raise RuntimeError("APC keeps no checkpoints in memory (APC_CHECKPOINT_ENTRIES=0)")
+        lm = dsv4.language_model(generator.model)
+        model_type = getattr(lm.config, "model_type", None)
+        if model_type not in FAMILIES:
+            raise RuntimeError(f"no seam family for model_type {model_type!r}")
+        if vlm_apc.model_apc_mode(lm) != "exact":
+            raise RuntimeError("APC does not keep whole-prefix checkpoints for this model")
+        self.family = FAMILIES[model_type]
+        self.desc = self.family.describe(generator.model)
+        self.generator, self.manager = generator, manager
+        # The salt generate() gives a text-only request without tenant headers (the front
+        # forwards none): mlx-vlm's default tenant, no media, the model's own key dependencies.
+        tenant = _server_module("app")._read_tenant_id(None)
+        self.extra_hash = vlm_apc.semantic_extra_hash(
+            tenant=tenant,
+            image_hash=0,
+            media={"audio": None, "video": None},
+            model=lm,
+            processor=generator.processor,
+        )
+        self.media_ids = vlm_apc.multimodal_token_ids_from_config(lm.config)
+        log.info(
+            "seam: %s fingerprint %s, store %s, APC checkpoints %d (interval %d, guard %d)",
+            self.desc["family"],
+            self.desc["fingerprint"],
+            self.store,
+            manager._exact_cache_max,
+            manager.checkpoint_interval_tokens,
+            manager.exact_cache_guard_tokens,
+        )
+
+    def _live(self) -> Any:
+        """The generator the seam attached to, while it is still the one serving."""
+        generator = self.runtime.response_generator
+        if generator is None or generator is not self.generator or generator.model is None:
+            # mlx-vlm unloads its model for /unload or a request naming another model.
+            raise SeamError(503, "no_model", "the decoder no longer serves its starting model")
+        return generator
+
+    # ---- endpoints ---------------------------------------------------------------------
+
+    def info(self) -> Dict[str, Any]:
+        generator = self._live()
+        info = {k: v for k, v in self.desc.items()}
+        manager = self.manager
+        config = dsv4.language_model(generator.model).config
+        info.update(
+            model=self.model_path,
+            # The exact `model` string requests must carry (mlx-vlm unloads its model for any
+            # other name); the front door forwards it.
+            forward_model=self.model_path,
+            prefill_step_size=generator._effective_prefill_step_size(),
+            # How this server prefills the prefix it checkpoints at B (the ids before the last):
+            # calls of `step`, also cut at multiples of the checkpoint interval, and the last
+            # token runs alone after the checkpoint. The cache program replays this schedule.
+            prefill={
+                "step": generator._effective_prefill_step_size(),
+                "checkpoint_interval": manager.checkpoint_interval_tokens,
+                "last_alone": False,
+            },
+            store_format=STORE_FORMAT,
+            store=str(self.store) if self.store else None,
+            versions={"mlx": mx.__version__, "mlx_vlm": mlx_vlm_version},
+            context_window=getattr(config, "max_position_embeddings", None),
+            min_mount_tokens=manager.exact_cache_min_tokens,
+            apc={
+                "checkpoint_entries": manager._exact_cache_max,
+                "checkpoint_interval_tokens": manager.checkpoint_interval_tokens,
+                "checkpoint_guard_tokens": manager.exact_cache_guard_tokens,
+                "block_size": manager.block_size,
+            },
+        )
+        with manager.lock:
+            entries = list(manager._exact_cache.values())
+            info["prompt_cache"] = {
+                "sequences": len(entries),
+                "bytes": sum(vlm_apc._cache_nbytes(e.prompt_cache) for e in entries),
+            }
+        return info
+
+    async def tokenize(self, request: Request, body: Dict[str, Any]) -> Dict[str, Any]:
+        """Runs mlx-vlm's chat endpoint on the body with generate() tokenizing and stopping.
+
+        Everything before generation is the server's own: request validation, message
+        normalization, tools, compaction, the chat template, generation arguments and the
+        processor call. Streaming is off for the dry run only; it changes nothing before it.
+        """
+        self._live()
+        _check_chat_body(body, self.model_path)
+        schemas, openai = _server_module("schemas"), _server_module("openai")
+        try:
+            chat = schemas.ChatRequest.model_validate(body)
+        except Exception as e:  # pydantic's ValidationError: FastAPI would answer 422
+            message = f"mlx-vlm rejected the request: {e}"
+            raise SeamError(422, "rejected_by_server", message) from None
+        chat = chat.model_copy(update={"stream": False})
+        probe = _Probe()
+        token = _PROBE.set(probe)
+        try:
+            await openai.chat_completions_endpoint(chat, request)
+        except _ProbeDone:
+            pass
+        except HTTPException as e:
+            if 400 <= e.status_code < 500:
+                message = f"mlx-vlm rejected the request: {e.detail}"
+                raise SeamError(e.status_code, "rejected_by_server", message) from None
+            raise bad_request("tokenize_failed", str(e.detail)) from None
+        finally:
+            _PROBE.reset(token)
+        if probe.media:
+            raise bad_request("images_unsupported", "prompts with images are not bridged")
+        if probe.compacted:
+            raise bad_request(
+                "context_exceeded", "the prompt exceeds the context window; mlx-vlm compacts it"
+            )
+        if probe.ids is None:
+            raise SeamError(500, "internal", "the dry run ended before tokenization")
+        # mlx-vlm does not split prompts into segments: one covers the whole prompt.
+        n = len(probe.ids)
+        return {"ids": probe.ids, "n": n, "segments": [{"type": "prompt", "n": n}]}
+
+    def cached_prefix(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        self._live()
+        ids = request_ids(body, self.desc["vocab_size"])
+        return {"cached_tokens": self.reuse_length(ids), "n": len(ids)}
+
+    def reuse_length(self, ids: List[int]) -> int:
+        """How many leading ids the next request for `ids` reuses from the prefix cache.
+
+        The decision of BatchGenerator._apc_pick_for (apc_lookup_plan in checkpoint mode and
+        APCManager.lookup_exact_cache's choice of entry), made on the live entries without
+        cloning or reordering them. Not predicted: lookup_exact_cache declining a hit when
+        restoring it would exceed APC's memory budget.
+        """
+        n = len(ids)
+        if n < 2:
+            return 0
+        tokens = tuple(ids)
+        safe_min = max(0, vlm_apc.media_safe_prefix_min(ids, self.media_ids) - 1)
+        best, manager = 0, self.manager
+        with manager.lock:
+            for entry in manager._exact_cache.values():
+                if entry.extra_hash != self.extra_hash:
+                    continue
+                trimmable = vlm_apc._dense_checkpoint_trimmable(
+                    entry.prompt_cache, len(entry.token_ids)
+                )
+                length = vlm_apc._checkpoint_match_len(
+                    tokens, entry.token_ids, n - 1, manager.block_size, trimmable
+                )
+                if length > max(safe_min, best):
+                    best = length
+        text_tail = vlm_apc.prefix_leaves_text_only_suffix(ids, best, self.media_ids)
+        return best if 0 < best < n and text_tail else 0
+
+    def _layout(self, n_tokens: int, extra: Dict[str, int]) -> Layout:
+        shapes = self.family.array_shapes(self.desc, n_tokens, extra["window_idx"])
+        return Layout(shapes, self.desc["dtype"])
+
+    def mount(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """Builds the family's cache objects from a store entry and stores them as an APC
+        checkpoint for ids[:B], through APCManager.store_exact_cache (which keeps a copy)."""
+        generator = self._live()
+        ids = request_ids(body, self.desc["vocab_size"])
+        entry = read_entry(
+            entry_path(body, self.store), ids, self.desc, self._layout, extra_ints=("window_idx",)
+        )
+        n, window_idx = entry.n_tokens, entry.extra["window_idx"]
+        manager = self.manager
+        if n < manager.exact_cache_min_tokens:
+            raise bad_request(
+                "prefix_too_short",
+                f"B={n}: mlx-vlm keeps no checkpoint under {manager.exact_cache_min_tokens} tokens",
+            )
+        _check_window(entry.arrays, self.desc["layers"], n, window_idx)
+        try:
+            cache = self.family.build_cache(generator.model, entry.arrays, n, window_idx)
+        except (ValueError, IndexError) as e:
+            raise conflict("layout_mismatch", f"cannot build the decoder's cache: {e}") from None
+        if not manager.store_exact_cache(ids[:n], cache, extra_hash=self.extra_hash):
+            raise conflict(
+                "mount_refused",
+                f"mlx-vlm's prefix cache did not keep the entry (budget {manager.memory_max_bytes} "
+                "bytes; APC_MEMORY_MAX_GB raises it)",
+            )
+        log.info("mounted %d tokens from %s", n, body["entry"])
+        return {"mounted": n}
+
+    def cache_dump(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """The server's own checkpoint for exactly ids[:B], as store arrays (the truth for tests).
+
+        DeepSeek-V4 checkpoints cannot be trimmed to a shorter prefix, so only a B at which the
+        server took a checkpoint (the prompt minus its guard token, or an interval boundary) or
+        at which one was mounted can be dumped. Entries are copies no request mutates.
+        """
+        self._live()
+        ids = request_ids(body, self.desc["vocab_size"])
+        n, out = dump_request(body, ids)
+        prefix, manager = tuple(ids[:n]), self.manager
+        with manager.lock:
+            entries = list(manager._exact_cache.values())
+        ours = [e for e in entries if e.extra_hash == self.extra_hash]
+        found = [e for e in ours if e.token_ids == prefix]
+        if not found:
+            # The checkpoints along these ids: the B values that would have worked.
+            lengths = [len(e.token_ids) for e in ours]
+            held = sorted(k for e, k in zip(ours, lengths) if e.token_ids == tuple(ids[:k]))
+            raise SeamError(
+                404, "not_cached", f"no checkpoint of exactly {n} of these tokens (held: {held})"
+            )
+        arrays, window_idx = self.family.cache_arrays(found[0].prompt_cache, n)
+        metadata = {"format": STORE_FORMAT, "B": str(n), "window_idx": str(window_idx)}
+        mx.save_safetensors(out, arrays, metadata=metadata)
+        return {"B": n, "path": out, "window_idx": window_idx}
+
+    def clear(self) -> Dict[str, Any]:
+        self._live()
+        manager = self.manager
+        with manager.lock:
+            n = len(manager._exact_cache)
+            manager.clear()
+        return {"cleared": n}
+
+
+def _check_window(arrays: Dict[str, mx.array], layers: int, n: int, window_idx: int) -> None:
+    """The window rows must agree across layers, as the decoder's own caches always do (one
+    mask, built from layer 0, serves every layer), and the slot index must fall inside them."""
+    rows = {arrays[f"layers.{i}.window"].shape[2] for i in range(layers)}
+    if len(rows) != 1:
+        raise conflict("layout_mismatch", f"window rows differ across layers: {sorted(rows)}")
+    (s,) = rows
+    if not 1 <= s <= n or window_idx > s:
+        raise conflict(
+            "layout_mismatch", f"window holds {s} rows with slot index {window_idx} for B={n}"
+        )
+
+
+# ---- HTTP --------------------------------------------------------------------------------
+
+
+def _parse(raw: bytes) -> Dict[str, Any]:
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request("bad_json", f"invalid JSON in request body: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("bad_json", "request body must be a JSON object")
+    return body
+
+
+def _install_routes(app: Any, seam: VlmSeam) -> None:
+    """The /hetero/ routes on mlx-vlm's app. Each answers JSON; nothing raises out of one.
+
+    Work that touches MLX arrays or waits on APC's lock runs on a worker thread (arrays made
+    there are evaluated there); the tokenize dry run runs on the event loop, as mlx-vlm's
+    endpoint does.
+    """
+    require_key = _server_module("app")._require_management_api_key
+
+    def route(handler: Callable[..., Awaitable[Dict[str, Any]]], has_body: bool):
+        async def endpoint(request: Request) -> JSONResponse:
+            try:
+                require_key(request)
+                body = _parse(await request.body()) if has_body else {}
+                status, reply = 200, await handler(request, body)
+            except SeamError as e:
+                status, reply = e.status, e.body()
+            except HTTPException as e:
+                status = e.status_code
+                reply = {"error": {"code": "unauthorized", "message": str(e.detail)}}
+            except Exception as e:  # a bug, not a client error: still a JSON reply
+                log.exception("seam %s failed", request.url.path)
+                status, reply = 500, {"error": {"code": "internal", "message": str(e)}}
+            return JSONResponse(reply, status_code=status)
+
+        return endpoint
+
+    def threaded(fn: Callable[[Dict[str, Any]], Dict[str, Any]]):
+        async def handler(request: Request, body: Dict[str, Any]) -> Dict[str, Any]:
+            return await asyncio.to_thread(fn, body)
+
+        return handler
+
+    async def not_found(request: Request, body: Dict[str, Any]) -> Dict[str, Any]:
+        raise SeamError(404, "not_found", f"no seam endpoint {request.method} {request.url.path}")
+
+    info = threaded(lambda body: seam.info())
+    app.add_api_route(PREFIX + "info", route(info, False), methods=["GET"])
+    app.add_api_route(PREFIX + "tokenize", route(seam.tokenize, True), methods=["POST"])
+    for name, fn in (
+        ("cached_prefix", seam.cached_prefix),
+        ("mount", seam.mount),
+        ("cache", seam.cache_dump),
+        ("clear", lambda body: seam.clear()),
+    ):
+        app.add_api_route(PREFIX + name, route(threaded(fn), True), methods=["POST"])
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    app.add_api_route(PREFIX + "{rest:path}", route(not_found, False), methods=methods)
+
+
+# ---- startup -----------------------------------------------------------------------------
+
+
+def _vlm_cli(argv: List[str]) -> Dict[str, Any]:
+    """mlx-vlm's own CLI on argv; returns the keyword arguments it would give uvicorn.run."""
+    import uvicorn
+
+    cli = _server_module("cli")
+    captured: List[Dict[str, Any]] = []
+
+    def capture(app: Any, **kwargs: Any) -> None:
+        captured.append(kwargs)
+
+    saved_run, saved_argv = uvicorn.run, sys.argv
+    uvicorn.run, sys.argv = capture, ["mlx_vlm.server", *argv]
+    try:
+        cli.main()
+    finally:
+        uvicorn.run, sys.argv = saved_run, saved_argv
+    return captured[0]
+
+
+def _model_arg(argv: List[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+    raise SystemExit("hetero_mlx: serve needs --model")
+
+
+def serve(argv: List[str], store: Optional[Path]) -> None:
+    """Runs mlx-vlm's server with the seam until interrupted; argv is mlx-vlm server options."""
+    import uvicorn
+
+    for name, value in APC_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    run_kwargs = _vlm_cli(argv)
+    if run_kwargs.pop("reload", False):
+        raise SystemExit("hetero_mlx: --reload is not supported with the seam")
+    run_kwargs.pop("workers", None)
+
+    app_module = _server_module("app")
+    app_module.ResponseGenerator = SeamResponseGenerator
+    app_module.runtime.metrics = SeamMetricsStore()
+    compaction = _server_module("compaction")
+    compaction.compact_response_context = _compaction_aware(compaction.compact_response_context)
+
+    seam = VlmSeam(_model_arg(argv), store)
+    app = app_module.app
+    startup = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan_with_seam(app_: Any):
+        async with startup(app_) as state:
+            try:
+                seam.attach()
+            except (RuntimeError, ValueError) as e:
+                log.error("hetero_mlx: %s", e)
+                # Its generation thread would otherwise die with the interpreter mid-MLX call.
+                generator = app_module.runtime.response_generator
+                if generator is not None:
+                    generator.stop_and_join()
+                raise
+            yield state
+
+    app.router.lifespan_context = lifespan_with_seam
+    _install_routes(app, seam)
+    log.info("mlx-vlm options: %s", app_module.runtime.config.current())
+    uvicorn.run(app, **run_kwargs)

@@ -1,0 +1,144 @@
+// The decoder-cache program for DeepSeek-V4 (decoder: mlx-vlm 0.7.10's deepseek_v4 on MLX's CPU
+// backend). From each layer's attention input x and the decoder's exported weights it computes
+// what the decoder's own cache holds after prefilling the same tokens:
+//   - the window: the last rows of kv = rope(kv_norm(wkv x)) at the layer's rope, in the slot
+//     order the decoder's RotatingKVCache leaves for its call sequence;
+//   - per compressor (ratio 4 or 128, and the ratio-4 indexer's): pooled rows
+//     rope_r(norm(pool(wkv x, wgate x, ape))) at window starts, and the raw rows of the
+//     incomplete window (the buffers).
+// The ratio-4 overlap lane depends on the decoder's call boundaries (a window pools with its
+// predecessor only when both complete in one multi-token call; calls of 2..8 tokens run token
+// by token in the decoder), so the program takes the decoder's call schedule, not the prefill's
+// chunking, which may differ freely. Arithmetic in decoder order: given the decoder's own x the
+// arrays are bit-identical to its cache. Spec: docs/design/cache-program-dsv4.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bridge/decoder_weights.h"
+#include "common/status.h"
+#include "common/tensor.h"
+#include "kernels/dsv4_ops.h"
+
+namespace hetero {
+
+// A projection as the decoder holds it: dense bf16, or quantized (MLX mx or affine modes),
+// applied with the decoder's own arithmetic for that kind.
+struct DecoderLinear {
+  enum class Mode { kDense, kMx, kAffine };
+  Mode mode = Mode::kDense;
+  int64_t n = 0, k = 0, group = 0;
+  std::vector<float> wt;                 // dense: f32 [k, n] (transposed)
+  std::vector<float> q, scales, biases;  // quantized: [n, k] element values, [n, k/group]
+  void apply(const uint16_t* x, int64_t m, uint16_t* out) const;
+};
+
+struct Dsv4ProgramCompressor {
+  int64_t ratio = 0, head_dim = 0, out_dim = 0;  // out_dim = 2*head_dim at ratio 4 (overlap)
+  DecoderLinear wkv, wgate;                      // [out_dim, hidden]
+  std::vector<float> ape;                        // [ratio, out_dim], values as the decoder holds
+  Tensor norm;                                   // bf16 [head_dim]
+};
+
+struct Dsv4ProgramLayer {
+  int64_t ratio = 0;            // 0, 4 or 128
+  DecoderLinear wkv;            // [head_dim, hidden]
+  Tensor kv_norm;               // bf16 [head_dim]
+  Dsv4ProgramCompressor pool;   // ratio > 0
+  Dsv4ProgramCompressor index;  // ratio 4 only (the indexer's compressor)
+  bool has_index = false;
+};
+
+struct Dsv4DecoderWeights {
+  DecoderCacheLayout layout;  // family "deepseek_v4"; kv_heads 1
+  double rms_norm_eps = 1e-6;
+  int64_t window = 128, rope_dims = 64, index_head_dim = 0;
+  std::string decoder_rope_json;  // the decoder's rope parameters as exported (for messages)
+  double rope_theta = 0, compress_rope_theta = 0;
+  YarnScaling yarn;
+  std::vector<float> freqs_local;       // ratio-0 layers: rope_theta, no YaRN
+  std::vector<float> freqs_compressed;  // compressed layers and compressors: theta' + YaRN
+  std::vector<Dsv4ProgramLayer> layers;
+};
+
+// Reads the export of `python -m hetero_mlx export` for a deepseek_v4 decoder. The rope
+// frequencies are recomputed here from the exported parameters and must equal the decoder's own
+// exported `_freqs` bit for bit, or the export is refused.
+Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir);
+
+// Calls of 2..tokenwise_max tokens run one token at a time in the decoder: the effective calls.
+std::vector<int64_t> dsv4_effective_calls(const std::vector<int64_t>& calls,
+                                          int64_t tokenwise_max = 8);
+// The decoder server's own call schedule for prefilling a prompt of n tokens: chunks of `step`
+// for all but the last token, then the last token alone.
+std::vector<int64_t> dsv4_server_calls(int64_t n, int64_t step);
+
+// Where the RotatingKVCache's rows end up after `calls` (effective calls): position per slot.
+struct Dsv4WindowLayout {
+  std::vector<int64_t> slot_pos;  // S slots
+  int64_t idx = 0;                // the cache's _idx
+  int64_t offset = 0;
+};
+Dsv4WindowLayout dsv4_window_layout(const std::vector<int64_t>& calls, int64_t max_size);
+// has_prev[j] for each complete window j of `ratio` rows under `calls` (effective calls).
+std::vector<uint8_t> dsv4_overlap_flags(const std::vector<int64_t>& calls, int64_t ratio);
+
+// One layer's finished cache, as arrays in the decoder's layout (B = 1 dropped where noted).
+struct Dsv4PoolArrays {
+  Tensor buf_kv, buf_gate;  // bf16 [1, rem, out_dim]
+  Tensor pooled;            // bf16 [1, P, head_dim]
+};
+struct Dsv4LayerArrays {
+  Tensor window;  // bf16 [1, 1, S, head_dim] in slot order
+  int64_t ratio = 0;
+  Dsv4PoolArrays pool, index;
+};
+
+// Pooled rows completed by one feed, for streaming: rows [first, first + count) of the layer's
+// pools ([count, head_dim] bf16 each; index empty where the layer has no indexer).
+struct Dsv4NewRows {
+  int64_t first = 0, count = 0;
+  std::vector<uint16_t> pool, index;
+};
+
+class Dsv4CacheProgram {
+ public:
+  // decoder_calls: the decoder's call lengths for the prefix (sum = T), before expansion.
+  Dsv4CacheProgram(const Dsv4DecoderWeights* weights, const std::vector<int64_t>& decoder_calls);
+  const DecoderCacheLayout& layout() const { return w_->layout; }
+  int64_t tokens() const { return total_; }
+  int64_t window_idx() const { return window_.idx; }
+
+  // Layer `layer`'s attention input rows [pos0, pos0+n), bf16 [n, hidden]; each layer's rows
+  // must arrive in order. Different layers may be fed from different threads.
+  Status feed(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x, Dsv4NewRows* out);
+  // After all T rows of the layer arrived: its window and buffers (and every pooled row).
+  Result<Dsv4LayerArrays> finish_layer(int64_t layer);
+
+ private:
+  struct PoolState {
+    std::vector<uint16_t> raw_kv, raw_gate;  // rows [raw_base, fed) (out_dim wide)
+    int64_t raw_base = 0;
+    std::vector<uint16_t> pooled;  // every pooled row so far
+    int64_t pooled_rows = 0;
+  };
+  struct LayerState {
+    int64_t fed = 0;
+    std::vector<uint16_t> window_rows;  // head_dim wide, one per needed position
+    PoolState pool, index;
+  };
+  void feed_pool(const Dsv4ProgramCompressor& c, PoolState& s, int64_t pos0, int64_t n,
+                 const uint16_t* x, std::vector<uint16_t>* new_rows);
+  Dsv4PoolArrays pool_arrays(const Dsv4ProgramCompressor& c, const PoolState& s) const;
+
+  const Dsv4DecoderWeights* w_;
+  int64_t total_ = 0;
+  Dsv4WindowLayout window_;
+  int64_t window_first_ = 0;  // the smallest position any slot holds
+  std::vector<uint8_t> flags4_, flags128_;
+  std::vector<LayerState> state_;
+};
+
+}  // namespace hetero

@@ -1,0 +1,168 @@
+// DeepSeek-V4 segments: see dsv4_stream.h.
+#include "bridge/dsv4_stream.h"
+
+#include <cstring>
+
+namespace hetero {
+namespace {
+
+std::string layer_name(int64_t layer, const char* what) {
+  return "layers." + std::to_string(layer) + "." + what;
+}
+
+Tensor rows_tensor(const std::vector<uint16_t>& rows, int64_t width) {
+  const int64_t n = width > 0 ? static_cast<int64_t>(rows.size()) / width : 0;
+  Tensor t(DType::kBF16, {1, n, width});
+  if (!rows.empty()) std::memcpy(t.bytes.data(), rows.data(), rows.size() * 2);
+  return t;
+}
+
+// The arrays a segment [pos0, pos0+n) carries, with their shapes, in order.
+std::vector<std::pair<std::string, std::vector<int64_t>>> expected_arrays(
+    const DecoderCacheLayout& l, int64_t pos0, int64_t n, int64_t T) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  const int64_t end = pos0 + n;
+  for (int64_t i = 0; i < l.layers; ++i) {
+    const int64_t r = l.ratios[static_cast<size_t>(i)];
+    if (r == 0) continue;
+    const int64_t rows = end / r - pos0 / r;
+    out.push_back({layer_name(i, "pool.pooled"), {1, rows, l.head_dim}});
+    if (r == 4) out.push_back({layer_name(i, "index.pooled"), {1, rows, l.index_head_dim}});
+  }
+  if (end != T) return out;
+  for (int64_t i = 0; i < l.layers; ++i) {
+    const int64_t r = l.ratios[static_cast<size_t>(i)];
+    out.push_back({layer_name(i, "window"), {1, 1, -1, l.head_dim}});
+    if (r == 0) continue;
+    const int64_t width = r == 4 ? 2 * l.head_dim : l.head_dim;
+    out.push_back({layer_name(i, "pool.buf_kv"), {1, T % r, width}});
+    out.push_back({layer_name(i, "pool.buf_gate"), {1, T % r, width}});
+    if (r != 4) continue;
+    out.push_back({layer_name(i, "index.buf_kv"), {1, T % 4, 2 * l.index_head_dim}});
+    out.push_back({layer_name(i, "index.buf_gate"), {1, T % 4, 2 * l.index_head_dim}});
+  }
+  out.push_back({"window_idx", {1}});
+  return out;
+}
+
+}  // namespace
+
+Status Dsv4SegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                               std::vector<WireArray>* arrays) {
+  Dsv4NewRows rows;
+  HETERO_RETURN_IF_ERROR(program_.feed(layer, pos0, n, x, &rows));
+  const int64_t r = weights_->layers[static_cast<size_t>(layer)].ratio;
+  if (r > 0)
+    arrays->push_back(
+        {layer_name(layer, "pool.pooled"), rows_tensor(rows.pool, weights_->layout.head_dim)});
+  if (r == 4)
+    arrays->push_back(
+        {layer_name(layer, "index.pooled"), rows_tensor(rows.index, weights_->index_head_dim)});
+  return Status::ok();
+}
+
+Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) {
+  if (pos0 + n != program_.tokens()) return Status::ok();
+  for (int64_t l = 0; l < weights_->layout.layers; ++l) {
+    HETERO_ASSIGN_OR_RETURN(Dsv4LayerArrays a, program_.finish_layer(l));
+    arrays->push_back({layer_name(l, "window"), std::move(a.window)});
+    if (a.ratio == 0) continue;
+    arrays->push_back({layer_name(l, "pool.buf_kv"), std::move(a.pool.buf_kv)});
+    arrays->push_back({layer_name(l, "pool.buf_gate"), std::move(a.pool.buf_gate)});
+    if (a.ratio != 4) continue;
+    arrays->push_back({layer_name(l, "index.buf_kv"), std::move(a.index.buf_kv)});
+    arrays->push_back({layer_name(l, "index.buf_gate"), std::move(a.index.buf_gate)});
+  }
+  Tensor idx(DType::kI64, {1});
+  idx.data<int64_t>()[0] = program_.window_idx();
+  arrays->push_back({"window_idx", std::move(idx)});
+  return Status::ok();
+}
+
+Dsv4Assembler::Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens)
+    : layout_(std::move(expected)), requested_(requested_tokens) {}
+
+Status Dsv4Assembler::accept(const Segment& s) {
+  HETERO_RETURN_IF_ERROR(check_segment_order(layout_, requested_, covered_, segments_, s));
+  const auto want = expected_arrays(layout_, s.pos0, s.n_tokens, requested_);
+  if (s.arrays.size() != want.size())
+    return data_loss("segment has " + std::to_string(s.arrays.size()) + " arrays, expected " +
+                     std::to_string(want.size()));
+  const int64_t T = requested_;
+  int64_t window_rows = -1, idx = -1;
+  for (size_t k = 0; k < want.size(); ++k) {
+    const WireArray& a = s.arrays[k];
+    const auto& [name, shape] = want[k];
+    if (a.name != name)
+      return data_loss("segment array '" + a.name + "' where '" + name + "' belongs");
+    if (name == "window_idx") {
+      if (a.tensor.dtype != DType::kI64 || a.tensor.shape != shape)
+        return data_loss("window_idx is not i64 [1]");
+      idx = a.tensor.data<int64_t>()[0];
+      continue;
+    }
+    std::vector<int64_t> expect = shape;
+    if (expect[2] == -1) {  // window rows: the same S in every layer, min(T, window) <= S <= T
+      if (a.tensor.shape.size() != 4)
+        return data_loss("'" + name + "' is " + a.tensor.shape_string() + ", not 4-D");
+      const int64_t S = a.tensor.shape[2];
+      if (window_rows < 0) window_rows = S;
+      if (S != window_rows || S < std::min(T, layout_.window) || S > T)
+        return data_loss("'" + name + "' holds " + std::to_string(S) + " rows; T=" +
+                         std::to_string(T) + ", window " + std::to_string(layout_.window));
+      expect[2] = S;
+    }
+    if (a.tensor.dtype != DType::kBF16 || a.tensor.shape != expect)
+      return data_loss("segment array '" + name + "' is " + dtype_name(a.tensor.dtype) +
+                       a.tensor.shape_string() + ", expected BF16 of the decoder's layout");
+  }
+  if (idx >= 0 && (idx > window_rows || idx < 0))
+    return data_loss("window_idx " + std::to_string(idx) + " outside the window's " +
+                     std::to_string(window_rows) + " rows");
+  // Everything checked: keep it.
+  for (const WireArray& a : s.arrays) {
+    if (a.name == "window_idx") continue;
+    if (a.name.size() > 7 && a.name.compare(a.name.size() - 7, 7, ".pooled") == 0) {
+      auto& dst = pooled_[a.name];
+      const auto* src = a.tensor.data<uint16_t>();
+      dst.insert(dst.end(), src, src + a.tensor.numel());
+    } else {
+      tail_[a.name] = a.tensor;
+    }
+  }
+  if (idx >= 0) window_idx_ = idx;
+  covered_ += s.n_tokens;
+  ++segments_;
+  return Status::ok();
+}
+
+Status Dsv4Assembler::finish(const Manifest& m) {
+  return check_manifest(layout_, requested_, covered_, segments_, m);
+}
+
+TensorMap Dsv4Assembler::arrays(int64_t b) const {
+  HETERO_CHECK(can_mount(b));
+  TensorMap out = tail_;
+  for (int64_t i = 0; i < layout_.layers; ++i) {
+    const int64_t r = layout_.ratios[static_cast<size_t>(i)];
+    if (r == 0) continue;
+    for (const char* pool : {"pool.pooled", "index.pooled"}) {
+      if (r != 4 && std::string(pool) == "index.pooled") continue;
+      const std::string name = layer_name(i, pool);
+      const int64_t width =
+          std::string(pool) == "index.pooled" ? layout_.index_head_dim : layout_.head_dim;
+      auto it = pooled_.find(name);
+      out[name] = rows_tensor(it == pooled_.end() ? std::vector<uint16_t>{} : it->second, width);
+    }
+  }
+  return out;
+}
+
+std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
+                                          int64_t requested_tokens) {
+  if (layout.family == "deepseek_v4")
+    return std::make_unique<Dsv4Assembler>(layout, requested_tokens);
+  return std::make_unique<CacheAssembler>(layout, requested_tokens);
+}
+
+}  // namespace hetero

@@ -1,0 +1,53 @@
+// DeepSeek-V4 on the wire. Segments follow the prefill's chunk boundaries; each carries the
+// compressed rows its range completed, per compressed layer (`layers.{i}.pool.pooled` and, at
+// ratio 4, `layers.{i}.index.pooled`, bf16 [1, rows, head_dim]); the last one also carries the
+// end-of-prefix state: per layer `layers.{i}.window` [1, 1, S, head_dim] in the decoder's slot
+// order, the compressors' `buf_kv` / `buf_gate` [1, T mod r, out_dim], and `window_idx` (i64
+// [1]). Only the whole request can be mounted: the window and buffers exist for T alone.
+// Names and shapes are those of the decoder store (python/hetero_mlx/dsv4.py).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "bridge/assembler.h"
+#include "bridge/dsv4_program.h"
+#include "bridge/producer.h"
+
+namespace hetero {
+
+class Dsv4SegmentProgram : public SegmentProgram {
+ public:
+  // decoder_calls: the decoder's own call schedule for the T tokens (see Dsv4CacheProgram).
+  Dsv4SegmentProgram(const Dsv4DecoderWeights* weights, const std::vector<int64_t>& decoder_calls)
+      : weights_(weights), program_(weights, decoder_calls) {}
+  const DecoderCacheLayout& layout() const override { return weights_->layout; }
+  Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+             std::vector<WireArray>* arrays) override;
+  Status close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) override;
+
+ private:
+  const Dsv4DecoderWeights* weights_;
+  Dsv4CacheProgram program_;
+};
+
+class Dsv4Assembler : public Assembler {
+ public:
+  Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens);
+  Status accept(const Segment& s) override;
+  Status finish(const Manifest& m) override;
+  int64_t covered_tokens() const override { return covered_; }
+  int64_t segments() const override { return segments_; }
+  bool can_mount(int64_t b) const override { return b == requested_ && covered_ == requested_; }
+  TensorMap arrays(int64_t b) const override;
+  nlohmann::json entry_extra() const override { return {{"window_idx", window_idx_}}; }
+
+ private:
+  DecoderCacheLayout layout_;
+  int64_t requested_, covered_ = 0, segments_ = 0, window_idx_ = 0;
+  std::map<std::string, std::vector<uint16_t>> pooled_;  // by array name
+  TensorMap tail_;                                       // window and buffers (last segment)
+};
+
+}  // namespace hetero

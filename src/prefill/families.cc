@@ -1,0 +1,138 @@
+// Per-family prefill hosts: see families.h.
+#include "prefill/families.h"
+
+#include <sstream>
+
+#include "bridge/dsv4_stream.h"
+#include "engine/dsv4_cpu.h"
+#include "engine/llama_cpu.h"
+
+namespace hetero {
+namespace {
+
+constexpr int64_t kDecoderPrefillStep = 2048;  // the decoder server's default prefill_step_size
+
+std::string show(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+Result<PrefillStack> load_llama(const std::string& model_dir, const std::string& weights_dir,
+                                const std::string& gemm) {
+  if (gemm != "ordered" && gemm != "blas")
+    return invalid_argument("--gemm must be 'ordered' or 'blas'");
+  HETERO_ASSIGN_OR_RETURN(
+      auto engine,
+      LlamaCpuEngine::load(model_dir, gemm == "blas" ? LlamaCpuEngine::Gemm::kBlas
+                                                     : LlamaCpuEngine::Gemm::kOrdered));
+  HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
+  HETERO_RETURN_IF_ERROR(check_export_matches_model(engine->config(), weights.layout));
+  struct Owned {
+    std::unique_ptr<LlamaCpuEngine> engine;
+    LlamaDecoderWeights weights;
+    std::unique_ptr<LlamaCacheProgram> program;
+  };
+  auto owned = std::make_shared<Owned>();
+  owned->engine = std::move(engine);
+  owned->weights = std::move(weights);
+  owned->program = std::make_unique<LlamaCacheProgram>(&owned->weights);
+  PrefillStack s;
+  s.family = "llama";
+  s.engine = std::make_unique<EngineAdapter<LlamaCpuEngine>>(owned->engine.get());
+  s.layout = owned->weights.layout;
+  const LlamaCacheProgram* program = owned->program.get();
+  s.programs = [program](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+    return std::unique_ptr<SegmentProgram>(std::make_unique<LlamaSegmentProgram>(program));
+  };
+  s.owned = owned;
+  return s;
+}
+
+Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& weights_dir) {
+  HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CpuEngine::load(model_dir));
+  HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
+  HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
+  struct Owned {
+    std::unique_ptr<Dsv4CpuEngine> engine;
+    Dsv4DecoderWeights weights;
+  };
+  auto owned = std::make_shared<Owned>();
+  owned->engine = std::move(engine);
+  owned->weights = std::move(weights);
+  PrefillStack s;
+  s.family = "deepseek_v4";
+  s.engine = std::make_unique<EngineAdapter<Dsv4CpuEngine>>(owned->engine.get());
+  s.layout = owned->weights.layout;
+  const Dsv4DecoderWeights* w = &owned->weights;
+  s.programs = [w](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+    const auto T = static_cast<int64_t>(req.ids.size());
+    const std::vector<int64_t> calls =
+        req.decoder_calls.empty() ? dsv4_server_calls(T, kDecoderPrefillStep) : req.decoder_calls;
+    return std::unique_ptr<SegmentProgram>(std::make_unique<Dsv4SegmentProgram>(w, calls));
+  };
+  s.owned = owned;
+  return s;
+}
+
+}  // namespace
+
+Status check_dsv4_export_matches_model(const Dsv4Config& m, const Dsv4DecoderWeights& e) {
+  auto mismatch = [](const std::string& what, const std::string& model, const std::string& exp) {
+    return failed_precondition("the decoder's export does not match this prefill host's model: " +
+                               what + " is " + exp + " in the decoder's export and " + model +
+                               " in the prefill model; refusing before any cache is written");
+  };
+  auto num = [&](const std::string& what, double model, double exp) -> Status {
+    if (model != exp) return mismatch(what, show(model), show(exp));
+    return Status::ok();
+  };
+  const auto& l = e.layout;
+  HETERO_RETURN_IF_ERROR(
+      num("layers", static_cast<double>(m.layers), static_cast<double>(l.layers)));
+  HETERO_RETURN_IF_ERROR(
+      num("hidden_size", static_cast<double>(m.hidden), static_cast<double>(l.hidden)));
+  HETERO_RETURN_IF_ERROR(
+      num("head_dim", static_cast<double>(m.head_dim), static_cast<double>(l.head_dim)));
+  HETERO_RETURN_IF_ERROR(num("index_head_dim", static_cast<double>(m.index_head_dim),
+                             static_cast<double>(e.index_head_dim)));
+  HETERO_RETURN_IF_ERROR(
+      num("sliding_window", static_cast<double>(m.sliding_window), static_cast<double>(e.window)));
+  HETERO_RETURN_IF_ERROR(num("qk_rope_head_dim", static_cast<double>(m.rope_head_dim),
+                             static_cast<double>(e.rope_dims)));
+  HETERO_RETURN_IF_ERROR(num("rms_norm_eps", m.rms_norm_eps, e.rms_norm_eps));
+  HETERO_RETURN_IF_ERROR(num("rope_theta", m.rope_theta, e.rope_theta));
+  HETERO_RETURN_IF_ERROR(num("compress_rope_theta", m.compress_rope_theta, e.compress_rope_theta));
+  if (m.yarn.enabled != e.yarn.enabled)
+    return mismatch("rope_scaling (YaRN)", m.yarn.enabled ? "on" : "off",
+                    e.yarn.enabled ? "on" : "off");
+  if (m.yarn.enabled) {
+    HETERO_RETURN_IF_ERROR(num("rope_scaling.factor", m.yarn.factor, e.yarn.factor));
+    HETERO_RETURN_IF_ERROR(num("rope_scaling.original_max_position_embeddings",
+                               m.yarn.original_max_position_embeddings,
+                               e.yarn.original_max_position_embeddings));
+    HETERO_RETURN_IF_ERROR(num("rope_scaling.beta_fast", m.yarn.beta_fast, e.yarn.beta_fast));
+    HETERO_RETURN_IF_ERROR(num("rope_scaling.beta_slow", m.yarn.beta_slow, e.yarn.beta_slow));
+  }
+  for (int64_t i = 0; i < l.layers; ++i) {
+    const int64_t mr = m.compress_ratios[static_cast<size_t>(i)];
+    const int64_t er = l.ratios[static_cast<size_t>(i)];
+    if (mr != er)
+      return mismatch("compress_ratios[" + std::to_string(i) + "]", std::to_string(mr),
+                      std::to_string(er));
+  }
+  return Status::ok();
+}
+
+Result<PrefillStack> load_prefill_stack(const std::string& model_dir,
+                                        const std::string& weights_dir, const std::string& gemm) {
+  if (is_dsv4_checkpoint(model_dir)) {
+    if (decoder_family(weights_dir) != "deepseek_v4")
+      return failed_precondition("the model is deepseek_v4 but the decoder export in " +
+                                 weights_dir + " is family '" + decoder_family(weights_dir) + "'");
+    return load_dsv4(model_dir, weights_dir);
+  }
+  return load_llama(model_dir, weights_dir, gemm);
+}
+
+}  // namespace hetero

@@ -1,0 +1,104 @@
+"""DeepSeek-V4 through the front door, on real processes: the mlx-vlm decoder with its seam
+(the `native` variant of the tiny checkpoint), `hetero prefill` on the official FP8 layout
+(`fp8/`) with the decoder's export, and `hetero front`.
+
+A bridged chat request must come back with verdict `complete`, B = T - 1, and the decoder's own
+accounting (`usage.prompt_tokens_details.cached_tokens`) must show that only the last token was
+processed. The answer must equal the decoder's native answer to the same request, computed
+cold. A prefill host whose export disagrees with its checkpoint (a wrong YaRN factor) must be
+refused before it serves. A failed DeepSeek-V4 bridge must be declined with its reason and
+still return the native answer, never a partial mount.
+
+Needs HETERO_DSV4_MODEL (models/dsv4-tiny) and build/hetero.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+requests = pytest.importorskip("requests")
+
+from test_front import HETERO, PY, ENV, ROOT, Stack, answer, chat, need, post_front, text, verdict_of  # noqa: E402,E501
+
+DSV4 = Path(os.environ.get("HETERO_DSV4_MODEL", ROOT / "models" / "dsv4-tiny"))
+
+
+class Dsv4Stack(Stack):
+    def native(self, body: dict, path: str = "/v1/chat/completions") -> dict:
+        """The decoder's own answer, cold. mlx-vlm checkpoints the prompt (not the reply) before
+        answering, so clearing after the reply leaves the prefix cache empty."""
+        self.clear()
+        r = requests.post(self.url(self.decoder.port, path), json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        self.clear()
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def dsv4(tmp_path_factory):
+    need(HETERO, "hetero binary")
+    for variant in ("native", "fp8"):
+        need(DSV4 / variant / "config.json", f"DeepSeek-V4 tiny checkpoint ({variant})")
+    stack = Dsv4Stack(DSV4 / "native", tmp_path_factory.mktemp("dsv4"))
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def served(stack: Stack, content: str, max_tokens: int = 16) -> dict:
+    body = chat(content, max_tokens=max_tokens)
+    body["model"] = stack.info["forward_model"]
+    return body
+
+
+def test_front_bridges_deepseek_v4_complete(dsv4) -> None:
+    front = dsv4.front(dsv4.prefill(chunk=32, model=DSV4 / "fp8").port)
+    body = served(dsv4, text("dsv4-bridge", 120))
+    native = dsv4.native(body)
+    r = post_front(front, body)
+    assert r.status_code == 200, r.text
+    v = verdict_of(r.headers)
+    reply = r.json()
+    T = reply["usage"]["prompt_tokens"]
+    assert v["verdict"] == "complete", v
+    assert v["B"] == T - 1 and v["T"] == T, v
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == T - 1, reply["usage"]
+    assert v["bytes"] > 0
+    assert answer(reply) == answer(native), (answer(reply), answer(native))
+
+
+def test_failed_bridge_is_declined_not_partial(dsv4) -> None:
+    # The prefill host stops after two segments: the window and buffers never arrive, so no
+    # prefix can be mounted; the reply is the native answer with the reason.
+    front = dsv4.front(dsv4.prefill(chunk=16, model=DSV4 / "fp8", fault="truncate-after:2",
+                                    fresh=True).port)
+    body = served(dsv4, text("dsv4-truncated", 120))
+    native = dsv4.native(body)
+    r = post_front(front, body)
+    assert r.status_code == 200, r.text
+    v = verdict_of(r.headers)
+    assert v["verdict"].startswith("declined"), v
+    assert "cannot be mounted partially" in v.get("reason", v["verdict"]), v
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert answer(r.json()) == answer(native)
+
+
+def test_wrong_yarn_factor_is_refused_before_serving(dsv4, tmp_path) -> None:
+    # The prefill host's checkpoint with a different YaRN factor than the decoder's.
+    bad = tmp_path / "fp8-wrong-yarn"
+    shutil.copytree(DSV4 / "fp8", bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["rope_scaling"]["factor"] = 8
+    (bad / "config.json").write_text(json.dumps(config))
+    run = subprocess.run([str(HETERO), "prefill", "--model", str(bad), "--weights",
+                          str(dsv4.weights), "--port", "0"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=ENV)
+    assert run.returncode != 0
+    assert "rope_scaling.factor is 16 in the decoder's export and 8 in the prefill model" in \
+        run.stderr, run.stderr
+    assert "before any cache is written" in run.stderr

@@ -1,0 +1,249 @@
+// DeepSeek-V4 bridge pieces without the decoder: the replay of the decoder's rotating window
+// and overlap rule on positions, and the stream (program -> producer -> wire -> assembler)
+// carrying exactly what the program computes, with malformed segments refused. Bit-exactness
+// against the decoder itself is tests/py/test_dsv4_exactness.py.
+#include "bridge/dsv4_stream.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "common/bf16.h"
+
+namespace hetero {
+namespace {
+
+TEST(Dsv4Schedule, TokenwiseCallsExpand) {
+  EXPECT_EQ(dsv4_effective_calls({9, 8, 1, 2}),
+            (std::vector<int64_t>{9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(dsv4_server_calls(1, 2048), (std::vector<int64_t>{1}));
+  EXPECT_EQ(dsv4_server_calls(5000, 2048), (std::vector<int64_t>{2048, 2048, 903, 1}));
+}
+
+TEST(Dsv4Schedule, WindowAfterPrefillAndLastToken) {
+  // A 200-token call then the last token alone: slot 0 holds the last position, slots 1..127
+  // the 127 before it, _idx 1.
+  auto w = dsv4_window_layout({200, 1}, 128);
+  ASSERT_EQ(w.slot_pos.size(), 128u);
+  EXPECT_EQ(w.slot_pos[0], 200);
+  for (int64_t s = 1; s < 128; ++s) EXPECT_EQ(w.slot_pos[static_cast<size_t>(s)], 72 + s);
+  EXPECT_EQ(w.idx, 1);
+  EXPECT_EQ(w.offset, 201);
+  // One multi-token call keeps everything it got, in order.
+  auto one = dsv4_window_layout({300}, 128);
+  EXPECT_EQ(one.slot_pos.size(), 300u);
+  EXPECT_EQ(one.idx, 300);
+  // Short: single tokens into a fresh cache.
+  auto few = dsv4_window_layout({1, 1, 1}, 128);
+  EXPECT_EQ(few.slot_pos, (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(few.idx, 3);
+}
+
+TEST(Dsv4Schedule, OverlapOnlyWithinOneMultiTokenCall) {
+  // Calls: 13 single tokens (0..12), then [13, 213): windows of 4.
+  std::vector<int64_t> calls(13, 1);
+  calls.push_back(200);
+  auto f = dsv4_overlap_flags(calls, 4);
+  ASSERT_EQ(f.size(), 53u);
+  EXPECT_EQ(f[0], 0);  // never
+  EXPECT_EQ(f[1], 0);  // completed by a single-token call
+  EXPECT_EQ(f[3], 0);  // [12, 16): completed in the big call, its predecessor was not
+  EXPECT_EQ(f[4], 1);  // [16, 20): both in the big call
+  EXPECT_EQ(f[52], 1);
+}
+
+// A small random DeepSeek-V4 export: layers of ratio 0, 4 and 128.
+Dsv4DecoderWeights random_weights() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 0.3f);
+  Dsv4DecoderWeights w;
+  w.layout.family = "deepseek_v4";
+  w.layout.fingerprint = "f00d";
+  w.layout.hidden = 32;
+  w.layout.head_dim = 16;
+  w.layout.kv_heads = 1;
+  w.index_head_dim = 8;
+  w.layout.index_head_dim = 8;
+  w.window = w.layout.window = 8;
+  w.rope_dims = 4;
+  w.freqs_local = dsv4_rope_freqs(4, 10000.0, YarnScaling{});
+  YarnScaling y;
+  y.enabled = true;
+  y.factor = 4;
+  y.original_max_position_embeddings = 64;
+  w.freqs_compressed = dsv4_rope_freqs(4, 160000.0, y);
+  w.layout.ratios = {0, 4, 128};
+  w.layout.layers = 3;
+  auto dense = [&](int64_t n, int64_t k) {
+    DecoderLinear l;
+    l.n = n, l.k = k;
+    l.wt.resize(static_cast<size_t>(n * k));
+    for (auto& v : l.wt) v = round_bf16(nd(rng));
+    return l;
+  };
+  auto norm = [&](int64_t d) {
+    Tensor t(DType::kBF16, {d});
+    for (int64_t i = 0; i < d; ++i) t.data<uint16_t>()[i] = f32_to_bf16(1.0f + nd(rng));
+    return t;
+  };
+  auto comp = [&](int64_t r, int64_t hd) {
+    Dsv4ProgramCompressor c;
+    c.ratio = r, c.head_dim = hd, c.out_dim = r == 4 ? 2 * hd : hd;
+    c.wkv = dense(c.out_dim, 32);
+    c.wgate = dense(c.out_dim, 32);
+    c.ape.resize(static_cast<size_t>(r * c.out_dim));
+    for (auto& v : c.ape) v = round_bf16(nd(rng));
+    c.norm = norm(hd);
+    return c;
+  };
+  for (int64_t r : w.layout.ratios) {
+    Dsv4ProgramLayer L;
+    L.ratio = r;
+    L.wkv = dense(16, 32);
+    L.kv_norm = norm(16);
+    if (r > 0) L.pool = comp(r, 16);
+    if (r == 4) L.index = comp(4, 8), L.has_index = true;
+    w.layers.push_back(std::move(L));
+  }
+  return w;
+}
+
+std::vector<uint16_t> random_x(int64_t T, int64_t hidden, int seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<uint16_t> x(static_cast<size_t>(T * hidden));
+  for (auto& v : x) v = f32_to_bf16(nd(rng));
+  return x;
+}
+
+struct Streamed {
+  std::vector<std::string> frames;
+};
+
+// Runs the producer over per-layer inputs in `chunk`-sized boundaries, collecting frames.
+Streamed stream(const Dsv4DecoderWeights& w, const std::vector<std::vector<uint16_t>>& xs,
+                int64_t T, int64_t chunk, const std::vector<int64_t>& calls) {
+  Dsv4SegmentProgram program(&w, calls);
+  Streamed out;
+  BridgeProducer producer(&program, [&](std::string f) {
+    out.frames.push_back(std::move(f));
+    return true;
+  });
+  auto tap = producer.tap();
+  for (int64_t p = 0; p < T; p += chunk) {
+    const int64_t n = std::min(chunk, T - p);
+    for (int32_t l = 0; l < w.layout.layers; ++l) {
+      TapEvent e{l, p, n, w.layout.hidden, xs[static_cast<size_t>(l)].data() + p * w.layout.hidden};
+      tap(e);
+    }
+  }
+  Manifest m = producer.finish(T, Status::ok());
+  EXPECT_TRUE(m.complete) << m.reason;
+  return out;
+}
+
+Status assemble(const std::vector<std::string>& frames, Dsv4Assembler* a) {
+  FrameParser parser(1 << 26);
+  for (const auto& f : frames) parser.feed(f.data(), f.size());
+  while (true) {
+    HETERO_ASSIGN_OR_RETURN(auto frame, parser.next());
+    if (!frame) return Status::ok();
+    if (frame->header.value("kind", "") == "manifest") {
+      HETERO_ASSIGN_OR_RETURN(Manifest m, decode_manifest(*frame));
+      return a->finish(m);
+    }
+    HETERO_ASSIGN_OR_RETURN(Segment s, decode_segment(*frame));
+    HETERO_RETURN_IF_ERROR(a->accept(s));
+  }
+}
+
+TEST(Dsv4Stream, AssembledArraysEqualTheProgramRunAlone) {
+  const auto w = random_weights();
+  const int64_t T = 301;
+  const std::vector<int64_t> calls = dsv4_server_calls(T, 64);
+  std::vector<std::vector<uint16_t>> xs;
+  for (int l = 0; l < 3; ++l) xs.push_back(random_x(T, w.layout.hidden, 100 + l));
+
+  // The program alone, fed in one piece per layer.
+  Dsv4CacheProgram direct(&w, calls);
+  std::map<std::string, Tensor> want;
+  for (int64_t l = 0; l < 3; ++l) {
+    ASSERT_TRUE(direct.feed(l, 0, T, xs[static_cast<size_t>(l)].data(), nullptr).is_ok());
+    auto a = direct.finish_layer(l);
+    ASSERT_TRUE(a.is_ok());
+    const std::string p = "layers." + std::to_string(l) + ".";
+    want[p + "window"] = a->window;
+    if (a->ratio > 0) {
+      want[p + "pool.pooled"] = a->pool.pooled;
+      want[p + "pool.buf_kv"] = a->pool.buf_kv;
+      want[p + "pool.buf_gate"] = a->pool.buf_gate;
+    }
+    if (a->ratio == 4) {
+      want[p + "index.pooled"] = a->index.pooled;
+      want[p + "index.buf_kv"] = a->index.buf_kv;
+      want[p + "index.buf_gate"] = a->index.buf_gate;
+    }
+  }
+  EXPECT_GT(want["layers.2.pool.pooled"].shape[1], 1);  // ratio 128 rows exist at T=301
+
+  auto s = stream(w, xs, T, 50, calls);
+  Dsv4Assembler asmb(w.layout, T);
+  ASSERT_TRUE(assemble(s.frames, &asmb).is_ok());
+  EXPECT_FALSE(asmb.can_mount(T - 1));
+  ASSERT_TRUE(asmb.can_mount(T));
+  EXPECT_EQ(asmb.entry_extra()["window_idx"].get<int64_t>(), direct.window_idx());
+  TensorMap got = asmb.arrays(T);
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, t] : want) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_EQ(got[name].shape, t.shape) << name;
+    EXPECT_EQ(got[name].bytes, t.bytes) << name;
+  }
+}
+
+TEST(Dsv4Stream, MalformedSegmentsAreRefused) {
+  const auto w = random_weights();
+  const int64_t T = 40;
+  std::vector<std::vector<uint16_t>> xs;
+  for (int l = 0; l < 3; ++l) xs.push_back(random_x(T, w.layout.hidden, l));
+  auto s = stream(w, xs, T, 16, dsv4_server_calls(T, 2048));
+  FrameParser parser(1 << 26);
+  std::vector<Segment> segs;
+  for (const auto& f : s.frames) parser.feed(f.data(), f.size());
+  while (auto fr = parser.next().value()) {
+    if (fr->header.value("kind", "") == "manifest") break;
+    segs.push_back(decode_segment(*fr).value());
+  }
+  ASSERT_EQ(segs.size(), 3u);
+  {  // a pooled array one row short
+    Dsv4Assembler a(w.layout, T);
+    Segment bad = segs[0];
+    for (auto& arr : bad.arrays)
+      if (arr.name == "layers.1.pool.pooled") arr.tensor = Tensor(DType::kBF16, {1, 3, 16});
+    EXPECT_FALSE(a.accept(bad).is_ok());
+    EXPECT_EQ(a.covered_tokens(), 0);
+  }
+  {  // the last segment without its window_idx
+    Dsv4Assembler a(w.layout, T);
+    ASSERT_TRUE(a.accept(segs[0]).is_ok());
+    ASSERT_TRUE(a.accept(segs[1]).is_ok());
+    Segment bad = segs[2];
+    bad.arrays.pop_back();
+    EXPECT_FALSE(a.accept(bad).is_ok());
+    EXPECT_FALSE(a.can_mount(T));
+  }
+  {  // a window with more rows than tokens
+    Dsv4Assembler a(w.layout, T);
+    ASSERT_TRUE(a.accept(segs[0]).is_ok());
+    ASSERT_TRUE(a.accept(segs[1]).is_ok());
+    Segment bad = segs[2];
+    for (auto& arr : bad.arrays)
+      if (arr.name.find(".window") != std::string::npos)
+        arr.tensor = Tensor(DType::kBF16, {1, 1, T + 1, 16});
+    EXPECT_FALSE(a.accept(bad).is_ok());
+  }
+}
+
+}  // namespace
+}  // namespace hetero
