@@ -195,6 +195,7 @@ int cmd_prefill(int argc, char** argv) {
     return std::fprintf(stderr, "prefill: --chunk and --max-tokens must be positive integers\n"), 2;
   PrefillService service(stack->engine.get(), layout, stack->programs, chunk.value(),
                          max_tokens.value());
+  if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   auto fault = parse_fault(opts.get("fault"));
   if (!fault.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", fault.status().message().c_str()), 2;

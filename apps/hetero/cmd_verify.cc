@@ -189,6 +189,7 @@ int cmd_verify(int argc, char** argv) {
   if (!stack.is_ok()) return fail("prefill host", stack.status());
   PrefillService service(stack->engine.get(), stack->layout, stack->programs, chunk.value(),
                          int64_t{1} << 21);
+  if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   if (Status st = service.start("127.0.0.1", 0); !st.is_ok()) return fail("prefill host", st);
   const std::string endpoint = prompt.value().first;
   json request = prompt.value().second;

@@ -65,12 +65,17 @@ Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& 
   s.engine = std::make_unique<EngineAdapter<Dsv4CpuEngine>>(owned->engine.get());
   s.layout = owned->weights.layout;
   const Dsv4DecoderWeights* w = &owned->weights;
-  s.programs = [w](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+  auto calls_of = [](const PrefillRequest& req) {
     const auto T = static_cast<int64_t>(req.ids.size());
-    const std::vector<int64_t> calls =
-        req.decoder_calls.empty() ? dsv4_server_calls(T, kDecoderPrefillStep) : req.decoder_calls;
-    return std::unique_ptr<SegmentProgram>(std::make_unique<Dsv4SegmentProgram>(w, calls));
+    return req.decoder_calls.empty() ? dsv4_server_calls(T, kDecoderPrefillStep)
+                                     : req.decoder_calls;
   };
+  s.programs = [w, calls_of](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+    return std::unique_ptr<SegmentProgram>(std::make_unique<Dsv4SegmentProgram>(w, calls_of(req)));
+  };
+  // The decoder's compressed rows, and so every later layer's attention input, depend on where
+  // its calls were cut (the ratio-4 overlap lane): the engine runs the decoder's own calls.
+  s.chunk_plan = [calls_of](const PrefillRequest& req, int64_t) { return calls_of(req); };
   s.owned = owned;
   return s;
 }

@@ -17,6 +17,7 @@ struct PrefillStack {
   std::unique_ptr<PrefillEngine> engine;
   DecoderCacheLayout layout;
   ProgramFactory programs;
+  ChunkPlan chunk_plan;         // empty: equal chunks
   std::shared_ptr<void> owned;  // the engine and the decoder weights behind the pointers above
 };
 

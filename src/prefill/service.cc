@@ -183,10 +183,19 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
   engine_->reset();
   BridgeProducer producer(program.value().get(), sink);
   const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
+  std::vector<int64_t> plan;
+  if (chunk_plan_) {
+    plan = chunk_plan_(req, chunk);
+  } else {
+    for (int64_t p = 0; p < T; p += chunk) plan.push_back(std::min(chunk, T - p));
+  }
   Status st;
-  for (int64_t p = 0; p < T && st.is_ok() && !producer.cancelled(); p += chunk) {
-    std::vector<int32_t> part(req.ids.begin() + p, req.ids.begin() + std::min(T, p + chunk));
+  int64_t p = 0;
+  for (int64_t n : plan) {
+    if (!st.is_ok() || producer.cancelled()) break;
+    std::vector<int32_t> part(req.ids.begin() + p, req.ids.begin() + p + n);
     st = engine_->prefill_chunk(part, producer.tap());
+    p += n;
   }
   return producer.finish(T, st);
 }

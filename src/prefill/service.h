@@ -54,6 +54,10 @@ class EngineAdapter : public PrefillEngine {
   Engine* engine_;
 };
 
+// How one request's ids are cut into engine chunks, given the chunk size it asked for (or the
+// service default). Default: equal chunks of that size.
+using ChunkPlan = std::function<std::vector<int64_t>(const PrefillRequest& req, int64_t chunk)>;
+
 // The cache program for one request (llama: one shared program; deepseek_v4: one per request,
 // built for its decoder call schedule).
 using ProgramFactory =
@@ -93,6 +97,7 @@ class PrefillService {
                  int64_t default_chunk_tokens, int64_t max_tokens);
   ~PrefillService();
   void set_fault(FaultSpec fault) { fault_ = std::move(fault); }
+  void set_chunk_plan(ChunkPlan plan) { chunk_plan_ = std::move(plan); }
 
   // Runs one prefill (the engine is reset first) and emits frames to sink, manifest last.
   Manifest run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink);
@@ -108,6 +113,7 @@ class PrefillService {
   PrefillEngine* engine_;
   DecoderCacheLayout layout_;
   ProgramFactory programs_;
+  ChunkPlan chunk_plan_;
   int64_t default_chunk_, max_tokens_;
   FaultSpec fault_;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);
