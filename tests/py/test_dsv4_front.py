@@ -22,12 +22,43 @@ import pytest
 
 requests = pytest.importorskip("requests")
 
-from test_front import HETERO, PY, ENV, ROOT, Stack, answer, chat, need, post_front, text, verdict_of  # noqa: E402,E501
+from test_front import (  # noqa: E402
+    ENV,
+    HETERO,
+    PY,
+    ROOT,
+    Stack,
+    answer,
+    chat,
+    export_weights,
+    need,
+    post_front,
+    text,
+    verdict_of,
+)
 
 DSV4 = Path(os.environ.get("HETERO_DSV4_MODEL", ROOT / "models" / "dsv4-tiny"))
 
 
+# The decoder prefills in calls of this many tokens (its --prefill-step-size), so a ~170-token
+# prompt takes several calls: the bridge must follow that schedule (and its 2..8-token tail,
+# which the decoder runs token by token), and a truncated stream has segments to lose.
+DECODER_STEP = 32
+
+
 class Dsv4Stack(Stack):
+    def __init__(self, model: Path, tmp: Path):
+        self.model, self.tmp = model, tmp
+        self.store = tmp / "store"
+        self.store.mkdir()
+        self.weights = export_weights(model, tmp / "weights")
+        self.procs, self._cache = [], {}
+        self.decoder = self._start("decoder", [PY, "-m", "hetero_mlx", "serve", "--model", model,
+                                               "--store", self.store, "--prefill-step-size",
+                                               DECODER_STEP], "/hetero/info", 300)
+        self.info = requests.get(self.url(self.decoder.port, "/hetero/info"), timeout=10).json()
+        assert self.info["prefill"]["step"] == DECODER_STEP, self.info["prefill"]
+
     def native(self, body: dict, path: str = "/v1/chat/completions") -> dict:
         """The decoder's own answer, cold. mlx-vlm checkpoints the prompt (not the reply) before
         answering, so clearing after the reply leaves the prefix cache empty."""
