@@ -70,7 +70,6 @@ NATIVE_CASES = [
     (600, "600"),
     (600, "250"),
     (600, "64,1,1,5,200"),
-    pytest.param(5003, "5003", marks=pytest.mark.slow),
     pytest.param(5003, "4100,1,1,5,896", marks=pytest.mark.slow),
 ]
 
