@@ -21,33 +21,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .llama import dtype_name
+
 FAMILY = "deepseek_v4"
 MODEL_TYPES = ("deepseek_v4",)
 # Calls of 2..8 tokens run one token at a time in the decoder (mlx_vlm.models.linear).
 TOKENWISE_MAX = 8
 
 
-def dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
 def language_model(model: nn.Module) -> nn.Module:
     """The text model inside mlx-vlm's wrapper (or the model itself)."""
     return getattr(model, "language_model", model)
-
-
-def dense_weight(linear: nn.Module) -> mx.array:
-    """The projection weight as the decoder sees it: dequantized when the model is quantized."""
-    if isinstance(linear, nn.QuantizedLinear):
-        return mx.dequantize(
-            linear.weight,
-            linear.scales,
-            linear.get("biases"),
-            group_size=linear.group_size,
-            bits=linear.bits,
-            mode=linear.mode,
-        )
-    return linear.weight
 
 
 def rope_params(args: Any) -> Dict[str, Any]:

@@ -107,6 +107,19 @@ def _rejection(raw: bytes) -> SeamError:
     return SeamError(status, "rejected_by_server", f"mlx-lm rejected the request: {message}")
 
 
+def parse_body(raw: bytes) -> Dict[str, Any]:
+    """A /hetero/ request body: empty, or a JSON object; anything else is a 400."""
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request("bad_json", f"invalid JSON in request body: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("bad_json", "request body must be a JSON object")
+    return body
+
+
 class SeamHandler(APIHandler):
     """mlx-lm's APIHandler plus the /hetero/ routes; built by functools.partial with a Seam."""
 
@@ -170,15 +183,7 @@ class SeamHandler(APIHandler):
 
     @staticmethod
     def _parse(raw: bytes) -> Dict[str, Any]:
-        if not raw.strip():
-            return {}
-        try:
-            body = json.loads(raw.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad_request("bad_json", f"invalid JSON in request body: {e}") from None
-        if not isinstance(body, dict):
-            raise bad_request("bad_json", "request body must be a JSON object")
-        return body
+        return parse_body(raw)
 
     def _reply(self, status: int, reply: Dict[str, Any]):
         data = json.dumps(reply).encode()

@@ -29,7 +29,6 @@ Construction, in order:
 import asyncio
 import functools
 import importlib
-import json
 import logging
 import os
 import sys
@@ -55,6 +54,7 @@ from mlx_vlm.version import __version__ as mlx_vlm_version
 
 from . import STORE_FORMAT, dsv4
 from .errors import SeamError, bad_request, conflict
+from .seam import parse_body
 from .store import Layout, dump_request, entry_path, read_entry, request_ids
 
 log = logging.getLogger("hetero_mlx")
@@ -446,16 +446,6 @@ def _check_window(arrays: Dict[str, mx.array], layers: int, n: int, window_idx: 
 # ---- HTTP --------------------------------------------------------------------------------
 
 
-def _parse(raw: bytes) -> Dict[str, Any]:
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request("bad_json", f"invalid JSON in request body: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request("bad_json", "request body must be a JSON object")
-    return body
 
 
 def _install_routes(app: Any, seam: VlmSeam) -> None:
@@ -471,7 +461,7 @@ def _install_routes(app: Any, seam: VlmSeam) -> None:
         async def endpoint(request: Request) -> JSONResponse:
             try:
                 require_key(request)
-                body = _parse(await request.body()) if has_body else {}
+                body = parse_body(await request.body()) if has_body else {}
                 status, reply = 200, await handler(request, body)
             except SeamError as e:
                 status, reply = e.status, e.body()

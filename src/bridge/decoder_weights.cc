@@ -8,33 +8,25 @@
 #include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
+#include "kernels/cpu_ops.h"
 
 namespace hetero {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-namespace {
-
-Status take(TensorMap& all, const std::string& name, std::vector<int64_t> shape, Tensor* out) {
+Status take_weight(TensorMap& all, const std::string& name, const std::vector<int64_t>& shape,
+                   bool want_bf16, Tensor* out) {
   auto it = all.find(name);
   if (it == all.end()) return not_found("decoder weights have no tensor '" + name + "'");
   if (it->second.shape != shape)
     return invalid_argument("decoder weight '" + name + "' has shape " + it->second.shape_string());
-  if (it->second.dtype != DType::kBF16)
-    return invalid_argument("decoder weight '" + name + "' is not bf16 (the decoder's dtype)");
+  if (want_bf16 && it->second.dtype != DType::kBF16)
+    return invalid_argument("decoder weight '" + name + "' is " + dtype_name(it->second.dtype) +
+                            ", not bf16 (the decoder's dtype)");
   *out = std::move(it->second);
+  all.erase(it);
   return Status::ok();
 }
-
-std::vector<float> transpose_to_f32(const Tensor& w) {  // [n, k] -> [k, n]
-  const int64_t n = w.shape[0], k = w.shape[1];
-  std::vector<float> out(static_cast<size_t>(n * k));
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < k; ++j) out[static_cast<size_t>(j * n + i)] = w.at_f32(i * k + j);
-  return out;
-}
-
-}  // namespace
 
 Result<DecoderCacheLayout> layout_from_json(const std::string& text) {
   json j = json::parse(text, nullptr, false);
@@ -87,6 +79,20 @@ std::vector<int64_t> decoder_calls_from_info(const std::string& info_json, int64
   return calls;
 }
 
+Result<std::string> read_export_json(const std::string& dir, const std::string& family) {
+  std::ifstream in(fs::path(dir) / "decoder.json");
+  if (!in) return not_found("no decoder.json in " + dir + " (run: python -m hetero_mlx export)");
+  json j = json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.is_object())
+    return invalid_argument(dir + "/decoder.json is not JSON");
+  if (!j.contains("format") || j["format"] != "hetero-decoder-weights-v1")
+    return invalid_argument(dir + ": unknown export format " + j.value("format", json()).dump());
+  if (!j.contains("family") || j["family"] != family)
+    return invalid_argument(dir + ": family " + j.value("family", json()).dump() + " is not " +
+                            family);
+  return j.dump();
+}
+
 std::string decoder_family(const std::string& dir) {
   std::ifstream in(fs::path(dir) / "decoder.json");
   json j = json::parse(in, nullptr, false);
@@ -96,17 +102,11 @@ std::string decoder_family(const std::string& dir) {
 }
 
 Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
-  std::ifstream in(fs::path(dir) / "decoder.json");
-  if (!in) return not_found("no decoder.json in " + dir + " (run: python -m hetero_mlx export)");
-  json j = json::parse(in, nullptr, false);
-  if (j.is_discarded()) return invalid_argument(dir + "/decoder.json is not JSON");
+  HETERO_ASSIGN_OR_RETURN(std::string text, read_export_json(dir, "llama"));
+  const json j = json::parse(text);
   LlamaDecoderWeights d;
   try {
-    if (j.at("format").get<std::string>() != "hetero-decoder-weights-v1")
-      return invalid_argument(dir + ": unknown export format " + j.at("format").dump());
-    d.layout.family = j.at("family").get<std::string>();
-    if (d.layout.family != "llama")
-      return invalid_argument(dir + ": family '" + d.layout.family + "' is not llama");
+    d.layout.family = "llama";
     d.layout.fingerprint = j.at("fingerprint").get<std::string>();
     d.layout.layers = j.at("layers").get<int64_t>();
     d.layout.kv_heads = j.at("kv_heads").get<int64_t>();
@@ -134,16 +134,17 @@ Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
     const std::string p = "layers." + std::to_string(i) + ".";
     auto& L = d.layers[static_cast<size_t>(i)];
     Tensor wk, wv;
-    HETERO_RETURN_IF_ERROR(take(f.tensors, p + "k_proj.weight", {kvd, H}, &wk));
-    HETERO_RETURN_IF_ERROR(take(f.tensors, p + "v_proj.weight", {kvd, H}, &wv));
-    L.wk_t = transpose_to_f32(wk);
-    L.wv_t = transpose_to_f32(wv);
+    HETERO_RETURN_IF_ERROR(take_weight(f.tensors, p + "k_proj.weight", {kvd, H}, true, &wk));
+    HETERO_RETURN_IF_ERROR(take_weight(f.tensors, p + "v_proj.weight", {kvd, H}, true, &wv));
+    L.wk_t = transposed_f32(wk.data<uint16_t>(), wk.shape[0], wk.shape[1]);
+    L.wv_t = transposed_f32(wv.data<uint16_t>(), wv.shape[0], wv.shape[1]);
     if (f.tensors.count(p + "k_proj.bias")) {
-      HETERO_RETURN_IF_ERROR(take(f.tensors, p + "k_proj.bias", {kvd}, &L.bk));
-      HETERO_RETURN_IF_ERROR(take(f.tensors, p + "v_proj.bias", {kvd}, &L.bv));
+      HETERO_RETURN_IF_ERROR(take_weight(f.tensors, p + "k_proj.bias", {kvd}, true, &L.bk));
+      HETERO_RETURN_IF_ERROR(take_weight(f.tensors, p + "v_proj.bias", {kvd}, true, &L.bv));
     }
     if (f.tensors.count(p + "k_norm.weight"))
-      HETERO_RETURN_IF_ERROR(take(f.tensors, p + "k_norm.weight", {d.layout.head_dim}, &L.k_norm));
+      HETERO_RETURN_IF_ERROR(
+          take_weight(f.tensors, p + "k_norm.weight", {d.layout.head_dim}, true, &L.k_norm));
   }
   return d;
 }

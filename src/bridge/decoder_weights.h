@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/safetensors.h"
 #include "common/status.h"
 #include "common/tensor.h"
 
@@ -46,6 +47,14 @@ Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir);
 // The decoder's own call schedule for prefilling n tokens, as its /hetero/info describes it
 // ("prefill": {"step", "last_alone"}); empty when it says nothing (the prefill host's default).
 std::vector<int64_t> decoder_calls_from_info(const std::string& info_json, int64_t n);
+
+// Moves the tensor `name` out of `all` into *out after checking its shape (and, with
+// want_bf16, that it is bf16 like the decoder's own weights); a clear error otherwise.
+Status take_weight(TensorMap& all, const std::string& name, const std::vector<int64_t>& shape,
+                   bool want_bf16, Tensor* out);
+
+// An export's decoder.json, checked for its format and for the family the caller reads.
+Result<std::string> read_export_json(const std::string& dir, const std::string& family);
 
 // The "family" of an export's decoder.json, or "" when it cannot be read.
 std::string decoder_family(const std::string& dir);

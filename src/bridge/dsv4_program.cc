@@ -106,29 +106,11 @@ std::vector<uint8_t> dsv4_overlap_flags(const std::vector<int64_t>& calls, int64
 namespace {
 
 Status take(TensorMap& all, const std::string& name, std::vector<int64_t> shape, Tensor* out) {
-  auto it = all.find(name);
-  if (it == all.end()) return not_found("decoder weights have no tensor '" + name + "'");
-  if (it->second.shape != shape)
-    return invalid_argument("decoder weight '" + name + "' has shape " + it->second.shape_string());
-  *out = std::move(it->second);
-  all.erase(it);
-  return Status::ok();
+  return take_weight(all, name, shape, false, out);
 }
 
 Status take_bf16(TensorMap& all, const std::string& name, std::vector<int64_t> shape, Tensor* out) {
-  HETERO_RETURN_IF_ERROR(take(all, name, std::move(shape), out));
-  if (out->dtype != DType::kBF16)
-    return invalid_argument("decoder weight '" + name + "' is " + dtype_name(out->dtype) +
-                            ", the program reproduces bf16 decoders only");
-  return Status::ok();
-}
-
-std::vector<float> transposed_f32(const Tensor& w) {  // [n, k] -> [k, n]
-  const int64_t n = w.shape[0], k = w.shape[1];
-  std::vector<float> out(static_cast<size_t>(n * k));
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < k; ++j) out[static_cast<size_t>(j * n + i)] = w.at_f32(i * k + j);
-  return out;
+  return take_weight(all, name, shape, true, out);
 }
 
 // `p.weight` (dense bf16) or `p.qvalues` + `p.scales` (+ `p.biases` for affine).
@@ -139,7 +121,7 @@ Status load_linear(TensorMap& all, const std::string& p, int64_t n, int64_t k, D
     Tensor w;
     HETERO_RETURN_IF_ERROR(take_bf16(all, p + "weight", {n, k}, &w));
     l->mode = DecoderLinear::Mode::kDense;
-    l->wt = transposed_f32(w);
+    l->wt = transposed_f32(w.data<uint16_t>(), n, k);
     return Status::ok();
   }
   auto it = all.find(p + "scales");
@@ -198,20 +180,14 @@ void DecoderLinear::apply(const uint16_t* x, int64_t m, uint16_t* out) const {
 }
 
 Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir) {
-  std::ifstream in(fs::path(dir) / "decoder.json");
-  if (!in) return not_found("no decoder.json in " + dir + " (run: python -m hetero_mlx export)");
-  json j = json::parse(in, nullptr, false);
-  if (j.is_discarded()) return invalid_argument(dir + "/decoder.json is not JSON");
+  HETERO_ASSIGN_OR_RETURN(std::string text, read_export_json(dir, "deepseek_v4"));
+  const json j = json::parse(text);
   Dsv4DecoderWeights d;
   YarnScaling yarn;
   double rope_theta = 0, compress_theta = 0;
   std::vector<int64_t> ratios;
   try {
-    if (j.at("format").get<std::string>() != "hetero-decoder-weights-v1")
-      return invalid_argument(dir + ": unknown export format " + j.at("format").dump());
-    d.layout.family = j.at("family").get<std::string>();
-    if (d.layout.family != "deepseek_v4")
-      return invalid_argument(dir + ": family '" + d.layout.family + "' is not deepseek_v4");
+    d.layout.family = "deepseek_v4";
     d.layout.fingerprint = j.at("fingerprint").get<std::string>();
     d.layout.layers = j.at("layers").get<int64_t>();
     d.layout.kv_heads = 1;

@@ -23,19 +23,12 @@ constexpr int64_t kDecodeBlock = 8;  // the decoder runs calls of 2..8 tokens to
 
 using Bf16 = std::vector<uint16_t>;
 
-// float32 copy of a bf16 [out, in] matrix transposed to [in, out] (linear_decoder_order's wt).
-std::vector<float> transposed_f32(const uint16_t* w, int64_t n, int64_t k) {
-  std::vector<float> out(static_cast<size_t>(n * k));
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < k; ++j) out[static_cast<size_t>(j * n + i)] = bf16_to_f32(w[i * k + j]);
-  return out;
-}
 // A default Tensor has no shape (and numel 1): "absent" for the optional parts of a layer.
 bool present(const Tensor& t) { return !t.shape.empty() && t.numel() > 0; }
 
-std::vector<float> transposed_f32(const Tensor& t) {
+std::vector<float> transposed_of(const Tensor& t) {
   if (!present(t)) return {};
-  return transposed_f32(t.data<uint16_t>(), t.shape[0], t.shape[1]);
+  return hetero::transposed_f32(t.data<uint16_t>(), t.shape[0], t.shape[1]);
 }
 
 // A [k -> n] projection: float32 transposed weights for linear_decoder_order, or, in the
@@ -51,7 +44,7 @@ struct Mat {
 };
 Mat prepare(const Tensor& t) {
   if (!present(t)) return {};
-  return {transposed_f32(t), t.shape[1], t.shape[0]};
+  return {transposed_of(t), t.shape[1], t.shape[0]};
 }
 // Rows [row0, row0 + rows) of a matrix, quantized when mx is given (and present).
 Mat prepare(const Tensor& t, const Dsv4MxMatrix* mx, int64_t row0 = 0, int64_t rows = -1) {
@@ -910,11 +903,7 @@ void Dsv4CpuEngine::moe(int64_t layer, const uint16_t* x, int64_t n, const int32
 
 Status Dsv4CpuEngine::prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) {
   const Dsv4Config& c = w_.config;
-  for (size_t i = 0; i < ids.size(); ++i)
-    if (ids[i] < 0 || ids[i] >= c.vocab)
-      return invalid_argument("token id " + std::to_string(ids[i]) + " at index " +
-                              std::to_string(i) + " is outside the vocabulary [0, " +
-                              std::to_string(c.vocab) + ")");
+  HETERO_RETURN_IF_ERROR(check_token_ids(ids, c.vocab));
   if (ids.empty()) return Status::ok();
   const int64_t n = static_cast<int64_t>(ids.size()), pos0 = n_cached_, H = c.hidden;
   const int64_t K = c.hc_mult;

@@ -75,11 +75,7 @@ void LlamaCpuEngine::ensure_kv_capacity(int64_t tokens) {
 Status LlamaCpuEngine::prefill_chunk(const std::vector<int32_t>& ids,
                                      const AttentionInputTap& tap) {
   const LlamaConfig& c = w_.config;
-  for (size_t i = 0; i < ids.size(); ++i)
-    if (ids[i] < 0 || ids[i] >= c.vocab)
-      return invalid_argument("token id " + std::to_string(ids[i]) + " at index " +
-                              std::to_string(i) + " is outside the vocabulary [0, " +
-                              std::to_string(c.vocab) + ")");
+  HETERO_RETURN_IF_ERROR(check_token_ids(ids, c.vocab));
   if (ids.empty()) return Status::ok();
   const int64_t n = static_cast<int64_t>(ids.size()), pos0 = n_cached_, H = c.hidden;
   const int64_t hd = c.head_dim, qd = c.heads * hd, kvd = c.kv_heads * hd;

@@ -7,6 +7,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
 
 namespace hetero {
 
@@ -19,5 +23,15 @@ struct TapEvent {
 };
 
 using AttentionInputTap = std::function<void(const TapEvent&)>;
+
+// Every engine refuses a chunk with an id outside [0, vocab) before changing anything.
+inline Status check_token_ids(const std::vector<int32_t>& ids, int64_t vocab) {
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= vocab)
+      return invalid_argument("token id " + std::to_string(ids[i]) + " at index " +
+                              std::to_string(i) + " is outside the vocabulary [0, " +
+                              std::to_string(vocab) + ")");
+  return Status::ok();
+}
 
 }  // namespace hetero

@@ -187,18 +187,29 @@ void linear_quantized_affine(const uint16_t* x, int64_t m, int64_t k, const floa
   }
 }
 
+std::vector<float> transposed_f32(const uint16_t* w, int64_t n, int64_t k) {
+  std::vector<float> out(static_cast<size_t>(n * k));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < k; ++j) out[static_cast<size_t>(j * n + i)] = bf16_to_f32(w[i * k + j]);
+  return out;
+}
+
+float rms_scale(const uint16_t* x, int64_t d, float eps) {
+  const float inv_n = static_cast<float>(1.0 / static_cast<double>(d));
+  float s = 0.0f;
+  for (int64_t j = 0; j < d; ++j) {
+    const float v = bf16_to_f32(x[j]);
+    const float sq = v * v;
+    s = s + sq;
+  }
+  return 1.0f / std::sqrt(s * inv_n + eps);
+}
+
 void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
               uint16_t* out) {
-  const float inv_n = static_cast<float>(1.0 / static_cast<double>(d));
   for (int64_t i = 0; i < m; ++i) {
     const uint16_t* xr = x + i * d;
-    float s = 0.0f;
-    for (int64_t j = 0; j < d; ++j) {
-      const float v = bf16_to_f32(xr[j]);
-      const float sq = v * v;
-      s = s + sq;
-    }
-    const float r = 1.0f / std::sqrt(s * inv_n + eps);
+    const float r = rms_scale(xr, d, eps);
     for (int64_t j = 0; j < d; ++j) {
       const float y = round_bf16(bf16_to_f32(xr[j]) * r);
       out[i * d + j] = f32_to_bf16(y * bf16_to_f32(w[j]));

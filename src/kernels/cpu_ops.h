@@ -14,6 +14,9 @@ namespace hetero {
 
 // C[M,N] += A[M,K] @ B[K,N] in float32; each C element adds its K products in ascending k, one
 // rounding per add and no fused multiply-add (the reference order). Parallel over rows/columns.
+// A bf16 [n, k] weight as float32 [k, n], the layout linear_decoder_order takes.
+std::vector<float> transposed_f32(const uint16_t* w, int64_t n, int64_t k);
+
 void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c);
 
 // out[m, n] = bf16(sum_k x[m,k] * w[n,k]) or bf16(sum + bias[n]) (bias added once, at the end).
@@ -41,6 +44,9 @@ void round_linear_output(const std::vector<float>& acc, int64_t m, int64_t n, co
 
 // RMSNorm over the last dim d of x [m, d], weight bf16 [d]. In place is allowed.
 void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps, uint16_t* out);
+// The factor mx.fast.rms_norm scales one row by: 1/sqrt(sequential f32 sum of squares * (1/d)
+// + eps), each step rounded as MLX's CPU backend rounds it.
+float rms_scale(const uint16_t* x, int64_t d, float eps);
 
 // Rotate-half RoPE (traditional = false, full head_dim, scale 1) on [tokens, heads, head_dim]
 // rows, row t at position pos0 + t.

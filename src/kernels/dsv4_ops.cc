@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "common/bf16.h"
+#include "kernels/cpu_ops.h"
 #include "kernels/mlx_math.h"
 
 namespace hetero {
@@ -85,16 +86,9 @@ void dsv4_rope(uint16_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64
 }
 
 void rms_norm_noweight(const uint16_t* x, int64_t m, int64_t d, float eps, uint16_t* out) {
-  const float inv_n = static_cast<float>(1.0 / static_cast<double>(d));
   for (int64_t i = 0; i < m; ++i) {
     const uint16_t* xr = x + i * d;
-    float s = 0.0f;
-    for (int64_t j = 0; j < d; ++j) {
-      const float v = bf16_to_f32(xr[j]);
-      const float sq = v * v;
-      s = s + sq;
-    }
-    const float r = 1.0f / std::sqrt(s * inv_n + eps);
+    const float r = rms_scale(xr, d, eps);
     for (int64_t j = 0; j < d; ++j) out[i * d + j] = f32_to_bf16(bf16_to_f32(xr[j]) * r);
   }
 }

@@ -8,24 +8,14 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "cuda_test_base.h"
 #include "kernels/cpu_ops.h"
 #include "kernels/cuda/ops.h"
 
 namespace hetero {
 namespace {
 
-class CudaOps : public ::testing::Test {
- protected:
-  void SetUp() override {
-    int n = 0;
-    const cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n == 0)
-      GTEST_SKIP() << "no CUDA device (" << cudaGetErrorString(e) << ")";
-    cudaDeviceProp p{};
-    cudaGetDeviceProperties(&p, 0);
-    std::printf("[ device ] %s, sm_%d%d\n", p.name, p.major, p.minor);
-  }
-};
+class CudaOps : public CudaDeviceTest {};
 
 template <typename T>
 T* to_device(const std::vector<T>& v) {
@@ -40,14 +30,6 @@ std::vector<T> to_host(const T* d, size_t n) {
   std::vector<T> v(n);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
-  return v;
-}
-
-std::vector<uint16_t> random_bf16(size_t n, float scale, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.f, scale);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = f32_to_bf16(nd(rng));
   return v;
 }
 

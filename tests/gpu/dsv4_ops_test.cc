@@ -16,21 +16,14 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "cuda_test_base.h"
 #include "kernels/cpu_ops.h"
 #include "kernels/dsv4_ops.h"
 
 namespace hetero {
 namespace {
 
-class Dsv4CudaOps : public ::testing::Test {
- protected:
-  void SetUp() override {
-    int n = 0;
-    const cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n == 0)
-      GTEST_SKIP() << "no CUDA device (" << cudaGetErrorString(e) << ")";
-  }
-};
+class Dsv4CudaOps : public CudaDeviceTest {};
 
 // A device copy of a host array, freed with the object.
 template <typename T>
@@ -70,14 +63,6 @@ void expect_same_bits(const std::vector<uint16_t>& gpu, const std::vector<uint16
   ADD_FAILURE() << what << ": " << count << " of " << cpu.size() << " bf16 values differ; first at "
                 << first << ": gpu " << bf16_to_f32(gpu[first]) << " (0x" << std::hex << gpu[first]
                 << ") cpu " << bf16_to_f32(cpu[first]) << " (0x" << cpu[first] << ")";
-}
-
-std::vector<uint16_t> random_bf16(size_t n, float scale, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.f, scale);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = f32_to_bf16(nd(rng));
-  return v;
 }
 
 // Random bf16 values with some exact +0 and -0: the signs of zero are bits too.

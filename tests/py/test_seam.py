@@ -9,13 +9,10 @@ server keeps serving with its prompt cache untouched.
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from seam_server import info, ok, post, seam_server
 
 mx = pytest.importorskip("mlx.core")
 requests = pytest.importorskip("requests")
@@ -33,12 +30,6 @@ MESSAGES = [
 # ---- server process ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> str:
     path = os.environ.get("HETERO_TEST_MODEL")
@@ -49,63 +40,13 @@ def model_dir() -> str:
     return path
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    cmd = [sys.executable, "-m", "hetero_mlx", "serve", "--model", model_dir]
-    cmd += ["--port", str(port), "--store", str(store)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc, log)
-        yield {"url": url, "store": store, "log": log}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with seam_server(model_dir, tmp_path_factory, "/health", STARTUP_TIMEOUT_S) as srv:
+        yield srv
 
 
 # ---- HTTP helpers --------------------------------------------------------------------------
-
-
-def post(server, path, body=None, raw=None):
-    data = raw if raw is not None else json.dumps(body if body is not None else {})
-    r = requests.post(server["url"] + path, data=data, timeout=60)
-    return r.status_code, r.json()
-
-
-def ok(server, path, body=None):
-    status, reply = post(server, path, body)
-    assert status == 200, (path, reply)
-    return reply
-
-
-def info(server):
-    r = requests.get(server["url"] + "/hetero/info", timeout=10)
-    assert r.status_code == 200
-    return r.json()
 
 
 def complete(server, body):

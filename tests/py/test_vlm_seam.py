@@ -15,13 +15,10 @@ inside it as well as the one before its last token, and mounts with long tails a
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from seam_server import info, ok, post, seam_server
 
 mx = pytest.importorskip("mlx.core")
 requests = pytest.importorskip("requests")
@@ -42,12 +39,6 @@ LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps by the 
 # ---- server process ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> str:
     root = os.environ.get("HETERO_DSV4_MODEL")
@@ -55,71 +46,22 @@ def model_dir() -> str:
         pytest.skip("HETERO_DSV4_MODEL is not set (e.g. models/dsv4-tiny from tiny-dsv4)")
     path = Path(root)
     if not (path / "config.json").exists():
-        variant = "bf16" if mx.metal.is_available() else "mxfp4"
+        # The served variant; bf16 experts cannot run on MLX's CPU backend (gather_mm).
+        variant = "bf16" if mx.metal.is_available() else "native"
         path = path / os.environ.get("HETERO_DSV4_VARIANT", variant)
     if not (path / "config.json").exists():
         pytest.skip(f"no DeepSeek-V4 checkpoint at {path}")
     return str(path)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(url + "/hetero/info", timeout=1).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), **SERVER_ENV)
-    cmd = [sys.executable, "-m", "hetero_mlx", "serve", "--model", model_dir]
-    cmd += ["--port", str(port), "--store", str(store)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc, log)
-        yield {"url": url, "store": store, "log": log, "model": model_dir}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with seam_server(model_dir, tmp_path_factory, "/hetero/info", STARTUP_TIMEOUT_S,
+                     extra_env=SERVER_ENV) as srv:
+        yield srv
 
 
 # ---- HTTP helpers --------------------------------------------------------------------------
-
-
-def post(server, path, body=None, raw=None):
-    data = raw if raw is not None else json.dumps(body if body is not None else {})
-    headers = {"Content-Type": "application/json"}  # FastAPI reads JSON bodies only
-    r = requests.post(server["url"] + path, data=data, headers=headers, timeout=120)
-    return r.status_code, r.json()
-
-
-def ok(server, path, body=None):
-    status, reply = post(server, path, body)
-    assert status == 200, (path, reply)
-    return reply
-
-
-def info(server):
-    r = requests.get(server["url"] + "/hetero/info", timeout=10)
-    assert r.status_code == 200
-    return r.json()
 
 
 def chat_body(server, text, **extra):

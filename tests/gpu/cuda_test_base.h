@@ -1,0 +1,39 @@
+// What every GPU test shares: a fixture that skips (with the reason) where no CUDA device is
+// present, which is how CI runs them.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "common/bf16.h"
+
+namespace hetero {
+
+class CudaDeviceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0)
+      GTEST_SKIP() << "no CUDA device (" << cudaGetErrorString(e) << ")";
+    cudaDeviceProp p{};
+    cudaGetDeviceProperties(&p, 0);
+    std::printf("[ device ] %s, sm_%d%d\n", p.name, p.major, p.minor);
+  }
+};
+
+// n normal(0, scale) values rounded to bf16, reproducible from the seed.
+inline std::vector<uint16_t> random_bf16(size_t n, float scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = f32_to_bf16(nd(rng));
+  return v;
+}
+
+}  // namespace hetero

@@ -1,0 +1,86 @@
+"""One seam-wrapped decoder server for a test module: started on a free port, waited for, and
+stopped by its pid. Shared by the seam tests of both decoders (mlx-lm and mlx-vlm)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Iterator, Optional
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(url, timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"server not healthy after {timeout_s}s:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def seam_server(model_dir: str, tmp_path_factory, health: str, timeout_s: float,
+                extra_env: Optional[Dict[str, str]] = None) -> Iterator[dict]:
+    """`python -m hetero_mlx serve` on model_dir; yields {"url", "store", "log", "model"}."""
+    store = tmp_path_factory.mktemp("store")
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), **(extra_env or {}))
+    cmd = [sys.executable, "-m", "hetero_mlx", "serve", "--model", model_dir]
+    cmd += ["--port", str(port), "--store", str(store)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url + health, proc, log, timeout_s)
+        yield {"url": url, "store": store, "log": log, "model": model_dir}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---- requests to a seam server (the dict seam_server yields) ---------------------------------
+
+
+def post(server, path, body=None, raw=None):
+    """(status, JSON reply) of a POST; raw sends bytes as they are (for malformed bodies)."""
+    data = raw if raw is not None else json.dumps(body if body is not None else {})
+    headers = {"Content-Type": "application/json"}  # FastAPI reads JSON bodies only
+    r = requests.post(server["url"] + path, data=data, headers=headers, timeout=120)
+    return r.status_code, r.json()
+
+
+def ok(server, path, body=None):
+    status, reply = post(server, path, body)
+    assert status == 200, (path, reply)
+    return reply
+
+
+def info(server):
+    r = requests.get(server["url"] + "/hetero/info", timeout=10)
+    assert r.status_code == 200
+    return r.json()
