@@ -148,7 +148,8 @@ Options prefill_options() {
           {"host", "HETERO_PREFILL_HOST", "127.0.0.1", "address to listen on"},
           {"port", "HETERO_PREFILL_PORT", "8010", "port to listen on (0: any free port)"},
           {"chunk", "HETERO_PREFILL_CHUNK", "512",
-           "prefill chunk size in tokens (offline deepseek_v4: also a list a,b,c, the last "
+           "prefill chunk size in tokens (deepseek_v4 serving runs the decoder's own call schedule "
+           "instead; offline without --weights: also a list a,b,c, the last "
            "repeated)"},
           {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "2097152", "longest accepted prompt"},
           {"gemm", "HETERO_PREFILL_GEMM", "ordered",
