@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hetero_mlx.dsv4_tiny import (
+    VARIANTS,
     Dsv4Shape,
     deepseek_fp8_loading,
     fp4_dequantize,
@@ -383,7 +384,7 @@ def test_pinned_mlx_vlm_reads_the_official_fp8_config_as_all_mxfp8(dsv4):
         load_model(dsv4 / "fp8")
 
 
-@pytest.mark.parametrize("variant", ["fp8", "bf16", "mxfp4"])
+@pytest.mark.parametrize("variant", ["fp8", "bf16", "mxfp4", "native"])
 def test_mlx_vlm_loads_and_generates(dsv4, variant):
     from mlx_vlm import apply_chat_template, generate, load
 
@@ -418,7 +419,7 @@ def test_same_seed_same_bytes(tokenizer_dir, tmp_path):
         return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
 
     assert files("a") == files("b")
-    assert {f.parts[0] for f in files("a")} == {"fp8", "bf16", "mxfp4"}
+    assert {f.parts[0] for f in files("a")} == set(VARIANTS)
     for f in files("a"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
     _assert_official_layout(tmp_path / "a" / "fp8")
@@ -459,3 +460,19 @@ def test_swiglu_limit_is_reached(dsv4, monkeypatch):
     cfg = _config(dsv4 / "fp8")
     assert len(clamped) == 2 * cfg["num_hidden_layers"]  # routed and shared, every layer
     assert all(n > 0 for n in clamped), clamped
+
+
+def test_native_keeps_the_checkpoint_quantization(dsv4):
+    """native/: experts mxfp4 and attention/shared experts mxfp8 with fp8/'s own codes, and the
+    compressors, norms and head dense, as mlx-vlm maps the official checkpoint."""
+    t = _tensors(dsv4 / "native")
+    p = "language_model.model.layers.2."
+    assert t[p + "ffn.switch_mlp.up_proj.scales"].dtype == mx.uint8
+    assert t[p + "ffn.switch_mlp.up_proj.weight"].shape[-1] * 8 == 256  # 4-bit codes of hidden
+    assert t[p + "attn.wkv.weight"].shape[-1] * 4 == 256  # 8-bit codes of hidden
+    assert t[p + "ffn.shared_experts.up_proj.scales"].dtype == mx.uint8
+    dense_weights = ("attn.compressor.wkv.weight", "attn.kv_norm.weight",
+                     "attn.indexer.weights_proj.weight")
+    for dense in dense_weights:
+        assert t[p + dense].dtype == mx.bfloat16, dense
+    assert p + "attn.compressor.wkv.scales" not in t

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 
+#include "../common/dsv4_test_weights.h"
 #include "common/bf16.h"
 
 namespace hetero {
@@ -53,70 +54,6 @@ TEST(Dsv4Schedule, OverlapOnlyWithinOneMultiTokenCall) {
   EXPECT_EQ(f[52], 1);
 }
 
-// A small random DeepSeek-V4 export: layers of ratio 0, 4 and 128.
-Dsv4DecoderWeights random_weights() {
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd(0.0f, 0.3f);
-  Dsv4DecoderWeights w;
-  w.layout.family = "deepseek_v4";
-  w.layout.fingerprint = "f00d";
-  w.layout.hidden = 32;
-  w.layout.head_dim = 16;
-  w.layout.kv_heads = 1;
-  w.index_head_dim = 8;
-  w.layout.index_head_dim = 8;
-  w.window = w.layout.window = 8;
-  w.rope_dims = 4;
-  w.freqs_local = dsv4_rope_freqs(4, 10000.0, YarnScaling{});
-  YarnScaling y;
-  y.enabled = true;
-  y.factor = 4;
-  y.original_max_position_embeddings = 64;
-  w.freqs_compressed = dsv4_rope_freqs(4, 160000.0, y);
-  w.layout.ratios = {0, 4, 128};
-  w.layout.layers = 3;
-  auto dense = [&](int64_t n, int64_t k) {
-    DecoderLinear l;
-    l.n = n, l.k = k;
-    l.wt.resize(static_cast<size_t>(n * k));
-    for (auto& v : l.wt) v = round_bf16(nd(rng));
-    return l;
-  };
-  auto norm = [&](int64_t d) {
-    Tensor t(DType::kBF16, {d});
-    for (int64_t i = 0; i < d; ++i) t.data<uint16_t>()[i] = f32_to_bf16(1.0f + nd(rng));
-    return t;
-  };
-  auto comp = [&](int64_t r, int64_t hd) {
-    Dsv4ProgramCompressor c;
-    c.ratio = r, c.head_dim = hd, c.out_dim = r == 4 ? 2 * hd : hd;
-    c.wkv = dense(c.out_dim, 32);
-    c.wgate = dense(c.out_dim, 32);
-    c.ape.resize(static_cast<size_t>(r * c.out_dim));
-    for (auto& v : c.ape) v = round_bf16(nd(rng));
-    c.norm = norm(hd);
-    return c;
-  };
-  for (int64_t r : w.layout.ratios) {
-    Dsv4ProgramLayer L;
-    L.ratio = r;
-    L.wkv = dense(16, 32);
-    L.kv_norm = norm(16);
-    if (r > 0) L.pool = comp(r, 16);
-    if (r == 4) L.index = comp(4, 8), L.has_index = true;
-    w.layers.push_back(std::move(L));
-  }
-  return w;
-}
-
-std::vector<uint16_t> random_x(int64_t T, int64_t hidden, int seed) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<uint16_t> x(static_cast<size_t>(T * hidden));
-  for (auto& v : x) v = f32_to_bf16(nd(rng));
-  return x;
-}
-
 struct Streamed {
   std::vector<std::string> frames;
 };
@@ -159,11 +96,11 @@ Status assemble(const std::vector<std::string>& frames, Dsv4Assembler* a) {
 }
 
 TEST(Dsv4Stream, AssembledArraysEqualTheProgramRunAlone) {
-  const auto w = random_weights();
+  const auto w = random_dsv4_weights();
   const int64_t T = 301;
   const std::vector<int64_t> calls = dsv4_server_calls(T, 64);
   std::vector<std::vector<uint16_t>> xs;
-  for (int l = 0; l < 3; ++l) xs.push_back(random_x(T, w.layout.hidden, 100 + l));
+  for (uint32_t l = 0; l < 3; ++l) xs.push_back(random_dsv4_x(T, w.layout.hidden, 100 + l));
 
   // The program alone, fed in one piece per layer.
   Dsv4CacheProgram direct(&w, calls);
@@ -203,10 +140,10 @@ TEST(Dsv4Stream, AssembledArraysEqualTheProgramRunAlone) {
 }
 
 TEST(Dsv4Stream, MalformedSegmentsAreRefused) {
-  const auto w = random_weights();
+  const auto w = random_dsv4_weights();
   const int64_t T = 40;
   std::vector<std::vector<uint16_t>> xs;
-  for (int l = 0; l < 3; ++l) xs.push_back(random_x(T, w.layout.hidden, l));
+  for (uint32_t l = 0; l < 3; ++l) xs.push_back(random_dsv4_x(T, w.layout.hidden, l));
   auto s = stream(w, xs, T, 16, dsv4_server_calls(T, 2048));
   FrameParser parser(1 << 26);
   std::vector<Segment> segs;

@@ -1,0 +1,458 @@
+// DeepSeek-V4 cache program on the GPU: see dsv4_program_gpu.h. Host code only (hence .cc): it
+// enqueues the kernels/cuda twins in the CPU program's order of steps, with the CPU program's
+// schedule replay. Per block of rows: x to f32 once (dense weights), the window rows
+// (wkv, kv_norm, rope), then each compressor (carry + projections, pooling of the completed
+// windows, norm, rope, copy-back, new carry).
+#include "bridge/cuda/dsv4_program_gpu.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "kernels/cuda/dsv4_ops.h"
+#include "kernels/cuda/ops.h"
+
+namespace hetero::cuda {
+
+// ----------------------------------------------------------------------------- DeviceBuffer
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    p_ = std::exchange(o.p_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+    stream_ = o.stream_;
+    stream_ordered_ = o.stream_ordered_;
+  }
+  return *this;
+}
+
+Status DeviceBuffer::allocate(size_t bytes, cudaStream_t stream, bool stream_ordered) {
+  reset();
+  if (bytes == 0) return Status::ok();
+  const cudaError_t e =
+      stream_ordered ? cudaMallocAsync(&p_, bytes, stream) : cudaMalloc(&p_, bytes);
+  if (e != cudaSuccess) {
+    p_ = nullptr;
+    cudaGetLastError();  // an allocation failure is not sticky; clear it for later checks
+    const std::string what = std::to_string(bytes) + " bytes: " + cudaGetErrorString(e);
+    return e == cudaErrorMemoryAllocation ? unavailable("out of device memory for " + what)
+                                          : internal_error("device allocation of " + what);
+  }
+  bytes_ = bytes;
+  stream_ = stream;
+  stream_ordered_ = stream_ordered;
+  return Status::ok();
+}
+
+void DeviceBuffer::reset() {
+  if (p_) {
+    if (stream_ordered_)
+      cudaFreeAsync(p_, stream_);
+    else
+      cudaFree(p_);
+  }
+  p_ = nullptr;
+  bytes_ = 0;
+}
+
+// ----------------------------------------------------------------------------- weights
+
+namespace {
+
+template <typename T>
+Status upload(const T* host, size_t count, DeviceBuffer* out, size_t* total) {
+  HETERO_RETURN_IF_ERROR(out->allocate(count * sizeof(T), nullptr, false));
+  if (count == 0) return Status::ok();
+  const cudaError_t e = cudaMemcpy(out->get(), host, count * sizeof(T), cudaMemcpyHostToDevice);
+  if (e != cudaSuccess)
+    return internal_error(std::string("weight upload: ") + cudaGetErrorString(e));
+  *total += count * sizeof(T);
+  return Status::ok();
+}
+
+template <typename T>
+Status upload(const std::vector<T>& host, DeviceBuffer* out, size_t* total) {
+  return upload(host.data(), host.size(), out, total);
+}
+
+Status upload_bf16(const Tensor& t, DeviceBuffer* out, size_t* total) {
+  HETERO_CHECK(t.dtype == DType::kBF16);
+  return upload(t.data<uint16_t>(), static_cast<size_t>(t.numel()), out, total);
+}
+
+Status upload_linear(const DecoderLinear& l, Dsv4GpuLinear* g, size_t* total) {
+  g->mode = l.mode;
+  g->n = l.n;
+  g->k = l.k;
+  g->group = l.group;
+  const auto nk = static_cast<size_t>(l.n * l.k);
+  if (l.mode == DecoderLinear::Mode::kDense) {
+    HETERO_CHECK(l.wt.size() == nk);
+    return upload(l.wt, &g->wt, total);
+  }
+  HETERO_CHECK(l.group > 0 && l.q.size() == nk &&
+               l.scales.size() == static_cast<size_t>(l.n * (l.k / l.group)));
+  HETERO_RETURN_IF_ERROR(upload(l.q, &g->q, total));
+  HETERO_RETURN_IF_ERROR(upload(l.scales, &g->scales, total));
+  if (l.mode == DecoderLinear::Mode::kAffine) {
+    HETERO_CHECK(l.biases.size() == l.scales.size());
+    HETERO_RETURN_IF_ERROR(upload(l.biases, &g->biases, total));
+  }
+  return Status::ok();
+}
+
+Status upload_compressor(const Dsv4ProgramCompressor& c, Dsv4GpuCompressor* g, size_t* total) {
+  g->ratio = c.ratio;
+  g->head_dim = c.head_dim;
+  g->out_dim = c.out_dim;
+  HETERO_RETURN_IF_ERROR(upload_linear(c.wkv, &g->wkv, total));
+  HETERO_RETURN_IF_ERROR(upload_linear(c.wgate, &g->wgate, total));
+  HETERO_CHECK(c.ape.size() == static_cast<size_t>(c.ratio * c.out_dim));
+  HETERO_RETURN_IF_ERROR(upload(c.ape, &g->ape, total));
+  return upload_bf16(c.norm, &g->norm, total);
+}
+
+bool is_dense(const Dsv4GpuLinear& l) { return l.mode == DecoderLinear::Mode::kDense; }
+
+bool layer_has_dense(const Dsv4GpuLayer& L) {
+  bool any = is_dense(L.wkv);
+  if (L.ratio > 0) any = any || is_dense(L.pool.wkv) || is_dense(L.pool.wgate);
+  if (L.has_index) any = any || is_dense(L.index.wkv) || is_dense(L.index.wgate);
+  return any;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWeights& w) {
+  auto g = std::make_unique<Dsv4GpuWeights>();
+  g->layout = w.layout;
+  g->eps = static_cast<float>(w.rms_norm_eps);
+  g->window = w.window;
+  g->rope_pairs_local = static_cast<int64_t>(w.freqs_local.size());
+  g->rope_pairs_compressed = static_cast<int64_t>(w.freqs_compressed.size());
+  size_t total = 0;
+  HETERO_RETURN_IF_ERROR(upload(w.freqs_local, &g->freqs_local, &total));
+  HETERO_RETURN_IF_ERROR(upload(w.freqs_compressed, &g->freqs_compressed, &total));
+  g->layers.resize(w.layers.size());
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const Dsv4ProgramLayer& L = w.layers[i];
+    Dsv4GpuLayer& G = g->layers[i];
+    G.ratio = L.ratio;
+    G.has_index = L.has_index;
+    HETERO_RETURN_IF_ERROR(upload_linear(L.wkv, &G.wkv, &total));
+    HETERO_RETURN_IF_ERROR(upload_bf16(L.kv_norm, &G.kv_norm, &total));
+    if (L.ratio > 0) HETERO_RETURN_IF_ERROR(upload_compressor(L.pool, &G.pool, &total));
+    if (L.has_index) HETERO_RETURN_IF_ERROR(upload_compressor(L.index, &G.index, &total));
+  }
+  g->device_bytes = total;
+  return g;
+}
+
+// ----------------------------------------------------------------------------- program
+
+Dsv4GpuCacheProgram::Dsv4GpuCacheProgram(const Dsv4GpuWeights* weights,
+                                         const std::vector<int64_t>& decoder_calls,
+                                         cudaStream_t stream, int64_t block_rows)
+    : w_(weights), stream_(stream), block_rows_(std::max<int64_t>(1, block_rows)) {
+  // The schedule exactly as the CPU program derives it.
+  const auto calls = dsv4_effective_calls(decoder_calls);
+  for (int64_t L : calls) total_ += L;
+  window_ = dsv4_window_layout(calls, w_->window);
+  window_first_ = total_;
+  for (int64_t p : window_.slot_pos)
+    if (p >= 0) window_first_ = std::min(window_first_, p);
+  flags4_ = dsv4_overlap_flags(calls, 4);
+  flags128_ = dsv4_overlap_flags(calls, 128);
+  state_.resize(static_cast<size_t>(w_->layout.layers));
+}
+
+// Frees are stream-ordered: they run after every op this program enqueued.
+Dsv4GpuCacheProgram::~Dsv4GpuCacheProgram() = default;
+
+Status Dsv4GpuCacheProgram::device_status(const char* what) const {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return internal_error(std::string(what) + ": " + cudaGetErrorString(e));
+  return Status::ok();
+}
+
+size_t Dsv4GpuCacheProgram::device_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t total = 0;
+  for (const DeviceBuffer* b :
+       {&flags4_dev_, &flags128_dev_, &x_dev_, &xf_, &acc_, &work_kv_, &work_gate_, &pooled_})
+    total += b->bytes();
+  for (const LayerState& s : state_)
+    for (const DeviceBuffer* b : {&s.window_rows, &s.pool.carry_kv, &s.pool.carry_gate,
+                                  &s.index.carry_kv, &s.index.carry_gate})
+      total += b->bytes();
+  return total;
+}
+
+Status Dsv4GpuCacheProgram::prepare(const Dsv4GpuLayer& L, LayerState& s) {
+  const int64_t hd = w_->layout.head_dim, H = w_->layout.hidden;
+  if (!scratch_ready_) {
+    const int64_t rows = std::min(block_rows_, std::max<int64_t>(total_, 1));
+    int64_t max_n = hd, work = 0, max_hd = 0;
+    bool dense = false;
+    for (const Dsv4GpuLayer& G : w_->layers) {
+      dense = dense || layer_has_dense(G);
+      for (const Dsv4GpuCompressor* c : {&G.pool, &G.index}) {
+        if (c->ratio == 0 || (c == &G.index && !G.has_index)) continue;
+        max_n = std::max(max_n, c->out_dim);
+        work = std::max(work, (2 * c->ratio + rows) * c->out_dim);
+        max_hd = std::max(max_hd, c->head_dim);
+      }
+    }
+    const auto u = [](int64_t v) { return static_cast<size_t>(v); };
+    if (dense) {
+      HETERO_RETURN_IF_ERROR(xf_.allocate(u(rows * H) * 4, stream_, true));
+      HETERO_RETURN_IF_ERROR(acc_.allocate(u(rows * max_n) * 4, stream_, true));
+    }
+    HETERO_RETURN_IF_ERROR(work_kv_.allocate(u(work) * 2, stream_, true));
+    HETERO_RETURN_IF_ERROR(work_gate_.allocate(u(work) * 2, stream_, true));
+    // A block of m rows completes at most m/4 + 2 windows (the carry holds < 2r rows).
+    HETERO_RETURN_IF_ERROR(pooled_.allocate(u((rows / 4 + 2) * max_hd) * 2, stream_, true));
+    const auto upload_flags = [&](const std::vector<uint8_t>& host, DeviceBuffer* dev) {
+      HETERO_RETURN_IF_ERROR(dev->allocate(host.size(), stream_, true));
+      if (!host.empty())
+        cudaMemcpyAsync(dev->get(), host.data(), host.size(), cudaMemcpyHostToDevice, stream_);
+      return Status::ok();
+    };
+    HETERO_RETURN_IF_ERROR(upload_flags(flags4_, &flags4_dev_));
+    HETERO_RETURN_IF_ERROR(upload_flags(flags128_, &flags128_dev_));
+    scratch_ready_ = true;
+  }
+  HETERO_RETURN_IF_ERROR(s.window_rows.allocate(
+      static_cast<size_t>((total_ - window_first_) * hd) * 2, stream_, true));
+  const auto carry = [&](const Dsv4GpuCompressor& c, PoolState* p) {
+    const auto bytes = static_cast<size_t>(2 * c.ratio * c.out_dim) * 2;
+    HETERO_RETURN_IF_ERROR(p->carry_kv.allocate(bytes, stream_, true));
+    HETERO_RETURN_IF_ERROR(p->carry_gate.allocate(bytes, stream_, true));
+    // Pooled rows are appended while copies into them are in flight: never reallocate.
+    p->pooled.reserve(static_cast<size_t>(total_ / c.ratio * c.head_dim));
+    return Status::ok();
+  };
+  if (L.ratio > 0) HETERO_RETURN_IF_ERROR(carry(L.pool, &s.pool));
+  if (L.has_index) HETERO_RETURN_IF_ERROR(carry(L.index, &s.index));
+  s.allocated = true;
+  return device_status("program state");
+}
+
+void Dsv4GpuCacheProgram::apply(const Dsv4GpuLinear& l, const uint16_t* x, const float* xf,
+                                int64_t m, uint16_t* out) {
+  switch (l.mode) {
+    case DecoderLinear::Mode::kDense:
+      // The CPU's linear_decoder_order: a zeroed f32 accumulator, ascending-k sums, one rounding.
+      cudaMemsetAsync(acc_.get(), 0, static_cast<size_t>(m * l.n) * 4, stream_);
+      gemm_ordered(xf, m, l.k, l.wt.get<float>(), l.n, acc_.get<float>(), stream_);
+      round_linear_output(acc_.get<float>(), m, l.n, nullptr, out, stream_);
+      break;
+    case DecoderLinear::Mode::kMx:
+      linear_quantized_mx(x, m, l.k, l.q.get<float>(), l.scales.get<float>(), l.n, l.group, out,
+                          stream_);
+      break;
+    case DecoderLinear::Mode::kAffine:
+      linear_quantized_affine(x, m, l.k, l.q.get<float>(), l.scales.get<float>(),
+                              l.biases.get<float>(), l.n, l.group, out, stream_);
+      break;
+  }
+}
+
+void Dsv4GpuCacheProgram::feed_pool(const Dsv4GpuCompressor& c, PoolState& s, int64_t pos0,
+                                    int64_t m, const uint16_t* x, const float* xf) {
+  const int64_t D = c.out_dim, hd = c.head_dim, r = c.ratio;
+  const auto row_bytes = static_cast<size_t>(D) * 2;
+  uint16_t* kv = work_kv_.get<uint16_t>();
+  uint16_t* gate = work_gate_.get<uint16_t>();
+  // The work rows start at carry_base: the carry, then this block's projections.
+  const int64_t carried = pos0 - s.carry_base;
+  if (carried > 0) {
+    const auto bytes = static_cast<size_t>(carried) * row_bytes;
+    cudaMemcpyAsync(kv, s.carry_kv.get(), bytes, cudaMemcpyDeviceToDevice, stream_);
+    cudaMemcpyAsync(gate, s.carry_gate.get(), bytes, cudaMemcpyDeviceToDevice, stream_);
+  }
+  apply(c.wkv, x, xf, m, kv + carried * D);
+  apply(c.wgate, x, xf, m, gate + carried * D);
+  const int64_t fed = pos0 + m, done = fed / r, j0 = s.pooled_rows, windows = done - j0;
+  if (windows > 0) {
+    const uint16_t* kw = kv + (j0 * r - s.carry_base) * D;
+    const uint16_t* gw = gate + (j0 * r - s.carry_base) * D;
+    uint16_t* out = pooled_.get<uint16_t>();
+    if (r == 4) {
+      // Window j0's overlap lane reads the window before it, which the carry kept.
+      HETERO_CHECK(!flags4_[static_cast<size_t>(j0)] || j0 * r - r >= s.carry_base);
+      dsv4_pool_overlap(kw, gw, c.ape.get<float>(), flags4_dev_.get<uint8_t>() + j0, windows, r, hd,
+                        out, stream_);
+    } else {
+      dsv4_pool_simple(kw, gw, c.ape.get<float>(), windows, r, hd, out, stream_);
+    }
+    rms_norm(out, windows, hd, c.norm.get<uint16_t>(), w_->eps, out, stream_);
+    dsv4_rope(out, windows, 1, hd, j0, w_->freqs_compressed.get<float>(), w_->rope_pairs_compressed,
+              static_cast<int>(r), false, stream_);
+    s.pooled.resize(static_cast<size_t>(done * hd));  // within the reserved capacity
+    cudaMemcpyAsync(s.pooled.data() + j0 * hd, out, static_cast<size_t>(windows * hd) * 2,
+                    cudaMemcpyDeviceToHost, stream_);
+    s.pooled_rows = done;
+  }
+  // The new carry: the last complete window (the next one's overlap lane) and the incomplete one.
+  const int64_t keep_from = std::max<int64_t>(s.carry_base, (done - 1) * r);
+  const int64_t keep = fed - keep_from;
+  HETERO_CHECK(keep >= 0 && keep <= 2 * r);
+  if (keep > 0) {
+    const int64_t at = keep_from - s.carry_base;
+    const auto bytes = static_cast<size_t>(keep) * row_bytes;
+    cudaMemcpyAsync(s.carry_kv.get(), kv + at * D, bytes, cudaMemcpyDeviceToDevice, stream_);
+    cudaMemcpyAsync(s.carry_gate.get(), gate + at * D, bytes, cudaMemcpyDeviceToDevice, stream_);
+  }
+  s.carry_base = keep_from;
+}
+
+Status Dsv4GpuCacheProgram::feed_block(const Dsv4GpuLayer& L, LayerState& s, int64_t pos0,
+                                       int64_t m, const uint16_t* x) {
+  const int64_t H = w_->layout.hidden, hd = w_->layout.head_dim;
+  // Window rows: only positions that end up in a slot are computed (as on the CPU).
+  const int64_t from = std::max(pos0, window_first_);
+  const bool window = from < pos0 + m;
+  // x in f32, once for every dense projection of the block: the rows they read.
+  const int64_t xf_first = L.ratio > 0 ? pos0 : from;
+  float* xf = xf_.get<float>();
+  if (layer_has_dense(L) && xf_first < pos0 + m)
+    bf16_to_f32(x + (xf_first - pos0) * H, (pos0 + m - xf_first) * H, xf, stream_);
+  if (window) {
+    const int64_t mw = pos0 + m - from;
+    uint16_t* dst = s.window_rows.get<uint16_t>() + (from - window_first_) * hd;
+    apply(L.wkv, x + (from - pos0) * H, xf ? xf + (from - xf_first) * H : nullptr, mw, dst);
+    rms_norm(dst, mw, hd, L.kv_norm.get<uint16_t>(), w_->eps, dst, stream_);
+    const bool local = L.ratio == 0;
+    dsv4_rope(dst, mw, 1, hd, from, (local ? w_->freqs_local : w_->freqs_compressed).get<float>(),
+              local ? w_->rope_pairs_local : w_->rope_pairs_compressed, 1, false, stream_);
+  }
+  if (L.ratio > 0) feed_pool(L.pool, s.pool, pos0, m, x, xf);
+  if (L.has_index) feed_pool(L.index, s.index, pos0, m, x, xf);
+  return device_status("feed");
+}
+
+Status Dsv4GpuCacheProgram::feed(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                                 Dsv4NewRows* out) {
+  return feed_any(layer, pos0, n, x, false, out);
+}
+
+Status Dsv4GpuCacheProgram::feed_device(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                                        Dsv4NewRows* out) {
+  return feed_any(layer, pos0, n, x, true, out);
+}
+
+Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                                     bool on_device, Dsv4NewRows* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (layer < 0 || layer >= w_->layout.layers)
+    return invalid_argument("layer " + std::to_string(layer) + " out of range");
+  LayerState& s = state_[static_cast<size_t>(layer)];
+  if (pos0 != s.fed || n <= 0 || pos0 + n > total_)
+    return invalid_argument("layer " + std::to_string(layer) + ": rows [" + std::to_string(pos0) +
+                            ", " + std::to_string(pos0 + n) + ") do not follow row " +
+                            std::to_string(s.fed) + " within " + std::to_string(total_));
+  const Dsv4GpuLayer& L = w_->layers[static_cast<size_t>(layer)];
+  const int64_t H = w_->layout.hidden;
+  if (!s.allocated) HETERO_RETURN_IF_ERROR(prepare(L, s));
+  if (!on_device && x_dev_.bytes() == 0)
+    HETERO_RETURN_IF_ERROR(
+        x_dev_.allocate(static_cast<size_t>(std::min(block_rows_, total_) * H) * 2, stream_, true));
+  Dsv4NewRows rows;
+  rows.first = s.pool.pooled_rows;
+  for (int64_t p = pos0; p < pos0 + n; p += block_rows_) {
+    const int64_t m = std::min(block_rows_, pos0 + n - p);
+    const uint16_t* xb = x + (p - pos0) * H;
+    if (!on_device) {
+      // Stream-ordered: the copy waits for the previous block's reads of the staging buffer.
+      cudaMemcpyAsync(x_dev_.get(), xb, static_cast<size_t>(m * H) * 2, cudaMemcpyHostToDevice,
+                      stream_);
+      xb = x_dev_.get<uint16_t>();
+    }
+    HETERO_RETURN_IF_ERROR(feed_block(L, s, p, m, xb));
+  }
+  const cudaError_t e = cudaStreamSynchronize(stream_);
+  if (e != cudaSuccess) return internal_error(std::string("feed: ") + cudaGetErrorString(e));
+  rows.count = s.pool.pooled_rows - rows.first;
+  const auto hd = static_cast<std::ptrdiff_t>(w_->layout.head_dim);
+  if (rows.count > 0) {
+    rows.pool.assign(s.pool.pooled.begin() + rows.first * hd, s.pool.pooled.end());
+    if (L.has_index) {
+      const auto ihd = static_cast<std::ptrdiff_t>(L.index.head_dim);
+      rows.index.assign(s.index.pooled.begin() + rows.first * ihd, s.index.pooled.end());
+    }
+  }
+  s.fed = pos0 + n;
+  if (out) *out = std::move(rows);
+  return Status::ok();
+}
+
+Dsv4PoolArrays Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c,
+                                                const PoolState& s) const {
+  const int64_t D = c.out_dim, r = c.ratio, rem = total_ % r;
+  Dsv4PoolArrays a;
+  a.buf_kv = Tensor(DType::kBF16, {1, rem, D});
+  a.buf_gate = Tensor(DType::kBF16, {1, rem, D});
+  if (rem > 0) {
+    // The incomplete window is the end of the carry.
+    const int64_t at = (total_ - rem - s.carry_base) * D;
+    const auto bytes = static_cast<size_t>(rem * D) * 2;
+    cudaMemcpyAsync(a.buf_kv.bytes.data(), s.carry_kv.get<uint16_t>() + at, bytes,
+                    cudaMemcpyDeviceToHost, stream_);
+    cudaMemcpyAsync(a.buf_gate.bytes.data(), s.carry_gate.get<uint16_t>() + at, bytes,
+                    cudaMemcpyDeviceToHost, stream_);
+  }
+  a.pooled = Tensor(DType::kBF16, {1, s.pooled_rows, c.head_dim});
+  if (!s.pooled.empty()) std::memcpy(a.pooled.bytes.data(), s.pooled.data(), s.pooled.size() * 2);
+  return a;
+}
+
+Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::finish_layer(int64_t layer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (layer < 0 || layer >= w_->layout.layers)
+    return invalid_argument("layer " + std::to_string(layer) + " out of range");
+  LayerState& s = state_[static_cast<size_t>(layer)];
+  if (s.fed != total_)
+    return failed_precondition("layer " + std::to_string(layer) + " has " + std::to_string(s.fed) +
+                               " of " + std::to_string(total_) + " rows");
+  if (s.finished)
+    return failed_precondition("layer " + std::to_string(layer) + " was finished already");
+  const Dsv4GpuLayer& L = w_->layers[static_cast<size_t>(layer)];
+  const int64_t hd = w_->layout.head_dim;
+  Dsv4LayerArrays a;
+  a.ratio = L.ratio;
+  const auto S = static_cast<int64_t>(window_.slot_pos.size());
+  a.window = Tensor(DType::kBF16, {1, 1, S, hd});
+  auto* dst = a.window.data<uint16_t>();
+  // One copy per run of slots holding consecutive positions (a rotation gives at most two);
+  // slots the decoder grew but never wrote stay zero.
+  for (int64_t i = 0; i < S;) {
+    const int64_t p = window_.slot_pos[static_cast<size_t>(i)];
+    if (p < 0) {
+      ++i;
+      continue;
+    }
+    int64_t j = i + 1;
+    while (j < S && window_.slot_pos[static_cast<size_t>(j)] == p + (j - i)) ++j;
+    cudaMemcpyAsync(dst + i * hd, s.window_rows.get<uint16_t>() + (p - window_first_) * hd,
+                    static_cast<size_t>((j - i) * hd) * 2, cudaMemcpyDeviceToHost, stream_);
+    i = j;
+  }
+  if (L.ratio > 0) a.pool = pool_arrays(L.pool, s.pool);
+  if (L.has_index) a.index = pool_arrays(L.index, s.index);
+  const cudaError_t e = cudaStreamSynchronize(stream_);
+  if (e != cudaSuccess) return internal_error(std::string("finish: ") + cudaGetErrorString(e));
+  // The layer's device state is no longer needed; its pooled rows live on in `a`.
+  s.window_rows.reset();
+  for (PoolState* p : {&s.pool, &s.index}) {
+    p->carry_kv.reset();
+    p->carry_gate.reset();
+    p->pooled = {};
+  }
+  s.finished = true;
+  return a;
+}
+
+}  // namespace hetero::cuda

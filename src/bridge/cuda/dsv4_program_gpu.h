@@ -1,0 +1,170 @@
+// The DeepSeek-V4 cache program on the GPU. Same contract as Dsv4CacheProgram
+// (bridge/dsv4_program.h): built from the decoder's weights and call schedule, fed each layer's
+// attention input in order, it returns the same arrays bit for bit (the same Dsv4NewRows per
+// feed, the same Dsv4LayerArrays per layer). The arithmetic is the kernels/cuda twins of the
+// CPU ops (ordered f32 GEMM for dense weights, MLX's quantized recipes for mx/affine), enqueued
+// on a stream the caller gives — a side stream next to the prefill's.
+//
+// Memory: Dsv4GpuWeights is uploaded once and shared read-only by every request's program. A
+// program keeps its request's state on the device: per layer the window rows and, per
+// compressor, the carry (the last complete window, which the next one's overlap lane reads, and
+// the incomplete one). Rows cross back to the host only when final: the pooled rows each feed
+// completes, then the window and the buffers at finish_layer. The schedule (window slot order,
+// overlap flags) is the CPU program's own replay (dsv4_window_layout, dsv4_overlap_flags).
+// Spec: docs/design/cache-program-dsv4.md, "On the GPU".
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "bridge/dsv4_program.h"
+#include "common/status.h"
+
+namespace hetero::cuda {
+
+// Device memory owned by the object. With a stream it is stream-ordered (cudaMallocAsync /
+// cudaFreeAsync on that stream, which must outlive the buffer); without, plain cudaMalloc.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  // Frees what is held, then takes `bytes`; unavailable (transient) when the device is full.
+  Status allocate(size_t bytes, cudaStream_t stream, bool stream_ordered);
+  void reset();
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(p_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+  cudaStream_t stream_ = nullptr;
+  bool stream_ordered_ = false;
+};
+
+// A DecoderLinear on the device: dense wt f32 [k, n], or q f32 [n, k] with scales (and biases)
+// f32 [n, k/group] — the same arrays as the host's.
+struct Dsv4GpuLinear {
+  DecoderLinear::Mode mode = DecoderLinear::Mode::kDense;
+  int64_t n = 0, k = 0, group = 0;
+  DeviceBuffer wt, q, scales, biases;
+};
+
+struct Dsv4GpuCompressor {
+  int64_t ratio = 0, head_dim = 0, out_dim = 0;
+  Dsv4GpuLinear wkv, wgate;
+  DeviceBuffer ape;   // f32 [ratio, out_dim]
+  DeviceBuffer norm;  // bf16 [head_dim]
+};
+
+struct Dsv4GpuLayer {
+  int64_t ratio = 0;
+  Dsv4GpuLinear wkv;
+  DeviceBuffer kv_norm;  // bf16 [head_dim]
+  Dsv4GpuCompressor pool, index;
+  bool has_index = false;
+};
+
+// Every weight the program reads, on the device. Read-only once uploaded: any number of
+// programs, on any streams and threads, may share it. Must outlive them.
+struct Dsv4GpuWeights {
+  DecoderCacheLayout layout;
+  float eps = 1e-6f;  // as the CPU program passes it: float(rms_norm_eps)
+  int64_t window = 0;
+  int64_t rope_pairs_local = 0, rope_pairs_compressed = 0;
+  DeviceBuffer freqs_local, freqs_compressed;  // f32, dsv4_rope_freqs as exported
+  std::vector<Dsv4GpuLayer> layers;
+  size_t device_bytes = 0;
+};
+
+// Copies w to the current device (synchronously, plain cudaMalloc). Out of device memory is
+// unavailable; the host weights may be freed afterwards.
+Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWeights& w);
+
+class Dsv4GpuCacheProgram {
+ public:
+  // Rows per internal step: bounds the shared scratch (x in f32, GEMM accumulators) whatever
+  // the caller's chunk; any value gives the same bits.
+  static constexpr int64_t kDefaultBlockRows = 4096;
+
+  // decoder_calls: the decoder's call lengths (sum = T), before expansion, as the CPU program.
+  // weights and stream must outlive the program. Takes no device memory yet: each layer's
+  // state is allocated at its first feed (so an out-of-memory is a Status from feed).
+  Dsv4GpuCacheProgram(const Dsv4GpuWeights* weights, const std::vector<int64_t>& decoder_calls,
+                      cudaStream_t stream, int64_t block_rows = kDefaultBlockRows);
+  ~Dsv4GpuCacheProgram();
+  Dsv4GpuCacheProgram(const Dsv4GpuCacheProgram&) = delete;
+  Dsv4GpuCacheProgram& operator=(const Dsv4GpuCacheProgram&) = delete;
+
+  const DecoderCacheLayout& layout() const { return w_->layout; }
+  int64_t tokens() const { return total_; }
+  int64_t window_idx() const { return window_.idx; }
+
+  // Layer `layer`'s attention input rows [pos0, pos0+n), bf16 [n, hidden], in host memory
+  // (feed) or device memory (feed_device; it must be ready in `stream`'s order — make the
+  // stream wait on the producer's event). Each layer's rows must arrive in order. Returns once
+  // the stream has done this feed's work, so x may be reused at once and `out` is complete.
+  // Thread-safe; calls serialize (they share the stream and the scratch).
+  Status feed(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x, Dsv4NewRows* out);
+  Status feed_device(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x, Dsv4NewRows* out);
+  // After all T rows of the layer arrived: its window and buffers (and every pooled row). The
+  // layer's device state is released; a second call for the same layer is refused.
+  Result<Dsv4LayerArrays> finish_layer(int64_t layer);
+
+  // Device bytes held now (state and scratch).
+  size_t device_bytes() const;
+
+ private:
+  struct PoolState {
+    DeviceBuffer carry_kv, carry_gate;  // rows [carry_base, fed), out_dim wide, < 2*ratio rows
+    int64_t carry_base = 0;
+    std::vector<uint16_t> pooled;  // every pooled row so far, host
+    int64_t pooled_rows = 0;
+  };
+  struct LayerState {
+    int64_t fed = 0;
+    bool allocated = false, finished = false;
+    DeviceBuffer window_rows;  // bf16 [T - window_first, head_dim]
+    PoolState pool, index;
+  };
+
+  Status feed_any(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x, bool on_device,
+                  Dsv4NewRows* out);
+  Status prepare(const Dsv4GpuLayer& L, LayerState& s);
+  Status feed_block(const Dsv4GpuLayer& L, LayerState& s, int64_t pos0, int64_t m,
+                    const uint16_t* x);
+  void apply(const Dsv4GpuLinear& l, const uint16_t* x, const float* xf, int64_t m, uint16_t* out);
+  void feed_pool(const Dsv4GpuCompressor& c, PoolState& s, int64_t pos0, int64_t m,
+                 const uint16_t* x, const float* xf);
+  Dsv4PoolArrays pool_arrays(const Dsv4GpuCompressor& c, const PoolState& s) const;
+  Status device_status(const char* what) const;
+
+  const Dsv4GpuWeights* w_;
+  cudaStream_t stream_;
+  int64_t block_rows_;
+  int64_t total_ = 0;
+  Dsv4WindowLayout window_;
+  int64_t window_first_ = 0;  // the smallest position any slot holds
+  std::vector<uint8_t> flags4_, flags128_;
+  std::vector<LayerState> state_;
+
+  // Shared by every layer's feeds (serialized by mu_): staged x, x in f32, GEMM accumulators,
+  // a compressor's rows (carry then the block's projections), pooled rows before copy-back.
+  DeviceBuffer flags4_dev_, flags128_dev_, x_dev_, xf_, acc_, work_kv_, work_gate_, pooled_;
+  bool scratch_ready_ = false;
+  mutable std::mutex mu_;
+};
+
+}  // namespace hetero::cuda
