@@ -219,12 +219,12 @@ int cmd_verify(int argc, char** argv) {
     return fail("clear", c.status());
 
   // Bridged leg.
-  auto layout_or = layout_from_json(info.value().dump());
+  auto layout_or = layout_from_json(info.value());
   if (!layout_or.is_ok()) return fail("decoder info", layout_or.status());
   const DecoderCacheLayout layout = layout_or.value();
   auto assembler = make_assembler(layout, B);
   PrefillRequest preq{prefix, layout.fingerprint, chunk.value(),
-                      decoder_calls_from_info(info.value().dump(), B)};
+                      decoder_calls_from_info(info.value(), B)};
   FetchResult fetched =
       fetch_prefill("127.0.0.1", service.bound_port(), preq, assembler.get(), tmo, tmo);
   if (!fetched.status.is_ok()) return fail("bridge", fetched.status);

@@ -15,9 +15,10 @@ nothing a client sends can raise out of a handler.
 import io
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx_lm
@@ -105,6 +106,28 @@ def _rejection(raw: bytes) -> SeamError:
         status, message = 400, payload.decode(errors="replace")
     status = status if 400 <= status < 500 else 400
     return SeamError(status, "rejected_by_server", f"mlx-lm rejected the request: {message}")
+
+
+def run_capturing(owner: Any, name: str, main: Callable[[], Any], argv: List[str]) -> tuple:
+    """Runs a decoder's own CLI `main` with sys.argv = argv while `owner.name` (the call that
+    would start serving) is swapped for a recorder; returns that call's (args, kwargs). The
+    decoder's option parsing and startup stay its own; only the final serve call is ours."""
+    captured = []
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        captured.append((args, kwargs))
+
+    saved, saved_argv = getattr(owner, name), sys.argv
+    setattr(owner, name, record)
+    sys.argv = argv
+    try:
+        main()
+    finally:
+        setattr(owner, name, saved)
+        sys.argv = saved_argv
+    if not captured:
+        raise SystemExit(f"hetero_mlx: {argv[0]} exited without starting its server")
+    return captured[0]
 
 
 def parse_body(raw: bytes) -> Dict[str, Any]:

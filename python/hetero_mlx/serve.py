@@ -18,7 +18,6 @@ vlm_serve.serve instead: mlx-vlm's own server with the same seam.
 import functools
 import json
 import logging
-import sys
 import threading
 from pathlib import Path
 from typing import List, Optional
@@ -29,7 +28,7 @@ from mlx_lm.server import ModelProvider, ResponseGenerator
 
 from .llama import describe
 from .prompt_cache import LockedPromptCache
-from .seam import Seam, SeamHandler
+from .seam import Seam, SeamHandler, run_capturing
 
 log = logging.getLogger("hetero_mlx")
 
@@ -38,18 +37,8 @@ LOAD_TIMEOUT_S = 3600.0
 
 def mlx_provider(argv: List[str]) -> ModelProvider:
     """A ModelProvider from mlx-lm's own CLI parser and startup (logging, wired limit)."""
-    captured = []
-
-    def capture(host, port, provider, *args, **kwargs):
-        captured.append(provider)
-
-    saved_run, saved_argv = mlx_server.run, sys.argv
-    mlx_server.run, sys.argv = capture, ["mlx_lm.server", *argv]
-    try:
-        mlx_server.main()
-    finally:
-        mlx_server.run, sys.argv = saved_run, saved_argv
-    return captured[0]
+    args, _ = run_capturing(mlx_server, "run", mlx_server.main, ["mlx_lm.server", *argv])
+    return args[2]  # run(host, port, provider, ...)
 
 
 def _signal_when_loaded(provider: ModelProvider) -> threading.Event:

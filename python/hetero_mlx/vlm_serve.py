@@ -31,7 +31,6 @@ import functools
 import importlib
 import logging
 import os
-import sys
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ from mlx_vlm.version import __version__ as mlx_vlm_version
 
 from . import STORE_FORMAT, dsv4
 from .errors import SeamError, bad_request, conflict
-from .seam import parse_body
+from .seam import parse_body, run_capturing
 from .store import Layout, dump_request, entry_path, read_entry, request_ids
 
 log = logging.getLogger("hetero_mlx")
@@ -506,18 +505,8 @@ def _vlm_cli(argv: List[str]) -> Dict[str, Any]:
     import uvicorn
 
     cli = _server_module("cli")
-    captured: List[Dict[str, Any]] = []
-
-    def capture(app: Any, **kwargs: Any) -> None:
-        captured.append(kwargs)
-
-    saved_run, saved_argv = uvicorn.run, sys.argv
-    uvicorn.run, sys.argv = capture, ["mlx_vlm.server", *argv]
-    try:
-        cli.main()
-    finally:
-        uvicorn.run, sys.argv = saved_run, saved_argv
-    return captured[0]
+    _, kwargs = run_capturing(uvicorn, "run", cli.main, ["mlx_vlm.server", *argv])
+    return kwargs
 
 
 def _model_arg(argv: List[str]) -> str:

@@ -28,10 +28,8 @@ Status take_weight(TensorMap& all, const std::string& name, const std::vector<in
   return Status::ok();
 }
 
-Result<DecoderCacheLayout> layout_from_json(const std::string& text) {
-  json j = json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object())
-    return invalid_argument("decoder layout is not a JSON object");
+Result<DecoderCacheLayout> layout_from_json(const json& j) {
+  if (!j.is_object()) return invalid_argument("decoder layout is not a JSON object");
   DecoderCacheLayout l;
   try {
     l.family = j.at("family").get<std::string>();
@@ -54,11 +52,8 @@ Result<DecoderCacheLayout> layout_from_json(const std::string& text) {
   return l;
 }
 
-std::vector<int64_t> decoder_calls_from_info(const std::string& info_json, int64_t n) {
-  json info = json::parse(info_json, nullptr, false);
-  if (info.is_discarded() || !info.is_object() || !info.contains("prefill") ||
-      !info["prefill"].is_object())
-    return {};
+std::vector<int64_t> decoder_calls_from_info(const json& info, int64_t n) {
+  if (!info.is_object() || !info.contains("prefill") || !info["prefill"].is_object()) return {};
   const json& p = info["prefill"];
   auto integer = [&](const char* key) {
     return p.contains(key) && p[key].is_number_integer() ? p[key].get<int64_t>() : int64_t{0};

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -25,7 +26,7 @@ struct DecoderCacheLayout {
 };
 
 // The layout from the seam's /hetero/info (or an export's decoder.json): the fields above.
-Result<DecoderCacheLayout> layout_from_json(const std::string& text);
+Result<DecoderCacheLayout> layout_from_json(const nlohmann::json& j);
 
 struct LlamaProgramLayer {
   std::vector<float> wk_t, wv_t;  // float32 [hidden, kv_heads*head_dim] (transposed)
@@ -46,7 +47,7 @@ Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir);
 
 // The decoder's own call schedule for prefilling n tokens, as its /hetero/info describes it
 // ("prefill": {"step", "last_alone"}); empty when it says nothing (the prefill host's default).
-std::vector<int64_t> decoder_calls_from_info(const std::string& info_json, int64_t n);
+std::vector<int64_t> decoder_calls_from_info(const nlohmann::json& info, int64_t n);
 
 // Moves the tensor `name` out of `all` into *out after checking its shape (and, with
 // want_bf16, that it is bf16 like the decoder's own weights); a clear error otherwise.

@@ -101,6 +101,19 @@ std::vector<uint8_t> dsv4_overlap_flags(const std::vector<int64_t>& calls, int64
   return flags;
 }
 
+Dsv4Schedule dsv4_schedule(const std::vector<int64_t>& decoder_calls, int64_t window) {
+  const auto calls = dsv4_effective_calls(decoder_calls);
+  Dsv4Schedule s;
+  for (int64_t L : calls) s.tokens += L;
+  s.window = dsv4_window_layout(calls, window);
+  s.window_first = s.tokens;
+  for (int64_t p : s.window.slot_pos)
+    if (p >= 0) s.window_first = std::min(s.window_first, p);
+  s.flags4 = dsv4_overlap_flags(calls, 4);
+  s.flags128 = dsv4_overlap_flags(calls, 128);
+  return s;
+}
+
 // ----------------------------------------------------------------------------- weights
 
 namespace {
@@ -275,17 +288,11 @@ Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir) {
 Dsv4CacheProgram::Dsv4CacheProgram(const Dsv4DecoderWeights* weights,
                                    const std::vector<int64_t>& decoder_calls)
     : w_(weights) {
-  const auto calls = dsv4_effective_calls(decoder_calls);
-  for (int64_t L : calls) total_ += L;
-  window_ = dsv4_window_layout(calls, w_->window);
-  window_first_ = total_;
-  for (int64_t p : window_.slot_pos)
-    if (p >= 0) window_first_ = std::min(window_first_, p);
-  flags4_ = dsv4_overlap_flags(calls, 4);
-  flags128_ = dsv4_overlap_flags(calls, 128);
+  sched_ = dsv4_schedule(decoder_calls, w_->window);
   state_.resize(static_cast<size_t>(w_->layout.layers));
   const int64_t hd = w_->layout.head_dim;
-  for (auto& s : state_) s.window_rows.resize(static_cast<size_t>((total_ - window_first_) * hd));
+  for (auto& s : state_)
+    s.window_rows.resize(static_cast<size_t>((sched_.tokens - sched_.window_first) * hd));
 }
 
 void Dsv4CacheProgram::feed_pool(const Dsv4ProgramCompressor& c, PoolState& s, int64_t pos0,
@@ -298,7 +305,7 @@ void Dsv4CacheProgram::feed_pool(const Dsv4ProgramCompressor& c, PoolState& s, i
   c.wgate.apply(x, n, s.raw_gate.data() + old);
   const int64_t fed = pos0 + n;
   const int64_t done = fed / r;  // windows complete so far
-  const auto& flags = r == 4 ? flags4_ : flags128_;
+  const auto& flags = r == 4 ? sched_.flags4 : sched_.flags128;
   std::vector<uint16_t> row(static_cast<size_t>(hd));
   for (int64_t j = s.pooled_rows; j < done; ++j) {
     const uint16_t* kv = s.raw_kv.data() + (j * r - s.raw_base) * D;
@@ -332,17 +339,17 @@ Status Dsv4CacheProgram::feed(int64_t layer, int64_t pos0, int64_t n, const uint
   if (layer < 0 || layer >= w_->layout.layers)
     return invalid_argument("layer " + std::to_string(layer) + " out of range");
   LayerState& s = state_[static_cast<size_t>(layer)];
-  if (pos0 != s.fed || n <= 0 || pos0 + n > total_)
+  if (pos0 != s.fed || n <= 0 || pos0 + n > sched_.tokens)
     return invalid_argument("layer " + std::to_string(layer) + ": rows [" + std::to_string(pos0) +
                             ", " + std::to_string(pos0 + n) + ") do not follow row " +
-                            std::to_string(s.fed) + " within " + std::to_string(total_));
+                            std::to_string(s.fed) + " within " + std::to_string(sched_.tokens));
   const Dsv4ProgramLayer& L = w_->layers[static_cast<size_t>(layer)];
   const int64_t H = w_->layout.hidden, hd = w_->layout.head_dim;
   // Window rows: only positions that end up in a slot are computed.
-  const int64_t from = std::max(pos0, window_first_);
+  const int64_t from = std::max(pos0, sched_.window_first);
   if (from < pos0 + n) {
     const int64_t m = pos0 + n - from;
-    uint16_t* dst = s.window_rows.data() + (from - window_first_) * hd;
+    uint16_t* dst = s.window_rows.data() + (from - sched_.window_first) * hd;
     L.wkv.apply(x + (from - pos0) * H, m, dst);
     rms_norm(dst, m, hd, L.kv_norm.data<uint16_t>(), static_cast<float>(w_->rms_norm_eps), dst);
     dsv4_rope(dst, m, 1, hd, from, L.ratio == 0 ? w_->freqs_local : w_->freqs_compressed, 1, false);
@@ -359,11 +366,11 @@ Status Dsv4CacheProgram::feed(int64_t layer, int64_t pos0, int64_t n, const uint
 
 Dsv4PoolArrays Dsv4CacheProgram::pool_arrays(const Dsv4ProgramCompressor& c,
                                              const PoolState& s) const {
-  const int64_t D = c.out_dim, r = c.ratio, rem = total_ % r;
+  const int64_t D = c.out_dim, r = c.ratio, rem = sched_.tokens % r;
   Dsv4PoolArrays a;
   a.buf_kv = Tensor(DType::kBF16, {1, rem, D});
   a.buf_gate = Tensor(DType::kBF16, {1, rem, D});
-  const int64_t start = (total_ - rem - s.raw_base) * D;
+  const int64_t start = (sched_.tokens - rem - s.raw_base) * D;
   std::memcpy(a.buf_kv.bytes.data(), s.raw_kv.data() + start, static_cast<size_t>(rem * D * 2));
   std::memcpy(a.buf_gate.bytes.data(), s.raw_gate.data() + start, static_cast<size_t>(rem * D * 2));
   a.pooled = Tensor(DType::kBF16, {1, s.pooled_rows, c.head_dim});
@@ -375,20 +382,20 @@ Result<Dsv4LayerArrays> Dsv4CacheProgram::finish_layer(int64_t layer) {
   if (layer < 0 || layer >= w_->layout.layers)
     return invalid_argument("layer " + std::to_string(layer) + " out of range");
   const LayerState& s = state_[static_cast<size_t>(layer)];
-  if (s.fed != total_)
+  if (s.fed != sched_.tokens)
     return failed_precondition("layer " + std::to_string(layer) + " has " + std::to_string(s.fed) +
-                               " of " + std::to_string(total_) + " rows");
+                               " of " + std::to_string(sched_.tokens) + " rows");
   const Dsv4ProgramLayer& L = w_->layers[static_cast<size_t>(layer)];
   const int64_t hd = w_->layout.head_dim;
   Dsv4LayerArrays a;
   a.ratio = L.ratio;
-  const auto S = static_cast<int64_t>(window_.slot_pos.size());
+  const auto S = static_cast<int64_t>(sched_.window.slot_pos.size());
   a.window = Tensor(DType::kBF16, {1, 1, S, hd});
   auto* dst = a.window.data<uint16_t>();
   for (int64_t i = 0; i < S; ++i) {
-    const int64_t p = window_.slot_pos[static_cast<size_t>(i)];
+    const int64_t p = sched_.window.slot_pos[static_cast<size_t>(i)];
     if (p < 0) continue;  // a zero row the decoder grew but never wrote
-    std::memcpy(dst + i * hd, s.window_rows.data() + (p - window_first_) * hd,
+    std::memcpy(dst + i * hd, s.window_rows.data() + (p - sched_.window_first) * hd,
                 static_cast<size_t>(hd * 2));
   }
   if (L.ratio > 0) a.pool = pool_arrays(L.pool, s.pool);

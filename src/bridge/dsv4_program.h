@@ -85,6 +85,17 @@ Dsv4WindowLayout dsv4_window_layout(const std::vector<int64_t>& calls, int64_t m
 // has_prev[j] for each complete window j of `ratio` rows under `calls` (effective calls).
 std::vector<uint8_t> dsv4_overlap_flags(const std::vector<int64_t>& calls, int64_t ratio);
 
+// Everything the decoder's call schedule decides, derived once per request: the tokens it
+// covers, where the ring's rows end up, the first position any slot holds, and the ratio-4 and
+// ratio-128 overlap flags. Shared by the CPU and GPU programs.
+struct Dsv4Schedule {
+  int64_t tokens = 0;
+  Dsv4WindowLayout window;
+  int64_t window_first = 0;
+  std::vector<uint8_t> flags4, flags128;
+};
+Dsv4Schedule dsv4_schedule(const std::vector<int64_t>& decoder_calls, int64_t window);
+
 // One layer's finished cache, as arrays in the decoder's layout (B = 1 dropped where noted).
 struct Dsv4PoolArrays {
   Tensor buf_kv, buf_gate;  // bf16 [1, rem, out_dim]
@@ -108,8 +119,8 @@ class Dsv4CacheProgram {
   // decoder_calls: the decoder's call lengths for the prefix (sum = T), before expansion.
   Dsv4CacheProgram(const Dsv4DecoderWeights* weights, const std::vector<int64_t>& decoder_calls);
   const DecoderCacheLayout& layout() const { return w_->layout; }
-  int64_t tokens() const { return total_; }
-  int64_t window_idx() const { return window_.idx; }
+  int64_t tokens() const { return sched_.tokens; }
+  int64_t window_idx() const { return sched_.window.idx; }
 
   // Layer `layer`'s attention input rows [pos0, pos0+n), bf16 [n, hidden]; each layer's rows
   // must arrive in order. Different layers may be fed from different threads.
@@ -134,10 +145,7 @@ class Dsv4CacheProgram {
   Dsv4PoolArrays pool_arrays(const Dsv4ProgramCompressor& c, const PoolState& s) const;
 
   const Dsv4DecoderWeights* w_;
-  int64_t total_ = 0;
-  Dsv4WindowLayout window_;
-  int64_t window_first_ = 0;  // the smallest position any slot holds
-  std::vector<uint8_t> flags4_, flags128_;
+  Dsv4Schedule sched_;
   std::vector<LayerState> state_;
 };
 

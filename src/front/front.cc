@@ -124,14 +124,14 @@ Verdict FrontServer::bridge(const std::vector<int32_t>& ids, const json& info) {
   Verdict v;
   v.t = static_cast<int64_t>(ids.size());
   v.timings_ms["bridge_queue"] = ms_since(t_wait);
-  auto layout_or = layout_from_json(info.dump());
+  auto layout_or = layout_from_json(info);
   if (!layout_or.is_ok())
     return Verdict::declined("decoder info incomplete: " + layout_or.status().message());
   const DecoderCacheLayout& layout = layout_or.value();
   const int64_t want = v.t - 1;  // the decoder keeps at least one token to process
   auto assembler = make_assembler(layout, want);
   PrefillRequest preq{std::vector<int32_t>(ids.begin(), ids.begin() + want), layout.fingerprint, 0,
-                      decoder_calls_from_info(info.dump(), want)};
+                      decoder_calls_from_info(info, want)};
   const int64_t deadline = cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * v.t;
   FetchResult f = fetch_prefill(cfg_.prefill_host, cfg_.prefill_port, preq, assembler.get(),
                                 cfg_.stall_ms, deadline);

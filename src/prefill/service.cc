@@ -152,20 +152,6 @@ PrefillService::PrefillService(PrefillEngine* engine, DecoderCacheLayout layout,
       default_chunk_(default_chunk_tokens),
       max_tokens_(max_tokens) {}
 
-PrefillService::PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights* weights,
-                               int64_t default_chunk_tokens, int64_t max_tokens)
-    : owned_engine_(std::make_unique<EngineAdapter<LlamaCpuEngine>>(engine)),
-      llama_program_(std::make_unique<LlamaCacheProgram>(weights)),
-      engine_(owned_engine_.get()),
-      layout_(weights->layout),
-      default_chunk_(default_chunk_tokens),
-      max_tokens_(max_tokens) {
-  const LlamaCacheProgram* program = llama_program_.get();
-  programs_ = [program](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
-    return std::unique_ptr<SegmentProgram>(std::make_unique<LlamaSegmentProgram>(program));
-  };
-}
-
 PrefillService::~PrefillService() { stop(); }
 
 Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink) {

@@ -77,13 +77,6 @@ Result<FaultSpec> parse_fault(const std::string& text);
 // Parses and validates a /v1/prefill body against the model and export (without running it).
 Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
                                              const DecoderCacheLayout& layout, int64_t max_tokens);
-inline Result<PrefillRequest> parse_prefill_request(const std::string& body,
-                                                    const LlamaConfig& model,
-                                                    const DecoderCacheLayout& layout,
-                                                    int64_t max_tokens) {
-  return parse_prefill_request(body, model.vocab, layout, max_tokens);
-}
-
 // The export must describe this model: same layer count, hidden size, kv heads and head dim.
 // A mismatch would make the program read tap rows with the wrong width; it is refused here.
 Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLayout& layout);
@@ -91,9 +84,6 @@ Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLa
 class PrefillService {
  public:
   PrefillService(PrefillEngine* engine, DecoderCacheLayout layout, ProgramFactory programs,
-                 int64_t default_chunk_tokens, int64_t max_tokens);
-  // The llama family: the engine and the export's program.
-  PrefillService(LlamaCpuEngine* engine, const LlamaDecoderWeights* weights,
                  int64_t default_chunk_tokens, int64_t max_tokens);
   ~PrefillService();
   void set_fault(FaultSpec fault) { fault_ = std::move(fault); }
@@ -108,8 +98,6 @@ class PrefillService {
   void stop();
 
  private:
-  std::unique_ptr<PrefillEngine> owned_engine_;  // the llama constructor's adapter
-  std::unique_ptr<LlamaCacheProgram> llama_program_;
   PrefillEngine* engine_;
   DecoderCacheLayout layout_;
   ProgramFactory programs_;

@@ -156,15 +156,7 @@ Dsv4GpuCacheProgram::Dsv4GpuCacheProgram(const Dsv4GpuWeights* weights,
                                          const std::vector<int64_t>& decoder_calls,
                                          cudaStream_t stream, int64_t block_rows)
     : w_(weights), stream_(stream), block_rows_(std::max<int64_t>(1, block_rows)) {
-  // The schedule exactly as the CPU program derives it.
-  const auto calls = dsv4_effective_calls(decoder_calls);
-  for (int64_t L : calls) total_ += L;
-  window_ = dsv4_window_layout(calls, w_->window);
-  window_first_ = total_;
-  for (int64_t p : window_.slot_pos)
-    if (p >= 0) window_first_ = std::min(window_first_, p);
-  flags4_ = dsv4_overlap_flags(calls, 4);
-  flags128_ = dsv4_overlap_flags(calls, 128);
+  sched_ = dsv4_schedule(decoder_calls, w_->window);
   state_.resize(static_cast<size_t>(w_->layout.layers));
 }
 
@@ -193,7 +185,7 @@ size_t Dsv4GpuCacheProgram::device_bytes() const {
 Status Dsv4GpuCacheProgram::prepare(const Dsv4GpuLayer& L, LayerState& s) {
   const int64_t hd = w_->layout.head_dim, H = w_->layout.hidden;
   if (!scratch_ready_) {
-    const int64_t rows = std::min(block_rows_, std::max<int64_t>(total_, 1));
+    const int64_t rows = std::min(block_rows_, std::max<int64_t>(sched_.tokens, 1));
     int64_t max_n = hd, work = 0, max_hd = 0;
     bool dense = false;
     for (const Dsv4GpuLayer& G : w_->layers) {
@@ -220,18 +212,18 @@ Status Dsv4GpuCacheProgram::prepare(const Dsv4GpuLayer& L, LayerState& s) {
         cudaMemcpyAsync(dev->get(), host.data(), host.size(), cudaMemcpyHostToDevice, stream_);
       return Status::ok();
     };
-    HETERO_RETURN_IF_ERROR(upload_flags(flags4_, &flags4_dev_));
-    HETERO_RETURN_IF_ERROR(upload_flags(flags128_, &flags128_dev_));
+    HETERO_RETURN_IF_ERROR(upload_flags(sched_.flags4, &flags4_dev_));
+    HETERO_RETURN_IF_ERROR(upload_flags(sched_.flags128, &flags128_dev_));
     scratch_ready_ = true;
   }
   HETERO_RETURN_IF_ERROR(s.window_rows.allocate(
-      static_cast<size_t>((total_ - window_first_) * hd) * 2, stream_, true));
+      static_cast<size_t>((sched_.tokens - sched_.window_first) * hd) * 2, stream_, true));
   const auto carry = [&](const Dsv4GpuCompressor& c, PoolState* p) {
     const auto bytes = static_cast<size_t>(2 * c.ratio * c.out_dim) * 2;
     HETERO_RETURN_IF_ERROR(p->carry_kv.allocate(bytes, stream_, true));
     HETERO_RETURN_IF_ERROR(p->carry_gate.allocate(bytes, stream_, true));
     // Pooled rows are appended while copies into them are in flight: never reallocate.
-    p->pooled.reserve(static_cast<size_t>(total_ / c.ratio * c.head_dim));
+    p->pooled.reserve(static_cast<size_t>(sched_.tokens / c.ratio * c.head_dim));
     return Status::ok();
   };
   if (L.ratio > 0) HETERO_RETURN_IF_ERROR(carry(L.pool, &s.pool));
@@ -282,7 +274,7 @@ void Dsv4GpuCacheProgram::feed_pool(const Dsv4GpuCompressor& c, PoolState& s, in
     uint16_t* out = pooled_.get<uint16_t>();
     if (r == 4) {
       // Window j0's overlap lane reads the window before it, which the carry kept.
-      HETERO_CHECK(!flags4_[static_cast<size_t>(j0)] || j0 * r - r >= s.carry_base);
+      HETERO_CHECK(!sched_.flags4[static_cast<size_t>(j0)] || j0 * r - r >= s.carry_base);
       dsv4_pool_overlap(kw, gw, c.ape.get<float>(), flags4_dev_.get<uint8_t>() + j0, windows, r, hd,
                         out, stream_);
     } else {
@@ -313,7 +305,7 @@ Status Dsv4GpuCacheProgram::feed_block(const Dsv4GpuLayer& L, LayerState& s, int
                                        int64_t m, const uint16_t* x) {
   const int64_t H = w_->layout.hidden, hd = w_->layout.head_dim;
   // Window rows: only positions that end up in a slot are computed (as on the CPU).
-  const int64_t from = std::max(pos0, window_first_);
+  const int64_t from = std::max(pos0, sched_.window_first);
   const bool window = from < pos0 + m;
   // x in f32, once for every dense projection of the block: the rows they read.
   const int64_t xf_first = L.ratio > 0 ? pos0 : from;
@@ -322,7 +314,7 @@ Status Dsv4GpuCacheProgram::feed_block(const Dsv4GpuLayer& L, LayerState& s, int
     bf16_to_f32(x + (xf_first - pos0) * H, (pos0 + m - xf_first) * H, xf, stream_);
   if (window) {
     const int64_t mw = pos0 + m - from;
-    uint16_t* dst = s.window_rows.get<uint16_t>() + (from - window_first_) * hd;
+    uint16_t* dst = s.window_rows.get<uint16_t>() + (from - sched_.window_first) * hd;
     apply(L.wkv, x + (from - pos0) * H, xf ? xf + (from - xf_first) * H : nullptr, mw, dst);
     rms_norm(dst, mw, hd, L.kv_norm.get<uint16_t>(), w_->eps, dst, stream_);
     const bool local = L.ratio == 0;
@@ -350,16 +342,16 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
   if (layer < 0 || layer >= w_->layout.layers)
     return invalid_argument("layer " + std::to_string(layer) + " out of range");
   LayerState& s = state_[static_cast<size_t>(layer)];
-  if (pos0 != s.fed || n <= 0 || pos0 + n > total_)
+  if (pos0 != s.fed || n <= 0 || pos0 + n > sched_.tokens)
     return invalid_argument("layer " + std::to_string(layer) + ": rows [" + std::to_string(pos0) +
                             ", " + std::to_string(pos0 + n) + ") do not follow row " +
-                            std::to_string(s.fed) + " within " + std::to_string(total_));
+                            std::to_string(s.fed) + " within " + std::to_string(sched_.tokens));
   const Dsv4GpuLayer& L = w_->layers[static_cast<size_t>(layer)];
   const int64_t H = w_->layout.hidden;
   if (!s.allocated) HETERO_RETURN_IF_ERROR(prepare(L, s));
   if (!on_device && x_dev_.bytes() == 0)
-    HETERO_RETURN_IF_ERROR(
-        x_dev_.allocate(static_cast<size_t>(std::min(block_rows_, total_) * H) * 2, stream_, true));
+    HETERO_RETURN_IF_ERROR(x_dev_.allocate(
+        static_cast<size_t>(std::min(block_rows_, sched_.tokens) * H) * 2, stream_, true));
   Dsv4NewRows rows;
   rows.first = s.pool.pooled_rows;
   for (int64_t p = pos0; p < pos0 + n; p += block_rows_) {
@@ -391,13 +383,13 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
 
 Dsv4PoolArrays Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c,
                                                 const PoolState& s) const {
-  const int64_t D = c.out_dim, r = c.ratio, rem = total_ % r;
+  const int64_t D = c.out_dim, r = c.ratio, rem = sched_.tokens % r;
   Dsv4PoolArrays a;
   a.buf_kv = Tensor(DType::kBF16, {1, rem, D});
   a.buf_gate = Tensor(DType::kBF16, {1, rem, D});
   if (rem > 0) {
     // The incomplete window is the end of the carry.
-    const int64_t at = (total_ - rem - s.carry_base) * D;
+    const int64_t at = (sched_.tokens - rem - s.carry_base) * D;
     const auto bytes = static_cast<size_t>(rem * D) * 2;
     cudaMemcpyAsync(a.buf_kv.bytes.data(), s.carry_kv.get<uint16_t>() + at, bytes,
                     cudaMemcpyDeviceToHost, stream_);
@@ -414,29 +406,29 @@ Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::finish_layer(int64_t layer) {
   if (layer < 0 || layer >= w_->layout.layers)
     return invalid_argument("layer " + std::to_string(layer) + " out of range");
   LayerState& s = state_[static_cast<size_t>(layer)];
-  if (s.fed != total_)
+  if (s.fed != sched_.tokens)
     return failed_precondition("layer " + std::to_string(layer) + " has " + std::to_string(s.fed) +
-                               " of " + std::to_string(total_) + " rows");
+                               " of " + std::to_string(sched_.tokens) + " rows");
   if (s.finished)
     return failed_precondition("layer " + std::to_string(layer) + " was finished already");
   const Dsv4GpuLayer& L = w_->layers[static_cast<size_t>(layer)];
   const int64_t hd = w_->layout.head_dim;
   Dsv4LayerArrays a;
   a.ratio = L.ratio;
-  const auto S = static_cast<int64_t>(window_.slot_pos.size());
+  const auto S = static_cast<int64_t>(sched_.window.slot_pos.size());
   a.window = Tensor(DType::kBF16, {1, 1, S, hd});
   auto* dst = a.window.data<uint16_t>();
   // One copy per run of slots holding consecutive positions (a rotation gives at most two);
   // slots the decoder grew but never wrote stay zero.
   for (int64_t i = 0; i < S;) {
-    const int64_t p = window_.slot_pos[static_cast<size_t>(i)];
+    const int64_t p = sched_.window.slot_pos[static_cast<size_t>(i)];
     if (p < 0) {
       ++i;
       continue;
     }
     int64_t j = i + 1;
-    while (j < S && window_.slot_pos[static_cast<size_t>(j)] == p + (j - i)) ++j;
-    cudaMemcpyAsync(dst + i * hd, s.window_rows.get<uint16_t>() + (p - window_first_) * hd,
+    while (j < S && sched_.window.slot_pos[static_cast<size_t>(j)] == p + (j - i)) ++j;
+    cudaMemcpyAsync(dst + i * hd, s.window_rows.get<uint16_t>() + (p - sched_.window_first) * hd,
                     static_cast<size_t>((j - i) * hd) * 2, cudaMemcpyDeviceToHost, stream_);
     i = j;
   }

@@ -109,8 +109,8 @@ class Dsv4GpuCacheProgram {
   Dsv4GpuCacheProgram& operator=(const Dsv4GpuCacheProgram&) = delete;
 
   const DecoderCacheLayout& layout() const { return w_->layout; }
-  int64_t tokens() const { return total_; }
-  int64_t window_idx() const { return window_.idx; }
+  int64_t tokens() const { return sched_.tokens; }
+  int64_t window_idx() const { return sched_.window.idx; }
 
   // Layer `layer`'s attention input rows [pos0, pos0+n), bf16 [n, hidden], in host memory
   // (feed) or device memory (feed_device; it must be ready in `stream`'s order — make the
@@ -154,10 +154,7 @@ class Dsv4GpuCacheProgram {
   const Dsv4GpuWeights* w_;
   cudaStream_t stream_;
   int64_t block_rows_;
-  int64_t total_ = 0;
-  Dsv4WindowLayout window_;
-  int64_t window_first_ = 0;  // the smallest position any slot holds
-  std::vector<uint8_t> flags4_, flags128_;
+  Dsv4Schedule sched_;
   std::vector<LayerState> state_;
 
   // Shared by every layer's feeds (serialized by mu_): staged x, x in f32, GEMM accumulators,
