@@ -251,6 +251,7 @@ const char* dsv4_quant_arith_name(Dsv4QuantArith arith) {
 Result<std::unique_ptr<Dsv4CpuEngine>> Dsv4CpuEngine::load(const std::string& model_dir,
                                                            const Dsv4EngineOptions& options) {
   HETERO_ASSIGN_OR_RETURN(Dsv4Weights w, load_dsv4_weights(model_dir));
+  if (options.quant_arith == Dsv4QuantArith::kMlxCpu) HETERO_RETURN_IF_ERROR(check_mx_forms(w));
   return std::make_unique<Dsv4CpuEngine>(std::move(w), options);
 }
 

@@ -223,16 +223,47 @@ bool is_power_of_two(float v) {
 
 }  // namespace
 
+Status check_mx_forms(const Dsv4Weights& w) {
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const Dsv4LayerMx& M = w.layers[i].mx;
+    const std::pair<const char*, const Dsv4MxMatrix*> named[] = {
+        {"attn.wq_a", &M.wq_a},
+        {"attn.wq_b", &M.wq_b},
+        {"attn.wkv", &M.wkv},
+        {"attn.wo_a", &M.wo_a},
+        {"attn.wo_b", &M.wo_b},
+        {"attn.indexer.wq_b", &M.index_wq_b},
+        {"ffn.shared_experts.w1", &M.shared_w1},
+        {"ffn.shared_experts.w2", &M.shared_w2},
+        {"ffn.shared_experts.w3", &M.shared_w3}};
+    std::vector<std::pair<std::string, const Dsv4MxMatrix*>> all(std::begin(named),
+                                                                 std::end(named));
+    for (const auto* experts : {&M.w1, &M.w2, &M.w3})
+      for (size_t e = 0; e < experts->size(); ++e)
+        all.push_back({"ffn.experts." + std::to_string(e), &(*experts)[e]});
+    for (const auto& [name, m] : all)
+      if (!m->no_form.empty())
+        return failed_precondition("layers." + std::to_string(i) + "." + name + ": " + m->no_form +
+                                   ", so the decoder's quantized arithmetic cannot be reproduced "
+                                   "for it (--quant-arith dequant computes it dense)");
+  }
+  return Status::ok();
+}
+
 Result<Dsv4MxMatrix> mx_from_fp8_block(const Tensor& w, const Tensor& scale, int64_t block) {
   // Validates shapes and dtypes the same way (and with the same messages) as the dequantization.
   HETERO_RETURN_IF_ERROR(dequant_fp8_block(w, scale, block).status());
   const int64_t rows = w.shape[0], cols = w.shape[1], scols = scale.shape[1];
   constexpr int64_t kGroup = 32;
   Dsv4MxMatrix m;
-  if (cols % kGroup != 0 || block % kGroup != 0) return m;
+  if (cols % kGroup != 0 || block % kGroup != 0) {
+    m.no_form = "width " + std::to_string(cols) + " or block " + std::to_string(block) +
+                " is not a multiple of 32";
+    return m;
+  }
   const std::vector<float> s = to_f32(scale);
   for (float v : s)
-    if (!is_power_of_two(v)) return m;
+    if (!is_power_of_two(v)) return m.no_form = "a block scale is not a power of two", m;
   m.rows = rows, m.cols = cols, m.group = kGroup;
   m.values.resize(static_cast<size_t>(rows * cols));
   m.scales.resize(static_cast<size_t>(rows * (cols / kGroup)));
@@ -253,7 +284,7 @@ Result<Dsv4MxMatrix> mx_from_fp4_group(const Tensor& w, const Tensor& scale) {
   Dsv4MxMatrix m;
   std::vector<float> s = to_f32(scale);
   for (float v : s)
-    if (!is_power_of_two(v)) return m;
+    if (!is_power_of_two(v)) return m.no_form = "a group scale is not a power of two", m;
   m.rows = rows, m.cols = cols, m.group = kGroup;
   m.scales = std::move(s);
   m.values.resize(static_cast<size_t>(rows * cols));

@@ -72,6 +72,10 @@ struct Dsv4Compressor {
 struct Dsv4MxMatrix {
   int64_t rows = 0, cols = 0, group = 0;
   std::vector<float> values, scales;
+  // Set when the checkpoint stores the matrix quantized but it has no MX form (a scale that is
+  // not a power of two, a width not a multiple of 32): the decoder's quantized arithmetic
+  // cannot be reproduced for it.
+  std::string no_form;
   bool present() const { return !values.empty(); }
 };
 
@@ -116,6 +120,9 @@ struct Dsv4Weights {
 // Loads config.json and the safetensors of model_dir. Every tensor a layer needs is checked
 // for presence and shape; layers at or past num_hidden_layers and mtp.* are ignored, as the
 // decoder does.
+// Refuses weights with a quantized matrix that has no MX form, naming it (the mlx-cpu
+// arithmetic profile needs every one).
+Status check_mx_forms(const Dsv4Weights& w);
 Result<Dsv4Weights> load_dsv4_weights(const std::string& model_dir);
 
 // Dequantization of the checkpoint formats, exposed for tests.

@@ -128,6 +128,15 @@ TEST(Dsv4Formats, Fp8BlockMxFormRepeatsBlockScalesPer32) {
   auto npot = mx_from_fp8_block(w, f32s);
   ASSERT_TRUE(npot.is_ok());
   EXPECT_FALSE(npot->present());
+  EXPECT_NE(npot->no_form.find("power of two"), std::string::npos);
+  // The mlx-cpu profile refuses such weights, naming the matrix, instead of computing it dense.
+  Dsv4Weights weights;
+  weights.layers.resize(2);
+  EXPECT_TRUE(check_mx_forms(weights).is_ok());
+  weights.layers[1].mx.wkv = npot.value();
+  Status st = check_mx_forms(weights);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("layers.1.attn.wkv"), std::string::npos) << st.message();
 }
 
 TEST(Dsv4Formats, Fp4MxFormKeepsCodesAndScales) {
