@@ -165,8 +165,7 @@ Options prefill_options() {
           {"fingerprint", "", "",
            "offline: the decoder fingerprint to require (default: export's)"},
           {"decoder-calls", "", "",
-           "offline, deepseek_v4: the decoder's call lengths a,b,c for the ids (default: its "
-           "server's schedule)"},
+           "offline, deepseek_v4 (required): the decoder's call lengths a,b,c for the ids"},
           {"out", "", "",
            "offline: where to write the assembled cache (safetensors); for deepseek_v4 a "
            "directory for the attention inputs"},

@@ -71,8 +71,10 @@ Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir);
 // Calls of 2..tokenwise_max tokens run one token at a time in the decoder: the effective calls.
 std::vector<int64_t> dsv4_effective_calls(const std::vector<int64_t>& calls,
                                           int64_t tokenwise_max = 8);
-// The decoder server's own call schedule for prefilling a prompt of n tokens: chunks of `step`
-// for all but the last token, then the last token alone.
+// A generate-style call schedule for a prompt of n tokens (mlx-lm's generate_step, and mlx-vlm
+// for a cold prompt): chunks of `step` for all but the last token, then the last token alone.
+// What a mount needs is the server's schedule for the prefix it checkpoints, which the seam
+// reports (decoder_calls_from_info); this one serves tests and benchmarks.
 std::vector<int64_t> dsv4_server_calls(int64_t n, int64_t step);
 
 // Where the RotatingKVCache's rows end up after `calls` (effective calls): position per slot.

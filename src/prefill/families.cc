@@ -10,8 +10,6 @@
 namespace hetero {
 namespace {
 
-constexpr int64_t kDecoderPrefillStep = 2048;  // the decoder server's default prefill_step_size
-
 std::string show(double v) {
   std::ostringstream os;
   os << v;
@@ -65,17 +63,19 @@ Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& 
   s.engine = std::make_unique<EngineAdapter<Dsv4CpuEngine>>(owned->engine.get());
   s.layout = owned->weights.layout;
   const Dsv4DecoderWeights* w = &owned->weights;
-  auto calls_of = [](const PrefillRequest& req) {
-    const auto T = static_cast<int64_t>(req.ids.size());
-    return req.decoder_calls.empty() ? dsv4_server_calls(T, kDecoderPrefillStep)
-                                     : req.decoder_calls;
+  // The decoder's cache depends on its own call schedule, which only the decoder side knows
+  // (its seam reports it; the front door and verify send it): without it, no cache is made.
+  s.programs = [w](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+    if (req.decoder_calls.empty())
+      return invalid_argument(
+          "a deepseek_v4 request needs 'decoder_calls', the decoder's own call schedule for these "
+          "ids (its seam reports it in /hetero/info 'prefill')");
+    return std::unique_ptr<SegmentProgram>(
+        std::make_unique<Dsv4SegmentProgram>(w, req.decoder_calls));
   };
-  s.programs = [w, calls_of](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-    return std::unique_ptr<SegmentProgram>(std::make_unique<Dsv4SegmentProgram>(w, calls_of(req)));
-  };
-  // The decoder's compressed rows, and so every later layer's attention input, depend on where
-  // its calls were cut (the ratio-4 overlap lane): the engine runs the decoder's own calls.
-  s.chunk_plan = [calls_of](const PrefillRequest& req, int64_t) { return calls_of(req); };
+  // Every later layer's attention input depends on where the decoder's calls were cut (the
+  // ratio-4 overlap lane): the engine runs the decoder's own calls.
+  s.chunk_plan = [](const PrefillRequest& req, int64_t) { return req.decoder_calls; };
   s.owned = owned;
   return s;
 }

@@ -26,8 +26,8 @@ struct PrefillRequest {
   std::vector<int32_t> ids;
   std::string fingerprint;   // the decoder's, as the caller knows it
   int64_t chunk_tokens = 0;  // 0: the service default
-  // deepseek_v4: the decoder's own call schedule for these ids (its cache depends on it);
-  // empty: the decoder server's default (2048-token chunks, the last token alone).
+  // deepseek_v4 (required there): the decoder's own call schedule for these ids, on which its
+  // cache depends.
   std::vector<int64_t> decoder_calls;
 };
 

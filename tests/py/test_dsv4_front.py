@@ -133,3 +133,17 @@ def test_wrong_yarn_factor_is_refused_before_serving(dsv4, tmp_path) -> None:
     assert "rope_scaling.factor is 16 in the decoder's export and 8 in the prefill model" in \
         run.stderr, run.stderr
     assert "before any cache is written" in run.stderr
+
+
+def test_prefill_without_the_decoder_schedule_makes_no_cache(dsv4, tmp_path) -> None:
+    # The decoder's cache depends on its call schedule; a request that does not carry it is
+    # refused by the cache program instead of guessed.
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(range(100, 140))))
+    run = subprocess.run([str(HETERO), "prefill", "--model", str(DSV4 / "fp8"), "--weights",
+                          str(dsv4.weights), "--ids-file", str(ids), "--out",
+                          str(tmp_path / "out.safetensors")], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=ENV)
+    assert run.returncode != 0
+    assert "needs 'decoder_calls'" in run.stderr, run.stderr
+    assert not (tmp_path / "out.safetensors").exists()
