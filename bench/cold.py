@@ -84,9 +84,21 @@ def start_stack(model: str) -> tuple:
 
 
 def git_rev() -> str:
+    # A copy of the tree without .git (the GPU machine's) names its revision in HETERO_REVISION.
+    if os.environ.get("HETERO_REVISION"):
+        return os.environ["HETERO_REVISION"]
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                        text=True)
     return r.stdout.strip() or "unknown"
+
+
+def gpu_name() -> str:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
 
 
 def rate(tok_s) -> str:
@@ -152,7 +164,14 @@ def main() -> int:
                 "bridged_verdict": bri[-1]["verdict"], "bytes": bri[-1]["bytes"],
                 "bridged_timings_ms": bri[-1]["timings_ms"], "max_tokens": a.max_tokens,
                 "model": Path(a.model).name, "machine": platform.node(),
-                "cpus": os.cpu_count(), "revision": git_rev(), "seed": a.seed,
+                "cpus": os.cpu_count(), "gpu": gpu_name(),
+                "prefill_backend": os.environ.get("HETERO_PREFILL_BACKEND", "cpu"),
+                # cuda: "fast" caches agree with the native one within a tolerance, "exact" ones
+                # bit for bit (docs/design/prefill-cuda.md); the CPU backend is always exact.
+                "prefill_arith": (os.environ.get("HETERO_PREFILL_ARITH", "fast")
+                                  if os.environ.get("HETERO_PREFILL_BACKEND") == "cuda"
+                                  else "ordered"),
+                "revision": git_rev(), "seed": a.seed,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             row["ttft_ratio"] = row["native_ttft_s"] / row["bridged_ttft_s"]

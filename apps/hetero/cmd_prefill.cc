@@ -139,7 +139,7 @@ int parse_options(Options& opts, int argc, char** argv) {
 Options prefill_options() {
   return Options(
       "prefill",
-      "The prefill engine (CPU backend): chunked prefill with the attention-input tap "
+      "The prefill engine (CPU or CUDA backend): chunked prefill with the attention-input tap "
       "feeding the decoder-cache program; segments stream back while it runs.",
       {
           {"model", "HETERO_MODEL", "", "HF checkpoint directory of the model to prefill"},
@@ -152,6 +152,14 @@ Options prefill_options() {
            "instead; offline without --weights: also a list a,b,c, the last "
            "repeated)"},
           {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "2097152", "longest accepted prompt"},
+          {"backend", "HETERO_PREFILL_BACKEND", "cpu",
+           "cpu, or cuda (the GPU engine with the cache program on a side stream)"},
+          {"arith", "HETERO_PREFILL_ARITH", "fast",
+           "cuda, llama: fast (tensor cores, FP8 paged cache; attention inputs within a "
+           "tolerance) or exact (the decoder's arithmetic on CUDA cores; bit-exact)"},
+          {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8",
+           "cuda, fast: the engine's cache, fp8 or bf16"},
+          {"device", "HETERO_PREFILL_DEVICE", "0", "cuda: which GPU"},
           {"gemm", "HETERO_PREFILL_GEMM", "ordered",
            "ordered: the decoder's GEMM order (bit-exact attention inputs); blas: OpenBLAS"},
           {"quant-arith", "HETERO_PREFILL_QUANT_ARITH", "mlx-cpu",
@@ -185,7 +193,11 @@ int cmd_prefill(int argc, char** argv) {
     return 2;
   }
   log_line("prefill", "options " + opts.effective().dump());
-  auto stack = load_prefill_stack(opts.get("model"), opts.get("weights"), opts.get("gemm"));
+  auto device = opts.get_int("device");
+  if (!device.is_ok()) return std::fprintf(stderr, "prefill: --device must be an integer\n"), 2;
+  PrefillBackend backend{opts.get("backend"), opts.get("gemm"), opts.get("kv-dtype"),
+                         opts.get("arith"), static_cast<int>(device.value())};
+  auto stack = load_prefill_stack(opts.get("model"), opts.get("weights"), backend);
   if (!stack.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", stack.status().to_string().c_str()), 1;
   const DecoderCacheLayout layout = stack->layout;
@@ -196,6 +208,7 @@ int cmd_prefill(int argc, char** argv) {
   PrefillService service(stack->engine.get(), layout, stack->programs, chunk.value(),
                          max_tokens.value());
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
+  service.set_capture(stack->capture);
   auto fault = parse_fault(opts.get("fault"));
   if (!fault.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", fault.status().message().c_str()), 2;

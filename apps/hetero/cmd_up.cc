@@ -29,6 +29,10 @@ Options up_options() {
           {"decoder-port", "HETERO_DECODER_PORT", "8011", "decoder port"},
           {"prefill-port", "HETERO_PREFILL_PORT", "8010", "prefill host port"},
           {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
+          {"prefill-backend", "HETERO_PREFILL_BACKEND", "cpu",
+           "the prefill's backend: cpu or cuda"},
+          {"prefill-arith", "HETERO_PREFILL_ARITH", "fast", "cuda, llama: fast or exact"},
+          {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
           {"exit-when-ready", "", "", "start, print the endpoint, then stop (for tests)", true},
       });
 }
@@ -64,10 +68,12 @@ int cmd_up(int argc, char** argv) {
                                 (work / "store").string(), dlog);
       !st.is_ok())
     return std::fprintf(stderr, "up: decoder: %s\n", st.message().c_str()), 1;
-  if (Status st = prefill.start({(fs::path(repo_root()) / "build" / "hetero").string(), "prefill",
-                                 "--model", prefill_model, "--weights", weights, "--port",
-                                 std::to_string(pport.value()), "--chunk", opts.get("chunk")},
-                                {}, plog);
+  if (Status st = prefill.start(
+          {(fs::path(repo_root()) / "build" / "hetero").string(), "prefill", "--model",
+           prefill_model, "--weights", weights, "--port", std::to_string(pport.value()), "--chunk",
+           opts.get("chunk"), "--backend", opts.get("prefill-backend"), "--arith",
+           opts.get("prefill-arith"), "--kv-dtype", opts.get("kv-dtype")},
+          {}, plog);
       !st.is_ok())
     return std::fprintf(stderr, "up: prefill: %s\n", st.message().c_str()), 1;
   std::printf("starting decoder (log %s) and prefill host (log %s)...\n", dlog.c_str(),

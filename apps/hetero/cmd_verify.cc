@@ -47,6 +47,12 @@ Options verify_options() {
           {"prompt-file", "", "",
            "plain text (one user message) or a JSON chat/completion request"},
           {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
+          {"prefill-backend", "HETERO_PREFILL_BACKEND", "cpu",
+           "the prefill's backend: cpu or cuda"},
+          {"prefill-arith", "HETERO_PREFILL_ARITH", "exact",
+           "cuda, llama: exact (the decoder's arithmetic: bit-exact) or fast (tensor cores: "
+           "needs --max-ulp/--min-cosine and --reason)"},
+          {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
           {"max-tokens", "", "64", "greedy tokens to compare"},
           {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
           {"decoder-port", "HETERO_DECODER_PORT", "0", "use a running decoder seam (0: start one)"},
@@ -185,11 +191,16 @@ int cmd_verify(int argc, char** argv) {
   }
   const std::string prefill_model =
       opts.has("prefill-model") ? resolve_path(opts.get("prefill-model")) : model;
-  auto stack = load_prefill_stack(prefill_model, weights_dir);
+  PrefillBackend backend;
+  backend.name = opts.get("prefill-backend");
+  backend.arith = opts.get("prefill-arith");
+  backend.kv_dtype = opts.get("kv-dtype");
+  auto stack = load_prefill_stack(prefill_model, weights_dir, backend);
   if (!stack.is_ok()) return fail("prefill host", stack.status());
   PrefillService service(stack->engine.get(), stack->layout, stack->programs, chunk.value(),
                          int64_t{1} << 21);
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
+  service.set_capture(stack->capture);
   if (Status st = service.start("127.0.0.1", 0); !st.is_ok()) return fail("prefill host", st);
   const std::string endpoint = prompt.value().first;
   json request = prompt.value().second;
@@ -313,6 +324,10 @@ int cmd_verify(int argc, char** argv) {
       {"pass", failures.empty()},
       {"model", model},
       {"prefill_model", prefill_model},
+      {"prefill_backend",
+       {{"name", backend.name},
+        {"arith", backend.name == "cuda" ? backend.arith : "ordered"},
+        {"kv_dtype", backend.name == "cuda" && backend.arith == "fast" ? backend.kv_dtype : "-"}}},
       {"family", layout.family},
       {"fingerprint", layout.fingerprint},
       {"T", T},

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.h"
 #include "bridge/cuda/dsv4_program_gpu.h"
 #include "bridge/dsv4_program.h"
 #include "common/bf16.h"
@@ -23,15 +24,7 @@
 namespace hetero {
 namespace {
 
-// Cheap reproducible values (a few hundred million of them are drawn): xorshift, roughly
-// uniform in [-scale, scale), rounded to bf16.
-struct Draw {
-  uint64_t s;
-  float next(float scale) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    return round_bf16(scale * (static_cast<float>(s >> 40) / 8388608.0f - 1.0f));
-  }
-};
+using bench::Draw;
 
 DecoderLinear dense(int64_t n, int64_t k, Draw& d) {
   DecoderLinear l;

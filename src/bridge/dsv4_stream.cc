@@ -47,24 +47,22 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_arrays(
 
 }  // namespace
 
-Status Dsv4SegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
-                               std::vector<WireArray>* arrays) {
-  Dsv4NewRows rows;
-  HETERO_RETURN_IF_ERROR(program_.feed(layer, pos0, n, x, &rows));
-  const int64_t r = weights_->layers[static_cast<size_t>(layer)].ratio;
+void dsv4_feed_arrays(const Dsv4DecoderWeights& weights, int64_t layer, Dsv4NewRows rows,
+                      std::vector<WireArray>* arrays) {
+  const int64_t r = weights.layers[static_cast<size_t>(layer)].ratio;
   if (r > 0)
     arrays->push_back(
-        {layer_name(layer, "pool.pooled"), rows_tensor(rows.pool, weights_->layout.head_dim)});
+        {layer_name(layer, "pool.pooled"), rows_tensor(rows.pool, weights.layout.head_dim)});
   if (r == 4)
     arrays->push_back(
-        {layer_name(layer, "index.pooled"), rows_tensor(rows.index, weights_->index_head_dim)});
-  return Status::ok();
+        {layer_name(layer, "index.pooled"), rows_tensor(rows.index, weights.index_head_dim)});
 }
 
-Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) {
-  if (pos0 + n != program_.tokens()) return Status::ok();
-  for (int64_t l = 0; l < weights_->layout.layers; ++l) {
-    HETERO_ASSIGN_OR_RETURN(Dsv4LayerArrays a, program_.finish_layer(l));
+Status dsv4_close_arrays(const Dsv4DecoderWeights& weights, int64_t window_idx,
+                         const std::function<Result<Dsv4LayerArrays>(int64_t)>& finish_layer,
+                         std::vector<WireArray>* arrays) {
+  for (int64_t l = 0; l < weights.layout.layers; ++l) {
+    HETERO_ASSIGN_OR_RETURN(Dsv4LayerArrays a, finish_layer(l));
     arrays->push_back({layer_name(l, "window"), std::move(a.window)});
     if (a.ratio == 0) continue;
     arrays->push_back({layer_name(l, "pool.buf_kv"), std::move(a.pool.buf_kv)});
@@ -74,9 +72,24 @@ Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<Wi
     arrays->push_back({layer_name(l, "index.buf_gate"), std::move(a.index.buf_gate)});
   }
   Tensor idx(DType::kI64, {1});
-  idx.data<int64_t>()[0] = program_.window_idx();
+  idx.data<int64_t>()[0] = window_idx;
   arrays->push_back({"window_idx", std::move(idx)});
   return Status::ok();
+}
+
+Status Dsv4SegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                               std::vector<WireArray>* arrays) {
+  Dsv4NewRows rows;
+  HETERO_RETURN_IF_ERROR(program_.feed(layer, pos0, n, x, &rows));
+  dsv4_feed_arrays(*weights_, layer, std::move(rows), arrays);
+  return Status::ok();
+}
+
+Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) {
+  if (pos0 + n != program_.tokens()) return Status::ok();
+  return dsv4_close_arrays(
+      *weights_, program_.window_idx(), [this](int64_t l) { return program_.finish_layer(l); },
+      arrays);
 }
 
 Dsv4Assembler::Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens)

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -16,6 +17,15 @@
 #include "bridge/producer.h"
 
 namespace hetero {
+
+// The arrays one layer's feed adds to its segment (the pooled rows it completed), and the
+// end-of-prefix arrays of the last segment, from any program with Dsv4CacheProgram's contract
+// (the CPU one and the GPU one share them).
+void dsv4_feed_arrays(const Dsv4DecoderWeights& weights, int64_t layer, Dsv4NewRows rows,
+                      std::vector<WireArray>* arrays);
+Status dsv4_close_arrays(const Dsv4DecoderWeights& weights, int64_t window_idx,
+                         const std::function<Result<Dsv4LayerArrays>(int64_t)>& finish_layer,
+                         std::vector<WireArray>* arrays);
 
 class Dsv4SegmentProgram : public SegmentProgram {
  public:

@@ -9,8 +9,13 @@
 namespace hetero {
 namespace {
 
-// [n, heads, hd] token-major -> [heads, n, hd], the decoder's cache layout.
-Tensor to_head_major(const std::vector<uint16_t>& rows, int64_t n, int64_t heads, int64_t hd) {
+const uint16_t* maybe(const Tensor& t) {
+  return t.numel() > 0 && !t.shape.empty() ? t.data<uint16_t>() : nullptr;
+}
+
+}  // namespace
+
+Tensor kv_rows_head_major(const std::vector<uint16_t>& rows, int64_t n, int64_t heads, int64_t hd) {
   Tensor t(DType::kBF16, {heads, n, hd});
   auto* o = t.data<uint16_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -19,11 +24,24 @@ Tensor to_head_major(const std::vector<uint16_t>& rows, int64_t n, int64_t heads
   return t;
 }
 
-const uint16_t* maybe(const Tensor& t) {
-  return t.numel() > 0 && !t.shape.empty() ? t.data<uint16_t>() : nullptr;
+LlamaDecoderWeights llama_decoder_weights_of(const LlamaWeights& w, std::string fingerprint) {
+  const LlamaConfig& c = w.config;
+  LlamaDecoderWeights d;
+  d.layout.family = "llama";
+  d.layout.fingerprint = std::move(fingerprint);
+  d.layout.layers = c.layers, d.layout.kv_heads = c.kv_heads, d.layout.head_dim = c.head_dim;
+  d.layout.hidden = c.hidden;
+  d.rms_norm_eps = c.rms_norm_eps, d.rope_base = c.rope_theta;
+  for (const LlamaLayerWeights& L : w.layers) {
+    LlamaProgramLayer p;
+    const Tensor wk = as_bf16(L.wk), wv = as_bf16(L.wv);
+    p.wk_t = transposed_f32(wk.data<uint16_t>(), wk.shape[0], wk.shape[1]);
+    p.wv_t = transposed_f32(wv.data<uint16_t>(), wv.shape[0], wv.shape[1]);
+    p.bk = L.bk, p.bv = L.bv, p.k_norm = L.k_norm;
+    d.layers.push_back(std::move(p));
+  }
+  return d;
 }
-
-}  // namespace
 
 KvRows LlamaCacheProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x) const {
   const auto& L = w_->layers[static_cast<size_t>(layer)];
@@ -36,7 +54,7 @@ KvRows LlamaCacheProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint
     rms_norm(k.data(), n * kvh, hd, L.k_norm.data<uint16_t>(), static_cast<float>(w_->rms_norm_eps),
              k.data());
   rope_rotate_half(k.data(), n, kvh, hd, pos0, static_cast<float>(w_->rope_base));
-  return KvRows{to_head_major(k, n, kvh, hd), to_head_major(v, n, kvh, hd)};
+  return KvRows{kv_rows_head_major(k, n, kvh, hd), kv_rows_head_major(v, n, kvh, hd)};
 }
 
 }  // namespace hetero

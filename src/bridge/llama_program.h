@@ -7,15 +7,25 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "bridge/decoder_weights.h"
 #include "common/tensor.h"
+#include "model/llama.h"
 
 namespace hetero {
 
 struct KvRows {
   Tensor keys, values;  // bf16 [kv_heads, n, head_dim]
 };
+
+// [n, heads, head_dim] token-major rows -> bf16 [heads, n, head_dim], the decoder's layout.
+Tensor kv_rows_head_major(const std::vector<uint16_t>& rows, int64_t n, int64_t heads,
+                          int64_t head_dim);
+
+// What the decoder's export holds for a model with these weights (its K/V projections, norms and
+// rope), for benchmarks and tests that have the model in memory rather than an export on disk.
+LlamaDecoderWeights llama_decoder_weights_of(const LlamaWeights& w, std::string fingerprint);
 
 class LlamaCacheProgram {
  public:

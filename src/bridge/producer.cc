@@ -7,16 +7,21 @@
 
 namespace hetero {
 
-Status LlamaSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
-                                std::vector<WireArray>* arrays) {
-  KvRows r = program_->run(layer, pos0, n, x);
+void append_kv_arrays(int64_t layer, KvRows r, std::vector<WireArray>* arrays) {
   arrays->push_back({"layers." + std::to_string(layer) + ".keys", std::move(r.keys)});
   arrays->push_back({"layers." + std::to_string(layer) + ".values", std::move(r.values)});
+}
+
+Status LlamaSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                                std::vector<WireArray>* arrays) {
+  append_kv_arrays(layer, program_->run(layer, pos0, n, x), arrays);
   return Status::ok();
 }
 
-BridgeProducer::BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs)
-    : program_(program), sink_(std::move(sink)), queue_(max_queued_inputs) {
+BridgeProducer::BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs,
+                               CaptureStore* capture)
+    : program_(program), capture_(capture), sink_(std::move(sink)), queue_(max_queued_inputs) {
+  HETERO_CHECK((program_->device_stream() != nullptr) == (capture_ != nullptr));
   worker_ = std::thread([this] { run(); });
 }
 
@@ -32,9 +37,27 @@ AttentionInputTap BridgeProducer::tap() {
     HETERO_CHECK(e.layer >= 0 && e.layer < program_->layout().layers);
     if (cancelled_.load()) return;
     Work w{e.layer, e.pos0, e.n_tokens, {}};
-    w.x.assign(e.x_bf16, e.x_bf16 + e.n_tokens * e.hidden);
+    if (capture_) {
+      if (!e.x_device)
+        return fail_capture(
+            failed_precondition("a GPU cache program needs the engine's device rows"));
+      Result<int> slot = capture_->capture(e);
+      if (!slot.is_ok()) return fail_capture(slot.status());
+      w.slot = *slot;
+    } else {
+      if (!e.x_bf16)
+        return fail_capture(
+            failed_precondition("a host cache program needs the engine's host tap"));
+      w.x.assign(e.x_bf16, e.x_bf16 + e.n_tokens * e.hidden);
+    }
     queue_.push(std::move(w));
   };
+}
+
+void BridgeProducer::fail_capture(Status st) {
+  std::lock_guard<std::mutex> lock(capture_mu_);
+  if (capture_status_.is_ok()) capture_status_ = std::move(st);
+  cancelled_ = true;
 }
 
 void BridgeProducer::run() {
@@ -43,11 +66,16 @@ void BridgeProducer::run() {
   omp_set_num_threads(1);
   const DecoderCacheLayout& layout = program_->layout();
   while (auto w = queue_.pop()) {
-    if (cancelled_.load()) continue;  // drain without work
+    if (cancelled_.load()) {  // drain without work
+      if (w->slot >= 0) capture_->release(w->slot);
+      continue;
+    }
     Pending& p = pending_[w->pos0];
     if (p.arrays.empty()) p.arrays.resize(static_cast<size_t>(layout.layers)), p.n = w->n;
-    Status st = program_->run(w->layer, w->pos0, w->n, w->x.data(),
-                              &p.arrays[static_cast<size_t>(w->layer)]);
+    const uint16_t* x =
+        w->slot >= 0 ? capture_->ready(w->slot, program_->device_stream()) : w->x.data();
+    Status st = program_->run(w->layer, w->pos0, w->n, x, &p.arrays[static_cast<size_t>(w->layer)]);
+    if (w->slot >= 0) capture_->release(w->slot);
     if (st.is_ok() && ++p.layers_done < layout.layers) continue;
     // Every layer has passed this boundary: the segment can leave now.
     Segment s;
@@ -89,11 +117,14 @@ Manifest BridgeProducer::finish(int64_t requested_tokens, const Status& engine_s
     m.reason = "prefill failed: " + engine_status.to_string();
   else if (!program_status_.is_ok())
     m.reason = "cache program failed: " + program_status_.to_string();
+  else if (!capture_status_.is_ok())
+    m.reason = "capture failed: " + capture_status_.to_string();
   else if (cancelled_)
     m.reason = "cancelled by the receiver";
   else if (covered_ != requested_tokens)
     m.reason = "rows sent do not cover the request";
-  if (!cancelled_ || !program_status_.is_ok()) sink_(encode_manifest(m));
+  if (!cancelled_ || !program_status_.is_ok() || !capture_status_.is_ok())
+    sink_(encode_manifest(m));
   return m;
 }
 

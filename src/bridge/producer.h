@@ -7,6 +7,7 @@
 #include <atomic>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,7 +35,30 @@ class SegmentProgram {
     (void)pos0, (void)n, (void)arrays;
     return Status::ok();
   }
+  // A GPU program reads x in device memory and runs on its own stream (a cudaStream_t), which
+  // it returns here; run() then gets a device pointer that is ready in that stream's order, and
+  // must have finished reading it when it returns. Null (the default): x is in host memory.
+  virtual void* device_stream() const { return nullptr; }
 };
+
+// Where the producer keeps the tap's rows on the device until a GPU program has read them: a
+// few slots, each filled by work enqueued on the engine's stream, so that the tap never waits
+// for the program — unless every slot is still unread, which bounds the memory the capture
+// holds whatever the prompt's length.
+class CaptureStore {
+ public:
+  virtual ~CaptureStore() = default;
+  // Copies e's device rows into a free slot (waiting for one if none is), ordered after the
+  // engine's work on e.stream; returns the slot.
+  virtual Result<int> capture(const TapEvent& e) = 0;
+  // The slot's rows, once `stream` has been made to wait for their copy.
+  virtual const uint16_t* ready(int slot, void* stream) = 0;
+  // The program has finished reading the slot.
+  virtual void release(int slot) = 0;
+};
+
+// A layer's K/V rows as the llama segment arrays `layers.{i}.keys` / `.values`.
+void append_kv_arrays(int64_t layer, KvRows rows, std::vector<WireArray>* arrays);
 
 // The llama program as a segment program: per layer `layers.{i}.keys` / `.values`.
 class LlamaSegmentProgram : public SegmentProgram {
@@ -52,7 +76,10 @@ class BridgeProducer {
  public:
   // sink receives each encoded frame in order; returning false cancels the capture.
   using FrameSink = std::function<bool(std::string frame)>;
-  BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs = 4);
+  // capture: for a GPU program (device_stream() non-null), where the tap's device rows wait
+  // (must outlive the producer); null for a host program, which gets copies in host memory.
+  BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs = 4,
+                 CaptureStore* capture = nullptr);
   ~BridgeProducer();
 
   AttentionInputTap tap();
@@ -65,7 +92,8 @@ class BridgeProducer {
   struct Work {
     int32_t layer;
     int64_t pos0, n;
-    std::vector<uint16_t> x;
+    std::vector<uint16_t> x;  // host rows, or
+    int slot = -1;            // the capture slot holding them on the device
   };
   struct Pending {
     int64_t n = 0;
@@ -74,13 +102,18 @@ class BridgeProducer {
   };
   void run();
 
+  void fail_capture(Status st);
+
   SegmentProgram* program_;
+  CaptureStore* capture_;
   FrameSink sink_;
   BoundedQueue<Work> queue_;
   std::thread worker_;
   std::map<int64_t, Pending> pending_;  // by pos0; touched by the worker only
   int64_t next_seq_ = 0, covered_ = 0;
   Status program_status_;  // the first program error, if any
+  std::mutex capture_mu_;
+  Status capture_status_;  // the first capture error, if any (set by the tap's thread)
   std::atomic<bool> cancelled_{false};
   bool finished_ = false;
 };

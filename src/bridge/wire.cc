@@ -34,6 +34,9 @@ std::string frame(const json& header, const std::string& payload) {
 std::string encode_segment(const Segment& s) {
   json arrays = json::array();
   std::string payload;
+  size_t total = 0;
+  for (const auto& a : s.arrays) total += a.tensor.bytes.size();
+  payload.reserve(total);
   for (const auto& a : s.arrays) {
     arrays.push_back({{"name", a.name},
                       {"dtype", dtype_name(a.tensor.dtype)},

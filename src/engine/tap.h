@@ -3,6 +3,13 @@
 // x is bf16 [n_tokens, hidden], row-major, valid only for the duration of the call: a consumer
 // that works asynchronously copies it (the bridge producer does, into a bounded queue), so the
 // forward never waits on the cache program.
+//
+// A GPU engine hands x where it lives: x_device (device memory) is ready in the order of
+// `stream` (its cudaStream_t, the compute stream) and may be overwritten by the next work
+// enqueued there, so a consumer copies it by work enqueued on that same stream before it
+// returns (the GPU capture does: a device-to-device copy and an event, never a host wait).
+// x_bf16 (host) is null from a GPU engine unless it was asked for a host tap, for which it
+// copies x back and waits — for tests and the CPU programs, not for serving.
 #pragma once
 
 #include <cstdint>
@@ -16,10 +23,12 @@ namespace hetero {
 
 struct TapEvent {
   int32_t layer = 0;
-  int64_t pos0 = 0;      // position of the first row
-  int64_t n_tokens = 0;  // rows
-  int64_t hidden = 0;    // columns
-  const uint16_t* x_bf16 = nullptr;
+  int64_t pos0 = 0;                    // position of the first row
+  int64_t n_tokens = 0;                // rows
+  int64_t hidden = 0;                  // columns
+  const uint16_t* x_bf16 = nullptr;    // host; null from a GPU engine without a host tap
+  const uint16_t* x_device = nullptr;  // device; null from a CPU engine
+  void* stream = nullptr;              // cudaStream_t that x_device is ordered on
 };
 
 using AttentionInputTap = std::function<void(const TapEvent&)>;

@@ -66,10 +66,7 @@ Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& 
   // The decoder's cache depends on its own call schedule, which only the decoder side knows
   // (its seam reports it; the front door and verify send it): without it, no cache is made.
   s.programs = [w](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-    if (req.decoder_calls.empty())
-      return invalid_argument(
-          "a deepseek_v4 request needs 'decoder_calls', the decoder's own call schedule for these "
-          "ids (its seam reports it in /hetero/info 'prefill')");
+    HETERO_RETURN_IF_ERROR(require_decoder_calls(req));
     return std::unique_ptr<SegmentProgram>(
         std::make_unique<Dsv4SegmentProgram>(w, req.decoder_calls));
   };
@@ -81,6 +78,13 @@ Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& 
 }
 
 }  // namespace
+
+Status require_decoder_calls(const PrefillRequest& req) {
+  if (!req.decoder_calls.empty()) return Status::ok();
+  return invalid_argument(
+      "a deepseek_v4 request needs 'decoder_calls', the decoder's own call schedule for these "
+      "ids (its seam reports it in /hetero/info 'prefill')");
+}
 
 Status check_dsv4_export_matches_model(const Dsv4Config& m, const Dsv4DecoderWeights& e) {
   auto mismatch = [](const std::string& what, const std::string& model, const std::string& exp) {
@@ -129,15 +133,34 @@ Status check_dsv4_export_matches_model(const Dsv4Config& m, const Dsv4DecoderWei
   return Status::ok();
 }
 
+bool cuda_backend_built() {
+#ifdef HETERO_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 Result<PrefillStack> load_prefill_stack(const std::string& model_dir,
-                                        const std::string& weights_dir, const std::string& gemm) {
-  if (is_dsv4_checkpoint(model_dir)) {
-    if (decoder_family(weights_dir) != "deepseek_v4")
-      return failed_precondition("the model is deepseek_v4 but the decoder export in " +
-                                 weights_dir + " is family '" + decoder_family(weights_dir) + "'");
-    return load_dsv4(model_dir, weights_dir);
-  }
-  return load_llama(model_dir, weights_dir, gemm);
+                                        const std::string& weights_dir,
+                                        const PrefillBackend& backend) {
+  if (backend.name != "cpu" && backend.name != "cuda")
+    return invalid_argument("the prefill backend must be 'cpu' or 'cuda', not '" + backend.name +
+                            "'");
+  if (backend.name == "cuda" && !cuda_backend_built())
+    return failed_precondition(
+        "this build has no CUDA backend (nvcc was not found when it was configured)");
+  const bool dsv4 = is_dsv4_checkpoint(model_dir);
+  if (dsv4 && decoder_family(weights_dir) != "deepseek_v4")
+    return failed_precondition("the model is deepseek_v4 but the decoder export in " + weights_dir +
+                               " is family '" + decoder_family(weights_dir) + "'");
+#ifdef HETERO_WITH_CUDA
+  if (backend.name == "cuda")
+    return dsv4 ? load_dsv4_cuda(model_dir, weights_dir, backend)
+                : load_llama_cuda(model_dir, weights_dir, backend);
+#endif
+  if (dsv4) return load_dsv4(model_dir, weights_dir);
+  return load_llama(model_dir, weights_dir, backend.gemm);
 }
 
 }  // namespace hetero

@@ -17,14 +17,39 @@ struct PrefillStack {
   std::unique_ptr<PrefillEngine> engine;
   DecoderCacheLayout layout;
   ProgramFactory programs;
-  ChunkPlan chunk_plan;         // empty: equal chunks
-  std::shared_ptr<void> owned;  // the engine and the decoder weights behind the pointers above
+  ChunkPlan chunk_plan;             // empty: equal chunks
+  CaptureStore* capture = nullptr;  // GPU programs: where the tap's device rows wait
+  std::shared_ptr<void> owned;      // the engine and the decoder weights behind the pointers above
 };
 
-// gemm: "ordered" or "blas" (llama only).
+// Where and how the prefill runs.
+struct PrefillBackend {
+  std::string name = "cpu";      // "cpu" or "cuda"
+  std::string gemm = "ordered";  // cpu, llama: "ordered" (the decoder's order) or "blas"
+  std::string kv_dtype = "fp8";  // cuda: the engine's own cache, "fp8" or "bf16"
+  std::string arith = "fast";    // cuda, llama: "fast" (tensor cores) or "exact" (the decoder's)
+  int device = 0;                // cuda: which GPU
+};
+
+// Whether this build has the CUDA backend.
+bool cuda_backend_built();
+
 Result<PrefillStack> load_prefill_stack(const std::string& model_dir,
                                         const std::string& weights_dir,
-                                        const std::string& gemm = "ordered");
+                                        const PrefillBackend& backend = {});
+
+#ifdef HETERO_WITH_CUDA
+// The CUDA backend's stacks (families_cuda.cc): the GPU engine, and the cache program on the GPU
+// behind a device capture.
+Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::string& weights_dir,
+                                     const PrefillBackend& backend);
+Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::string& weights_dir,
+                                    const PrefillBackend& backend);
+#endif
+
+// deepseek_v4: a request must carry the decoder's own call schedule, on which its cache depends
+// (every later layer's input depends on where the decoder's calls were cut); none is guessed.
+Status require_decoder_calls(const PrefillRequest& req);
 
 // deepseek_v4: every parameter the cache program's arithmetic depends on must agree between the
 // prefill host's checkpoint and the decoder's export; the message names both values.

@@ -167,7 +167,8 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
     return m;
   }
   engine_->reset();
-  BridgeProducer producer(program.value().get(), sink);
+  BridgeProducer producer(program.value().get(), sink, 4,
+                          program.value()->device_stream() ? capture_ : nullptr);
   const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
   std::vector<int64_t> plan;
   if (chunk_plan_) {
@@ -183,6 +184,7 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
     st = engine_->prefill_chunk(part, producer.tap());
     p += n;
   }
+  if (st.is_ok()) st = engine_->finish();
   return producer.finish(T, st);
 }
 

@@ -38,6 +38,8 @@ class PrefillEngine {
   virtual void reset() = 0;
   virtual Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) = 0;
   virtual int64_t vocab() const = 0;
+  // Waits for work the engine enqueued asynchronously (a GPU engine) and reports its errors.
+  virtual Status finish() { return Status::ok(); }
 };
 
 template <class Engine>
@@ -49,6 +51,12 @@ class EngineAdapter : public PrefillEngine {
     return engine_->prefill_chunk(ids, tap);
   }
   int64_t vocab() const override { return engine_->config().vocab; }
+  Status finish() override {
+    if constexpr (requires(Engine & e) { e.synchronize(); })
+      return engine_->synchronize();
+    else
+      return Status::ok();
+  }
 
  private:
   Engine* engine_;
@@ -88,6 +96,8 @@ class PrefillService {
   ~PrefillService();
   void set_fault(FaultSpec fault) { fault_ = std::move(fault); }
   void set_chunk_plan(ChunkPlan plan) { chunk_plan_ = std::move(plan); }
+  // For GPU cache programs: the device capture their producer uses (must outlive the service).
+  void set_capture(CaptureStore* capture) { capture_ = capture; }
 
   // Runs one prefill (the engine is reset first) and emits frames to sink, manifest last.
   Manifest run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink);
@@ -102,6 +112,7 @@ class PrefillService {
   DecoderCacheLayout layout_;
   ProgramFactory programs_;
   ChunkPlan chunk_plan_;
+  CaptureStore* capture_ = nullptr;
   int64_t default_chunk_, max_tokens_;
   FaultSpec fault_;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);

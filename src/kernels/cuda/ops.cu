@@ -9,26 +9,91 @@
 namespace hetero::cuda {
 namespace {
 
-constexpr int kTile = 32;
-
 // Shared-memory tiled GEMM; each thread owns one C element and walks k in ascending order.
-__global__ void gemm_ordered_kernel(const float* a, int64_t m, int64_t k, const float* b, int64_t n,
-                                    float* c) {
-  __shared__ float as[kTile][kTile], bs[kTile][kTile + 1];
-  const int64_t row = int64_t(blockIdx.y) * kTile + threadIdx.y;
-  const int64_t col = int64_t(blockIdx.x) * kTile + threadIdx.x;
-  float acc = (row < m && col < n) ? c[row * n + col] : 0.0f;
-  for (int64_t k0 = 0; k0 < k; k0 += kTile) {
-    const int64_t ak = k0 + threadIdx.x, bk = k0 + threadIdx.y;
-    as[threadIdx.y][threadIdx.x] = (row < m && ak < k) ? a[row * k + ak] : 0.0f;
-    bs[threadIdx.y][threadIdx.x] = (bk < k && col < n) ? b[bk * n + col] : 0.0f;
+// C += A @ B with every C element's sum in ascending k, one rounding per multiply and per add
+// (no FMA): the CPU op's order. Register-blocked: a 128 x 128 tile of C per block of 256 threads,
+// 8 x 8 elements per thread, k in steps of 16 through shared memory. The tail of k is not padded
+// (an added 0 * b could turn -0 into +0, or inf into NaN): the last step runs only the valid k.
+constexpr int kBm = 128, kBn = 128, kBk = 16, kTm = 8, kTn = 8;
+__global__ void __launch_bounds__(256)
+    gemm_ordered_kernel(const float* __restrict__ a, int64_t m, int64_t k,
+                        const float* __restrict__ b, int64_t n, float* __restrict__ c) {
+  __shared__ __align__(16) float as[kBk][kBm];  // A tile transposed: as[kk][row]
+  __shared__ __align__(16) float bs[kBk][kBn];
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  const int64_t m0 = int64_t(blockIdx.y) * kBm, n0 = int64_t(blockIdx.x) * kBn;
+  float acc[kTm][kTn];
+#pragma unroll
+  for (int i = 0; i < kTm; ++i)
+#pragma unroll
+    for (int j = 0; j < kTn; ++j) {
+      const int64_t r = m0 + ty * kTm + i, col = n0 + tx * kTn + j;
+      acc[i][j] = (r < m && col < n) ? c[r * n + col] : 0.0f;
+    }
+  for (int64_t k0 = 0; k0 < k; k0 += kBk) {
+    // A: 128 rows x 16 k, 8 per thread (row tid/2, k (tid%2)*8..+7).
+    {
+      const int r = tid / 2, kk0 = (tid % 2) * 8;
+      const int64_t gr = m0 + r;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int64_t gk = k0 + kk0 + u;
+        as[kk0 + u][r] = (gr < m && gk < k) ? a[gr * k + gk] : 0.0f;
+      }
+    }
+    // B: 16 k x 128 cols, 8 per thread (k tid/16, cols (tid%16)*8..+7).
+    {
+      const int kk = tid / 16, c0 = (tid % 16) * 8;
+      const int64_t gk = k0 + kk;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int64_t gc = n0 + c0 + u;
+        bs[kk][c0 + u] = (gk < k && gc < n) ? b[gk * n + gc] : 0.0f;
+      }
+    }
     __syncthreads();
-    const int lim = (k - k0 < kTile) ? int(k - k0) : kTile;
-    for (int l = 0; l < lim; ++l)
-      acc = __fadd_rn(acc, __fmul_rn(as[threadIdx.y][l], bs[l][threadIdx.x]));
+    const int lim = (k - k0 < kBk) ? int(k - k0) : kBk;
+    if (lim == kBk) {
+#pragma unroll
+      for (int kk = 0; kk < kBk; ++kk) {
+        float av[kTm], bv[kTn];
+        *reinterpret_cast<float4*>(&av[0]) = *reinterpret_cast<const float4*>(&as[kk][ty * kTm]);
+        *reinterpret_cast<float4*>(&av[4]) =
+            *reinterpret_cast<const float4*>(&as[kk][ty * kTm + 4]);
+        *reinterpret_cast<float4*>(&bv[0]) = *reinterpret_cast<const float4*>(&bs[kk][tx * kTn]);
+        *reinterpret_cast<float4*>(&bv[4]) =
+            *reinterpret_cast<const float4*>(&bs[kk][tx * kTn + 4]);
+#pragma unroll
+        for (int i = 0; i < kTm; ++i)
+#pragma unroll
+          for (int j = 0; j < kTn; ++j) acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(av[i], bv[j]));
+      }
+    } else {
+      for (int kk = 0; kk < lim; ++kk) {
+#pragma unroll
+        for (int i = 0; i < kTm; ++i)
+#pragma unroll
+          for (int j = 0; j < kTn; ++j)
+            acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(as[kk][ty * kTm + i], bs[kk][tx * kTn + j]));
+      }
+    }
     __syncthreads();
   }
-  if (row < m && col < n) c[row * n + col] = acc;
+#pragma unroll
+  for (int i = 0; i < kTm; ++i)
+#pragma unroll
+    for (int j = 0; j < kTn; ++j) {
+      const int64_t r = m0 + ty * kTm + i, col = n0 + tx * kTn + j;
+      if (r < m && col < n) c[r * n + col] = acc[i][j];
+    }
+}
+
+__global__ void heads_major_kernel(const uint16_t* x, int64_t n, int64_t heads, int64_t d,
+                                   uint16_t* out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n * heads * d) return;
+  const int64_t t = i / (heads * d), h = (i / d) % heads, j = i % d;
+  out[(h * n + t) * d + j] = x[i];
 }
 
 __global__ void bf16_to_f32_kernel(const uint16_t* x, int64_t n, float* out) {
@@ -160,8 +225,15 @@ unsigned blocks(int64_t n, int threads) { return unsigned((n + threads - 1) / th
 
 void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c,
                   cudaStream_t stream) {
-  dim3 grid(unsigned((n + kTile - 1) / kTile), unsigned((m + kTile - 1) / kTile));
-  gemm_ordered_kernel<<<grid, dim3(kTile, kTile), 0, stream>>>(a, m, k, b, n, c);
+  if (m == 0 || n == 0) return;
+  dim3 grid(unsigned((n + kBn - 1) / kBn), unsigned((m + kBm - 1) / kBm));
+  gemm_ordered_kernel<<<grid, 256, 0, stream>>>(a, m, k, b, n, c);
+}
+
+void heads_major(const uint16_t* x, int64_t n, int64_t heads, int64_t d, uint16_t* out,
+                 cudaStream_t stream) {
+  if (n * heads * d == 0) return;
+  heads_major_kernel<<<blocks(n * heads * d, 256), 256, 0, stream>>>(x, n, heads, d, out);
 }
 
 void bf16_to_f32(const uint16_t* x, int64_t n, float* out, cudaStream_t stream) {

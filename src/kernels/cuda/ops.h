@@ -27,6 +27,10 @@ void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_d
 void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out,
               cudaStream_t stream);
 void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out, cudaStream_t stream);
+// Data movement only: [n, heads, d] token-major rows -> [heads, n, d] (the decoder's cache
+// layout).
+void heads_major(const uint16_t* x, int64_t n, int64_t heads, int64_t d, uint16_t* out,
+                 cudaStream_t stream);
 // Causal GQA attention, same layouts as the CPU op. scratch: float [q_heads, n, pos0 + n].
 void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
                       const uint16_t* v, int64_t kv_heads, int64_t d, int64_t pos0, float scale,

@@ -1,0 +1,83 @@
+// What the GPU benchmarks share: cheap reproducible random values, the median and spread of a
+// set of timings, the GPU's name, and the measured bf16 matmul peak that each benchmark quotes
+// its throughput against.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+
+namespace hetero::bench {
+
+// xorshift64, roughly uniform in [-scale, scale), rounded to bf16; a few hundred million values a
+// second on one core.
+struct Draw {
+  uint64_t s;
+  float next(float scale) {
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+    return round_bf16(scale * (static_cast<float>(s >> 40) / 8388608.0f - 1.0f));
+  }
+};
+
+struct Spread {
+  double median = 0, min = 0, max = 0;
+};
+inline Spread spread(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  if (v.empty()) return {};
+  return {v[v.size() / 2], v.front(), v.back()};
+}
+
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline std::string gpu_name() {
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) return "none";
+  return p.name;
+}
+
+// TFLOP/s of an n x n x n bf16 GEMM through cuBLAS (f32 accumulation), random data, the median
+// of `reps` after two warm-ups: the ceiling the benchmarks quote against.
+inline double measured_bf16_peak_tflops(int n = 8192, int reps = 10) {
+  const size_t elems = static_cast<size_t>(n) * n;
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  if (cudaMalloc(&a, elems * 2) != cudaSuccess || cudaMalloc(&b, elems * 2) != cudaSuccess ||
+      cudaMalloc(&c, elems * 2) != cudaSuccess)
+    return 0;
+  std::vector<uint16_t> host(elems);
+  Draw d{0x1234567ull};
+  for (auto& x : host) x = f32_to_bf16(d.next(1.f));
+  cudaMemcpy(a, host.data(), elems * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(b, host.data(), elems * 2, cudaMemcpyHostToDevice);
+  cublasHandle_t h;
+  cublasCreate(&h);
+  const float one = 1.f, zero = 0.f;
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  std::vector<double> t;
+  for (int i = 0; i < reps + 2; ++i) {
+    cudaEventRecord(e0);
+    cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n,
+                 &zero, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (i >= 2) t.push_back(2.0 * n * double(n) * n / (ms * 1e-3) / 1e12);
+  }
+  cublasDestroy(h);
+  cudaFree(a), cudaFree(b), cudaFree(c);
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  return spread(t).median;
+}
+
+}  // namespace hetero::bench

@@ -1,0 +1,295 @@
+// DeepSeek-V4 prefill on the GPU at full layer shapes (DeepSeek-V4-Flash: hidden 4096, 64 heads
+// of 512, 256 experts of 2048 with 6 active + 1 shared, indexer 64 x 128 with top-512 and HISA
+// 64/16, window 128, hc 4), random weights drawn on the device: the first --layers layers of the
+// Flash layout (ratios 0, 0, 4, 128, 4, 128, ...), prefilled in chunks of --chunk tokens up to
+// each T. Per layer: the time from its tap to the next layer's tap (its attention and MoE), summed
+// over the chunks, median and spread over --repeats runs after --warmup; the implied 43-layer
+// time (2 ratio-0, 21 ratio-4, 20 ratio-128 layers) and tok/s; the TFLOP/s of the FLOPs the
+// forward does (projections, active experts, attention over the keys each query sees, indexer
+// scoring) against the bf16 cuBLAS peak measured in this binary.
+//
+// JSON lines to stdout (one per T), a table to stderr. --refcheck first compares the engine with
+// the CPU engine on the small test model (tests/common/dsv4_model_weights.h) and refuses to report
+// if it fails.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../../tests/common/dsv4_model_weights.h"
+#include "bench_common.h"
+#include "engine/cuda/dsv4_cuda.h"
+#include "engine/dsv4_cpu.h"
+
+namespace hetero {
+namespace {
+
+Dsv4Config flash_config(int64_t layers) {
+  Dsv4Config c;
+  c.model_type = "deepseek_v4";
+  c.vocab = 129280, c.hidden = 4096, c.layers = layers;
+  c.heads = 64, c.head_dim = 512, c.rope_head_dim = 64;
+  c.q_lora_rank = 1024, c.o_groups = 8, c.o_lora_rank = 1024;
+  c.n_routed_experts = 256, c.n_shared_experts = 1, c.experts_per_tok = 6, c.moe_inter = 2048;
+  c.num_hash_layers = 3;
+  c.sliding_window = 128;
+  c.index_n_heads = 64, c.index_head_dim = 128, c.index_topk = 512;
+  c.index_block = 64, c.index_keep = 16;
+  c.hc_mult = 4, c.hc_sinkhorn_iters = 20;
+  c.rms_norm_eps = 1e-6, c.hc_eps = 1e-6;
+  c.rope_theta = 10000.0, c.compress_rope_theta = 160000.0;
+  c.routed_scaling_factor = 1.5, c.swiglu_limit = 10.0;
+  c.norm_topk_prob = true;
+  c.scoring_func = "sqrtsoftplus";
+  c.yarn.enabled = true, c.yarn.factor = 16, c.yarn.original_max_position_embeddings = 65536;
+  c.yarn.beta_fast = 32, c.yarn.beta_slow = 1;
+  for (int64_t l = 0; l < layers; ++l)  // the official layout: 0, 0, then 4 and 128 alternating
+    c.compress_ratios.push_back(l < 2 ? 0 : (l % 2 == 0 ? 4 : 128));
+  return c;
+}
+
+// FLOPs of one layer (attention + MoE, as the engine computes them) over positions [0, T).
+double layer_flops(const Dsv4Config& c, int32_t ratio, int64_t T) {
+  const double H = c.hidden, QL = c.q_lora_rank, hd = c.head_dim, Hh = c.heads;
+  const double ih = c.index_n_heads, ihd = c.index_head_dim, E = c.n_routed_experts;
+  const double I = c.moe_inter, S = c.moe_inter * c.n_shared_experts, K = c.experts_per_tok;
+  const double W = c.hc_mult * H, mix = static_cast<double>(c.hc_mix());
+  double per_tok = H * QL + QL * Hh * hd + H * hd + Hh * hd * c.o_lora_rank +
+                   c.o_groups * c.o_lora_rank * H;  // q, kv, grouped output
+  if (ratio > 0) per_tok += 2 * H * hd * (ratio == 4 ? 2 : 1);
+  if (ratio == 4) per_tok += 2 * H * 2 * ihd + QL * ih * ihd + H * ih;
+  per_tok += H * E + K * 3 * I * H + 3 * S * H;  // router, active experts, shared expert
+  per_tok += 2 * W * mix;                        // two hyper-connection mixes
+  double total = 2.0 * per_tok * static_cast<double>(T);
+  for (int64_t p = 0; p < T; ++p) {  // attention and the indexer: the keys each query scores
+    double keys = static_cast<double>(std::min<int64_t>(c.sliding_window, p + 1));
+    const int64_t vis = ratio > 0 ? (p + 1) / ratio : 0;
+    if (ratio == 128) keys += static_cast<double>(vis);
+    if (ratio == 4) {
+      keys += static_cast<double>(std::min<int64_t>(vis, c.index_topk));
+      if (vis > c.index_topk) {
+        const bool hisa = vis >= c.index_block * c.index_keep;
+        const double scored =
+            hisa ? static_cast<double>(vis / c.index_block + c.index_keep * c.index_block)
+                 : static_cast<double>(vis);
+        total += 2.0 * ih * ihd * scored;
+      }
+    }
+    total += 2.0 * 2.0 * Hh * hd * keys;  // q.k and p.v
+  }
+  return total;
+}
+
+// The test's comparison (tests/gpu/dsv4_cuda_test.cc) on its hash-routed model, two schedules.
+bool refcheck() {
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/true);
+  const Dsv4Weights w = random_dsv4_model(c, 11);
+  Dsv4EngineOptions cpu_opts;
+  cpu_opts.quant_arith = Dsv4QuantArith::kDequant;
+  Dsv4CpuEngine cpu(w, cpu_opts);
+  Dsv4CudaOptions gpu_opts;
+  gpu_opts.host_tap = true;
+  Dsv4CudaEngine gpu(w, gpu_opts);
+  std::mt19937 rng(3);
+  std::vector<int32_t> ids(300);
+  for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
+  CompareSpec spec;
+  spec.max_ulp = 1 << 20, spec.max_abs = 1e9, spec.min_cosine = -2;
+  bool ok = true;
+  for (const std::vector<int64_t>& schedule :
+       {std::vector<int64_t>{300}, std::vector<int64_t>{5, 3, 120, 1, 1, 2, 8, 9, 31, 4, 1}}) {
+    Status st;
+    const auto want = dsv4_taps(cpu, ids, schedule, &st);
+    if (!st.is_ok()) return false;
+    const auto got = dsv4_taps(gpu, ids, schedule, &st);
+    if (!st.is_ok()) return false;
+    const auto reports = dsv4_compare_taps(got, want, c.hidden, spec);
+    for (size_t l = 0; l < reports.size(); ++l) {
+      const Dsv4TokenStats ts = dsv4_token_stats(got[l], want[l], c.hidden);
+      const bool pass = dsv4_within(kDsv4HashRoutedTolerance, reports[l].cosine, ts);
+      std::fprintf(
+          stderr, "refcheck layer %zu: max|diff| %.4g cosine %.7f tokens below 0.999 %.1f%% %s\n",
+          l, reports[l].max_abs, reports[l].cosine, 100.0 * ts.frac_below_3, pass ? "ok" : "FAIL");
+      ok = ok && pass;
+    }
+  }
+  return ok;
+}
+
+std::vector<int64_t> parse_list(const char* s) {
+  std::vector<int64_t> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) v.push_back(std::atoll(item.c_str()));
+  return v;
+}
+
+}  // namespace
+}  // namespace hetero
+
+int main(int argc, char** argv) {
+  using namespace hetero;
+  std::vector<int64_t> Ts = {8192, 32768, 131072};
+  int64_t chunk = 8192, layers = 4;
+  int warmup = 1, repeats = 3;
+  bool check = false;
+  Dsv4CudaOptions opts;
+  std::string rev = "unknown";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
+    if (a == "--t")
+      Ts = parse_list(next());
+    else if (a == "--chunk")
+      chunk = std::atoll(next());
+    else if (a == "--layers")
+      layers = std::atoll(next());
+    else if (a == "--warmup")
+      warmup = std::atoi(next());
+    else if (a == "--repeats")
+      repeats = std::atoi(next());
+    else if (a == "--refcheck")
+      check = true;
+    else if (a == "--rev")
+      rev = next();
+    else if (a == "--phases")
+      opts.phase_timing = true;
+    else if (a == "--moe")
+      opts.grouped_experts = std::string(next()) != "loop";
+    else {
+      std::fprintf(stderr,
+                   "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
+                   "[--repeats 3] [--moe loop|grouped] [--phases] [--refcheck] [--rev GIT_REV]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  if (check) {
+    if (!refcheck()) {
+      std::fprintf(stderr,
+                   "refcheck FAILED: the GPU engine disagrees with the CPU engine; "
+                   "no numbers reported\n");
+      return 1;
+    }
+    std::fprintf(stderr, "refcheck passed\n");
+  }
+  const std::string gpu = bench::gpu_name();
+  const double peak = bench::measured_bf16_peak_tflops();
+  const Dsv4Config c = flash_config(layers);
+  auto engine = Dsv4CudaEngine::random(c, 1234, opts);
+  if (!engine->set_full_forward(true).is_ok()) return 1;
+  auto st = static_cast<cudaStream_t>(engine->stream());
+  std::vector<cudaEvent_t> ev(static_cast<size_t>(layers + 1));
+  for (auto& e : ev) cudaEventCreate(&e);
+  std::mt19937 rng(7);
+  std::fprintf(stderr, "%s, weights %.1f GB, bf16 peak %.0f TFLOP/s, layers %lld, chunk %lld\n",
+               gpu.c_str(), engine->weight_bytes() / 1e9, peak, static_cast<long long>(layers),
+               static_cast<long long>(chunk));
+  std::fprintf(stderr, "%8s %10s %10s %10s %12s %10s %8s\n", "T", "r0 ms", "r4 ms", "r128 ms",
+               "43L tok/s", "TFLOP/s", "of peak");
+  for (int64_t T : Ts) {
+    std::vector<int32_t> ids(static_cast<size_t>(T));
+    for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
+    std::vector<std::vector<double>> layer_ms(static_cast<size_t>(layers));
+    std::vector<double> total_ms;
+    auto phases_before = engine->phase_ms();
+    for (int run = 0; run < warmup + repeats; ++run) {
+      if (run == warmup) phases_before = engine->phase_ms();  // warm-up runs not counted
+      engine->reset();
+      std::vector<double> ms(static_cast<size_t>(layers), 0.0);
+      double total = 0;
+      for (int64_t at = 0; at < T; at += chunk) {
+        const int64_t n = std::min(chunk, T - at);
+        std::vector<int32_t> part(ids.begin() + at, ids.begin() + at + n);
+        auto tap = [&](const TapEvent& e) {
+          cudaEventRecord(ev[static_cast<size_t>(e.layer)], static_cast<cudaStream_t>(e.stream));
+        };
+        if (!engine->prefill_chunk(part, tap).is_ok()) return 1;
+        cudaEventRecord(ev[static_cast<size_t>(layers)], st);
+        if (!engine->synchronize().is_ok()) return 1;
+        for (int64_t l = 0; l < layers; ++l) {
+          float t = 0;
+          cudaEventElapsedTime(&t, ev[static_cast<size_t>(l)], ev[static_cast<size_t>(l + 1)]);
+          ms[static_cast<size_t>(l)] += t;
+        }
+        float t = 0;
+        cudaEventElapsedTime(&t, ev[0], ev[static_cast<size_t>(layers)]);
+        total += t;
+      }
+      if (run < warmup) continue;
+      for (int64_t l = 0; l < layers; ++l)
+        layer_ms[static_cast<size_t>(l)].push_back(ms[static_cast<size_t>(l)]);
+      total_ms.push_back(total);
+    }
+    // Phase breakdown (with --phases): device ms per timed run, all layers together.
+    std::string phases = "{";
+    const auto phases_after = engine->phase_ms();
+    for (size_t i = 0; i < phases_after.size(); ++i) {
+      const double before = i < phases_before.size() ? phases_before[i].second : 0.0;
+      char buf[160];
+      std::snprintf(buf, sizeof(buf), "%s\"%s\":%.2f", i ? "," : "", phases_after[i].first.c_str(),
+                    (phases_after[i].second - before) / repeats);
+      phases += buf;
+      std::fprintf(stderr, "  phase %-28s %10.2f ms/run\n", phases_after[i].first.c_str(),
+                   (phases_after[i].second - before) / repeats);
+    }
+    phases += "}";
+    // Per ratio: the mean of its layers' medians.
+    double by_ratio[3] = {0, 0, 0}, flops_by_ratio[3] = {0, 0, 0};
+    int count[3] = {0, 0, 0};
+    std::string per_layer = "[";
+    for (int64_t l = 0; l < layers; ++l) {
+      const bench::Spread s = bench::spread(layer_ms[static_cast<size_t>(l)]);
+      const int32_t r = c.compress_ratios[static_cast<size_t>(l)];
+      const int k = r == 0 ? 0 : r == 4 ? 1 : 2;
+      by_ratio[k] += s.median, ++count[k];
+      flops_by_ratio[k] = layer_flops(c, r, T);
+      char buf[256];
+      std::snprintf(buf, sizeof(buf),
+                    "%s{\"layer\":%lld,\"ratio\":%d,\"ms_median\":%.3f,\"ms_min\":%.3f,"
+                    "\"ms_max\":%.3f}",
+                    l ? "," : "", static_cast<long long>(l), r, s.median, s.min, s.max);
+      per_layer += buf;
+    }
+    per_layer += "]";
+    for (int k = 0; k < 3; ++k) by_ratio[k] = count[k] ? by_ratio[k] / count[k] : -1;
+    // The Flash model's 43 layers: 2 of ratio 0, 21 of ratio 4, 20 of ratio 128.
+    const int mult[3] = {2, 21, 20};
+    double model_ms = 0, model_flops = 0;
+    bool complete = true;
+    for (int k = 0; k < 3; ++k) {
+      if (count[k] == 0) complete = false;
+      model_ms += mult[k] * by_ratio[k];
+      model_flops += mult[k] * flops_by_ratio[k];
+    }
+    const double tok_s = complete ? static_cast<double>(T) / (model_ms * 1e-3) : 0;
+    const double tflops = complete ? model_flops / (model_ms * 1e-3) / 1e12 : 0;
+    const bench::Spread tot = bench::spread(total_ms);
+    std::printf(
+        "{\"bench\":\"gpu_dsv4_layer\",\"gpu\":\"%s\",\"rev\":\"%s\",\"config\":\"flash-shape "
+        "random "
+        "bf16\",\"T\":%lld,\"chunk\":%lld,\"layers\":%lld,\"moe\":\"%s\",\"warmup\":%d,\"repeats\":"
+        "%d,"
+        "\"per_layer\":%s,\"ms_ratio0\":%.3f,\"ms_ratio4\":%.3f,\"ms_ratio128\":%.3f,"
+        "\"run_ms_median\":%.3f,\"run_ms_min\":%.3f,\"run_ms_max\":%.3f,"
+        "\"implied_43_layer_s\":%.4f,\"implied_tok_s\":%.1f,\"tflops\":%.1f,"
+        "\"peak_bf16_tflops\":%.1f,\"fraction_of_peak\":%.3f,\"phase_ms\":%s,\"refcheck\":%s}\n",
+        gpu.c_str(), rev.c_str(), static_cast<long long>(T), static_cast<long long>(chunk),
+        static_cast<long long>(layers), opts.grouped_experts ? "grouped" : "loop", warmup, repeats,
+        per_layer.c_str(), by_ratio[0], by_ratio[1], by_ratio[2], tot.median, tot.min, tot.max,
+        model_ms * 1e-3, tok_s, tflops, peak, peak > 0 ? tflops / peak : 0.0, phases.c_str(),
+        check ? "\"passed\"" : "\"not run\"");
+    std::fflush(stdout);
+    std::fprintf(stderr, "%8lld %10.2f %10.2f %10.2f %12.0f %10.1f %7.1f%%\n",
+                 static_cast<long long>(T), by_ratio[0], by_ratio[1], by_ratio[2], tok_s, tflops,
+                 peak > 0 ? 100.0 * tflops / peak : 0.0);
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  return 0;
+}

@@ -1,0 +1,292 @@
+// The llama CUDA prefill engine at a ~1B model's shapes (Llama-3.2-1B: hidden 2048, 16 layers,
+// 32 heads / 8 kv heads of 64, ffn 8192, vocab 128256; 1.24B parameters) with random weights:
+// prefill throughput at each T, the fraction of the GPU's measured bf16 matmul peak it reaches,
+// and what the bridge costs on top — the tap and the exact cache program on a side stream
+// ("on"), against the forward alone ("off") — with the bytes the segments carry per token and the
+// device memory the capture holds.
+//
+// One run = reset, then T tokens in --chunk sized chunks, timed from the first enqueue until the
+// engine's stream is idle and (on) the producer's manifest is out. Median and spread of --repeat
+// runs after --warmup. FLOPs counted: every projection GEMM and the causal attention's useful
+// work (QK^T and PV over the visible keys), not the masked half of diagonal tiles.
+// --refcheck first compares the engine with the CPU engine on a small model (per-layer attention
+// inputs, relative RMS error against the stated bound) and refuses to report if that fails.
+//
+// Output: one JSON line per (T, mode) on stdout; a table on stderr.
+#include <cuda_runtime.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "bridge/cuda/gpu_programs.h"
+#include "bridge/llama_program.h"
+#include "bridge/producer.h"
+#include "engine/cuda/llama_cuda.h"
+#include "engine/llama_cpu.h"
+
+namespace hetero {
+namespace {
+
+using bench::Draw;
+
+struct Args {
+  std::vector<int64_t> tokens = {8192, 32768, 131072};
+  int64_t chunk = 8192;
+  int repeat = 3, warmup = 1;
+  std::vector<std::string> modes = {"off", "on"};
+  std::string kv = "fp8", shape = "1b", rev = "unknown";
+  int64_t layers = 0;  // 0: the shape's
+  bool refcheck = false;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t p = 0;
+  while (p <= s.size()) {
+    const size_t q = s.find(',', p);
+    out.push_back(s.substr(p, q == std::string::npos ? std::string::npos : q - p));
+    if (q == std::string::npos) break;
+    p = q + 1;
+  }
+  return out;
+}
+
+LlamaConfig shape_config(const std::string& shape) {
+  LlamaConfig c;
+  c.model_type = "llama";
+  c.rms_norm_eps = 1e-5, c.rope_theta = 500000.0, c.tie_embeddings = true;
+  if (shape == "1b") {
+    c.hidden = 2048, c.layers = 16, c.heads = 32, c.kv_heads = 8, c.head_dim = 64;
+    c.intermediate = 8192, c.vocab = 128256;
+  } else {  // smollm2-135m, the default model's shapes
+    c.hidden = 576, c.layers = 30, c.heads = 9, c.kv_heads = 3, c.head_dim = 64;
+    c.intermediate = 1536, c.vocab = 49152;
+  }
+  return c;
+}
+
+Tensor random_bf16(std::vector<int64_t> shape, float scale, float mean, uint64_t seed) {
+  Tensor t(DType::kBF16, std::move(shape));
+  uint16_t* p = t.data<uint16_t>();
+  const int64_t n = t.numel();
+#pragma omp parallel
+  {
+    const int64_t per = (n + omp_get_num_threads() - 1) / omp_get_num_threads();
+    const int64_t b = per * omp_get_thread_num(), e = std::min(n, b + per);
+    Draw d{seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(omp_get_thread_num()) + 1};
+    for (int64_t i = b; i < e; ++i) p[i] = f32_to_bf16(mean + d.next(scale));
+  }
+  return t;
+}
+
+LlamaWeights random_weights(const LlamaConfig& c) {
+  LlamaWeights w;
+  w.config = c;
+  const int64_t H = c.hidden, qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
+  const float ws = std::sqrt(3.f / static_cast<float>(H));  // unit-variance outputs
+  uint64_t seed = 1;
+  w.embed = random_bf16({c.vocab, H}, 1.7f, 0.f, seed++);
+  w.final_norm = random_bf16({H}, 0.1f, 1.f, seed++);
+  for (int64_t l = 0; l < c.layers; ++l) {
+    LlamaLayerWeights L;
+    L.input_norm = random_bf16({H}, 0.1f, 1.f, seed++);
+    L.post_norm = random_bf16({H}, 0.1f, 1.f, seed++);
+    L.wq = random_bf16({qd, H}, ws, 0.f, seed++);
+    L.wk = random_bf16({kvd, H}, ws, 0.f, seed++);
+    L.wv = random_bf16({kvd, H}, ws, 0.f, seed++);
+    L.wo = random_bf16({H, qd}, std::sqrt(3.f / static_cast<float>(qd)), 0.f, seed++);
+    L.w_gate = random_bf16({c.intermediate, H}, ws, 0.f, seed++);
+    L.w_up = random_bf16({c.intermediate, H}, ws, 0.f, seed++);
+    L.w_down = random_bf16({H, c.intermediate}, std::sqrt(3.f / static_cast<float>(c.intermediate)),
+                           0.f, seed++);
+    w.layers.push_back(std::move(L));
+  }
+  return w;
+}
+
+// Useful FLOPs of prefilling T tokens (projections + causal attention; no lm_head).
+double prefill_flops(const LlamaConfig& c, int64_t T) {
+  const double H = c.hidden, qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
+  const double I = c.intermediate;
+  const double gemm = 2.0 * (H * (qd + 2 * kvd) + qd * H + H * 2 * I + I * H);
+  const double attn = 4.0 * qd * (static_cast<double>(T) + 1) / 2.0;  // per token, average
+  return static_cast<double>(c.layers) * (gemm + attn) * static_cast<double>(T);
+}
+
+int refcheck() {
+  LlamaConfig c = shape_config("smollm2");
+  c.layers = 4, c.vocab = 1024;
+  const LlamaWeights w = random_weights(c);
+  std::vector<int32_t> ids(600);
+  Draw d{77};
+  for (auto& id : ids) id = static_cast<int32_t>((d.next(1.f) + 1.f) * 511.f) % 1024;
+  std::vector<std::vector<uint16_t>> want(static_cast<size_t>(c.layers)), got(want.size());
+  auto collect = [&](std::vector<std::vector<uint16_t>>& into) {
+    return [&into](const TapEvent& e) {
+      auto& v = into[static_cast<size_t>(e.layer)];
+      v.insert(v.end(), e.x_bf16, e.x_bf16 + e.n_tokens * e.hidden);
+    };
+  };
+  LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
+  if (!cpu.prefill_chunk(ids, collect(want)).is_ok()) return 1;
+  auto gpu = cuda::LlamaCudaEngine::create(w, {cuda::KvDtype::kFp8, true, 0});
+  if (!gpu.is_ok())
+    return std::fprintf(stderr, "refcheck: %s\n", gpu.status().to_string().c_str()), 1;
+  for (int64_t p = 0; p < 600; p += 256) {
+    std::vector<int32_t> part(ids.begin() + p, ids.begin() + std::min<int64_t>(600, p + 256));
+    if (!(*gpu)->prefill_chunk(part, collect(got)).is_ok()) return 1;
+  }
+  const double bound = 6e-2;  // tests/gpu/llama_cuda_test.cc, FP8 cache
+  for (int64_t l = 0; l < c.layers; ++l) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < want[static_cast<size_t>(l)].size(); ++i) {
+      const double a = bf16_to_f32(got[static_cast<size_t>(l)][i]);
+      const double b = bf16_to_f32(want[static_cast<size_t>(l)][i]);
+      num += (a - b) * (a - b), den += b * b;
+    }
+    const double e = std::sqrt(num / den);
+    std::fprintf(stderr, "refcheck layer %lld: relative RMS %.2e (bound %.0e)\n",
+                 static_cast<long long>(l), e, bound);
+    if (!(e < bound)) return std::fprintf(stderr, "refcheck FAILED\n"), 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace hetero
+
+int main(int argc, char** argv) {
+  using namespace hetero;
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    const char* v = i + 1 < argc ? argv[i + 1] : "";
+    if (k == "--refcheck") {
+      a.refcheck = true;
+      continue;
+    }
+    ++i;
+    if (k == "--tokens") {
+      a.tokens.clear();
+      for (const auto& t : split(v)) a.tokens.push_back(std::atoll(t.c_str()));
+    } else if (k == "--chunk")
+      a.chunk = std::atoll(v);
+    else if (k == "--repeat")
+      a.repeat = std::atoi(v);
+    else if (k == "--warmup")
+      a.warmup = std::atoi(v);
+    else if (k == "--modes")
+      a.modes = split(v);
+    else if (k == "--kv")
+      a.kv = v;
+    else if (k == "--shape")
+      a.shape = v;
+    else if (k == "--layers")
+      a.layers = std::atoll(v);
+    else if (k == "--rev")
+      a.rev = v;
+    else
+      return std::fprintf(stderr, "unknown option %s\n", k.c_str()), 2;
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
+    return std::fprintf(stderr, "no CUDA device\n"), 1;
+  if (a.refcheck && refcheck() != 0) return 1;
+  const std::string gpu = bench::gpu_name();
+  const double peak = bench::measured_bf16_peak_tflops();
+  std::fprintf(stderr, "%s: measured bf16 GEMM peak %.0f TFLOP/s\n", gpu.c_str(), peak);
+
+  LlamaConfig c = shape_config(a.shape);
+  if (a.layers > 0) c.layers = a.layers;
+  const double t0 = bench::now_s();
+  const LlamaWeights w = random_weights(c);
+  auto kv = cuda::parse_kv_dtype(a.kv);
+  if (!kv.is_ok()) return std::fprintf(stderr, "%s\n", kv.status().to_string().c_str()), 2;
+  auto engine = cuda::LlamaCudaEngine::create(w, {*kv, false, 0});
+  if (!engine.is_ok()) return std::fprintf(stderr, "%s\n", engine.status().to_string().c_str()), 1;
+  const LlamaDecoderWeights dw = llama_decoder_weights_of(w, "bench");
+  auto gw = cuda::upload_llama_weights(dw);
+  if (!gw.is_ok()) return std::fprintf(stderr, "%s\n", gw.status().to_string().c_str()), 1;
+  std::fprintf(stderr, "weights ready in %.1f s (%.2f GB on the device)\n", bench::now_s() - t0,
+               static_cast<double>((*engine)->weight_bytes()) / 1e9);
+  // The decoder's own cache per token: K and V rows, bf16, every layer.
+  const double decoder_bytes_per_token = 2.0 * c.layers * c.kv_heads * c.head_dim * 2;
+
+  std::fprintf(stderr, "%8s %4s %10s %10s %8s %7s %9s %10s %12s\n", "T", "mode", "median_s",
+               "tok/s", "TFLOP/s", "peak%", "overhead", "wireB/tok", "capture_MB");
+  for (int64_t T : a.tokens) {
+    std::vector<int32_t> ids(static_cast<size_t>(T));
+    Draw d{static_cast<uint64_t>(T)};
+    for (auto& id : ids)
+      id = static_cast<int32_t>((d.next(1.f) + 1.f) * 0.5f * static_cast<float>(c.vocab - 1));
+    double off_median = 0;
+    for (const std::string& mode : a.modes) {
+      const bool on = mode == "on";
+      std::vector<double> secs;
+      double wire_bytes = 0, capture_bytes = 0;
+      bool complete = true;
+      for (int r = 0; r < a.warmup + a.repeat; ++r) {
+        (*engine)->reset();
+        cuda::GpuCaptureStore capture(4);
+        cuda::LlamaGpuSegmentProgram program(gw->get());
+        double bytes = 0;
+        std::unique_ptr<BridgeProducer> producer;
+        if (on)
+          producer = std::make_unique<BridgeProducer>(
+              &program,
+              [&bytes](std::string f) {
+                bytes += static_cast<double>(f.size());
+                return true;
+              },
+              4, &capture);
+        const AttentionInputTap tap = on ? producer->tap() : AttentionInputTap();
+        cudaDeviceSynchronize();
+        const double s0 = bench::now_s();
+        Status st;
+        for (int64_t p = 0; p < T && st.is_ok(); p += a.chunk) {
+          std::vector<int32_t> part(ids.begin() + p, ids.begin() + std::min(T, p + a.chunk));
+          st = (*engine)->prefill_chunk(part, tap);
+        }
+        if (st.is_ok()) st = (*engine)->synchronize();
+        if (on) complete = producer->finish(T, st).complete && complete;
+        const double s = bench::now_s() - s0;
+        if (!st.is_ok()) return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
+        if (r >= a.warmup) secs.push_back(s);
+        wire_bytes = bytes, capture_bytes = static_cast<double>(capture.device_bytes());
+      }
+      const bench::Spread sp = bench::spread(secs);
+      if (mode == "off") off_median = sp.median;
+      const double flops = prefill_flops(c, T);
+      const double tflops = flops / sp.median / 1e12;
+      const double overhead = on && off_median > 0 ? sp.median / off_median - 1.0 : 0.0;
+      std::printf(
+          "{\"bench\":\"gpu_llama_prefill\",\"rev\":\"%s\",\"gpu\":\"%s\",\"shape\":\"%s\","
+          "\"layers\":%lld,\"params\":%.3e,\"kv\":\"%s\",\"T\":%lld,\"chunk\":%lld,\"mode\":\"%s\","
+          "\"repeat\":%d,\"median_s\":%.4f,\"min_s\":%.4f,\"max_s\":%.4f,\"tok_per_s\":%.0f,"
+          "\"tflops\":%.1f,\"peak_tflops\":%.0f,\"peak_fraction\":%.3f,\"overhead_vs_off\":%s,"
+          "\"wire_bytes_per_token\":%s,\"decoder_cache_bytes_per_token\":%.0f,"
+          "\"capture_device_bytes\":%.0f,\"engine_cache_bytes\":%zu,\"activation_bytes\":%zu,"
+          "\"manifest_complete\":%s}\n",
+          a.rev.c_str(), gpu.c_str(), a.shape.c_str(), static_cast<long long>(c.layers),
+          static_cast<double>((*engine)->weight_bytes()) / 2, a.kv.c_str(),
+          static_cast<long long>(T), static_cast<long long>(a.chunk), mode.c_str(), a.repeat,
+          sp.median, sp.min, sp.max, static_cast<double>(T) / sp.median, tflops, peak,
+          tflops / peak, on ? std::to_string(overhead).c_str() : "null",
+          on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null",
+          decoder_bytes_per_token, capture_bytes, (*engine)->cache_bytes(),
+          (*engine)->activation_bytes(), on ? (complete ? "true" : "false") : "null");
+      std::fflush(stdout);
+      std::fprintf(stderr, "%8lld %4s %10.4f %10.0f %8.1f %6.1f%% %8.1f%% %10.0f %12.1f\n",
+                   static_cast<long long>(T), mode.c_str(), sp.median,
+                   static_cast<double>(T) / sp.median, tflops, 100 * tflops / peak, 100 * overhead,
+                   on ? wire_bytes / static_cast<double>(T) : 0.0, capture_bytes / 1e6);
+    }
+  }
+  return 0;
+}

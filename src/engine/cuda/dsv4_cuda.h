@@ -1,0 +1,93 @@
+// CUDA backend of the prefill engine for DeepSeek-V4: the same forward and the same chunk
+// semantics as Dsv4CpuEngine (engine/dsv4_cpu.h) — the decoder-shaped per-layer state (local
+// window, compressor pools with their pending rows, the indexer's pool, the ratio-4 overlap lane
+// that is empty for the first window a call completes, HISA once a layer holds index_block *
+// index_keep pooled rows, chunks of 2..8 tokens run token by token) — in fast arithmetic: bf16
+// tensor-core GEMMs through cuBLAS with float32 accumulation, the checkpoint's FP8/FP4 weights
+// dequantized to bf16 at load, tensor-core attention over the window and the (selected)
+// compressed rows, routed experts grouped per expert. It is not bit-identical to the CPU engine;
+// tests/gpu/dsv4_cuda_test.cc states how close it is (it compares with the CPU engine's
+// `dequant` arithmetic, the dense decoder this engine computes).
+//
+// Memory: the weights are uploaded once; activations are sized by the largest chunk seen; the
+// per-layer state lives on the device. Work is enqueued on one compute stream owned by the
+// engine; the host waits only for the per-expert row counts of each MoE layer (cuBLAS needs them)
+// and, with host_tap, for the tap's copy. Thread-safety: one engine serves one sequence at a
+// time, from one host thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/tap.h"
+#include "model/dsv4.h"
+
+namespace hetero {
+
+struct Dsv4CudaOptions {
+  // Hand the tap a host copy of x too (copied back and waited for): for tests and the CPU
+  // programs. Without it the tap gets x_device and the stream only.
+  bool host_tap = false;
+  // Routed experts through one cublasGemmGroupedBatchedEx call per projection instead of a loop
+  // of one GEMM per active expert (the loop measured ~3% faster end to end on an H200 at Flash
+  // shapes, 8K and 32K tokens; bench/gpu/dsv4_layer_bench --moe).
+  bool grouped_experts = false;
+  // Record an event at each phase of the forward and add up the device time per phase
+  // (phase_ms()); each chunk then ends by waiting for the device. For benchmarks.
+  bool phase_timing = false;
+  // Run every attention call through the online-softmax kernel, which otherwise serves only key
+  // lists too long for the two-pass kernel's shared memory (ratio-128 layers past ~230K tokens at
+  // head_dim 512): for tests.
+  bool online_softmax_attention = false;
+};
+
+class Dsv4CudaEngine {
+ public:
+  static Result<std::unique_ptr<Dsv4CudaEngine>> load(const std::string& model_dir,
+                                                      const Dsv4CudaOptions& options = {});
+  explicit Dsv4CudaEngine(const Dsv4Weights& weights, const Dsv4CudaOptions& options = {});
+  // Weights drawn on the device from a seed (for benchmarks at full layer shapes, where building
+  // them on the host would take longer than the measurement): matrices ~ N(0, 1/in), norms ~ 1.
+  static std::unique_ptr<Dsv4CudaEngine> random(const Dsv4Config& config, uint64_t seed,
+                                                const Dsv4CudaOptions& options = {});
+  ~Dsv4CudaEngine();
+  Dsv4CudaEngine(const Dsv4CudaEngine&) = delete;
+  Dsv4CudaEngine& operator=(const Dsv4CudaEngine&) = delete;
+
+  const Dsv4Config& config() const { return config_; }
+  const Dsv4CudaOptions& options() const { return options_; }
+  // Forgets the sequence.
+  void reset();
+  int64_t cached_tokens() const { return n_cached_; }
+  // As Dsv4CpuEngine::set_full_forward.
+  Status set_full_forward(bool on);
+  // Runs the next chunk (positions [cached_tokens(), +ids.size())); ids outside the vocabulary
+  // are refused before anything changes. Returns once the chunk is enqueued (and, with host_tap,
+  // each tap has run on its host copy); call synchronize() to wait for the device.
+  Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap);
+  // Waits for everything enqueued on the compute stream.
+  Status synchronize();
+  void* stream() const;  // the compute stream (cudaStream_t)
+  // With phase_timing: milliseconds of device time per phase since construction.
+  std::vector<std::pair<std::string, double>> phase_ms() const;
+  // Bytes of device memory the weights take.
+  int64_t weight_bytes() const { return weight_bytes_; }
+
+  struct Impl;  // device weights, state and scratch (dsv4_cuda.cc)
+
+ private:
+  Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& options);
+
+  Dsv4Config config_;
+  Dsv4CudaOptions options_;
+  std::unique_ptr<Impl> impl_;
+  int64_t n_cached_ = 0;
+  int64_t weight_bytes_ = 0;
+  bool full_forward_ = false;
+};
+
+}  // namespace hetero

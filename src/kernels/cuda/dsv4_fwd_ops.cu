@@ -1,0 +1,474 @@
+// Fast CUDA ops of the DeepSeek-V4 prefill forward: weights drawn on the device, norms,
+// hyper-connections and the MoE's routing, grouping and combination. See dsv4_fwd_ops.h; the
+// attention and the indexer are in dsv4_fwd_attention.cu.
+#include <algorithm>
+#include <cfloat>
+#include <cstdio>
+#include <cstdlib>
+
+#include "kernels/cuda/dsv4_fwd_common.cuh"
+#include "kernels/cuda/dsv4_fwd_ops.h"
+#include "kernels/cuda/mlx_math.cuh"
+
+namespace hetero::cuda {
+namespace {
+
+using namespace dsv4_fwd;
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+// Sum of four uniforms on [-0.5, 0.5), times sqrt(3): mean 0, variance 1.
+__device__ __forceinline__ float hashed_normal(uint64_t seed, int64_t i) {
+  const uint64_t z = mix64(seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(i));
+  float s = 0.0f;
+  for (int k = 0; k < 4; ++k) s += static_cast<float>((z >> (16 * k)) & 0xffff) / 65536.0f - 0.5f;
+  return s * 1.7320508f;
+}
+
+__global__ void fill_bf16_kernel(uint16_t* x, int64_t n, float scale, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = f2b(hashed_normal(seed, i) * scale);
+}
+__global__ void fill_f32_kernel(float* x, int64_t n, float scale, float offset, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = offset + hashed_normal(seed, i) * scale;
+}
+__global__ void fill_i32_kernel(int32_t* x, int64_t n, int32_t modulo, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = static_cast<int32_t>(mix64(seed + static_cast<uint64_t>(i)) % uint64_t(modulo));
+}
+
+// One warp per row.
+__global__ void rms_norm_kernel(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w,
+                                float eps, uint16_t* out) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= m) return;
+  const uint16_t* xr = x + row * d;
+  float s = 0.0f;
+  for (int64_t j = lane; j < d; j += 32) {
+    const float v = b2f(xr[j]);
+    s += v * v;
+  }
+  s = warp_sum(s);
+  const float r = 1.0f / sqrtf(s / float(d) + eps);
+  uint16_t* o = out + row * d;
+  for (int64_t j = lane; j < d; j += 32) {
+    const float y = rb(b2f(xr[j]) * r);
+    o[j] = w ? f2b(y * b2f(w[j])) : f2b(y);
+  }
+}
+
+__global__ void embed_kernel(const uint16_t* embed, const int32_t* ids, int64_t hc, int64_t hidden,
+                             uint16_t* h) {
+  const int64_t t = blockIdx.x;
+  const uint4* src = reinterpret_cast<const uint4*>(embed + int64_t(ids[t]) * hidden);
+  for (int64_t k = 0; k < hc; ++k) {
+    uint4* dst = reinterpret_cast<uint4*>(h + (t * hc + k) * hidden);
+    for (int64_t j = threadIdx.x; j < hidden / 8; j += blockDim.x) dst[j] = src[j];
+  }
+}
+
+// ---- hyper-connections -------------------------------------------------------------------
+
+constexpr int kHcTok = 32, kHcTile = 128, kHcMaxMix = 32, kHcSplits = 16;
+
+// Per token, mix_out holds: mixes [mix], pre [hc], post [hc], comb [hc*hc], then the partial
+// sums of each column split [kHcSplits][mix + 1] (the last one the sum of squares).
+__host__ __device__ inline int64_t hc_partial_offset(int64_t hc) {
+  return (2 + hc) * hc + 2 * hc + hc * hc;
+}
+
+// Partial mixes over one split of the hc*hidden columns: 32 tokens per block, 8 threads per
+// token; blockIdx.y is the split. hc_params_kernel adds the splits in order.
+__global__ void hc_mix_kernel(HcParams p, const uint16_t* h, int64_t n, float* mix_out,
+                              int64_t stride, int64_t splits) {
+  __shared__ float hs[kHcTok][kHcTile + 1];
+  __shared__ float fs[kHcMaxMix][kHcTile + 1];
+  const int64_t W = p.hc * p.hidden, mix = (2 + p.hc) * p.hc, cols = W / splits;
+  const int64_t t0 = int64_t(blockIdx.x) * kHcTok, c0 = int64_t(blockIdx.y) * cols;
+  const int tok = threadIdx.x / 8, jg = threadIdx.x % 8;
+  float acc[4] = {0, 0, 0, 0}, sq = 0.0f;
+  for (int64_t k0 = c0; k0 < c0 + cols; k0 += kHcTile) {
+    for (int i = threadIdx.x; i < kHcTok * kHcTile; i += blockDim.x) {
+      const int r = i / kHcTile, c = i % kHcTile;
+      hs[r][c] = (t0 + r < n) ? b2f(h[(t0 + r) * W + k0 + c]) : 0.0f;
+    }
+    for (int i = threadIdx.x; i < mix * kHcTile; i += blockDim.x) {
+      const int r = i / kHcTile, c = i % kHcTile;
+      fs[r][c] = p.fn[r * W + k0 + c];
+    }
+    __syncthreads();
+    for (int c = 0; c < kHcTile; ++c) {
+      const float v = hs[tok][c];
+      if (jg == 0) sq += v * v;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int j = jg + 8 * q;
+        if (j < mix) acc[q] += v * fs[j][c];
+      }
+    }
+    __syncthreads();
+  }
+  if (t0 + tok >= n) return;
+  float* part = mix_out + (t0 + tok) * stride + hc_partial_offset(p.hc) + blockIdx.y * (mix + 1);
+  for (int q = 0; q < 4; ++q) {
+    const int j = jg + 8 * q;
+    if (j < mix) part[j] = acc[q];
+  }
+  if (jg == 0) part[mix] = sq;
+}
+
+__device__ __forceinline__ float sigmoid_mlx(float x) {
+  const float y = 1.0f / (1.0f + mlx_exp(fabsf(x)));
+  return x < 0.0f ? y : 1.0f - y;
+}
+
+// One thread per token: pre, post and the Sinkhorn-normalised comb.
+__global__ void hc_params_kernel(HcParams p, int64_t n, float* mix_out, int64_t stride,
+                                 int64_t splits) {
+  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (t >= n) return;
+  const int64_t K = p.hc, mix = (2 + K) * K;
+  float* m = mix_out + t * stride;
+  {  // mixes = (h . fn) / rms(h), from the splits' partial sums
+    const float* part = m + hc_partial_offset(K);
+    float sq = 0.0f;
+    for (int64_t s = 0; s < splits; ++s) sq += part[s * (mix + 1) + mix];
+    const float r = 1.0f / sqrtf(sq / float(K * p.hidden) + p.norm_eps);
+    for (int64_t j = 0; j < mix; ++j) {
+      float a = 0.0f;
+      for (int64_t s = 0; s < splits; ++s) a += part[s * (mix + 1) + j];
+      m[j] = a * r;
+    }
+  }
+  float* pre = m + mix;
+  float* post = pre + K;
+  float* cb = post + K;
+  const float s0 = p.scale[0], s1 = p.scale[1], s2 = p.scale[2], eps = p.eps;
+  for (int64_t k = 0; k < K; ++k) {
+    pre[k] = sigmoid_mlx(m[k] * s0 + p.base[k]) + eps;
+    post[k] = 2.0f * sigmoid_mlx(m[K + k] * s1 + p.base[K + k]);
+  }
+  for (int64_t j = 0; j < K; ++j) {
+    float* r = cb + j * K;
+    float mx = -INFINITY;
+    for (int64_t k = 0; k < K; ++k) {
+      r[k] = m[2 * K + j * K + k] * s2 + p.base[2 * K + j * K + k];
+      mx = fmaxf(mx, r[k]);
+    }
+    float tot = 0.0f;
+    for (int64_t k = 0; k < K; ++k) tot += (r[k] = mlx_exp(r[k] - mx));
+    const float inv = 1.0f / tot;
+    for (int64_t k = 0; k < K; ++k) r[k] = r[k] * inv + eps;
+  }
+  for (int64_t it = 0; it < p.sinkhorn_iters; ++it) {
+    if (it > 0)
+      for (int64_t j = 0; j < K; ++j) {
+        float s = 0.0f;
+        for (int64_t k = 0; k < K; ++k) s += cb[j * K + k];
+        const float d = s + eps;
+        for (int64_t k = 0; k < K; ++k) cb[j * K + k] = cb[j * K + k] / d;
+      }
+    for (int64_t k = 0; k < K; ++k) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < K; ++j) s += cb[j * K + k];
+      const float d = s + eps;
+      for (int64_t j = 0; j < K; ++j) cb[j * K + k] = cb[j * K + k] / d;
+    }
+  }
+}
+
+__global__ void hc_collapse_kernel(HcParams p, const uint16_t* h, int64_t n, const float* mix_out,
+                                   int64_t stride, uint16_t* x) {
+  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (id >= n * p.hidden) return;
+  const int64_t t = id / p.hidden, d = id % p.hidden, K = p.hc;
+  const float* pre = mix_out + t * stride + (2 + K) * K;
+  float acc = 0.0f;
+  for (int64_t k = 0; k < K; ++k)
+    acc = __fadd_rn(acc, __fmul_rn(pre[k], b2f(h[(t * K + k) * p.hidden + d])));
+  x[id] = f2b(acc);
+}
+
+__global__ void hc_expand_kernel(HcParams p, const float* mix_out, int64_t stride,
+                                 const uint16_t* y, int64_t n, uint16_t* h) {
+  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (id >= n * p.hidden) return;
+  const int64_t t = id / p.hidden, d = id % p.hidden, K = p.hc, H = p.hidden;
+  const float* post = mix_out + t * stride + (2 + K) * K + K;
+  const float* cb = post + K;
+  float res[8];
+  for (int64_t j = 0; j < K; ++j) res[j] = b2f(h[(t * K + j) * H + d]);
+  const float yv = b2f(y[t * H + d]);
+  for (int64_t k = 0; k < K; ++k) {
+    float mixed = 0.0f;
+    for (int64_t j = 0; j < K; ++j) mixed = __fadd_rn(mixed, __fmul_rn(cb[j * K + k], res[j]));
+    h[(t * K + k) * H + d] = f2b(__fadd_rn(__fmul_rn(post[k], yv), mixed));
+  }
+}
+
+__global__ void broadcast_rows_kernel(const uint16_t* bias, int64_t n, int64_t cols,
+                                      uint16_t* out) {
+  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (id < n * cols) out[id] = bias[id % cols];
+}
+
+// ---- MoE -----------------------------------------------------------------------------------
+
+__global__ void swiglu_kernel(const uint16_t* gu, int64_t m, int64_t inter, float limit,
+                              uint16_t* act) {
+  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (id >= m * inter) return;
+  const int64_t row = id / inter, j = id % inter;
+  float g = b2f(gu[row * 2 * inter + j]), u = b2f(gu[row * 2 * inter + inter + j]);
+  if (limit > 0.0f) {
+    const float lb = rb(limit);
+    g = fminf(g, lb);
+    u = fminf(fmaxf(u, -lb), lb);
+  }
+  const float e = rb(mlx_exp(fabsf(g)));
+  const float y = __fdiv_rn(1.0f, __fadd_rn(1.0f, e));
+  const float sig = rb(g < 0 ? y : __fsub_rn(1.0f, y));
+  const float silu = rb(__fmul_rn(g, sig));
+  act[id] = f2b(__fmul_rn(silu, u));
+}
+
+// One warp per token; E <= 32 * kRouteMaxPerLane.
+constexpr int kRouteMaxPerLane = 16, kRouteMaxK = 16;
+__global__ void route_kernel(RouterParams p, const uint16_t* logits, const int32_t* ids, int64_t n,
+                             int32_t* inds, float* weights) {
+  const int64_t t = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= n) return;
+  const int64_t E = p.experts, K = p.top_k;
+  float score[kRouteMaxPerLane], biased[kRouteMaxPerLane];
+  float lmax = -INFINITY;
+  for (int q = 0; q < kRouteMaxPerLane; ++q) {
+    const int64_t e = lane + 32 * q;
+    const float lg = e < E ? b2f(logits[t * E + e]) : -INFINITY;
+    score[q] = lg;
+    lmax = fmaxf(lmax, lg);
+  }
+  float tot = 0.0f;
+  if (p.scoring == 2) lmax = warp_max(lmax);
+  for (int q = 0; q < kRouteMaxPerLane; ++q) {
+    const int64_t e = lane + 32 * q;
+    if (e >= E) continue;
+    const float lg = score[q];
+    if (p.scoring == 0) {
+      const float hi = fmaxf(lg, 0.0f), lo = fminf(lg, 0.0f);
+      const float sp = (lo == -INFINITY || hi == INFINITY) ? hi : hi + log1pf(mlx_exp(lo - hi));
+      score[q] = sqrtf(sp);
+    } else if (p.scoring == 1) {
+      score[q] = sigmoid_mlx(lg);
+    } else {
+      score[q] = mlx_exp(lg - lmax);
+      tot += score[q];
+    }
+  }
+  if (p.scoring == 2) {
+    const float inv = 1.0f / warp_sum(tot);
+    for (int q = 0; q < kRouteMaxPerLane; ++q) score[q] *= inv;
+  }
+  for (int q = 0; q < kRouteMaxPerLane; ++q) {
+    const int64_t e = lane + 32 * q;
+    biased[q] = e < E ? score[q] + (p.bias ? p.bias[e] : 0.0f) : -INFINITY;
+  }
+  int32_t sel[kRouteMaxK];
+  float w[kRouteMaxK];
+  for (int64_t k = 0; k < K; ++k) {
+    if (p.tid2eid) {
+      sel[k] = p.tid2eid[int64_t(ids[t]) * K + k];
+    } else {
+      // Highest biased score, lowest index on ties (the CPU engine's comparator).
+      float best = -INFINITY;
+      int32_t bi = INT32_MAX;
+      for (int q = 0; q < kRouteMaxPerLane; ++q) {
+        const int32_t e = lane + 32 * q;
+        if (e < E && (biased[q] > best || (biased[q] == best && e < bi))) best = biased[q], bi = e;
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
+      }
+      sel[k] = bi;
+      if (bi % 32 == lane) biased[bi / 32] = -INFINITY;
+    }
+    // The selected expert's score lives in lane sel % 32.
+    float sv = 0.0f;
+    for (int q = 0; q < kRouteMaxPerLane; ++q)
+      if (lane + 32 * q == sel[k]) sv = score[q];
+    w[k] = __shfl_sync(0xffffffffu, sv, sel[k] % 32);
+  }
+  if (lane != 0) return;
+  if (p.scoring != 2 && p.norm_topk_prob) {
+    float s = 0.0f;
+    for (int64_t k = 0; k < K; ++k) s += w[k];
+    const float d = s + 1e-20f;
+    for (int64_t k = 0; k < K; ++k) w[k] = w[k] / d;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    inds[t * K + k] = sel[k];
+    weights[t * K + k] = w[k] * p.routed_scaling;
+  }
+}
+
+__global__ void count_kernel(const int32_t* inds, int64_t slots, int32_t* counts) {
+  const int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (s < slots) atomicAdd(&counts[inds[s]], 1);
+}
+__global__ void scan_kernel(const int32_t* counts, int64_t experts, int32_t* offsets) {
+  if (threadIdx.x != 0) return;
+  int32_t acc = 0;
+  for (int64_t e = 0; e < experts; ++e) offsets[e] = acc, acc += counts[e];
+  offsets[experts] = acc;
+}
+// One block per expert: its slots in slot order (a stable grouping).
+__global__ void perm_kernel(const int32_t* inds, int64_t slots, const int32_t* offsets,
+                            int32_t* perm, int32_t* slot_row) {
+  __shared__ int32_t warp_tot[32];
+  const int32_t e = blockIdx.x;
+  const int lane = threadIdx.x % 32, wid = threadIdx.x / 32, nw = blockDim.x / 32;
+  int32_t running = offsets[e];
+  for (int64_t base = 0; base < slots; base += blockDim.x) {
+    const int64_t s = base + threadIdx.x;
+    const bool f = s < slots && inds[s] == e;
+    const uint32_t ball = __ballot_sync(0xffffffffu, f);
+    if (lane == 0) warp_tot[wid] = __popc(ball);
+    __syncthreads();
+    int32_t before = 0, total = 0;
+    for (int w = 0; w < nw; ++w) {
+      if (w < wid) before += warp_tot[w];
+      total += warp_tot[w];
+    }
+    if (f) {
+      const int32_t row = running + before + __popc(ball & ((1u << lane) - 1u));
+      perm[row] = static_cast<int32_t>(s);
+      slot_row[s] = row;
+    }
+    running += total;
+    __syncthreads();
+  }
+}
+__global__ void gather_kernel(const uint16_t* x, const int32_t* perm, int64_t top_k, int64_t hidden,
+                              uint16_t* xe) {
+  const int64_t row = blockIdx.x;
+  const uint4* src = reinterpret_cast<const uint4*>(x + int64_t(perm[row] / top_k) * hidden);
+  uint4* dst = reinterpret_cast<uint4*>(xe + row * hidden);
+  for (int64_t j = threadIdx.x; j < hidden / 8; j += blockDim.x) dst[j] = src[j];
+}
+__global__ void combine_kernel(const uint16_t* ye, const int32_t* slot_row, const float* weights,
+                               const uint16_t* shared, int64_t n, int64_t K, int64_t H,
+                               uint16_t* out) {
+  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (id >= n * H) return;
+  const int64_t t = id / H, d = id % H;
+  float acc = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = b2f(ye[int64_t(slot_row[t * K + k]) * H + d]);
+    acc = __fadd_rn(acc, rb(__fmul_rn(v, rb(weights[t * K + k]))));
+  }
+  float y = rb(acc);
+  if (shared) y = __fadd_rn(y, b2f(shared[id]));
+  out[id] = f2b(y);
+}
+
+}  // namespace
+
+void fill_random_bf16(uint16_t* x, int64_t n, float scale, uint64_t seed, cudaStream_t stream) {
+  if (n > 0) fill_bf16_kernel<<<4096, 256, 0, stream>>>(x, n, scale, seed);
+}
+void fill_random_f32(float* x, int64_t n, float scale, float offset, uint64_t seed,
+                     cudaStream_t stream) {
+  if (n > 0) fill_f32_kernel<<<1024, 256, 0, stream>>>(x, n, scale, offset, seed);
+}
+void fill_random_i32(int32_t* x, int64_t n, int32_t modulo, uint64_t seed, cudaStream_t stream) {
+  if (n > 0) fill_i32_kernel<<<1024, 256, 0, stream>>>(x, n, modulo, seed);
+}
+
+void fast_rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
+                   uint16_t* out, cudaStream_t stream) {
+  if (m > 0) rms_norm_kernel<<<blocks_for(m, 8), 256, 0, stream>>>(x, m, d, w, eps, out);
+}
+
+void embed_rows(const uint16_t* embed, const int32_t* ids, int64_t n, int64_t hc, int64_t hidden,
+                uint16_t* h, cudaStream_t stream) {
+  HETERO_FWD_CHECK(hidden % 8 == 0, "hidden must be a multiple of 8");
+  if (n > 0) embed_kernel<<<static_cast<int>(n), 128, 0, stream>>>(embed, ids, hc, hidden, h);
+}
+
+int64_t hc_mix_floats(int64_t hc) {
+  return hc_partial_offset(hc) + kHcSplits * ((2 + hc) * hc + 1);
+}
+
+void hc_collapse(const HcParams& p, const uint16_t* h, int64_t n, float* mix_out, uint16_t* x,
+                 cudaStream_t stream) {
+  if (n == 0) return;
+  HETERO_FWD_CHECK((2 + p.hc) * p.hc <= kHcMaxMix && p.hc <= 8, "hc_mult too large");
+  HETERO_FWD_CHECK((p.hc * p.hidden) % kHcTile == 0, "hc_mult*hidden must divide into tiles");
+  const int64_t stride = hc_mix_floats(p.hc);
+  int64_t splits = kHcSplits;
+  while (splits > 1 && (p.hc * p.hidden) % (splits * kHcTile) != 0) splits /= 2;
+  const dim3 grid(static_cast<unsigned>(blocks_for(n, kHcTok)), static_cast<unsigned>(splits));
+  hc_mix_kernel<<<grid, 256, 0, stream>>>(p, h, n, mix_out, stride, splits);
+  hc_params_kernel<<<blocks_for(n, 128), 128, 0, stream>>>(p, n, mix_out, stride, splits);
+  hc_collapse_kernel<<<blocks_for(n * p.hidden, 256), 256, 0, stream>>>(p, h, n, mix_out, stride,
+                                                                        x);
+}
+
+void hc_expand(const HcParams& p, const float* mix_out, const uint16_t* y, int64_t n, uint16_t* h,
+               cudaStream_t stream) {
+  if (n == 0) return;
+  hc_expand_kernel<<<blocks_for(n * p.hidden, 256), 256, 0, stream>>>(p, mix_out,
+                                                                      hc_mix_floats(p.hc), y, n, h);
+}
+
+void broadcast_rows(const uint16_t* bias, int64_t n, int64_t cols, uint16_t* out,
+                    cudaStream_t stream) {
+  if (n > 0)
+    broadcast_rows_kernel<<<blocks_for(n * cols, 256), 256, 0, stream>>>(bias, n, cols, out);
+}
+
+void swiglu(const uint16_t* gu, int64_t m, int64_t inter, float limit, uint16_t* act,
+            cudaStream_t stream) {
+  if (m > 0)
+    swiglu_kernel<<<blocks_for(m * inter, 256), 256, 0, stream>>>(gu, m, inter, limit, act);
+}
+
+void moe_route(const RouterParams& p, const uint16_t* logits, const int32_t* ids, int64_t n,
+               int32_t* inds, float* weights, cudaStream_t stream) {
+  HETERO_FWD_CHECK(p.experts <= 32 * kRouteMaxPerLane && p.top_k <= kRouteMaxK, "router size");
+  if (n > 0) route_kernel<<<blocks_for(n, 8), 256, 0, stream>>>(p, logits, ids, n, inds, weights);
+}
+
+void moe_group(const int32_t* inds, int64_t slots, int64_t top_k, int64_t experts,
+               const uint16_t* x, int64_t hidden, int32_t* counts, int32_t* offsets, int32_t* perm,
+               int32_t* slot_row, uint16_t* xe, cudaStream_t stream) {
+  cudaMemsetAsync(counts, 0, sizeof(int32_t) * experts, stream);
+  if (slots == 0) {
+    cudaMemsetAsync(offsets, 0, sizeof(int32_t) * (experts + 1), stream);
+    return;
+  }
+  count_kernel<<<blocks_for(slots, 256), 256, 0, stream>>>(inds, slots, counts);
+  scan_kernel<<<1, 32, 0, stream>>>(counts, experts, offsets);
+  perm_kernel<<<static_cast<int>(experts), 256, 0, stream>>>(inds, slots, offsets, perm, slot_row);
+  gather_kernel<<<static_cast<int>(slots), 128, 0, stream>>>(x, perm, top_k, hidden, xe);
+}
+
+void moe_combine(const uint16_t* ye, const int32_t* slot_row, const float* weights,
+                 const uint16_t* shared, int64_t n, int64_t top_k, int64_t hidden, uint16_t* out,
+                 cudaStream_t stream) {
+  if (n > 0)
+    combine_kernel<<<blocks_for(n * hidden, 256), 256, 0, stream>>>(ye, slot_row, weights, shared,
+                                                                    n, top_k, hidden, out);
+}
+
+}  // namespace hetero::cuda

@@ -1,0 +1,127 @@
+// Fast CUDA ops of the DeepSeek-V4 prefill forward (engine/cuda/dsv4_cuda.*): the GPU engine's
+// own kernels for everything that is not a dense GEMM (those go to cuBLAS). Unlike ops.h and
+// dsv4_ops.h these are not bit-identical twins of the CPU ops: sums run in parallel orders and
+// attention uses tensor cores. Where cheap they keep the decoder's bf16 rounding points (scores,
+// SwiGLU, the MoE weighting), so that the engine stays within a tight tolerance of the CPU
+// reference (tests/gpu/dsv4_cuda_test.cc states it).
+// All pointers are device pointers, bf16 is uint16_t; every op is enqueued on `stream`.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hetero::cuda {
+
+// Deterministic pseudo-random fills (a hash of seed and index): normal-ish values of the given
+// scale (the sum of four uniforms), for benchmark weights built on the device.
+void fill_random_bf16(uint16_t* x, int64_t n, float scale, uint64_t seed, cudaStream_t stream);
+void fill_random_f32(float* x, int64_t n, float scale, float offset, uint64_t seed,
+                     cudaStream_t stream);
+void fill_random_i32(int32_t* x, int64_t n, int32_t modulo, uint64_t seed, cudaStream_t stream);
+
+// y = bf16(bf16(x * r) * w) per row (w may be null: no weight), r = 1/sqrt(mean(x^2) + eps).
+// x [m, d]; in place allowed.
+void fast_rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
+                   uint16_t* out, cudaStream_t stream);
+
+// h [n][hc][hidden] = embed[ids[t]] for every copy.
+void embed_rows(const uint16_t* embed, const int32_t* ids, int64_t n, int64_t hc, int64_t hidden,
+                uint16_t* h, cudaStream_t stream);
+
+// Hyper-connection mixing: for h [n][hc*hidden] bf16, mixes [n][mix] = (h @ fn^T) / rms(h) with
+// fn [mix][hc*hidden] f32, then pre [n][hc], post [n][hc], comb [n][hc][hc] by the sigmoid /
+// Sinkhorn recipe of the CPU engine; x [n][hidden] = bf16(sum_k pre[k] * h[k]).
+struct HcParams {
+  const float* fn;     // [mix][hc*hidden]
+  const float* base;   // [mix]
+  const float* scale;  // [3]
+  int64_t hc, hidden, sinkhorn_iters;
+  float eps, norm_eps;
+};
+// mix_out: f32 [n * hc_mix_floats(hc)], receives the mixes, pre/post/comb (its layout is
+// private to these two functions).
+void hc_collapse(const HcParams& p, const uint16_t* h, int64_t n, float* mix_out, uint16_t* x,
+                 cudaStream_t stream);
+// h[t][k] = bf16(post[k] * y[t] + sum_j comb[j][k] * h[t][j]).
+void hc_expand(const HcParams& p, const float* mix_out, const uint16_t* y, int64_t n, uint16_t* h,
+               cudaStream_t stream);
+int64_t hc_mix_floats(int64_t hc);  // per token floats mix_out holds
+
+// out [n][cols] = broadcast of bias [cols] (the C of a beta=1 GEMM that adds it in float32).
+void broadcast_rows(const uint16_t* bias, int64_t n, int64_t cols, uint16_t* out,
+                    cudaStream_t stream);
+
+// gu [m][2*inter]: gate then up. act [m][inter] = silu(min(g, l)) * clip(u, -l, l) with the CPU
+// engine's bf16 roundings; limit <= 0: no clamp.
+void swiglu(const uint16_t* gu, int64_t m, int64_t inter, float limit, uint16_t* act,
+            cudaStream_t stream);
+
+// MoE router: logits [n][E] bf16 -> inds [n][K], weights [n][K] (f32, normalised and scaled).
+struct RouterParams {
+  int64_t experts, top_k;
+  int scoring;  // 0 sqrtsoftplus, 1 sigmoid, 2 softmax
+  bool norm_topk_prob;
+  float routed_scaling;
+  const float* bias;       // [E] or null (hash routing)
+  const int32_t* tid2eid;  // [vocab][K] or null (score routing)
+};
+void moe_route(const RouterParams& p, const uint16_t* logits, const int32_t* ids, int64_t n,
+               int32_t* inds, float* weights, cudaStream_t stream);
+// Groups the n*K slots by expert, stably: counts [E], offsets [E+1], perm [n*K] (row of the
+// grouped layout -> slot), and xe [n*K][hidden] = x[slot / K].
+void moe_group(const int32_t* inds, int64_t slots, int64_t top_k, int64_t experts,
+               const uint16_t* x, int64_t hidden, int32_t* counts, int32_t* offsets, int32_t* perm,
+               int32_t* slot_row, uint16_t* xe, cudaStream_t stream);
+// out[t] = bf16(bf16(sum_k bf16(ye[slot_row[t*K+k]] * bf16(w))) + shared[t]) (shared may be null).
+void moe_combine(const uint16_t* ye, const int32_t* slot_row, const float* weights,
+                 const uint16_t* shared, int64_t n, int64_t top_k, int64_t hidden, uint16_t* out,
+                 cudaStream_t stream);
+
+// One call's attention over the local window and the compressed rows, with the sink as an extra
+// logit: for query i (position off + i) and head h,
+//   keys = local rows at positions (p - window, p] (lk holds positions lk_pos0 ...), then
+//          compressed rows r < (p + 1) / ratio: all such rows (topk null), or the topk[i][*]
+//          ones among them.
+// q, out [m][heads][head_dim] bf16; keys are values too (one shared kv head). head_dim a multiple
+// of 64, at most 512.
+struct SparseAttnParams {
+  const uint16_t* q;
+  uint16_t* out;
+  int64_t m, heads, head_dim;
+  int64_t off, window;
+  const uint16_t* lk;  // [..][head_dim]
+  int64_t lk_pos0;
+  const uint16_t* pooled;  // [pooled_rows][head_dim] or null
+  int64_t pooled_rows, ratio;
+  const uint32_t* topk;  // [m][k] or null
+  int64_t k;
+  const float* sinks;  // [heads] (bf16-rounded values)
+  float scale;         // bf16-rounded 1/sqrt(head_dim)
+  // Use the online-softmax kernel even where the two-pass kernel's scores fit in shared memory
+  // (it otherwise runs only for longer key lists): lets the tests reach it.
+  bool online_only = false;
+};
+void sparse_attention(const SparseAttnParams& p, cudaStream_t stream);
+
+// The indexer's selection for one call of m queries (index head dim 128): top k pooled rows
+// by sum_h relu(q_h . row) * scale * w_h, exactly as the CPU engine scores them (float32 sums in
+// order), with its masks; HISA (block > 0) first keeps the best `keep` blocks of `block` rows by
+// their mean rows (rep, from hisa_block_means). topk [m][k].
+struct IndexSelectParams {
+  const uint16_t* q;       // [m][heads][128], roped
+  const uint16_t* w;       // [m][heads] weights_proj output (bf16)
+  const uint16_t* pooled;  // [rows][128]
+  int64_t m, heads, rows;
+  int64_t off;  // position of query 0
+  float scale, wscale;
+  int64_t k;
+  bool one_token;
+  int64_t block, keep;  // HISA when block > 0
+  const float* rep;     // [rows / block][128]
+};
+void index_select(const IndexSelectParams& p, uint32_t* topk, cudaStream_t stream);
+void hisa_block_means(const uint16_t* pooled, int64_t rows, int64_t block, bool one_token,
+                      float* rep, cudaStream_t stream);
+
+}  // namespace hetero::cuda

@@ -1,0 +1,95 @@
+// The CUDA backend's prefill stacks: see families.h.
+#include "bridge/cuda/gpu_programs.h"
+#include "engine/cuda/dsv4_cuda.h"
+#include "engine/cuda/llama_cuda.h"
+#include "prefill/families.h"
+
+namespace hetero {
+
+namespace {
+
+// Before anything is loaded: a machine without a GPU hears so first.
+Status check_device(int device) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0)
+    return unavailable(std::string("the cuda backend needs a CUDA device; none is usable here (") +
+                       cudaGetErrorString(e) + ")");
+  if (device < 0 || device >= n)
+    return invalid_argument("CUDA device " + std::to_string(device) + " does not exist (" +
+                            std::to_string(n) + " present)");
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::string& weights_dir,
+                                     const PrefillBackend& backend) {
+  HETERO_RETURN_IF_ERROR(check_device(backend.device));
+  HETERO_ASSIGN_OR_RETURN(cuda::KvDtype kv, cuda::parse_kv_dtype(backend.kv_dtype));
+  HETERO_ASSIGN_OR_RETURN(cuda::LlamaCudaArith arith, cuda::parse_llama_cuda_arith(backend.arith));
+  HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
+  HETERO_ASSIGN_OR_RETURN(LlamaConfig config, load_llama_config(model_dir));
+  HETERO_RETURN_IF_ERROR(check_export_matches_model(config, weights.layout));
+  HETERO_ASSIGN_OR_RETURN(
+      auto engine,
+      cuda::LlamaCudaEngine::load(model_dir, {kv, /*host_tap=*/false, backend.device, arith}));
+  HETERO_ASSIGN_OR_RETURN(auto gpu_weights, cuda::upload_llama_weights(weights));
+  struct Owned {
+    std::unique_ptr<cuda::LlamaCudaEngine> engine;
+    LlamaDecoderWeights weights;
+    std::unique_ptr<cuda::LlamaGpuWeights> gpu_weights;
+    cuda::GpuCaptureStore capture;
+  };
+  auto owned = std::make_shared<Owned>();
+  owned->engine = std::move(engine);
+  owned->weights = std::move(weights);
+  owned->gpu_weights = std::move(gpu_weights);
+  PrefillStack s;
+  s.family = "llama";
+  s.engine = std::make_unique<EngineAdapter<cuda::LlamaCudaEngine>>(owned->engine.get());
+  s.layout = owned->weights.layout;
+  const cuda::LlamaGpuWeights* gw = owned->gpu_weights.get();
+  s.programs = [gw](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+    return std::unique_ptr<SegmentProgram>(std::make_unique<cuda::LlamaGpuSegmentProgram>(gw));
+  };
+  s.capture = &owned->capture;
+  s.owned = owned;
+  return s;
+}
+
+Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::string& weights_dir,
+                                    const PrefillBackend& backend) {
+  HETERO_RETURN_IF_ERROR(check_device(backend.device));
+  HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
+  HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CudaEngine::load(model_dir));
+  HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
+  HETERO_ASSIGN_OR_RETURN(auto gpu_weights, cuda::upload_dsv4_weights(weights));
+  struct Owned {
+    std::unique_ptr<Dsv4CudaEngine> engine;
+    Dsv4DecoderWeights weights;
+    std::unique_ptr<cuda::Dsv4GpuWeights> gpu_weights;
+    cuda::GpuCaptureStore capture;
+  };
+  auto owned = std::make_shared<Owned>();
+  owned->engine = std::move(engine);
+  owned->weights = std::move(weights);
+  owned->gpu_weights = std::move(gpu_weights);
+  PrefillStack s;
+  s.family = "deepseek_v4";
+  s.engine = std::make_unique<EngineAdapter<Dsv4CudaEngine>>(owned->engine.get());
+  s.layout = owned->weights.layout;
+  const Dsv4DecoderWeights* w = &owned->weights;
+  const cuda::Dsv4GpuWeights* gw = owned->gpu_weights.get();
+  s.programs = [w, gw](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+    HETERO_RETURN_IF_ERROR(require_decoder_calls(req));
+    return std::unique_ptr<SegmentProgram>(
+        std::make_unique<cuda::Dsv4GpuSegmentProgram>(w, gw, req.decoder_calls));
+  };
+  s.chunk_plan = [](const PrefillRequest& req, int64_t) { return req.decoder_calls; };
+  s.capture = &owned->capture;
+  s.owned = owned;
+  return s;
+}
+
+}  // namespace hetero

@@ -1,0 +1,152 @@
+// The cache programs on the GPU behind the bridge producer: the llama program bit-identical to
+// the CPU program given the same rows, and the whole GPU path (engine's device tap -> capture
+// slots -> program on its side stream -> segments) giving, segment by segment, the arrays the
+// CPU program gives for the same rows, with the capture's memory bounded by its slots.
+#include "bridge/cuda/gpu_programs.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+
+#include "bridge/llama_program.h"
+#include "bridge/producer.h"
+#include "bridge/wire.h"
+#include "cuda_test_base.h"
+#include "engine/cuda/llama_cuda.h"
+#include "kernels/cpu_ops.h"
+#include "llama_test_weights.h"
+
+namespace hetero {
+namespace {
+
+LlamaDecoderWeights export_of(const LlamaWeights& w) { return llama_decoder_weights_of(w, "test"); }
+
+class GpuProgramsTest : public CudaDeviceTest {};
+
+TEST_F(GpuProgramsTest, LlamaProgramBitIdenticalToCpu) {
+  for (const std::string type : {"llama", "qwen2", "qwen3"}) {
+    const LlamaWeights w = tiny_llama(type, 64, 21);
+    const LlamaDecoderWeights d = export_of(w);
+    auto gw = cuda::upload_llama_weights(d);
+    ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();
+    cuda::SideStream stream;
+    cuda::LlamaGpuCacheProgram gpu(gw->get(), stream.get());
+    LlamaCacheProgram cpu(&d);
+    const int64_t n = 77, pos0 = 1000, H = w.config.hidden;
+    const std::vector<uint16_t> x = random_bf16(static_cast<size_t>(n * H), 1.f, 5);
+    cuda::DeviceBuffer xd;
+    ASSERT_TRUE(xd.allocate(x.size() * 2, nullptr, false).is_ok());
+    cudaMemcpy(xd.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice);
+    for (int64_t l = 0; l < w.config.layers; ++l) {
+      auto got = gpu.run_device(l, pos0, n, xd.get<uint16_t>());
+      ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+      const KvRows want = cpu.run(l, pos0, n, x.data());
+      ASSERT_EQ(got->keys.shape, want.keys.shape);
+      EXPECT_EQ(got->keys.bytes, want.keys.bytes) << type << " layer " << l << " keys";
+      EXPECT_EQ(got->values.bytes, want.values.bytes) << type << " layer " << l << " values";
+    }
+  }
+}
+
+// Segments as the receiver sees them: arrays by name, per segment.
+struct Received {
+  std::vector<std::map<std::string, Tensor>> segments;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  bool manifest_complete = false;
+};
+
+BridgeProducer::FrameSink collect(Received* r) {
+  return [r](std::string frame) {
+    FrameParser parser(int64_t{1} << 30);
+    parser.feed(frame.data(), frame.size());
+    auto f = parser.next();
+    EXPECT_TRUE(f.is_ok() && f->has_value());
+    if (!f.is_ok() || !f->has_value()) return false;
+    if ((**f).header.value("kind", "") == "manifest") {
+      auto m = decode_manifest(**f);
+      EXPECT_TRUE(m.is_ok());
+      r->manifest_complete = m.is_ok() && m->complete;
+      return true;
+    }
+    auto s = decode_segment(**f);
+    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+    if (!s.is_ok()) return false;
+    std::map<std::string, Tensor> arrays;
+    for (auto& a : s->arrays) arrays[a.name] = a.tensor;
+    r->segments.push_back(std::move(arrays));
+    r->ranges.push_back({s->pos0, s->n_tokens});
+    return true;
+  };
+}
+
+TEST_F(GpuProgramsTest, DeviceCaptureStreamsTheCpuProgramsSegments) {
+  const LlamaWeights w = tiny_llama("qwen3", 128, 9);
+  const LlamaDecoderWeights d = export_of(w);
+  auto gw = cuda::upload_llama_weights(d);
+  ASSERT_TRUE(gw.is_ok());
+  // Host tap on, so the same rows also reach the CPU program for the reference.
+  auto engine = cuda::LlamaCudaEngine::create(w, {cuda::KvDtype::kFp8, /*host_tap=*/true, 0});
+  ASSERT_TRUE(engine.is_ok());
+  constexpr int kSlots = 2;
+  cuda::GpuCaptureStore capture(kSlots);
+  cuda::LlamaGpuSegmentProgram gpu_program(gw->get());
+  LlamaCacheProgram cpu_cache(&d);
+  LlamaSegmentProgram cpu_program(&cpu_cache);
+  Received got, want;
+  BridgeProducer gpu(&gpu_program, collect(&got), 4, &capture);
+  BridgeProducer cpu(&cpu_program, collect(&want));
+  const AttentionInputTap gpu_tap = gpu.tap(), cpu_tap = cpu.tap();
+  auto both = [&](const TapEvent& e) {
+    gpu_tap(e);
+    TapEvent host = e;
+    host.x_device = nullptr;
+    cpu_tap(host);
+  };
+  const std::vector<int32_t> ids = random_ids(500, w.config.vocab, 4);
+  const int64_t chunk = 128;
+  for (int64_t pos = 0; pos < 500; pos += chunk) {
+    const int64_t n = std::min<int64_t>(chunk, 500 - pos);
+    ASSERT_TRUE((*engine)->prefill_chunk({ids.begin() + pos, ids.begin() + pos + n}, both).is_ok());
+  }
+  ASSERT_TRUE((*engine)->synchronize().is_ok());
+  const Manifest mg = gpu.finish(500, Status::ok());
+  cpu.finish(500, Status::ok());
+  EXPECT_TRUE(mg.complete) << mg.reason;
+  EXPECT_TRUE(got.manifest_complete);
+  ASSERT_EQ(got.segments.size(), 4u);
+  ASSERT_EQ(got.ranges, want.ranges);
+  for (size_t s = 0; s < got.segments.size(); ++s) {
+    ASSERT_EQ(got.segments[s].size(), want.segments[s].size());
+    for (const auto& [name, t] : want.segments[s]) {
+      ASSERT_TRUE(got.segments[s].count(name)) << name;
+      const Tensor& g = got.segments[s].at(name);
+      EXPECT_EQ(g.shape, t.shape) << name;
+      EXPECT_TRUE(g.bytes == t.bytes) << "segment " << s << " " << name;
+    }
+  }
+  // The capture held at most its slots' worth of one chunk's rows.
+  EXPECT_LE(capture.device_bytes(), static_cast<size_t>(kSlots * chunk * w.config.hidden * 2));
+  EXPECT_GT(capture.device_bytes(), 0u);
+}
+
+// A producer with a GPU program refuses a tap without device rows (a CPU engine's) in its
+// manifest instead of reading a null pointer.
+TEST_F(GpuProgramsTest, GpuProgramWithoutDeviceRowsFailsTheManifest) {
+  const LlamaWeights w = tiny_llama("llama", 64, 1);
+  const LlamaDecoderWeights d = export_of(w);
+  auto gw = cuda::upload_llama_weights(d);
+  ASSERT_TRUE(gw.is_ok());
+  cuda::GpuCaptureStore capture(2);
+  cuda::LlamaGpuSegmentProgram program(gw->get());
+  Received got;
+  BridgeProducer producer(&program, collect(&got), 4, &capture);
+  std::vector<uint16_t> x(static_cast<size_t>(4 * w.config.hidden));
+  producer.tap()(TapEvent{0, 0, 4, w.config.hidden, x.data()});
+  const Manifest m = producer.finish(4, Status::ok());
+  EXPECT_FALSE(m.complete);
+  EXPECT_NE(m.reason.find("device rows"), std::string::npos) << m.reason;
+}
+
+}  // namespace
+}  // namespace hetero

@@ -1,0 +1,72 @@
+// Small llama-family models with random weights, built in memory, for the GPU tests.
+#pragma once
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "model/llama.h"
+
+namespace hetero {
+
+inline Tensor random_tensor(std::vector<int64_t> shape, float scale, float mean,
+                            std::mt19937& rng) {
+  Tensor t(DType::kBF16, std::move(shape));
+  std::normal_distribution<float> nd(mean, scale);
+  uint16_t* p = t.data<uint16_t>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = f32_to_bf16(nd(rng));
+  return t;
+}
+
+// A small model of the given variant with random weights (norm weights near 1).
+inline LlamaWeights tiny_llama(const std::string& type, int64_t head_dim, uint32_t seed) {
+  std::mt19937 rng(seed);
+  LlamaWeights w;
+  LlamaConfig& c = w.config;
+  c.model_type = type;
+  c.heads = 4, c.kv_heads = 2, c.head_dim = head_dim, c.hidden = 256, c.intermediate = 512;
+  c.layers = 3, c.vocab = 512, c.rms_norm_eps = 1e-5, c.rope_theta = 10000.0;
+  c.qkv_bias = type == "qwen2";
+  c.qk_norm = type == "qwen3";
+  c.tie_embeddings = type != "llama";
+  const int64_t H = c.hidden, qd = c.heads * head_dim, kvd = c.kv_heads * head_dim;
+  const float ws = 1.f / std::sqrt(static_cast<float>(H));
+  w.embed = random_tensor({c.vocab, H}, 1.f, 0.f, rng);
+  w.final_norm = random_tensor({H}, 0.1f, 1.f, rng);
+  if (!c.tie_embeddings) w.lm_head = random_tensor({c.vocab, H}, ws, 0.f, rng);
+  for (int64_t l = 0; l < c.layers; ++l) {
+    LlamaLayerWeights L;
+    L.input_norm = random_tensor({H}, 0.1f, 1.f, rng);
+    L.post_norm = random_tensor({H}, 0.1f, 1.f, rng);
+    L.wq = random_tensor({qd, H}, ws, 0.f, rng);
+    L.wk = random_tensor({kvd, H}, ws, 0.f, rng);
+    L.wv = random_tensor({kvd, H}, ws, 0.f, rng);
+    L.wo = random_tensor({H, qd}, 1.f / std::sqrt(static_cast<float>(qd)), 0.f, rng);
+    L.w_gate = random_tensor({c.intermediate, H}, ws, 0.f, rng);
+    L.w_up = random_tensor({c.intermediate, H}, ws, 0.f, rng);
+    L.w_down = random_tensor({H, c.intermediate},
+                             1.f / std::sqrt(static_cast<float>(c.intermediate)), 0.f, rng);
+    if (c.qkv_bias) {
+      L.bq = random_tensor({qd}, 0.1f, 0.f, rng);
+      L.bk = random_tensor({kvd}, 0.1f, 0.f, rng);
+      L.bv = random_tensor({kvd}, 0.1f, 0.f, rng);
+    }
+    if (c.qk_norm) {
+      L.q_norm = random_tensor({head_dim}, 0.1f, 1.f, rng);
+      L.k_norm = random_tensor({head_dim}, 0.1f, 1.f, rng);
+    }
+    w.layers.push_back(std::move(L));
+  }
+  return w;
+}
+
+inline std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (auto& id : ids) id = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+  return ids;
+}
+
+}  // namespace hetero
