@@ -168,7 +168,7 @@ def main() -> int:
                 "prefill_backend": os.environ.get("HETERO_PREFILL_BACKEND", "cpu"),
                 # cuda: "fast" caches agree with the native one within a tolerance, "exact" ones
                 # bit for bit (docs/design/prefill-cuda.md); the CPU backend is always exact.
-                "prefill_arith": (os.environ.get("HETERO_PREFILL_ARITH", "fast")
+                "prefill_arith": (os.environ.get("HETERO_PREFILL_ARITH", "exact")
                                   if os.environ.get("HETERO_PREFILL_BACKEND") == "cuda"
                                   else "ordered"),
                 "revision": git_rev(), "seed": a.seed,

@@ -154,9 +154,10 @@ Options prefill_options() {
           {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "2097152", "longest accepted prompt"},
           {"backend", "HETERO_PREFILL_BACKEND", "cpu",
            "cpu, or cuda (the GPU engine with the cache program on a side stream)"},
-          {"arith", "HETERO_PREFILL_ARITH", "fast",
-           "cuda, llama: fast (tensor cores, FP8 paged cache; attention inputs within a "
-           "tolerance) or exact (the decoder's arithmetic on CUDA cores; bit-exact)"},
+          {"arith", "HETERO_PREFILL_ARITH", "exact",
+           "cuda, llama: exact (the decoder's arithmetic on CUDA cores: bit-exact caches, the "
+           "decoder's own answers) or fast (tensor cores, FP8 paged cache: caches within a "
+           "tolerance, answers not guaranteed; docs/design/prefill-cuda.md)"},
           {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8",
            "cuda, fast: the engine's cache, fp8 or bf16"},
           {"device", "HETERO_PREFILL_DEVICE", "0", "cuda: which GPU"},

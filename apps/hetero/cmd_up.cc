@@ -31,7 +31,8 @@ Options up_options() {
           {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
           {"prefill-backend", "HETERO_PREFILL_BACKEND", "cpu",
            "the prefill's backend: cpu or cuda"},
-          {"prefill-arith", "HETERO_PREFILL_ARITH", "fast", "cuda, llama: fast or exact"},
+          {"prefill-arith", "HETERO_PREFILL_ARITH", "exact",
+           "cuda, llama: exact (bit-exact caches) or fast (tensor cores; within a tolerance)"},
           {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
           {"exit-when-ready", "", "", "start, print the endpoint, then stop (for tests)", true},
       });

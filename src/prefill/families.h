@@ -27,7 +27,7 @@ struct PrefillBackend {
   std::string name = "cpu";      // "cpu" or "cuda"
   std::string gemm = "ordered";  // cpu, llama: "ordered" (the decoder's order) or "blas"
   std::string kv_dtype = "fp8";  // cuda: the engine's own cache, "fp8" or "bf16"
-  std::string arith = "fast";    // cuda, llama: "fast" (tensor cores) or "exact" (the decoder's)
+  std::string arith = "exact";   // cuda, llama: "exact" (the decoder's) or "fast" (tensor cores)
   int device = 0;                // cuda: which GPU
 };
 

@@ -61,6 +61,11 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
 Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::string& weights_dir,
                                     const PrefillBackend& backend) {
   HETERO_RETURN_IF_ERROR(check_device(backend.device));
+  if (backend.arith != "fast")
+    return failed_precondition(
+        "deepseek_v4 on the cuda backend has only fast arithmetic (its caches agree with the "
+        "decoder's within a tolerance, not bit for bit); pass --arith fast to accept that, or "
+        "use --backend cpu for bit-exact caches");
   HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CudaEngine::load(model_dir));
   HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
