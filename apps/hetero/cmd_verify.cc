@@ -201,6 +201,7 @@ int cmd_verify(int argc, char** argv) {
                          int64_t{1} << 21);
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   service.set_capture(stack->capture);
+  service.set_arith(stack->arith);
   if (Status st = service.start("127.0.0.1", 0); !st.is_ok()) return fail("prefill host", st);
   const std::string endpoint = prompt.value().first;
   json request = prompt.value().second;

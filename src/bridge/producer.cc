@@ -113,6 +113,7 @@ Manifest BridgeProducer::finish(int64_t requested_tokens, const Status& engine_s
   m.covered_tokens = covered_;
   m.segments = next_seq_;
   m.complete = engine_status.is_ok() && !cancelled_ && covered_ == requested_tokens;
+  m.arith = arith_;
   if (!engine_status.is_ok())
     m.reason = "prefill failed: " + engine_status.to_string();
   else if (!program_status_.is_ok())

@@ -86,6 +86,8 @@ class BridgeProducer {
   // Ends the stream: drains the queue, then sends the manifest. engine_status says whether
   // the forward finished; the manifest is complete only when it did and every row was sent.
   Manifest finish(int64_t requested_tokens, const Status& engine_status);
+  // What the manifest says of the rows' arithmetic ("exact" or "fast"; Manifest::arith).
+  void set_arith(std::string arith) { arith_ = std::move(arith); }
   bool cancelled() const { return cancelled_.load(); }
 
  private:
@@ -116,6 +118,7 @@ class BridgeProducer {
   Status capture_status_;  // the first capture error, if any (set by the tap's thread)
   std::atomic<bool> cancelled_{false};
   bool finished_ = false;
+  std::string arith_;
 };
 
 }  // namespace hetero

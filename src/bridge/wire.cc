@@ -64,7 +64,8 @@ std::string encode_manifest(const Manifest& m) {
             {"covered_tokens", m.covered_tokens},
             {"segments", m.segments},
             {"complete", m.complete},
-            {"reason", m.reason}};
+            {"reason", m.reason},
+            {"arith", m.arith}};
   return frame(h, "");
 }
 
@@ -149,6 +150,7 @@ Result<Manifest> decode_manifest(const Frame& f) {
     m.segments = f.header.at("segments").get<int64_t>();
     m.complete = f.header.at("complete").get<bool>();
     m.reason = f.header.value("reason", "");
+    m.arith = f.header.value("arith", "");
   } catch (const nlohmann::json::exception& e) {
     return data_loss(std::string("malformed manifest: ") + e.what());
   }

@@ -38,6 +38,9 @@ struct Manifest {
   int64_t segments = 0;
   bool complete = false;
   std::string reason;  // why not complete
+  // How the rows were computed: "exact" (the decoder's arithmetic: the decoder's own cache, bit
+  // for bit) or "fast" (within a tolerance of it); "" from a host that does not say.
+  std::string arith;
 };
 
 struct Frame {

@@ -140,6 +140,7 @@ Verdict FrontServer::bridge(const std::vector<int32_t>& ids, const json& info) {
   if (f.first_segment_ms >= 0) v.timings_ms["first_segment"] = f.first_segment_ms;
   if (f.last_segment_ms >= 0) v.timings_ms["last_segment"] = f.last_segment_ms;
   v.timings_ms["verify"] = f.verify_ms;
+  v.arith = f.arith;
   const int64_t covered = assembler->covered_tokens();
   if (f.status.is_ok() && assembler->can_mount(want)) {
     v.kind = VerdictKind::kComplete;

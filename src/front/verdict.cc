@@ -38,6 +38,7 @@ nlohmann::json Verdict::to_json() const {
   nlohmann::json tm = nlohmann::json::object();
   for (const auto& [k, v] : timings_ms) tm[k] = std::round(v * 10.0) / 10.0;
   j["timings_ms"] = tm;
+  if (!arith.empty()) j["arith"] = arith;
   return j;
 }
 

@@ -17,6 +17,7 @@ struct Verdict {
   std::string reason;  // for skipped/declined: short, stable words ("short", "prefill host down")
   int64_t b = 0, t = 0, bytes = 0;
   std::map<std::string, double> timings_ms;  // stage -> milliseconds
+  std::string arith;  // the rows' arithmetic, as the prefill host's manifest says ("" unknown)
 
   static Verdict skipped(std::string why) { return {VerdictKind::kSkipped, std::move(why)}; }
   static Verdict declined(std::string why) { return {VerdictKind::kDeclined, std::move(why)}; }

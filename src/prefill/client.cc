@@ -66,6 +66,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
         auto m = decode_manifest(frame);
         stream_status = m.is_ok() ? assembler->finish(m.value()) : m.status();
         out.have_manifest = m.is_ok();
+        if (m.is_ok()) out.arith = m->arith;
         // An honest "ended early" keeps the prefix; a manifest that disagrees voids it all.
         if (m.is_ok() && !stream_status.is_ok() && stream_status.code() != Code::kUnavailable)
           out.salvageable = false;

@@ -20,6 +20,7 @@ struct FetchResult {
   // for breaks that leave the verified prefix sound (killed, truncated, stalled, corrupt, gap).
   bool salvageable = true;
   bool have_manifest = false;
+  std::string arith;  // the manifest's word on the rows' arithmetic
 };
 
 // stall_ms: longest silence tolerated between bytes; deadline_ms: the whole stream's budget.

@@ -19,7 +19,10 @@ struct PrefillStack {
   ProgramFactory programs;
   ChunkPlan chunk_plan;             // empty: equal chunks
   CaptureStore* capture = nullptr;  // GPU programs: where the tap's device rows wait
-  std::shared_ptr<void> owned;      // the engine and the decoder weights behind the pointers above
+  // "exact": the engine and program reproduce the decoder's arithmetic (the CPU backend, and the
+  // cuda backend's exact llama engine); "fast": the rows are within a tolerance of the decoder's.
+  std::string arith = "exact";
+  std::shared_ptr<void> owned;  // the engine and the decoder weights behind the pointers above
 };
 
 // Where and how the prefill runs.

@@ -47,6 +47,7 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   owned->gpu_weights = std::move(gpu_weights);
   PrefillStack s;
   s.family = "llama";
+  s.arith = arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast";
   s.engine = std::make_unique<EngineAdapter<cuda::LlamaCudaEngine>>(owned->engine.get());
   s.layout = owned->weights.layout;
   const cuda::LlamaGpuWeights* gw = owned->gpu_weights.get();
@@ -82,6 +83,7 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
   owned->gpu_weights = std::move(gpu_weights);
   PrefillStack s;
   s.family = "deepseek_v4";
+  s.arith = "fast";
   s.engine = std::make_unique<EngineAdapter<Dsv4CudaEngine>>(owned->engine.get());
   s.layout = owned->weights.layout;
   const Dsv4DecoderWeights* w = &owned->weights;

@@ -163,12 +163,14 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
     m.fingerprint = layout_.fingerprint;
     m.requested_tokens = T;
     m.reason = "cache program refused the request: " + program.status().to_string();
+    m.arith = arith_;
     sink(encode_manifest(m));
     return m;
   }
   engine_->reset();
   BridgeProducer producer(program.value().get(), sink, 4,
                           program.value()->device_stream() ? capture_ : nullptr);
+  producer.set_arith(arith_);
   const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
   std::vector<int64_t> plan;
   if (chunk_plan_) {

@@ -98,6 +98,8 @@ class PrefillService {
   void set_chunk_plan(ChunkPlan plan) { chunk_plan_ = std::move(plan); }
   // For GPU cache programs: the device capture their producer uses (must outlive the service).
   void set_capture(CaptureStore* capture) { capture_ = capture; }
+  // What every manifest says of the rows' arithmetic (PrefillStack::arith).
+  void set_arith(std::string arith) { arith_ = std::move(arith); }
 
   // Runs one prefill (the engine is reset first) and emits frames to sink, manifest last.
   Manifest run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink);
@@ -113,6 +115,7 @@ class PrefillService {
   ProgramFactory programs_;
   ChunkPlan chunk_plan_;
   CaptureStore* capture_ = nullptr;
+  std::string arith_ = "exact";
   int64_t default_chunk_, max_tokens_;
   FaultSpec fault_;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);

@@ -311,6 +311,7 @@ def test_openai_client_bridged_prompt_gets_native_answer(tiny, main_front, strea
     got, v, usage = openai_chat(main_front, body, stream)
     assert v["verdict"] == "complete", v
     assert (v["B"], v["T"]) == (T - 1, T) and v["bytes"] > 0
+    assert v["arith"] == "exact", v  # the CPU backend computes the decoder's own arithmetic
     assert got == answer(native)
     if not stream:
         assert usage.prompt_tokens == T

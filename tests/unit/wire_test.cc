@@ -29,7 +29,7 @@ Segment make_segment(int64_t seq, int64_t pos0, int64_t n, int64_t layers, int64
 
 TEST(Wire, RoundTripByteAtATime) {
   Segment s = make_segment(0, 5, 3, 2, 2, 4);
-  std::string bytes = encode_segment(s) + encode_manifest({"fp", 8, 8, 1, true, ""});
+  std::string bytes = encode_segment(s) + encode_manifest({"fp", 8, 8, 1, true, "", "exact"});
   FrameParser p(1 << 20);
   std::vector<Frame> frames;
   for (char c : bytes) {
@@ -51,6 +51,7 @@ TEST(Wire, RoundTripByteAtATime) {
   ASSERT_TRUE(m.is_ok());
   EXPECT_TRUE(m->complete);
   EXPECT_EQ(m->covered_tokens, 8);
+  EXPECT_EQ(m->arith, "exact");
 }
 
 TEST(Wire, EveryFlippedByteIsCaught) {
