@@ -2,6 +2,8 @@
 #include "bridge/wire.h"
 
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "common/hash.h"
 
@@ -13,18 +15,21 @@ namespace {
 constexpr char kMagic[4] = {'H', 'S', 'G', '1'};
 constexpr size_t kPrefixBytes = 4 + 4 + 8;
 
-std::string frame(const json& header, const std::string& payload) {
+// A frame whose payload is the concatenation of `parts`, written once into the frame's own
+// buffer (a segment's arrays are copied exactly once on their way out).
+std::string frame(const json& header, const std::vector<std::pair<const char*, size_t>>& parts) {
   const std::string h = header.dump();
+  uint64_t pb = 0;
+  for (const auto& [p, n] : parts) pb += n;
   std::string out;
-  out.reserve(kPrefixBytes + h.size() + payload.size() + 8);
+  out.reserve(kPrefixBytes + h.size() + pb + 8);
   out.append(kMagic, 4);
   const uint32_t hb = static_cast<uint32_t>(h.size());
-  const uint64_t pb = payload.size();
   out.append(reinterpret_cast<const char*>(&hb), 4);
   out.append(reinterpret_cast<const char*>(&pb), 8);
   out += h;
-  out += payload;
-  const uint64_t sum = checksum64(out.data() + kPrefixBytes, h.size() + payload.size());
+  for (const auto& [p, n] : parts) out.append(p, n);
+  const uint64_t sum = checksum64(out.data() + kPrefixBytes, h.size() + pb);
   out.append(reinterpret_cast<const char*>(&sum), 8);
   return out;
 }
@@ -33,17 +38,16 @@ std::string frame(const json& header, const std::string& payload) {
 
 std::string encode_segment(const Segment& s) {
   json arrays = json::array();
-  std::string payload;
-  size_t total = 0;
-  for (const auto& a : s.arrays) total += a.tensor.bytes.size();
-  payload.reserve(total);
+  std::vector<std::pair<const char*, size_t>> parts;
+  size_t offset = 0;
   for (const auto& a : s.arrays) {
     arrays.push_back({{"name", a.name},
                       {"dtype", dtype_name(a.tensor.dtype)},
                       {"shape", a.tensor.shape},
-                      {"offset", payload.size()},
+                      {"offset", offset},
                       {"bytes", a.tensor.nbytes()}});
-    payload.append(reinterpret_cast<const char*>(a.tensor.bytes.data()), a.tensor.bytes.size());
+    parts.push_back({reinterpret_cast<const char*>(a.tensor.bytes.data()), a.tensor.bytes.size()});
+    offset += a.tensor.bytes.size();
   }
   json h = {{"v", kWireVersion},
             {"kind", "segment"},
@@ -53,7 +57,7 @@ std::string encode_segment(const Segment& s) {
             {"pos0", s.pos0},
             {"n_tokens", s.n_tokens},
             {"arrays", arrays}};
-  return frame(h, payload);
+  return frame(h, parts);
 }
 
 std::string encode_manifest(const Manifest& m) {
@@ -66,7 +70,7 @@ std::string encode_manifest(const Manifest& m) {
             {"complete", m.complete},
             {"reason", m.reason},
             {"arith", m.arith}};
-  return frame(h, "");
+  return frame(h, {});
 }
 
 Result<std::optional<Frame>> FrameParser::next() {
@@ -98,7 +102,14 @@ Result<std::optional<Frame>> FrameParser::next() {
     return failed_ = data_loss("frame header is not a JSON object");
   if (f.header.value("v", 0) != kWireVersion)
     return failed_ = data_loss("unsupported wire version " + f.header.value("v", json()).dump());
-  f.payload.assign(p + kPrefixBytes + hb, pb);
+  f.payload_size = pb;
+  if (pos_ == 0 && avail == total) {  // the buffer holds exactly this frame: hand it over
+    f.buffer = std::move(buf_);
+    f.payload_offset = kPrefixBytes + hb;
+    buf_.clear();
+    return std::optional<Frame>(std::move(f));
+  }
+  f.buffer.assign(p + kPrefixBytes + hb, pb);
   pos_ += total;
   if (pos_ > (1u << 24) && pos_ * 2 > buf_.size()) {  // compact now and then
     buf_.erase(0, pos_);
@@ -127,10 +138,11 @@ Result<Segment> decode_segment(const Frame& f) {
         w.tensor.shape.push_back(v);
       }
       const int64_t off = a.at("offset").get<int64_t>(), bytes = a.at("bytes").get<int64_t>();
+      const std::string_view payload = f.payload();
       if (bytes != w.tensor.numel() * dtype_size(w.tensor.dtype) || off < 0 ||
-          off + bytes > static_cast<int64_t>(f.payload.size()))
+          off + bytes > static_cast<int64_t>(payload.size()))
         return data_loss("array '" + w.name + "' does not fit its shape or the payload");
-      w.tensor.bytes.assign(f.payload.begin() + off, f.payload.begin() + off + bytes);
+      w.tensor.bytes.assign(payload.data() + off, payload.data() + off + bytes);
       s.arrays.push_back(std::move(w));
     }
   } catch (const nlohmann::json::exception& e) {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -45,7 +46,11 @@ struct Manifest {
 
 struct Frame {
   nlohmann::json header;
-  std::string payload;
+  // The payload is buffer[payload_offset, +payload_size): a frame that filled the parser's
+  // buffer alone takes that buffer over whole instead of copying its payload out.
+  std::string buffer;
+  size_t payload_offset = 0, payload_size = 0;
+  std::string_view payload() const { return {buffer.data() + payload_offset, payload_size}; }
 };
 
 std::string encode_segment(const Segment& s);

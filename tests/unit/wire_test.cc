@@ -54,6 +54,34 @@ TEST(Wire, RoundTripByteAtATime) {
   EXPECT_EQ(m->arith, "exact");
 }
 
+// A frame that fills the parser's buffer alone is handed over without copying its payload; the
+// parser stays usable, and a frame behind another still comes out whole.
+TEST(Wire, WholeFrameHandOverKeepsTheParserUsable) {
+  const Segment a = make_segment(0, 0, 3, 2, 2, 4), b = make_segment(1, 3, 3, 2, 2, 4);
+  FrameParser p(1 << 20);
+  const std::string fa = encode_segment(a);
+  p.feed(fa.data(), fa.size());
+  auto f1 = p.next();
+  ASSERT_TRUE(f1.is_ok() && f1->has_value());
+  EXPECT_EQ(p.buffered_bytes(), 0u);
+  const std::string both = encode_segment(b) + encode_segment(a);
+  p.feed(both.data(), both.size());
+  auto f2 = p.next(), f3 = p.next();
+  ASSERT_TRUE(f2.is_ok() && f2->has_value() && f3.is_ok() && f3->has_value());
+  for (const auto& [frame, want] :
+       {std::pair{&**f1, &a}, std::pair{&**f2, &b}, std::pair{&**f3, &a}}) {
+    auto d = decode_segment(*frame);
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    EXPECT_EQ(d->pos0, want->pos0);
+    ASSERT_EQ(d->arrays.size(), want->arrays.size());
+    for (size_t i = 0; i < want->arrays.size(); ++i)
+      EXPECT_EQ(d->arrays[i].tensor.bytes, want->arrays[i].tensor.bytes);
+  }
+  auto none = p.next();
+  ASSERT_TRUE(none.is_ok());
+  EXPECT_FALSE(none->has_value());
+}
+
 TEST(Wire, EveryFlippedByteIsCaught) {
   const std::string good = encode_segment(make_segment(0, 0, 2, 1, 1, 2));
   for (size_t i = 0; i < good.size(); ++i) {
