@@ -1,4 +1,8 @@
 // The CUDA backend's prefill stacks: see families.h.
+#include <memory>
+#include <string>
+#include <utility>
+
 #include "bridge/cuda/gpu_programs.h"
 #include "engine/cuda/dsv4_cuda.h"
 #include "engine/cuda/llama_cuda.h"
@@ -21,6 +25,35 @@ Status check_device(int device) {
   return Status::ok();
 }
 
+// What a GPU stack owns: the engine, the decoder's export (host and device copies) and the
+// capture its producer uses.
+template <class Engine, class Weights, class GpuWeights>
+struct GpuOwned {
+  std::unique_ptr<Engine> engine;
+  Weights weights;
+  std::unique_ptr<GpuWeights> gpu_weights;
+  cuda::GpuCaptureStore capture;
+};
+
+// The stack's parts every family shares; the family adds its programs and chunk plan.
+template <class Engine, class Weights, class GpuWeights>
+std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>> gpu_stack(
+    std::string family, std::string arith, std::unique_ptr<Engine> engine, Weights weights,
+    std::unique_ptr<GpuWeights> gpu_weights) {
+  auto owned = std::make_shared<GpuOwned<Engine, Weights, GpuWeights>>();
+  owned->engine = std::move(engine);
+  owned->weights = std::move(weights);
+  owned->gpu_weights = std::move(gpu_weights);
+  PrefillStack s;
+  s.family = std::move(family);
+  s.arith = std::move(arith);
+  s.engine = std::make_unique<EngineAdapter<Engine>>(owned->engine.get());
+  s.layout = owned->weights.layout;
+  s.capture = &owned->capture;
+  s.owned = owned;
+  return {std::move(s), owned};
+}
+
 }  // namespace
 
 Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::string& weights_dir,
@@ -35,28 +68,14 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
       auto engine,
       cuda::LlamaCudaEngine::load(model_dir, {kv, /*host_tap=*/false, backend.device, arith}));
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, cuda::upload_llama_weights(weights));
-  struct Owned {
-    std::unique_ptr<cuda::LlamaCudaEngine> engine;
-    LlamaDecoderWeights weights;
-    std::unique_ptr<cuda::LlamaGpuWeights> gpu_weights;
-    cuda::GpuCaptureStore capture;
-  };
-  auto owned = std::make_shared<Owned>();
-  owned->engine = std::move(engine);
-  owned->weights = std::move(weights);
-  owned->gpu_weights = std::move(gpu_weights);
-  PrefillStack s;
-  s.family = "llama";
-  s.arith = arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast";
-  s.engine = std::make_unique<EngineAdapter<cuda::LlamaCudaEngine>>(owned->engine.get());
-  s.layout = owned->weights.layout;
+  auto [s, owned] = gpu_stack(std::string("llama"),
+                              std::string(arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast"),
+                              std::move(engine), std::move(weights), std::move(gpu_weights));
   const cuda::LlamaGpuWeights* gw = owned->gpu_weights.get();
   s.programs = [gw](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
     return std::unique_ptr<SegmentProgram>(std::make_unique<cuda::LlamaGpuSegmentProgram>(gw));
   };
-  s.capture = &owned->capture;
-  s.owned = owned;
-  return s;
+  return std::move(s);
 }
 
 Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::string& weights_dir,
@@ -71,21 +90,8 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
   HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CudaEngine::load(model_dir));
   HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, cuda::upload_dsv4_weights(weights));
-  struct Owned {
-    std::unique_ptr<Dsv4CudaEngine> engine;
-    Dsv4DecoderWeights weights;
-    std::unique_ptr<cuda::Dsv4GpuWeights> gpu_weights;
-    cuda::GpuCaptureStore capture;
-  };
-  auto owned = std::make_shared<Owned>();
-  owned->engine = std::move(engine);
-  owned->weights = std::move(weights);
-  owned->gpu_weights = std::move(gpu_weights);
-  PrefillStack s;
-  s.family = "deepseek_v4";
-  s.arith = "fast";
-  s.engine = std::make_unique<EngineAdapter<Dsv4CudaEngine>>(owned->engine.get());
-  s.layout = owned->weights.layout;
+  auto [s, owned] = gpu_stack(std::string("deepseek_v4"), std::string("fast"), std::move(engine),
+                              std::move(weights), std::move(gpu_weights));
   const Dsv4DecoderWeights* w = &owned->weights;
   const cuda::Dsv4GpuWeights* gw = owned->gpu_weights.get();
   s.programs = [w, gw](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
@@ -94,9 +100,7 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
         std::make_unique<cuda::Dsv4GpuSegmentProgram>(w, gw, req.decoder_calls));
   };
   s.chunk_plan = [](const PrefillRequest& req, int64_t) { return req.decoder_calls; };
-  s.capture = &owned->capture;
-  s.owned = owned;
-  return s;
+  return std::move(s);
 }
 
 }  // namespace hetero
