@@ -334,15 +334,32 @@ void Dsv4CacheProgram::feed_pool(const Dsv4ProgramCompressor& c, PoolState& s, i
   }
 }
 
-Status Dsv4CacheProgram::feed(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
-                              Dsv4NewRows* out) {
-  if (layer < 0 || layer >= w_->layout.layers)
+Status check_dsv4_layer(int64_t layer, int64_t layers) {
+  if (layer < 0 || layer >= layers)
     return invalid_argument("layer " + std::to_string(layer) + " out of range");
-  LayerState& s = state_[static_cast<size_t>(layer)];
-  if (pos0 != s.fed || n <= 0 || pos0 + n > sched_.tokens)
+  return Status::ok();
+}
+
+Status check_dsv4_rows(int64_t layer, int64_t fed, int64_t pos0, int64_t n, int64_t tokens) {
+  if (pos0 != fed || n <= 0 || pos0 + n > tokens)
     return invalid_argument("layer " + std::to_string(layer) + ": rows [" + std::to_string(pos0) +
                             ", " + std::to_string(pos0 + n) + ") do not follow row " +
-                            std::to_string(s.fed) + " within " + std::to_string(sched_.tokens));
+                            std::to_string(fed) + " within " + std::to_string(tokens));
+  return Status::ok();
+}
+
+Status check_dsv4_complete(int64_t layer, int64_t fed, int64_t tokens) {
+  if (fed != tokens)
+    return failed_precondition("layer " + std::to_string(layer) + " has " + std::to_string(fed) +
+                               " of " + std::to_string(tokens) + " rows");
+  return Status::ok();
+}
+
+Status Dsv4CacheProgram::feed(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                              Dsv4NewRows* out) {
+  HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
+  LayerState& s = state_[static_cast<size_t>(layer)];
+  HETERO_RETURN_IF_ERROR(check_dsv4_rows(layer, s.fed, pos0, n, sched_.tokens));
   const Dsv4ProgramLayer& L = w_->layers[static_cast<size_t>(layer)];
   const int64_t H = w_->layout.hidden, hd = w_->layout.head_dim;
   // Window rows: only positions that end up in a slot are computed.
@@ -379,12 +396,9 @@ Dsv4PoolArrays Dsv4CacheProgram::pool_arrays(const Dsv4ProgramCompressor& c,
 }
 
 Result<Dsv4LayerArrays> Dsv4CacheProgram::finish_layer(int64_t layer) {
-  if (layer < 0 || layer >= w_->layout.layers)
-    return invalid_argument("layer " + std::to_string(layer) + " out of range");
+  HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
   const LayerState& s = state_[static_cast<size_t>(layer)];
-  if (s.fed != sched_.tokens)
-    return failed_precondition("layer " + std::to_string(layer) + " has " + std::to_string(s.fed) +
-                               " of " + std::to_string(sched_.tokens) + " rows");
+  HETERO_RETURN_IF_ERROR(check_dsv4_complete(layer, s.fed, sched_.tokens));
   const Dsv4ProgramLayer& L = w_->layers[static_cast<size_t>(layer)];
   const int64_t hd = w_->layout.head_dim;
   Dsv4LayerArrays a;

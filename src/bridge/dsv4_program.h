@@ -98,6 +98,13 @@ struct Dsv4Schedule {
 };
 Dsv4Schedule dsv4_schedule(const std::vector<int64_t>& decoder_calls, int64_t window);
 
+// What every DeepSeek-V4 program (CPU and GPU) refuses: a layer outside [0, layers); rows
+// [pos0, pos0+n) that do not follow the `fed` rows already taken or run past T; finishing a layer
+// before all T rows arrived.
+Status check_dsv4_layer(int64_t layer, int64_t layers);
+Status check_dsv4_rows(int64_t layer, int64_t fed, int64_t pos0, int64_t n, int64_t tokens);
+Status check_dsv4_complete(int64_t layer, int64_t fed, int64_t tokens);
+
 // One layer's finished cache, as arrays in the decoder's layout (B = 1 dropped where noted).
 struct Dsv4PoolArrays {
   Tensor buf_kv, buf_gate;  // bf16 [1, rem, out_dim]

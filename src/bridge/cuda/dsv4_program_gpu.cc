@@ -339,13 +339,9 @@ Status Dsv4GpuCacheProgram::feed_device(int64_t layer, int64_t pos0, int64_t n, 
 Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                      bool on_device, Dsv4NewRows* out) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (layer < 0 || layer >= w_->layout.layers)
-    return invalid_argument("layer " + std::to_string(layer) + " out of range");
+  HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
   LayerState& s = state_[static_cast<size_t>(layer)];
-  if (pos0 != s.fed || n <= 0 || pos0 + n > sched_.tokens)
-    return invalid_argument("layer " + std::to_string(layer) + ": rows [" + std::to_string(pos0) +
-                            ", " + std::to_string(pos0 + n) + ") do not follow row " +
-                            std::to_string(s.fed) + " within " + std::to_string(sched_.tokens));
+  HETERO_RETURN_IF_ERROR(check_dsv4_rows(layer, s.fed, pos0, n, sched_.tokens));
   const Dsv4GpuLayer& L = w_->layers[static_cast<size_t>(layer)];
   const int64_t H = w_->layout.hidden;
   if (!s.allocated) HETERO_RETURN_IF_ERROR(prepare(L, s));
@@ -403,12 +399,9 @@ Dsv4PoolArrays Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c,
 
 Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::finish_layer(int64_t layer) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (layer < 0 || layer >= w_->layout.layers)
-    return invalid_argument("layer " + std::to_string(layer) + " out of range");
+  HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
   LayerState& s = state_[static_cast<size_t>(layer)];
-  if (s.fed != sched_.tokens)
-    return failed_precondition("layer " + std::to_string(layer) + " has " + std::to_string(s.fed) +
-                               " of " + std::to_string(sched_.tokens) + " rows");
+  HETERO_RETURN_IF_ERROR(check_dsv4_complete(layer, s.fed, sched_.tokens));
   if (s.finished)
     return failed_precondition("layer " + std::to_string(layer) + " was finished already");
   const Dsv4GpuLayer& L = w_->layers[static_cast<size_t>(layer)];

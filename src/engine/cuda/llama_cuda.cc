@@ -155,10 +155,12 @@ Status LlamaCudaEngine::upload(const LlamaWeights& w) {
     Layer& D = layers_[static_cast<size_t>(l)];
     HETERO_RETURN_IF_ERROR(put({&L.input_norm}, &D.in_norm));
     HETERO_RETURN_IF_ERROR(put({&L.post_norm}, &D.post_norm));
-    HETERO_RETURN_IF_ERROR(put({&L.wq, &L.wk, &L.wv}, &D.wqkv));
-    HETERO_RETURN_IF_ERROR(put({&L.wo}, &D.wo));
-    HETERO_RETURN_IF_ERROR(put({&L.w_gate, &L.w_up}, &D.gate_up));
-    HETERO_RETURN_IF_ERROR(put({&L.w_down}, &D.down));
+    if (options_.arith == LlamaCudaArith::kFast) {  // the exact path has its own (below)
+      HETERO_RETURN_IF_ERROR(put({&L.wq, &L.wk, &L.wv}, &D.wqkv));
+      HETERO_RETURN_IF_ERROR(put({&L.wo}, &D.wo));
+      HETERO_RETURN_IF_ERROR(put({&L.w_gate, &L.w_up}, &D.gate_up));
+      HETERO_RETURN_IF_ERROR(put({&L.w_down}, &D.down));
+    }
     if (c.qkv_bias && opt(L.bq)) {
       HETERO_RETURN_IF_ERROR(put({&L.bq}, &D.extra.bq));
       HETERO_RETURN_IF_ERROR(put({&L.bk}, &D.extra.bk));
@@ -390,7 +392,10 @@ Status LlamaCudaEngine::prefill_exact(const std::vector<int32_t>& ids,
     const cudaError_t ce = cudaMalloc(p, bytes);
     return ce == cudaSuccess ? Status::ok() : cuda_error("allocating the exact path", ce);
   };
-  cudaStreamSynchronize(stream_);  // buffers below may be replaced
+  const size_t scratch = static_cast<size_t>(c.heads * n * (pos0 + n)) * 4;
+  // Buffers below are replaced only when they grow; the work still queued may read them.
+  if (n > X.rows || scratch > X.scratch_bytes || pos0 + n > X.capacity)
+    cudaStreamSynchronize(stream_);
   if (n > X.rows) {
     const size_t N = static_cast<size_t>(n);
     HETERO_RETURN_IF_ERROR(grow(&X.xf, N * static_cast<size_t>(widest) * 4));
@@ -401,7 +406,6 @@ Status LlamaCudaEngine::prefill_exact(const std::vector<int32_t>& ids,
     HETERO_RETURN_IF_ERROR(grow(&X.up, N * static_cast<size_t>(I) * 2));
     X.rows = n;
   }
-  const size_t scratch = static_cast<size_t>(c.heads * n * (pos0 + n)) * 4;
   if (scratch > X.scratch_bytes) {
     HETERO_RETURN_IF_ERROR(grow(&X.scratch, scratch));
     X.scratch_bytes = scratch;

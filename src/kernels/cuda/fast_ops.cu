@@ -27,7 +27,7 @@ __device__ float block_reduce(float v, float* shared32) {
   __syncthreads();  // shared32 may still be read by a previous call
   if (lane == 0) shared32[warp] = v;
   __syncthreads();
-  float r = kMax ? 0.f : 0.f;
+  float r = 0.f;  // a neutral start for both: the maxima taken here are of absolute values
   for (int i = 0; i < warps; ++i) r = kMax ? fmaxf(r, shared32[i]) : r + shared32[i];
   return r;
 }
