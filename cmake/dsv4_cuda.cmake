@@ -5,4 +5,4 @@ target_sources(hetero_engine_cuda PRIVATE src/engine/cuda/dsv4_cuda.cc
                                           src/kernels/cuda/dsv4_fwd_attention.cu)
 target_sources(hetero_gpu_tests PRIVATE tests/gpu/dsv4_cuda_test.cc)
 add_executable(hetero_gpu_dsv4_layer_bench bench/gpu/dsv4_layer_bench.cc)
-target_link_libraries(hetero_gpu_dsv4_layer_bench PRIVATE hetero_engine_cuda)
+target_link_libraries(hetero_gpu_dsv4_layer_bench PRIVATE hetero_engine_cuda hetero_bridge_cuda)

@@ -8,9 +8,14 @@
 // forward does (projections, active experts, attention over the keys each query sees, indexer
 // scoring) against the bf16 cuBLAS peak measured in this binary.
 //
-// JSON lines to stdout (one per T), a table to stderr. --refcheck first compares the engine with
-// the CPU engine on the small test model (tests/common/dsv4_model_weights.h) and refuses to report
-// if it fails.
+// --bridge off,on: "on" runs the same prefill with the bridge behind it — the tap's device capture,
+// the exact DeepSeek-V4 cache program on its side stream (random decoder weights of the same
+// layers' shapes, the decoder server's 2048-token calls) and the producer encoding every segment
+// — and reports its wall time against "off" (the target: at most 3% more).
+//
+// JSON lines to stdout (one per T and bridge mode), a table to stderr. --refcheck first compares
+// the engine with the CPU engine on the small test model (tests/common/dsv4_model_weights.h) and
+// refuses to report if it fails.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,6 +29,9 @@
 
 #include "../../tests/common/dsv4_model_weights.h"
 #include "bench_common.h"
+#include "bridge/cuda/gpu_programs.h"
+#include "bridge/producer.h"
+#include "dsv4_flash_decoder.h"
 #include "engine/cuda/dsv4_cuda.h"
 #include "engine/dsv4_cpu.h"
 
@@ -141,6 +149,7 @@ int main(int argc, char** argv) {
   bool check = false;
   Dsv4CudaOptions opts;
   std::string rev = "unknown";
+  std::vector<std::string> bridge_modes = {"off", "on"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
@@ -162,10 +171,20 @@ int main(int argc, char** argv) {
       opts.phase_timing = true;
     else if (a == "--moe")
       opts.grouped_experts = std::string(next()) != "loop";
-    else {
+    else if (a == "--bridge") {
+      bridge_modes.clear();
+      std::stringstream ss(next());
+      std::string m;
+      while (std::getline(ss, m, ','))
+        if (m == "off" || m == "on")
+          bridge_modes.push_back(m);
+        else
+          return std::fprintf(stderr, "--bridge takes off and/or on\n"), 2;
+    } else {
       std::fprintf(stderr,
                    "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
-                   "[--repeats 3] [--moe loop|grouped] [--phases] [--refcheck] [--rev GIT_REV]\n",
+                   "[--repeats 3] [--moe loop|grouped] [--bridge off,on] [--phases] [--refcheck] "
+                   "[--rev GIT_REV]\n",
                    argv[0]);
       return 2;
     }
@@ -187,6 +206,12 @@ int main(int argc, char** argv) {
   auto st = static_cast<cudaStream_t>(engine->stream());
   std::vector<cudaEvent_t> ev(static_cast<size_t>(layers + 1));
   for (auto& e : ev) cudaEventCreate(&e);
+  // The decoder's program weights for the same layers (bridge "on").
+  std::vector<int64_t> ratios(c.compress_ratios.begin(), c.compress_ratios.end());
+  const Dsv4DecoderWeights decoder = bench::flash_decoder_weights(ratios);
+  auto decoder_gpu = cuda::upload_dsv4_weights(decoder);
+  if (!decoder_gpu.is_ok())
+    return std::fprintf(stderr, "%s\n", decoder_gpu.status().to_string().c_str()), 1;
   std::mt19937 rng(7);
   std::fprintf(stderr, "%s, weights %.1f GB, bf16 peak %.0f TFLOP/s, layers %lld, chunk %lld\n",
                gpu.c_str(), engine->weight_bytes() / 1e9, peak, static_cast<long long>(layers),
@@ -196,99 +221,138 @@ int main(int argc, char** argv) {
   for (int64_t T : Ts) {
     std::vector<int32_t> ids(static_cast<size_t>(T));
     for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
-    std::vector<std::vector<double>> layer_ms(static_cast<size_t>(layers));
-    std::vector<double> total_ms;
-    auto phases_before = engine->phase_ms();
-    for (int run = 0; run < warmup + repeats; ++run) {
-      if (run == warmup) phases_before = engine->phase_ms();  // warm-up runs not counted
-      engine->reset();
-      std::vector<double> ms(static_cast<size_t>(layers), 0.0);
-      double total = 0;
-      for (int64_t at = 0; at < T; at += chunk) {
-        const int64_t n = std::min(chunk, T - at);
-        std::vector<int32_t> part(ids.begin() + at, ids.begin() + at + n);
-        auto tap = [&](const TapEvent& e) {
-          cudaEventRecord(ev[static_cast<size_t>(e.layer)], static_cast<cudaStream_t>(e.stream));
-        };
-        if (!engine->prefill_chunk(part, tap).is_ok()) return 1;
-        cudaEventRecord(ev[static_cast<size_t>(layers)], st);
-        if (!engine->synchronize().is_ok()) return 1;
-        for (int64_t l = 0; l < layers; ++l) {
+    double off_wall = 0;
+    for (const std::string& bridge : bridge_modes) {
+      const bool on = bridge == "on";
+      std::vector<std::vector<double>> layer_ms(static_cast<size_t>(layers));
+      std::vector<double> total_ms, wall_s;
+      double wire_bytes = 0, capture_bytes = 0;
+      bool manifest_complete = true;
+      auto phases_before = engine->phase_ms();
+      for (int run = 0; run < warmup + repeats; ++run) {
+        if (run == warmup) phases_before = engine->phase_ms();  // warm-up runs not counted
+        engine->reset();
+        cuda::GpuCaptureStore capture(4);
+        cuda::Dsv4GpuSegmentProgram program(&decoder, decoder_gpu->get(),
+                                            dsv4_server_calls(T, 2048));
+        double bytes = 0;
+        std::unique_ptr<BridgeProducer> producer;
+        if (on)
+          producer = std::make_unique<BridgeProducer>(
+              &program,
+              [&bytes](std::string f) {
+                bytes += static_cast<double>(f.size());
+                return true;
+              },
+              4, &capture);
+        const AttentionInputTap bridge_tap = on ? producer->tap() : AttentionInputTap();
+        std::vector<double> ms(static_cast<size_t>(layers), 0.0);
+        double total = 0;
+        cudaDeviceSynchronize();
+        const double w0 = bench::now_s();
+        for (int64_t at = 0; at < T; at += chunk) {
+          const int64_t n = std::min(chunk, T - at);
+          std::vector<int32_t> part(ids.begin() + at, ids.begin() + at + n);
+          auto tap = [&](const TapEvent& e) {
+            cudaEventRecord(ev[static_cast<size_t>(e.layer)], static_cast<cudaStream_t>(e.stream));
+            if (bridge_tap) bridge_tap(e);
+          };
+          if (!engine->prefill_chunk(part, tap).is_ok()) return 1;
+          cudaEventRecord(ev[static_cast<size_t>(layers)], st);
+          if (!engine->synchronize().is_ok()) return 1;
+          for (int64_t l = 0; l < layers; ++l) {
+            float t = 0;
+            cudaEventElapsedTime(&t, ev[static_cast<size_t>(l)], ev[static_cast<size_t>(l + 1)]);
+            ms[static_cast<size_t>(l)] += t;
+          }
           float t = 0;
-          cudaEventElapsedTime(&t, ev[static_cast<size_t>(l)], ev[static_cast<size_t>(l + 1)]);
-          ms[static_cast<size_t>(l)] += t;
+          cudaEventElapsedTime(&t, ev[0], ev[static_cast<size_t>(layers)]);
+          total += t;
         }
-        float t = 0;
-        cudaEventElapsedTime(&t, ev[0], ev[static_cast<size_t>(layers)]);
-        total += t;
+        if (on) manifest_complete = producer->finish(T, Status::ok()).complete && manifest_complete;
+        const double wall = bench::now_s() - w0;
+        wire_bytes = bytes, capture_bytes = static_cast<double>(capture.device_bytes());
+        if (run < warmup) continue;
+        wall_s.push_back(wall);
+        for (int64_t l = 0; l < layers; ++l)
+          layer_ms[static_cast<size_t>(l)].push_back(ms[static_cast<size_t>(l)]);
+        total_ms.push_back(total);
       }
-      if (run < warmup) continue;
-      for (int64_t l = 0; l < layers; ++l)
-        layer_ms[static_cast<size_t>(l)].push_back(ms[static_cast<size_t>(l)]);
-      total_ms.push_back(total);
+      // Phase breakdown (with --phases): device ms per timed run, all layers together.
+      std::string phases = "{";
+      const auto phases_after = engine->phase_ms();
+      for (size_t i = 0; i < phases_after.size(); ++i) {
+        const double before = i < phases_before.size() ? phases_before[i].second : 0.0;
+        char buf[160];
+        std::snprintf(buf, sizeof(buf), "%s\"%s\":%.2f", i ? "," : "",
+                      phases_after[i].first.c_str(), (phases_after[i].second - before) / repeats);
+        phases += buf;
+        std::fprintf(stderr, "  phase %-28s %10.2f ms/run\n", phases_after[i].first.c_str(),
+                     (phases_after[i].second - before) / repeats);
+      }
+      phases += "}";
+      // Per ratio: the mean of its layers' medians.
+      double by_ratio[3] = {0, 0, 0}, flops_by_ratio[3] = {0, 0, 0};
+      int count[3] = {0, 0, 0};
+      std::string per_layer = "[";
+      for (int64_t l = 0; l < layers; ++l) {
+        const bench::Spread s = bench::spread(layer_ms[static_cast<size_t>(l)]);
+        const int32_t r = c.compress_ratios[static_cast<size_t>(l)];
+        const int k = r == 0 ? 0 : r == 4 ? 1 : 2;
+        by_ratio[k] += s.median, ++count[k];
+        flops_by_ratio[k] = layer_flops(c, r, T);
+        char buf[256];
+        std::snprintf(buf, sizeof(buf),
+                      "%s{\"layer\":%lld,\"ratio\":%d,\"ms_median\":%.3f,\"ms_min\":%.3f,"
+                      "\"ms_max\":%.3f}",
+                      l ? "," : "", static_cast<long long>(l), r, s.median, s.min, s.max);
+        per_layer += buf;
+      }
+      per_layer += "]";
+      for (int k = 0; k < 3; ++k) by_ratio[k] = count[k] ? by_ratio[k] / count[k] : -1;
+      // The Flash model's 43 layers: 2 of ratio 0, 21 of ratio 4, 20 of ratio 128.
+      const int mult[3] = {2, 21, 20};
+      double model_ms = 0, model_flops = 0;
+      bool complete = true;
+      for (int k = 0; k < 3; ++k) {
+        if (count[k] == 0) complete = false;
+        model_ms += mult[k] * by_ratio[k];
+        model_flops += mult[k] * flops_by_ratio[k];
+      }
+      const double tok_s = complete ? static_cast<double>(T) / (model_ms * 1e-3) : 0;
+      const double tflops = complete ? model_flops / (model_ms * 1e-3) / 1e12 : 0;
+      const bench::Spread tot = bench::spread(total_ms);
+      const bench::Spread wall = bench::spread(wall_s);
+      if (!on) off_wall = wall.median;
+      const double overhead = on && off_wall > 0 ? wall.median / off_wall - 1.0 : 0.0;
+      std::printf(
+          "{\"bench\":\"gpu_dsv4_layer\",\"gpu\":\"%s\",\"rev\":\"%s\",\"config\":\"flash-shape "
+          "random "
+          "bf16\",\"T\":%lld,\"chunk\":%lld,\"layers\":%lld,\"moe\":\"%s\",\"warmup\":%d,"
+          "\"repeats\":"
+          "%d,\"bridge\":\"%s\",\"wall_s_median\":%.4f,\"wall_s_min\":%.4f,\"wall_s_max\":%.4f,"
+          "\"bridge_overhead_vs_off\":%s,\"wire_bytes_per_token\":%s,\"capture_device_bytes\":%.0f,"
+          "\"manifest_complete\":%s,"
+          "\"per_layer\":%s,\"ms_ratio0\":%.3f,\"ms_ratio4\":%.3f,\"ms_ratio128\":%.3f,"
+          "\"run_ms_median\":%.3f,\"run_ms_min\":%.3f,\"run_ms_max\":%.3f,"
+          "\"implied_43_layer_s\":%.4f,\"implied_tok_s\":%.1f,\"tflops\":%.1f,"
+          "\"peak_bf16_tflops\":%.1f,\"fraction_of_peak\":%.3f,\"phase_ms\":%s,\"refcheck\":%s}\n",
+          gpu.c_str(), rev.c_str(), static_cast<long long>(T), static_cast<long long>(chunk),
+          static_cast<long long>(layers), opts.grouped_experts ? "grouped" : "loop", warmup,
+          repeats, bridge.c_str(), wall.median, wall.min, wall.max,
+          on ? std::to_string(overhead).c_str() : "null",
+          on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null", capture_bytes,
+          on ? (manifest_complete ? "true" : "false") : "null", per_layer.c_str(), by_ratio[0],
+          by_ratio[1], by_ratio[2], tot.median, tot.min, tot.max, model_ms * 1e-3, tok_s, tflops,
+          peak, peak > 0 ? tflops / peak : 0.0, phases.c_str(),
+          check ? "\"passed\"" : "\"not run\"");
+      std::fflush(stdout);
+      std::fprintf(stderr,
+                   "%8lld %10.2f %10.2f %10.2f %12.0f %10.1f %7.1f%%  bridge %s: %.3f s%s\n",
+                   static_cast<long long>(T), by_ratio[0], by_ratio[1], by_ratio[2], tok_s, tflops,
+                   peak > 0 ? 100.0 * tflops / peak : 0.0, bridge.c_str(), wall.median,
+                   on ? (" (+" + std::to_string(100 * overhead) + "%)").c_str() : "");
     }
-    // Phase breakdown (with --phases): device ms per timed run, all layers together.
-    std::string phases = "{";
-    const auto phases_after = engine->phase_ms();
-    for (size_t i = 0; i < phases_after.size(); ++i) {
-      const double before = i < phases_before.size() ? phases_before[i].second : 0.0;
-      char buf[160];
-      std::snprintf(buf, sizeof(buf), "%s\"%s\":%.2f", i ? "," : "", phases_after[i].first.c_str(),
-                    (phases_after[i].second - before) / repeats);
-      phases += buf;
-      std::fprintf(stderr, "  phase %-28s %10.2f ms/run\n", phases_after[i].first.c_str(),
-                   (phases_after[i].second - before) / repeats);
-    }
-    phases += "}";
-    // Per ratio: the mean of its layers' medians.
-    double by_ratio[3] = {0, 0, 0}, flops_by_ratio[3] = {0, 0, 0};
-    int count[3] = {0, 0, 0};
-    std::string per_layer = "[";
-    for (int64_t l = 0; l < layers; ++l) {
-      const bench::Spread s = bench::spread(layer_ms[static_cast<size_t>(l)]);
-      const int32_t r = c.compress_ratios[static_cast<size_t>(l)];
-      const int k = r == 0 ? 0 : r == 4 ? 1 : 2;
-      by_ratio[k] += s.median, ++count[k];
-      flops_by_ratio[k] = layer_flops(c, r, T);
-      char buf[256];
-      std::snprintf(buf, sizeof(buf),
-                    "%s{\"layer\":%lld,\"ratio\":%d,\"ms_median\":%.3f,\"ms_min\":%.3f,"
-                    "\"ms_max\":%.3f}",
-                    l ? "," : "", static_cast<long long>(l), r, s.median, s.min, s.max);
-      per_layer += buf;
-    }
-    per_layer += "]";
-    for (int k = 0; k < 3; ++k) by_ratio[k] = count[k] ? by_ratio[k] / count[k] : -1;
-    // The Flash model's 43 layers: 2 of ratio 0, 21 of ratio 4, 20 of ratio 128.
-    const int mult[3] = {2, 21, 20};
-    double model_ms = 0, model_flops = 0;
-    bool complete = true;
-    for (int k = 0; k < 3; ++k) {
-      if (count[k] == 0) complete = false;
-      model_ms += mult[k] * by_ratio[k];
-      model_flops += mult[k] * flops_by_ratio[k];
-    }
-    const double tok_s = complete ? static_cast<double>(T) / (model_ms * 1e-3) : 0;
-    const double tflops = complete ? model_flops / (model_ms * 1e-3) / 1e12 : 0;
-    const bench::Spread tot = bench::spread(total_ms);
-    std::printf(
-        "{\"bench\":\"gpu_dsv4_layer\",\"gpu\":\"%s\",\"rev\":\"%s\",\"config\":\"flash-shape "
-        "random "
-        "bf16\",\"T\":%lld,\"chunk\":%lld,\"layers\":%lld,\"moe\":\"%s\",\"warmup\":%d,\"repeats\":"
-        "%d,"
-        "\"per_layer\":%s,\"ms_ratio0\":%.3f,\"ms_ratio4\":%.3f,\"ms_ratio128\":%.3f,"
-        "\"run_ms_median\":%.3f,\"run_ms_min\":%.3f,\"run_ms_max\":%.3f,"
-        "\"implied_43_layer_s\":%.4f,\"implied_tok_s\":%.1f,\"tflops\":%.1f,"
-        "\"peak_bf16_tflops\":%.1f,\"fraction_of_peak\":%.3f,\"phase_ms\":%s,\"refcheck\":%s}\n",
-        gpu.c_str(), rev.c_str(), static_cast<long long>(T), static_cast<long long>(chunk),
-        static_cast<long long>(layers), opts.grouped_experts ? "grouped" : "loop", warmup, repeats,
-        per_layer.c_str(), by_ratio[0], by_ratio[1], by_ratio[2], tot.median, tot.min, tot.max,
-        model_ms * 1e-3, tok_s, tflops, peak, peak > 0 ? tflops / peak : 0.0, phases.c_str(),
-        check ? "\"passed\"" : "\"not run\"");
-    std::fflush(stdout);
-    std::fprintf(stderr, "%8lld %10.2f %10.2f %10.2f %12.0f %10.1f %7.1f%%\n",
-                 static_cast<long long>(T), by_ratio[0], by_ratio[1], by_ratio[2], tok_s, tflops,
-                 peak > 0 ? 100.0 * tflops / peak : 0.0);
   }
   for (auto& e : ev) cudaEventDestroy(e);
   return 0;

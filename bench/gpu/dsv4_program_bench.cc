@@ -20,67 +20,12 @@
 #include "bridge/cuda/dsv4_program_gpu.h"
 #include "bridge/dsv4_program.h"
 #include "common/bf16.h"
+#include "dsv4_flash_decoder.h"
 
 namespace hetero {
 namespace {
 
 using bench::Draw;
-
-DecoderLinear dense(int64_t n, int64_t k, Draw& d) {
-  DecoderLinear l;
-  l.n = n, l.k = k;
-  l.wt.resize(static_cast<size_t>(n * k));
-  for (auto& v : l.wt) v = d.next(0.03f);
-  return l;
-}
-
-Tensor norm_weight(int64_t n, Draw& d) {
-  Tensor t(DType::kBF16, {n});
-  for (int64_t i = 0; i < n; ++i) t.data<uint16_t>()[i] = f32_to_bf16(1.0f + d.next(0.1f));
-  return t;
-}
-
-Dsv4ProgramCompressor compressor(int64_t r, int64_t hd, int64_t hidden, Draw& d) {
-  Dsv4ProgramCompressor c;
-  c.ratio = r, c.head_dim = hd, c.out_dim = r == 4 ? 2 * hd : hd;
-  c.wkv = dense(c.out_dim, hidden, d);
-  c.wgate = dense(c.out_dim, hidden, d);
-  c.ape.resize(static_cast<size_t>(r * c.out_dim));
-  for (auto& v : c.ape) v = d.next(0.5f);
-  c.norm = norm_weight(hd, d);
-  return c;
-}
-
-Dsv4DecoderWeights flash_layers(const std::vector<int64_t>& ratios) {
-  Draw d{0x9e3779b97f4a7c15ull};
-  Dsv4DecoderWeights w;
-  const int64_t H = 4096, hd = 512, ihd = 128;
-  w.layout.family = "deepseek_v4";
-  w.layout.hidden = H;
-  w.layout.head_dim = hd;
-  w.layout.kv_heads = 1;
-  w.index_head_dim = w.layout.index_head_dim = ihd;
-  w.window = w.layout.window = 128;
-  w.rope_dims = 64;
-  w.freqs_local = dsv4_rope_freqs(64, 10000.0, YarnScaling{});
-  YarnScaling yarn;
-  yarn.enabled = true;
-  yarn.factor = 16;
-  yarn.original_max_position_embeddings = 65536;
-  w.freqs_compressed = dsv4_rope_freqs(64, 160000.0, yarn);
-  w.layout.ratios = ratios;
-  w.layout.layers = static_cast<int64_t>(ratios.size());
-  for (int64_t r : ratios) {
-    Dsv4ProgramLayer L;
-    L.ratio = r;
-    L.wkv = dense(hd, H, d);
-    L.kv_norm = norm_weight(hd, d);
-    if (r > 0) L.pool = compressor(r, hd, H, d);
-    if (r == 4) L.index = compressor(4, ihd, H, d), L.has_index = true;
-    w.layers.push_back(std::move(L));
-  }
-  return w;
-}
 
 // Multiply-adds of the projections the program runs for one layer at T (window rows: the ring's).
 double layer_gflop(const Dsv4DecoderWeights& w, const Dsv4ProgramLayer& L, int64_t T,
@@ -122,7 +67,7 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "device");
-  const Dsv4DecoderWeights w = flash_layers({4, 128, 0});
+  const Dsv4DecoderWeights w = bench::flash_decoder_weights({4, 128, 0});
   auto uploaded = cuda::upload_dsv4_weights(w);
   check(uploaded.status(), "upload");
   const cuda::Dsv4GpuWeights& gw = **uploaded;

@@ -3,7 +3,9 @@
 // prefill throughput at each T, the fraction of the GPU's measured bf16 matmul peak it reaches,
 // and what the bridge costs on top — the tap and the exact cache program on a side stream
 // ("on"), against the forward alone ("off") — with the bytes the segments carry per token and the
-// device memory the capture holds.
+// device memory the capture holds. Two more modes split that cost: "tap" (the capture and the
+// producer with a program that does nothing) and "program" (the program's work on the device and
+// its copies to the host, but segments sent without their arrays: no encoding).
 //
 // One run = reset, then T tokens in --chunk sized chunks, timed from the first enqueue until the
 // engine's stream is idle and (on) the producer's manifest is out. Median and spread of --repeat
@@ -119,6 +121,39 @@ double prefill_flops(const LlamaConfig& c, int64_t T) {
   return static_cast<double>(c.layers) * (gemm + attn) * static_cast<double>(T);
 }
 
+// "tap": the capture's copies and the producer's hand-offs, no program work.
+class NullGpuProgram : public SegmentProgram {
+ public:
+  explicit NullGpuProgram(const DecoderCacheLayout& layout) : layout_(layout) {}
+  const DecoderCacheLayout& layout() const override { return layout_; }
+  Status run(int64_t, int64_t, int64_t, const uint16_t*, std::vector<WireArray>*) override {
+    return Status::ok();
+  }
+  void* device_stream() const override { return stream_.get(); }
+
+ private:
+  DecoderCacheLayout layout_;
+  cuda::SideStream stream_;
+};
+
+// "program": the llama program's work and device-to-host copies, its arrays dropped before the
+// encoder (which still waits for them).
+class ArraysDropped : public SegmentProgram {
+ public:
+  explicit ArraysDropped(SegmentProgram* p) : p_(p) {}
+  const DecoderCacheLayout& layout() const override { return p_->layout(); }
+  Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+             std::vector<WireArray>*) override {
+    std::vector<WireArray> dropped;
+    return p_->run(layer, pos0, n, x, &dropped);
+  }
+  Status segment_ready(int64_t pos0, int64_t n) override { return p_->segment_ready(pos0, n); }
+  void* device_stream() const override { return p_->device_stream(); }
+
+ private:
+  SegmentProgram* p_;
+};
+
 int refcheck() {
   LlamaConfig c = shape_config("smollm2");
   c.layers = 4, c.vocab = 1024;
@@ -227,19 +262,26 @@ int main(int argc, char** argv) {
       id = static_cast<int32_t>((d.next(1.f) + 1.f) * 0.5f * static_cast<float>(c.vocab - 1));
     double off_median = 0;
     for (const std::string& mode : a.modes) {
-      const bool on = mode == "on";
+      if (mode != "off" && mode != "tap" && mode != "program" && mode != "on")
+        return std::fprintf(stderr, "unknown mode %s (off, tap, program, on)\n", mode.c_str()), 2;
+      const bool on = mode != "off";
       std::vector<double> secs;
-      double wire_bytes = 0, capture_bytes = 0;
+      double wire_bytes = 0, capture_bytes = 0, staging_bytes = 0;
       bool complete = true;
       for (int r = 0; r < a.warmup + a.repeat; ++r) {
         (*engine)->reset();
         cuda::GpuCaptureStore capture(4);
         cuda::LlamaGpuSegmentProgram program(gw->get());
+        NullGpuProgram null_program(dw.layout);
+        ArraysDropped dropped(&program);
+        SegmentProgram* run_program = mode == "tap" ? static_cast<SegmentProgram*>(&null_program)
+                                      : mode == "program" ? static_cast<SegmentProgram*>(&dropped)
+                                                          : &program;
         double bytes = 0;
         std::unique_ptr<BridgeProducer> producer;
         if (on)
           producer = std::make_unique<BridgeProducer>(
-              &program,
+              run_program,
               [&bytes](std::string f) {
                 bytes += static_cast<double>(f.size());
                 return true;
@@ -259,6 +301,7 @@ int main(int argc, char** argv) {
         if (!st.is_ok()) return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
         if (r >= a.warmup) secs.push_back(s);
         wire_bytes = bytes, capture_bytes = static_cast<double>(capture.device_bytes());
+        staging_bytes = static_cast<double>(program.host_staging_bytes());
       }
       const bench::Spread sp = bench::spread(secs);
       if (mode == "off") off_median = sp.median;
@@ -271,15 +314,15 @@ int main(int argc, char** argv) {
           "\"repeat\":%d,\"median_s\":%.4f,\"min_s\":%.4f,\"max_s\":%.4f,\"tok_per_s\":%.0f,"
           "\"tflops\":%.1f,\"peak_tflops\":%.0f,\"peak_fraction\":%.3f,\"overhead_vs_off\":%s,"
           "\"wire_bytes_per_token\":%s,\"decoder_cache_bytes_per_token\":%.0f,"
-          "\"capture_device_bytes\":%.0f,\"engine_cache_bytes\":%zu,\"activation_bytes\":%zu,"
-          "\"manifest_complete\":%s}\n",
+          "\"capture_device_bytes\":%.0f,\"host_staging_bytes\":%.0f,\"engine_cache_bytes\":%zu,"
+          "\"activation_bytes\":%zu,\"manifest_complete\":%s}\n",
           a.rev.c_str(), gpu.c_str(), a.shape.c_str(), static_cast<long long>(c.layers),
           static_cast<double>((*engine)->weight_bytes()) / 2, a.kv.c_str(),
           static_cast<long long>(T), static_cast<long long>(a.chunk), mode.c_str(), a.repeat,
           sp.median, sp.min, sp.max, static_cast<double>(T) / sp.median, tflops, peak,
           tflops / peak, on ? std::to_string(overhead).c_str() : "null",
           on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null",
-          decoder_bytes_per_token, capture_bytes, (*engine)->cache_bytes(),
+          decoder_bytes_per_token, capture_bytes, staging_bytes, (*engine)->cache_bytes(),
           (*engine)->activation_bytes(), on ? (complete ? "true" : "false") : "null");
       std::fflush(stdout);
       std::fprintf(stderr, "%8lld %4s %10.4f %10.0f %8.1f %6.1f%% %8.1f%% %10.0f %12.1f\n",

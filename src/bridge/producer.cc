@@ -23,11 +23,14 @@ BridgeProducer::BridgeProducer(SegmentProgram* program, FrameSink sink, size_t m
     : program_(program), capture_(capture), sink_(std::move(sink)), queue_(max_queued_inputs) {
   HETERO_CHECK((program_->device_stream() != nullptr) == (capture_ != nullptr));
   worker_ = std::thread([this] { run(); });
+  encoder_ = std::thread([this] { encode(); });
 }
 
 BridgeProducer::~BridgeProducer() {
   queue_.close();
   if (worker_.joinable()) worker_.join();
+  segments_.close();
+  if (encoder_.joinable()) encoder_.join();
 }
 
 AttentionInputTap BridgeProducer::tap() {
@@ -55,8 +58,14 @@ AttentionInputTap BridgeProducer::tap() {
 }
 
 void BridgeProducer::fail_capture(Status st) {
-  std::lock_guard<std::mutex> lock(capture_mu_);
+  std::lock_guard<std::mutex> lock(status_mu_);
   if (capture_status_.is_ok()) capture_status_ = std::move(st);
+  cancelled_ = true;
+}
+
+void BridgeProducer::fail_program(Status st) {
+  std::lock_guard<std::mutex> lock(status_mu_);
+  if (program_status_.is_ok()) program_status_ = std::move(st);
   cancelled_ = true;
 }
 
@@ -65,17 +74,17 @@ void BridgeProducer::run() {
   // engine's GEMMs keep the others.
   omp_set_num_threads(1);
   const DecoderCacheLayout& layout = program_->layout();
+  void* stream = program_->device_stream();
   while (auto w = queue_.pop()) {
     if (cancelled_.load()) {  // drain without work
-      if (w->slot >= 0) capture_->release(w->slot);
+      if (w->slot >= 0) capture_->release(w->slot, nullptr);
       continue;
     }
     Pending& p = pending_[w->pos0];
     if (p.arrays.empty()) p.arrays.resize(static_cast<size_t>(layout.layers)), p.n = w->n;
-    const uint16_t* x =
-        w->slot >= 0 ? capture_->ready(w->slot, program_->device_stream()) : w->x.data();
+    const uint16_t* x = w->slot >= 0 ? capture_->ready(w->slot, stream) : w->x.data();
     Status st = program_->run(w->layer, w->pos0, w->n, x, &p.arrays[static_cast<size_t>(w->layer)]);
-    if (w->slot >= 0) capture_->release(w->slot);
+    if (w->slot >= 0) capture_->release(w->slot, stream);
     if (st.is_ok() && ++p.layers_done < layout.layers) continue;
     // Every layer has passed this boundary: the segment can leave now.
     Segment s;
@@ -90,15 +99,28 @@ void BridgeProducer::run() {
     pending_.erase(w->pos0);
     if (!st.is_ok()) {
       // A program error ends the stream without this segment; the manifest says why.
-      program_status_ = st;
+      fail_program(st);
+      continue;
+    }
+    segments_.push(std::move(s));
+  }
+  segments_.close();
+}
+
+void BridgeProducer::encode() {
+  omp_set_num_threads(1);
+  while (auto s = segments_.pop()) {
+    if (cancelled_.load()) continue;  // drain: the arrays' memory goes back as they go
+    const Status st = program_->segment_ready(s->pos0, s->n_tokens);
+    if (!st.is_ok()) {
+      fail_program(st);
+      continue;
+    }
+    if (!sink_(encode_segment(*s))) {
       cancelled_ = true;
       continue;
     }
-    if (!sink_(encode_segment(s))) {
-      cancelled_ = true;
-      continue;
-    }
-    if (s.pos0 == covered_) covered_ += s.n_tokens;
+    if (s->pos0 == covered_) covered_ += s->n_tokens;
   }
 }
 
@@ -106,7 +128,8 @@ Manifest BridgeProducer::finish(int64_t requested_tokens, const Status& engine_s
   HETERO_CHECK(!finished_);
   finished_ = true;
   queue_.close();
-  worker_.join();
+  worker_.join();  // closes segments_ when it is done
+  encoder_.join();
   Manifest m;
   m.fingerprint = program_->layout().fingerprint;
   m.requested_tokens = requested_tokens;

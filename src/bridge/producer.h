@@ -1,7 +1,8 @@
 // The bridge producer: the tap's consumer on the prefill host. It copies each attention input
 // into a bounded queue (so the forward does not wait on it unless the program falls a few
-// layers behind), runs the family's cache program on its own thread, and emits one segment as
-// soon as every layer has passed a chunk boundary, then a manifest.
+// layers behind), runs the family's cache program on its own thread, and hands a segment to a
+// second thread, which encodes and sends it, as soon as every layer has passed a chunk boundary
+// (so the program's next layers overlap the encoding); then a manifest.
 #pragma once
 
 #include <atomic>
@@ -37,8 +38,16 @@ class SegmentProgram {
   }
   // A GPU program reads x in device memory and runs on its own stream (a cudaStream_t), which
   // it returns here; run() then gets a device pointer that is ready in that stream's order, and
-  // must have finished reading it when it returns. Null (the default): x is in host memory.
+  // must have enqueued every read of it on that stream when it returns (the rows' slot is reused
+  // once those reads are done). Null (the default): x is in host memory.
   virtual void* device_stream() const { return nullptr; }
+  // Called on the encoding thread before a segment's arrays are read: a program whose arrays
+  // are still being filled asynchronously (a GPU program's device-to-host copies) waits for them
+  // here, and reports a device error. Default: the arrays are ready when run() returns.
+  virtual Status segment_ready(int64_t pos0, int64_t n) {
+    (void)pos0, (void)n;
+    return Status::ok();
+  }
 };
 
 // Where the producer keeps the tap's rows on the device until a GPU program has read them: a
@@ -53,8 +62,9 @@ class CaptureStore {
   virtual Result<int> capture(const TapEvent& e) = 0;
   // The slot's rows, once `stream` has been made to wait for their copy.
   virtual const uint16_t* ready(int slot, void* stream) = 0;
-  // The program has finished reading the slot.
-  virtual void release(int slot) = 0;
+  // The program has enqueued every read of the slot on `stream` (null: it has finished them):
+  // the slot can take new rows once those reads are done.
+  virtual void release(int slot, void* stream) = 0;
 };
 
 // A layer's K/V rows as the llama segment arrays `layers.{i}.keys` / `.values`.
@@ -103,18 +113,22 @@ class BridgeProducer {
     std::vector<std::vector<WireArray>> arrays;  // per layer
   };
   void run();
+  void encode();
 
   void fail_capture(Status st);
+  void fail_program(Status st);
 
   SegmentProgram* program_;
   CaptureStore* capture_;
   FrameSink sink_;
   BoundedQueue<Work> queue_;
-  std::thread worker_;
+  BoundedQueue<Segment> segments_{1};  // worker -> encoder: one waiting while one is encoded
+  std::thread worker_, encoder_;
   std::map<int64_t, Pending> pending_;  // by pos0; touched by the worker only
-  int64_t next_seq_ = 0, covered_ = 0;
+  int64_t next_seq_ = 0;                // the worker's
+  int64_t covered_ = 0;                 // the encoder's
+  std::mutex status_mu_;
   Status program_status_;  // the first program error, if any
-  std::mutex capture_mu_;
   Status capture_status_;  // the first capture error, if any (set by the tap's thread)
   std::atomic<bool> cancelled_{false};
   bool finished_ = false;

@@ -45,9 +45,9 @@ std::string encode_segment(const Segment& s) {
                       {"dtype", dtype_name(a.tensor.dtype)},
                       {"shape", a.tensor.shape},
                       {"offset", offset},
-                      {"bytes", a.tensor.nbytes()}});
-    parts.push_back({reinterpret_cast<const char*>(a.tensor.bytes.data()), a.tensor.bytes.size()});
-    offset += a.tensor.bytes.size();
+                      {"bytes", a.nbytes()}});
+    parts.push_back({reinterpret_cast<const char*>(a.data()), a.nbytes()});
+    offset += a.nbytes();
   }
   json h = {{"v", kWireVersion},
             {"kind", "segment"},

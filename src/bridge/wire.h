@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -22,7 +23,21 @@ constexpr int64_t kMaxHeaderBytes = 1 << 20;
 
 struct WireArray {
   std::string name;  // "layers.{i}.keys" / "layers.{i}.values"
+  // dtype and shape; the bytes are the tensor's own, or (a producer's view, when `view` is set)
+  // tensor.numel() elements at `view`, kept alive by `keep` (e.g. a GPU program's page-locked
+  // staging, which the encoder reads in place instead of copying into a tensor first).
   Tensor tensor;
+  const uint8_t* view = nullptr;
+  std::shared_ptr<const void> keep;
+
+  WireArray() = default;
+  WireArray(std::string n, Tensor t) : name(std::move(n)), tensor(std::move(t)) {}
+
+  const uint8_t* data() const { return view ? view : tensor.bytes.data(); }
+  size_t nbytes() const {
+    return view ? static_cast<size_t>(tensor.numel() * dtype_size(tensor.dtype))
+                : tensor.bytes.size();
+  }
 };
 
 struct Segment {

@@ -55,8 +55,53 @@ TEST_F(CudaOps, LinearIsBitIdentical) {
     cuda::gemm_ordered(dx, m, k, dw, n, dc, nullptr);
     cuda::round_linear_output(dc, m, n, db, dout, nullptr);
     EXPECT_EQ(count_diff(to_host(dout, cpu.size()), cpu), 0u) << m << "x" << k << "x" << n;
-    for (void* p : {(void*)dx, (void*)dw, (void*)dc, (void*)db, (void*)dout}) cudaFree(p);
+    // The same sums as FMAs, where the check finds every product exact (it must, here).
+    int* flags = to_device(std::vector<int>(4, -1));
+    cuda::exact_products_flag(to_device(x), int64_t(m) * k, cuda::weight_range(wt.data(), k * n),
+                              flags, flags + 3, nullptr);
+    ASSERT_EQ(to_host(flags + 3, 1)[0], 1) << "products of bf16 values of this range are exact";
+    cudaMemset(dc, 0, size_t(m) * n * 4);
+    cuda::gemm_ordered(dx, m, k, dw, n, dc, nullptr, flags + 3);
+    cuda::round_linear_output(dc, m, n, db, dout, nullptr);
+    EXPECT_EQ(count_diff(to_host(dout, cpu.size()), cpu), 0u)
+        << "fma " << m << "x" << k << "x" << n;
+    for (void* p : {(void*)dx, (void*)dw, (void*)dc, (void*)db, (void*)dout, (void*)flags})
+      cudaFree(p);
   }
+}
+
+// The check that lets gemm_ordered fuse multiply-adds says yes exactly when every product is
+// exact in float32: down to a last product bit of 2^-149, below 2^128, all finite, weights that
+// are bf16 values.
+TEST_F(CudaOps, ExactProductsFlagHoldsItsBounds) {
+  auto bits = [](int biased_exp, int mantissa = 0) {
+    return uint16_t((biased_exp << 7) | mantissa);
+  };
+  auto flag = [&](std::vector<uint16_t> x, std::vector<float> w) {
+    int* f = to_device(std::vector<int>(4, -1));
+    uint16_t* dx = to_device(x);
+    cuda::exact_products_flag(dx, int64_t(x.size()),
+                              cuda::weight_range(w.data(), int64_t(w.size())), f, f + 3, nullptr);
+    const int v = to_host(f + 3, 1)[0];
+    cudaFree(f), cudaFree(dx);
+    return v;
+  };
+  const float w_small = std::ldexp(1.f, -20);  // biased 107: last bit 2^-27
+  // x with biased exponent 12: last bit 2^-122, and -122 - 27 = -149: exact.
+  EXPECT_EQ(flag({bits(127), bits(12, 5), 0x8000}, {1.f, w_small, 0.f}), 1);
+  // One step lower (2^-150): a product could round.
+  EXPECT_EQ(flag({bits(127), bits(11, 5)}, {1.f, w_small}), 0);
+  // Subnormal x counts as the smallest normal exponent's last bit (2^-133).
+  EXPECT_EQ(flag({bits(0, 3)}, {std::ldexp(1.f, -10)}), 0);  // w's last bit 2^-17: -150
+  EXPECT_EQ(flag({bits(0, 3)}, {std::ldexp(1.f, -9)}), 1);   // ... 2^-16: -149
+  // Overflow: 2^127 * [1, 2) could reach 2^128; 2^127 * [0.5, 1) cannot.
+  EXPECT_EQ(flag({bits(254)}, {1.f}), 0);
+  EXPECT_EQ(flag({bits(254)}, {0.5f}), 1);
+  // Non-finite x, a weight with more than bf16's bits.
+  EXPECT_EQ(flag({bits(255)}, {1.f}), 0);
+  EXPECT_EQ(flag({bits(127)}, {1.f + std::ldexp(1.f, -12)}), 0);
+  // Only zeros in x: every product is an exact zero.
+  EXPECT_EQ(flag({0, 0x8000}, {1.f}), 1);
 }
 
 TEST_F(CudaOps, RmsNormRopeSiluAddAreBitIdentical) {

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
+
 namespace hetero {
 
 // Value of element (layer l, array a, head h, token t, dim d) in a test segment.
@@ -52,6 +54,24 @@ TEST(Wire, RoundTripByteAtATime) {
   EXPECT_TRUE(m->complete);
   EXPECT_EQ(m->covered_tokens, 8);
   EXPECT_EQ(m->arith, "exact");
+}
+
+// An array that views memory it does not own (a GPU program's page-locked staging) encodes to the
+// same bytes as one that owns a copy.
+TEST(Wire, ViewArraysEncodeAsOwnedOnes) {
+  const Segment owned = make_segment(2, 8, 5, 3, 2, 4);
+  Segment viewed = owned;
+  auto keep = std::make_shared<std::vector<Tensor>>();
+  keep->reserve(viewed.arrays.size());  // the views point into these tensors
+  for (WireArray& a : viewed.arrays) {
+    keep->push_back(std::move(a.tensor));
+    a.tensor = Tensor();
+    a.tensor.dtype = keep->back().dtype;
+    a.tensor.shape = keep->back().shape;
+    a.view = keep->back().bytes.data();
+    a.keep = keep;
+  }
+  EXPECT_EQ(encode_segment(viewed), encode_segment(owned));
 }
 
 // A frame that fills the parser's buffer alone is handed over without copying its payload; the

@@ -36,14 +36,18 @@ const uint16_t* or_null(const DeviceBuffer& b) { return b.bytes() ? b.get<uint16
 // ---- capture ----
 
 GpuCaptureStore::GpuCaptureStore(int slots) : slots_(static_cast<size_t>(slots)) {
-  for (Slot& s : slots_) cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming);
+  for (Slot& s : slots_) {
+    cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&s.read, cudaEventDisableTiming);
+  }
 }
 
 GpuCaptureStore::~GpuCaptureStore() {
   for (Slot& s : slots_) {
-    if (s.copied) {
-      cudaEventSynchronize(s.copied);
-      cudaEventDestroy(s.copied);
+    for (cudaEvent_t e : {s.copied, s.read}) {
+      if (!e) continue;
+      cudaEventSynchronize(e);
+      cudaEventDestroy(e);
     }
   }
 }
@@ -63,18 +67,23 @@ Result<int> GpuCaptureStore::capture(const TapEvent& e) {
   }
   Slot& s = slots_[static_cast<size_t>(slot)];
   if (s.rows.bytes() < bytes) {
+    // Growing frees the old rows: their reader must be done with them first.
+    if (s.read_pending) cudaEventSynchronize(s.read);
+    s.read_pending = false;
     const Status st = s.rows.allocate(bytes, nullptr, false);
     if (!st.is_ok()) {
-      release(slot);
+      release(slot, nullptr);
       return st;
     }
   }
   const auto stream = static_cast<cudaStream_t>(e.stream);
-  cudaError_t ce =
-      cudaMemcpyAsync(s.rows.get(), e.x_device, bytes, cudaMemcpyDeviceToDevice, stream);
+  cudaError_t ce = cudaSuccess;
+  if (s.read_pending) ce = cudaStreamWaitEvent(stream, s.read, 0);  // the previous rows' reader
+  if (ce == cudaSuccess)
+    ce = cudaMemcpyAsync(s.rows.get(), e.x_device, bytes, cudaMemcpyDeviceToDevice, stream);
   if (ce == cudaSuccess) ce = cudaEventRecord(s.copied, stream);
   if (ce != cudaSuccess) {
-    release(slot);
+    release(slot, nullptr);
     return cuda_status("capturing the attention input", ce);
   }
   return slot;
@@ -86,10 +95,17 @@ const uint16_t* GpuCaptureStore::ready(int slot, void* stream) {
   return s.rows.get<uint16_t>();
 }
 
-void GpuCaptureStore::release(int slot) {
+void GpuCaptureStore::release(int slot, void* stream) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    slots_[static_cast<size_t>(slot)].busy = false;
+    Slot& s = slots_[static_cast<size_t>(slot)];
+    s.read_pending = false;
+    if (stream != nullptr) {
+      const auto st = static_cast<cudaStream_t>(stream);
+      s.read_pending = cudaEventRecord(s.read, st) == cudaSuccess;
+      if (!s.read_pending) cudaStreamSynchronize(st);  // no event: wait for the reads here
+    }
+    s.busy = false;
   }
   freed_.notify_one();
 }
@@ -117,6 +133,8 @@ Result<std::unique_ptr<LlamaGpuWeights>> upload_llama_weights(const LlamaDecoder
     HETERO_RETURN_IF_ERROR(upload_tensor(L.bk, &D.bk, &g->device_bytes));
     HETERO_RETURN_IF_ERROR(upload_tensor(L.bv, &D.bv, &g->device_bytes));
     HETERO_RETURN_IF_ERROR(upload_tensor(L.k_norm, &D.k_norm, &g->device_bytes));
+    D.wk_range = weight_range(L.wk_t.data(), static_cast<int64_t>(L.wk_t.size()));
+    D.wv_range = weight_range(L.wv_t.data(), static_cast<int64_t>(L.wv_t.size()));
   }
   return g;
 }
@@ -125,59 +143,138 @@ LlamaGpuCacheProgram::LlamaGpuCacheProgram(const LlamaGpuWeights* weights, cudaS
     : w_(weights), stream_(stream) {}
 
 LlamaGpuCacheProgram::~LlamaGpuCacheProgram() {
-  if (pinned_) {
-    cudaStreamSynchronize(stream_);
-    cudaFreeHost(pinned_);
-  }
+  cudaStreamSynchronize(stream_);
+  if (pinned_) cudaFreeHost(pinned_);
 }
 
 size_t LlamaGpuCacheProgram::device_bytes() const {
-  return xf_.bytes() + acc_.bytes() + k_.bytes() + v_.bytes() + kt_.bytes() + vt_.bytes();
+  return xf_.bytes() + acc_.bytes() + k_.bytes() + v_.bytes() + kt_.bytes() + vt_.bytes() +
+         flags_.bytes();
 }
 
-Result<KvRows> LlamaGpuCacheProgram::run_device(int64_t layer, int64_t pos0, int64_t n,
-                                                const uint16_t* x) {
+Status LlamaGpuCacheProgram::enqueue(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                                     uint16_t* keys_host, uint16_t* values_host) {
   std::lock_guard<std::mutex> lock(mu_);
   const LlamaGpuWeights::Layer& L = w_->layers[static_cast<size_t>(layer)];
   const int64_t H = w_->layout.hidden, kvh = w_->layout.kv_heads, hd = w_->layout.head_dim;
   const int64_t kvd = kvh * hd;
   const size_t rows_bytes = static_cast<size_t>(n * kvd) * 2;
   if (n > rows_) {
+    // The buffers are reused layer after layer in the stream's order; growing frees them.
     cudaStreamSynchronize(stream_);
     HETERO_RETURN_IF_ERROR(xf_.allocate(static_cast<size_t>(n * H) * 4, nullptr, false));
     HETERO_RETURN_IF_ERROR(acc_.allocate(static_cast<size_t>(n * kvd) * 4, nullptr, false));
     for (DeviceBuffer* b : {&k_, &v_, &kt_, &vt_})
       HETERO_RETURN_IF_ERROR(b->allocate(rows_bytes, nullptr, false));
-    if (pinned_) cudaFreeHost(pinned_);
-    pinned_ = nullptr;
-    HETERO_RETURN_IF_ERROR(cuda_status(
-        "page-locked staging", cudaMallocHost(reinterpret_cast<void**>(&pinned_), 2 * rows_bytes)));
+    if (!flags_.bytes()) HETERO_RETURN_IF_ERROR(flags_.allocate(5 * sizeof(int), nullptr, false));
     rows_ = n;
   }
+  int* stats = flags_.get<int>();
+  int* fma_k = stats + 3;
+  int* fma_v = stats + 4;
+  // Whether the products are exact (then the ordered sums may use FMA: same bits), from x as
+  // bf16; then x is not read again.
+  exact_products_flag(x, n * H, L.wk_range, stats, fma_k, stream_);
+  exact_products_flag(x, n * H, L.wv_range, stats, fma_v, stream_);
   bf16_to_f32(x, n * H, xf_.get<float>(), stream_);
-  auto project = [&](const DeviceBuffer& wt, const DeviceBuffer& bias, DeviceBuffer& out) {
+  auto project = [&](const DeviceBuffer& wt, const DeviceBuffer& bias, const int* fma,
+                     DeviceBuffer& out) {
     cudaMemsetAsync(acc_.get(), 0, static_cast<size_t>(n * kvd) * 4, stream_);
-    gemm_ordered(xf_.get<float>(), n, H, wt.get<float>(), kvd, acc_.get<float>(), stream_);
+    gemm_ordered(xf_.get<float>(), n, H, wt.get<float>(), kvd, acc_.get<float>(), stream_, fma);
     round_linear_output(acc_.get<float>(), n, kvd, or_null(bias), out.get<uint16_t>(), stream_);
   };
-  project(L.wk_t, L.bk, k_);
-  project(L.wv_t, L.bv, v_);
+  project(L.wk_t, L.bk, fma_k, k_);
+  project(L.wv_t, L.bv, fma_v, v_);
   if (L.k_norm.bytes())
     rms_norm(k_.get<uint16_t>(), n * kvh, hd, L.k_norm.get<uint16_t>(), w_->eps, k_.get<uint16_t>(),
              stream_);
   rope_rotate_half(k_.get<uint16_t>(), n, kvh, hd, pos0, w_->rope_base, stream_);
-  // The decoder's layout on the device, then one page-locked copy of both.
+  // The decoder's layout on the device, then straight into the caller's page-locked memory.
   heads_major(k_.get<uint16_t>(), n, kvh, hd, kt_.get<uint16_t>(), stream_);
   heads_major(v_.get<uint16_t>(), n, kvh, hd, vt_.get<uint16_t>(), stream_);
-  cudaMemcpyAsync(pinned_, kt_.get(), rows_bytes, cudaMemcpyDeviceToHost, stream_);
-  cudaMemcpyAsync(reinterpret_cast<char*>(pinned_) + rows_bytes, vt_.get(), rows_bytes,
-                  cudaMemcpyDeviceToHost, stream_);
+  cudaMemcpyAsync(keys_host, kt_.get(), rows_bytes, cudaMemcpyDeviceToHost, stream_);
+  cudaMemcpyAsync(values_host, vt_.get(), rows_bytes, cudaMemcpyDeviceToHost, stream_);
+  return cuda_status("the llama cache program", cudaGetLastError());
+}
+
+Result<KvRows> LlamaGpuCacheProgram::run_device(int64_t layer, int64_t pos0, int64_t n,
+                                                const uint16_t* x) {
+  const int64_t kvh = w_->layout.kv_heads, hd = w_->layout.head_dim;
+  const size_t rows_bytes = static_cast<size_t>(n * kvh * hd) * 2;
+  if (n > pinned_rows_) {
+    cudaStreamSynchronize(stream_);
+    if (pinned_) cudaFreeHost(pinned_);
+    pinned_ = nullptr;
+    HETERO_RETURN_IF_ERROR(cuda_status(
+        "page-locked staging", cudaMallocHost(reinterpret_cast<void**>(&pinned_), 2 * rows_bytes)));
+    pinned_rows_ = n;
+  }
+  uint16_t* values = pinned_ + rows_bytes / 2;
+  HETERO_RETURN_IF_ERROR(enqueue(layer, pos0, n, x, pinned_, values));
   HETERO_RETURN_IF_ERROR(cuda_status("the llama cache program", cudaStreamSynchronize(stream_)));
-  HETERO_RETURN_IF_ERROR(cuda_status("the llama cache program", cudaGetLastError()));
   KvRows r{Tensor(DType::kBF16, {kvh, n, hd}), Tensor(DType::kBF16, {kvh, n, hd})};
   std::memcpy(r.keys.bytes.data(), pinned_, rows_bytes);
-  std::memcpy(r.values.bytes.data(), reinterpret_cast<char*>(pinned_) + rows_bytes, rows_bytes);
+  std::memcpy(r.values.bytes.data(), values, rows_bytes);
   return r;
+}
+
+// ---- page-locked blocks ----
+
+std::shared_ptr<PinnedPool> make_pinned_pool() {
+  auto p = std::make_shared<PinnedPool>();
+  p->self_ = p;
+  return p;
+}
+
+PinnedPool::~PinnedPool() {
+  for (Block* b : free_) {
+    cudaEventSynchronize(b->landed);
+    cudaEventDestroy(b->landed);
+    cudaFreeHost(b->data);
+    delete b;
+  }
+}
+
+Result<std::shared_ptr<PinnedPool::Block>> PinnedPool::take(size_t bytes) {
+  Block* b = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!free_.empty()) b = free_.back(), free_.pop_back();
+  }
+  if (!b) {
+    b = new Block;
+    if (cudaEventCreateWithFlags(&b->landed, cudaEventDisableTiming) != cudaSuccess) {
+      delete b;
+      return internal_error("creating an event for page-locked staging");
+    }
+  }
+  if (b->bytes < bytes) {
+    if (b->data) cudaEventSynchronize(b->landed), cudaFreeHost(b->data);
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ -= b->bytes;
+    b->data = nullptr, b->bytes = 0;
+    if (cudaMallocHost(reinterpret_cast<void**>(&b->data), bytes) != cudaSuccess) {
+      cudaEventDestroy(b->landed);
+      delete b;
+      return unavailable("out of page-locked host memory for a segment of " +
+                         std::to_string(bytes) + " bytes");
+    }
+    b->bytes = bytes;
+    held_ += bytes;
+  }
+  // The deleter keeps the pool alive until the block is back.
+  std::shared_ptr<PinnedPool> self = self_.lock();
+  return std::shared_ptr<Block>(b, [self](Block* x) { self->give_back(x); });
+}
+
+void PinnedPool::give_back(Block* b) {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.push_back(b);
+}
+
+size_t PinnedPool::host_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_;
 }
 
 SideStream::SideStream() { cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking); }
@@ -190,9 +287,47 @@ SideStream::~SideStream() {
 
 Status LlamaGpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                    std::vector<WireArray>* arrays) {
-  HETERO_ASSIGN_OR_RETURN(KvRows r, program_.run_device(layer, pos0, n, x));
-  append_kv_arrays(layer, std::move(r), arrays);
+  const DecoderCacheLayout& L = program_.layout();
+  const int64_t rows = n * L.kv_heads * L.head_dim;  // elements per array
+  std::shared_ptr<PinnedPool::Block> block;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = filling_.find(pos0);
+    if (it == filling_.end()) {
+      // The segment's first layer: one block for all its layers' K and V.
+      HETERO_ASSIGN_OR_RETURN(auto b, pool_->take(static_cast<size_t>(2 * L.layers * rows) * 2));
+      it = filling_.emplace(pos0, std::move(b)).first;
+    }
+    block = it->second;
+  }
+  auto* keys = reinterpret_cast<uint16_t*>(block->data) + 2 * layer * rows;
+  uint16_t* values = keys + rows;
+  HETERO_RETURN_IF_ERROR(program_.enqueue(layer, pos0, n, x, keys, values));
+  HETERO_RETURN_IF_ERROR(
+      cuda_status("the llama cache program", cudaEventRecord(block->landed, stream_.get())));
+  for (int which = 0; which < 2; ++which) {
+    WireArray a;
+    a.name = "layers." + std::to_string(layer) + (which ? ".values" : ".keys");
+    a.tensor.dtype = DType::kBF16;
+    a.tensor.shape = {L.kv_heads, n, L.head_dim};
+    a.view = reinterpret_cast<const uint8_t*>(which ? values : keys);
+    a.keep = block;
+    arrays->push_back(std::move(a));
+  }
   return Status::ok();
+}
+
+Status LlamaGpuSegmentProgram::segment_ready(int64_t pos0, int64_t n) {
+  (void)n;
+  std::shared_ptr<PinnedPool::Block> block;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = filling_.find(pos0);
+    if (it == filling_.end()) return internal_error("no rows in flight at " + std::to_string(pos0));
+    block = std::move(it->second);
+    filling_.erase(it);
+  }
+  return cuda_status("the llama cache program", cudaEventSynchronize(block->landed));
 }
 
 // ---- deepseek_v4 ----

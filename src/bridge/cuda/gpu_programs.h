@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -15,12 +16,15 @@
 #include "bridge/decoder_weights.h"
 #include "bridge/llama_program.h"
 #include "bridge/producer.h"
+#include "kernels/cuda/ops.h"
 
 namespace hetero::cuda {
 
 // A ring of device slots. A slot grows to the largest rows it has held (chunk x hidden bf16),
 // so the memory held is slots x the largest chunk's rows: bounded by the chunk size, flat in the
-// prompt's length.
+// prompt's length. A slot is taken by the tap and given back once the program has enqueued its
+// reads; the next copy into it waits for those reads on the device (an event), not on the host,
+// so the engine's host thread blocks only while every slot is still waiting for its program.
 class GpuCaptureStore : public CaptureStore {
  public:
   explicit GpuCaptureStore(int slots = 4);
@@ -30,15 +34,16 @@ class GpuCaptureStore : public CaptureStore {
 
   Result<int> capture(const TapEvent& e) override;
   const uint16_t* ready(int slot, void* stream) override;
-  void release(int slot) override;
+  void release(int slot, void* stream) override;
   // Device bytes held by the slots now (the most the capture has held).
   size_t device_bytes() const;
 
  private:
   struct Slot {
     DeviceBuffer rows;
-    cudaEvent_t copied = nullptr;
-    bool busy = false;
+    cudaEvent_t copied = nullptr;  // the tap's copy into rows, on the engine's stream
+    cudaEvent_t read = nullptr;    // the program's last reads of rows, on its stream
+    bool busy = false, read_pending = false;
   };
   std::vector<Slot> slots_;
   mutable std::mutex mu_;
@@ -51,8 +56,9 @@ struct LlamaGpuWeights {
   DecoderCacheLayout layout;
   float eps = 1e-5f, rope_base = 10000.f;
   struct Layer {
-    DeviceBuffer wk_t, wv_t;      // f32 [hidden, kv_heads*head_dim]
-    DeviceBuffer bk, bv, k_norm;  // bf16, empty when absent
+    DeviceBuffer wk_t, wv_t;       // f32 [hidden, kv_heads*head_dim]
+    DeviceBuffer bk, bv, k_norm;   // bf16, empty when absent
+    BF16Range wk_range, wv_range;  // for the exact-products check (FMA)
   };
   std::vector<Layer> layers;
   size_t device_bytes = 0;
@@ -67,17 +73,23 @@ class LlamaGpuCacheProgram {
   LlamaGpuCacheProgram(const LlamaGpuCacheProgram&) = delete;
   LlamaGpuCacheProgram& operator=(const LlamaGpuCacheProgram&) = delete;
   const DecoderCacheLayout& layout() const { return w_->layout; }
-  // x: device bf16 [n, hidden], ready in the stream's order. Returns when the rows are on the
-  // host (x may be reused then). Calls serialize.
+  // Enqueues one layer's rows on the stream: x (device bf16 [n, hidden], ready in the stream's
+  // order, read by the first kernel) -> K and V in the decoder's layout ([kv_heads, n, head_dim]
+  // bf16 each), copied to keys_host and values_host (page-locked, n*kv_heads*head_dim each),
+  // which hold them once the stream gets there. Returns at once. Calls serialize.
+  Status enqueue(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x, uint16_t* keys_host,
+                 uint16_t* values_host);
+  // enqueue, then wait: the rows as tensors (tests, and the synchronous callers).
   Result<KvRows> run_device(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x);
   size_t device_bytes() const;
 
  private:
   const LlamaGpuWeights* w_;
   cudaStream_t stream_;
-  DeviceBuffer xf_, acc_, k_, v_, kt_, vt_;
+  DeviceBuffer xf_, acc_, k_, v_, kt_, vt_, flags_;
   int64_t rows_ = 0;
-  uint16_t* pinned_ = nullptr;  // k then v, head-major, on their way to the host (page-locked)
+  uint16_t* pinned_ = nullptr;  // run_device's page-locked staging (k then v)
+  int64_t pinned_rows_ = 0;
   std::mutex mu_;
 };
 
@@ -95,18 +107,53 @@ class SideStream {
   cudaStream_t s_ = nullptr;
 };
 
+// Page-locked host blocks, reused: a GPU program's rows land in one straight from the device and
+// leave in the segment's frame from there (WireArray views), so the host copies them once. A
+// block goes back to the pool when the last array viewing it is gone; the pool outlives its
+// program while any is out.
+class PinnedPool {
+ public:
+  struct Block {
+    uint8_t* data = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t landed = nullptr;  // recorded after each copy into the block
+  };
+  ~PinnedPool();
+  // A block of at least `bytes` (grows, or allocates, page-locked memory).
+  Result<std::shared_ptr<Block>> take(size_t bytes);
+  size_t host_bytes() const;  // page-locked bytes held, free or out
+
+ private:
+  void give_back(Block* b);
+  mutable std::mutex mu_;
+  std::vector<Block*> free_;
+  size_t held_ = 0;
+  std::weak_ptr<PinnedPool> self_;
+  friend std::shared_ptr<PinnedPool> make_pinned_pool();
+};
+std::shared_ptr<PinnedPool> make_pinned_pool();
+
+// The llama program behind the producer: each segment's K/V rows are computed on the side
+// stream and copied into one page-locked block; run() returns once they are enqueued, and
+// segment_ready() waits for the block's last copy.
 class LlamaGpuSegmentProgram : public SegmentProgram {
  public:
   explicit LlamaGpuSegmentProgram(const LlamaGpuWeights* weights)
-      : program_(weights, stream_.get()) {}
+      : program_(weights, stream_.get()), pool_(make_pinned_pool()) {}
   const DecoderCacheLayout& layout() const override { return program_.layout(); }
   Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
              std::vector<WireArray>* arrays) override;
+  Status segment_ready(int64_t pos0, int64_t n) override;
   void* device_stream() const override { return stream_.get(); }
+  // Page-locked host memory held for segments on their way out.
+  size_t host_staging_bytes() const { return pool_->host_bytes(); }
 
  private:
   SideStream stream_;
   LlamaGpuCacheProgram program_;
+  std::shared_ptr<PinnedPool> pool_;
+  std::mutex mu_;
+  std::map<int64_t, std::shared_ptr<PinnedPool::Block>> filling_;  // by pos0
 };
 
 class Dsv4GpuSegmentProgram : public SegmentProgram {

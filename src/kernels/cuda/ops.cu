@@ -1,5 +1,6 @@
 // CUDA ops in the decoder's arithmetic: see ops.h. Compiled with --fmad=false; the explicit
 // __fmaf_rn calls (in mlx_math.cuh) are exactly MLX's fma steps.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -9,19 +10,58 @@
 namespace hetero::cuda {
 namespace {
 
-// Shared-memory tiled GEMM; each thread owns one C element and walks k in ascending order.
-// C += A @ B with every C element's sum in ascending k, one rounding per multiply and per add
-// (no FMA): the CPU op's order. Register-blocked: a 128 x 128 tile of C per block of 256 threads,
-// 8 x 8 elements per thread, k in steps of 16 through shared memory. The tail of k is not padded
-// (an added 0 * b could turn -0 into +0, or inf into NaN): the last step runs only the valid k.
+// C += A @ B with every C element's sum in ascending k, one rounding per multiply and per add:
+// the CPU op's order. Register-blocked: a 128 x 128 tile of C per block of 256 threads, 8 x 8
+// elements per thread, k in steps of 16 through shared memory. The tail of k is not padded (an
+// added 0 * b could turn -0 into +0, or inf into NaN): the last step runs only the valid k.
+//
+// Where every product a*b is exact in float32 (the caller's flag, exact_products_flag), the
+// multiply-add runs as one FMA: fma(a, b, s) rounds a*b + s once, which is round(round(a*b) + s)
+// when round(a*b) == a*b, so the sums are the same bits at half the instructions.
 constexpr int kBm = 128, kBn = 128, kBk = 16, kTm = 8, kTn = 8;
+
+template <bool kFma>
+__device__ __forceinline__ float mac(float s, float a, float b) {
+  return kFma ? __fmaf_rn(a, b, s) : __fadd_rn(s, __fmul_rn(a, b));
+}
+
+// One k step of 16 (lim == kBk) or the tail (lim < kBk) on the thread's 8 x 8 accumulators.
+template <bool kFma>
+__device__ __forceinline__ void gemm_step(const float (&as)[kBk][kBm], const float (&bs)[kBk][kBn],
+                                          int lim, int tx, int ty, float (&acc)[kTm][kTn]) {
+  if (lim == kBk) {
+#pragma unroll
+    for (int kk = 0; kk < kBk; ++kk) {
+      float av[kTm], bv[kTn];
+      *reinterpret_cast<float4*>(&av[0]) = *reinterpret_cast<const float4*>(&as[kk][ty * kTm]);
+      *reinterpret_cast<float4*>(&av[4]) = *reinterpret_cast<const float4*>(&as[kk][ty * kTm + 4]);
+      *reinterpret_cast<float4*>(&bv[0]) = *reinterpret_cast<const float4*>(&bs[kk][tx * kTn]);
+      *reinterpret_cast<float4*>(&bv[4]) = *reinterpret_cast<const float4*>(&bs[kk][tx * kTn + 4]);
+#pragma unroll
+      for (int i = 0; i < kTm; ++i)
+#pragma unroll
+        for (int j = 0; j < kTn; ++j) acc[i][j] = mac<kFma>(acc[i][j], av[i], bv[j]);
+    }
+  } else {
+    for (int kk = 0; kk < lim; ++kk) {
+#pragma unroll
+      for (int i = 0; i < kTm; ++i)
+#pragma unroll
+        for (int j = 0; j < kTn; ++j)
+          acc[i][j] = mac<kFma>(acc[i][j], as[kk][ty * kTm + i], bs[kk][tx * kTn + j]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(256)
     gemm_ordered_kernel(const float* __restrict__ a, int64_t m, int64_t k,
-                        const float* __restrict__ b, int64_t n, float* __restrict__ c) {
+                        const float* __restrict__ b, int64_t n, float* __restrict__ c,
+                        const int* __restrict__ fma_ok) {
   __shared__ __align__(16) float as[kBk][kBm];  // A tile transposed: as[kk][row]
   __shared__ __align__(16) float bs[kBk][kBn];
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const int64_t m0 = int64_t(blockIdx.y) * kBm, n0 = int64_t(blockIdx.x) * kBn;
+  const bool fma = fma_ok != nullptr && *fma_ok != 0;  // the same for every thread
   float acc[kTm][kTn];
 #pragma unroll
   for (int i = 0; i < kTm; ++i)
@@ -53,30 +93,10 @@ __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     const int lim = (k - k0 < kBk) ? int(k - k0) : kBk;
-    if (lim == kBk) {
-#pragma unroll
-      for (int kk = 0; kk < kBk; ++kk) {
-        float av[kTm], bv[kTn];
-        *reinterpret_cast<float4*>(&av[0]) = *reinterpret_cast<const float4*>(&as[kk][ty * kTm]);
-        *reinterpret_cast<float4*>(&av[4]) =
-            *reinterpret_cast<const float4*>(&as[kk][ty * kTm + 4]);
-        *reinterpret_cast<float4*>(&bv[0]) = *reinterpret_cast<const float4*>(&bs[kk][tx * kTn]);
-        *reinterpret_cast<float4*>(&bv[4]) =
-            *reinterpret_cast<const float4*>(&bs[kk][tx * kTn + 4]);
-#pragma unroll
-        for (int i = 0; i < kTm; ++i)
-#pragma unroll
-          for (int j = 0; j < kTn; ++j) acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(av[i], bv[j]));
-      }
-    } else {
-      for (int kk = 0; kk < lim; ++kk) {
-#pragma unroll
-        for (int i = 0; i < kTm; ++i)
-#pragma unroll
-          for (int j = 0; j < kTn; ++j)
-            acc[i][j] = __fadd_rn(acc[i][j], __fmul_rn(as[kk][ty * kTm + i], bs[kk][tx * kTn + j]));
-      }
-    }
+    if (fma)
+      gemm_step<true>(as, bs, lim, tx, ty, acc);
+    else
+      gemm_step<false>(as, bs, lim, tx, ty, acc);
     __syncthreads();
   }
 #pragma unroll
@@ -86,6 +106,59 @@ __global__ void __launch_bounds__(256)
       const int64_t r = m0 + ty * kTm + i, col = n0 + tx * kTn + j;
       if (r < m && col < n) c[r * n + col] = acc[i][j];
     }
+}
+
+// The exponent of a bf16 value's last significand bit (its unit in the last place), as
+// exact_products_flag needs it; subnormals have the smallest normal's.
+__device__ __forceinline__ int bf16_lsb_exponent(uint32_t bits) {
+  const int e = int((bits >> 7) & 0xffu);
+  return (e == 0 ? 1 : e) - 134;
+}
+
+// stats[0] = min lsb exponent over nonzero x, stats[1] = max biased exponent, stats[2] = any
+// non-finite. A block reduces in shared memory, then one atomic per block.
+__global__ void bf16_range_kernel(const uint16_t* __restrict__ x, int64_t count, int* stats) {
+  int lo = 1 << 20, hi = -(1 << 20), bad = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint32_t v = x[i];
+    const int e = int((v >> 7) & 0xffu);
+    if (e == 0xff) bad = 1;
+    if ((v & 0x7fffu) == 0) continue;
+    lo = min(lo, bf16_lsb_exponent(v));
+    hi = max(hi, e);
+  }
+  __shared__ int s_lo[256], s_hi[256], s_bad[256];
+  s_lo[threadIdx.x] = lo, s_hi[threadIdx.x] = hi, s_bad[threadIdx.x] = bad;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w) {
+      s_lo[threadIdx.x] = min(s_lo[threadIdx.x], s_lo[threadIdx.x + w]);
+      s_hi[threadIdx.x] = max(s_hi[threadIdx.x], s_hi[threadIdx.x + w]);
+      s_bad[threadIdx.x] |= s_bad[threadIdx.x + w];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    atomicMin(&stats[0], s_lo[0]);
+    atomicMax(&stats[1], s_hi[0]);
+    atomicOr(&stats[2], s_bad[0]);
+  }
+}
+
+__global__ void bf16_range_init_kernel(int* stats) {
+  stats[0] = 1 << 20, stats[1] = -(1 << 20), stats[2] = 0;
+}
+
+// A product x*w of two bf16 values is exact in float32 when its last bit is at or above 2^-149
+// (float32's smallest subnormal: the 16-bit product significand always fits in 24 bits) and it
+// stays below 2^128. Bounds of |x| * |w| from the exponents: lsb(x) + lsb(w) >= -149, and
+// (hi_x - 126) + (hi_w - 126) <= 128 with hi the largest biased exponent.
+__global__ void exact_flag_kernel(const int* stats, int w_min_lsb, int w_max_exp, int* flag) {
+  const bool finite = stats[2] == 0;
+  const bool low_ok = stats[0] == (1 << 20) || stats[0] + w_min_lsb >= -149;
+  const bool high_ok = stats[1] + w_max_exp <= 380;
+  *flag = finite && low_ok && high_ok ? 1 : 0;
 }
 
 __global__ void heads_major_kernel(const uint16_t* x, int64_t n, int64_t heads, int64_t d,
@@ -224,10 +297,38 @@ unsigned blocks(int64_t n, int threads) { return unsigned((n + threads - 1) / th
 }  // namespace
 
 void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const int* fma_ok) {
   if (m == 0 || n == 0) return;
   dim3 grid(unsigned((n + kBn - 1) / kBn), unsigned((m + kBm - 1) / kBm));
-  gemm_ordered_kernel<<<grid, 256, 0, stream>>>(a, m, k, b, n, c);
+  gemm_ordered_kernel<<<grid, 256, 0, stream>>>(a, m, k, b, n, c, fma_ok);
+}
+
+BF16Range weight_range(const float* w, int64_t count) {
+  BF16Range r;
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &w[i], 4);
+    if ((bits & 0xffffu) != 0) r.exact_bf16 = false;  // more bits than a bf16: products round
+    const uint32_t v = bits >> 16;
+    const int e = int((v >> 7) & 0xffu);
+    if (e == 0xff) r.exact_bf16 = false;  // inf or NaN
+    if ((v & 0x7fffu) == 0) continue;
+    r.min_lsb_exponent = std::min(r.min_lsb_exponent, (e == 0 ? 1 : e) - 134);
+    r.max_exponent = std::max(r.max_exponent, e);
+  }
+  return r;
+}
+
+void exact_products_flag(const uint16_t* x, int64_t count, const BF16Range& w, int* stats,
+                         int* flag, cudaStream_t stream) {
+  if (!w.exact_bf16) {
+    cudaMemsetAsync(flag, 0, sizeof(int), stream);
+    return;
+  }
+  bf16_range_init_kernel<<<1, 1, 0, stream>>>(stats);
+  const unsigned grid = std::min<unsigned>(blocks(count, 256), 264);
+  if (count > 0) bf16_range_kernel<<<grid, 256, 0, stream>>>(x, count, stats);
+  exact_flag_kernel<<<1, 1, 0, stream>>>(stats, w.min_lsb_exponent, w.max_exponent, flag);
 }
 
 void heads_major(const uint16_t* x, int64_t n, int64_t heads, int64_t d, uint16_t* out,

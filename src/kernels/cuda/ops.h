@@ -12,9 +12,24 @@
 
 namespace hetero::cuda {
 
-// C[M,N] += A[M,K] @ B[K,N], float32, ascending k per element, one rounding per add.
+// C[M,N] += A[M,K] @ B[K,N], float32, ascending k per element, one rounding per multiply and
+// per add. fma_ok (device int, optional): when it reads nonzero — every product exact, as
+// exact_products_flag checks — each multiply-add is one FMA, which gives the same bits faster.
 void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t n, float* c,
-                  cudaStream_t stream);
+                  cudaStream_t stream, const int* fma_ok = nullptr);
+
+// The exponent range of a weight's values (host side, once per weight).
+struct BF16Range {
+  int min_lsb_exponent = 1 << 20;  // of the last significand bit, over nonzero values
+  int max_exponent = -(1 << 20);   // largest biased exponent
+  bool exact_bf16 = true;          // every value a finite bf16 (else no product is known exact)
+};
+BF16Range weight_range(const float* w, int64_t count);
+// flag = 1 when every product of an element of x (bf16 [count]) with a weight in range w is
+// exact in float32 (and finite), else 0 — so gemm_ordered may fuse its multiply-adds. stats:
+// 3 device ints of scratch. Enqueued on stream; the host never waits for it.
+void exact_products_flag(const uint16_t* x, int64_t count, const BF16Range& w, int* stats,
+                         int* flag, cudaStream_t stream);
 // bf16 <-> f32 conversions (round to nearest even).
 void bf16_to_f32(const uint16_t* x, int64_t n, float* out, cudaStream_t stream);
 // out = bf16(acc (+ bias[j])) for acc [m, n].

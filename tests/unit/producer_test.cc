@@ -1,0 +1,126 @@
+// The bridge producer's hand-off from the program's thread to the encoding thread: a segment is
+// encoded only after its program says its arrays are ready (a GPU program's copies land
+// asynchronously), arrays that view a program's memory go out with that memory's bytes, and a
+// program that fails to make a segment ready ends the stream with an incomplete manifest that
+// says why.
+#include "bridge/producer.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "bridge/wire.h"
+
+namespace hetero {
+namespace {
+
+// A program whose arrays view a buffer that is written only in segment_ready(), the way a GPU
+// program's page-locked staging is filled by device copies the encoder has to wait for.
+class LateProgram : public SegmentProgram {
+ public:
+  LateProgram() {
+    layout_.family = "llama", layout_.fingerprint = "fp";
+    layout_.layers = 2, layout_.hidden = 4, layout_.kv_heads = 1, layout_.head_dim = 2;
+  }
+  const DecoderCacheLayout& layout() const override { return layout_; }
+  Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t*,
+             std::vector<WireArray>* arrays) override {
+    auto buf = std::make_shared<std::vector<uint16_t>>(static_cast<size_t>(n * 2), 0);
+    {
+      std::lock_guard<std::mutex> lock(mu_);  // segment_ready runs on the encoding thread
+      buffers_[pos0 * 10 + layer] = buf;
+    }
+    WireArray a;
+    a.name = "layers." + std::to_string(layer) + ".keys";
+    a.tensor.dtype = DType::kBF16;
+    a.tensor.shape = {1, n, 2};
+    a.view = reinterpret_cast<const uint8_t*>(buf->data());
+    a.keep = buf;
+    arrays->push_back(std::move(a));
+    return Status::ok();
+  }
+  Status segment_ready(int64_t pos0, int64_t n) override {
+    ++ready_calls;
+    if (pos0 == fail_at) return internal_error("device copy failed");
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int64_t l = 0; l < layout_.layers; ++l) {
+      auto& b = *buffers_.at(pos0 * 10 + l);
+      for (int64_t i = 0; i < n * 2; ++i) b[static_cast<size_t>(i)] = value(l, pos0 + i / 2);
+    }
+    return Status::ok();
+  }
+  static uint16_t value(int64_t layer, int64_t pos) {
+    return static_cast<uint16_t>(100 * layer + pos + 1);
+  }
+  std::atomic<int> ready_calls{0};
+  int64_t fail_at = -1;
+
+ private:
+  DecoderCacheLayout layout_;
+  std::mutex mu_;
+  std::map<int64_t, std::shared_ptr<std::vector<uint16_t>>> buffers_;
+};
+
+struct Stream {
+  std::vector<Segment> segments;
+  std::vector<Frame> frames;
+};
+
+Manifest run_producer(LateProgram* program, Stream* out, int64_t T, int64_t chunk) {
+  BridgeProducer producer(program, [out](std::string bytes) {
+    FrameParser parser(1 << 20);
+    parser.feed(bytes.data(), bytes.size());
+    auto f = parser.next();
+    EXPECT_TRUE(f.is_ok() && f->has_value());
+    out->frames.push_back(**f);
+    if ((**f).header.value("kind", "") == "segment") {
+      auto s = decode_segment(**f);
+      EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+      out->segments.push_back(*s);
+    }
+    return true;
+  });
+  auto tap = producer.tap();
+  std::vector<uint16_t> x(static_cast<size_t>(chunk * 4));
+  for (int64_t p = 0; p < T; p += chunk)
+    for (int32_t l = 0; l < 2; ++l) tap(TapEvent{l, p, std::min(chunk, T - p), 4, x.data()});
+  return producer.finish(T, Status::ok());
+}
+
+TEST(Producer, EncodesASegmentOnlyOnceItsArraysAreReady) {
+  LateProgram program;
+  Stream out;
+  const Manifest m = run_producer(&program, &out, 10, 4);
+  EXPECT_TRUE(m.complete) << m.reason;
+  EXPECT_EQ(program.ready_calls.load(), 3);
+  ASSERT_EQ(out.segments.size(), 3u);
+  for (const Segment& s : out.segments) {
+    ASSERT_EQ(s.arrays.size(), 2u);
+    for (int64_t l = 0; l < 2; ++l) {
+      const Tensor& t = s.arrays[static_cast<size_t>(l)].tensor;
+      ASSERT_EQ(t.numel(), s.n_tokens * 2);
+      for (int64_t i = 0; i < t.numel(); ++i)
+        ASSERT_EQ(t.data<uint16_t>()[i], LateProgram::value(l, s.pos0 + i / 2))
+            << "segment at " << s.pos0 << " layer " << l << " element " << i;
+    }
+  }
+}
+
+TEST(Producer, ASegmentThatCannotBeReadyEndsTheStream) {
+  LateProgram program;
+  program.fail_at = 4;
+  Stream out;
+  const Manifest m = run_producer(&program, &out, 10, 4);
+  EXPECT_FALSE(m.complete);
+  EXPECT_EQ(m.covered_tokens, 4);
+  EXPECT_NE(m.reason.find("device copy failed"), std::string::npos) << m.reason;
+  ASSERT_EQ(out.segments.size(), 1u);  // the first; none after the failed one
+  EXPECT_EQ(out.frames.back().header.value("kind", ""), "manifest");
+}
+
+}  // namespace
+}  // namespace hetero
