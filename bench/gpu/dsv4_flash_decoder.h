@@ -16,7 +16,8 @@ inline DecoderLinear dense(int64_t n, int64_t k, Draw& d) {
   DecoderLinear l;
   l.n = n, l.k = k;
   l.wt.resize(static_cast<size_t>(n * k));
-  for (auto& v : l.wt) v = d.next(0.03f);
+  // bf16 values, as the decoder's unquantized projections hold (its export widens them to f32).
+  for (auto& v : l.wt) v = bf16_to_f32(f32_to_bf16(d.next(0.03f)));
   return l;
 }
 

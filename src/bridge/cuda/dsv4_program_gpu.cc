@@ -90,6 +90,7 @@ Status upload_linear(const DecoderLinear& l, Dsv4GpuLinear* g, size_t* total) {
   const auto nk = static_cast<size_t>(l.n * l.k);
   if (l.mode == DecoderLinear::Mode::kDense) {
     HETERO_CHECK(l.wt.size() == nk);
+    g->range = weight_range(l.wt.data(), static_cast<int64_t>(nk));
     return upload(l.wt, &g->wt, total);
   }
   HETERO_CHECK(l.group > 0 && l.q.size() == nk &&
@@ -172,8 +173,8 @@ Status Dsv4GpuCacheProgram::device_status(const char* what) const {
 size_t Dsv4GpuCacheProgram::device_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t total = 0;
-  for (const DeviceBuffer* b :
-       {&flags4_dev_, &flags128_dev_, &x_dev_, &xf_, &acc_, &work_kv_, &work_gate_, &pooled_})
+  for (const DeviceBuffer* b : {&flags4_dev_, &flags128_dev_, &x_dev_, &xf_, &acc_, &work_kv_,
+                                &work_gate_, &pooled_, &fma_})
     total += b->bytes();
   for (const LayerState& s : state_)
     for (const DeviceBuffer* b : {&s.window_rows, &s.pool.carry_kv, &s.pool.carry_gate,
@@ -201,6 +202,7 @@ Status Dsv4GpuCacheProgram::prepare(const Dsv4GpuLayer& L, LayerState& s) {
     if (dense) {
       HETERO_RETURN_IF_ERROR(xf_.allocate(u(rows * H) * 4, stream_, true));
       HETERO_RETURN_IF_ERROR(acc_.allocate(u(rows * max_n) * 4, stream_, true));
+      HETERO_RETURN_IF_ERROR(fma_.allocate(4 * sizeof(int), stream_, true));
     }
     HETERO_RETURN_IF_ERROR(work_kv_.allocate(u(work) * 2, stream_, true));
     HETERO_RETURN_IF_ERROR(work_gate_.allocate(u(work) * 2, stream_, true));
@@ -236,9 +238,12 @@ void Dsv4GpuCacheProgram::apply(const Dsv4GpuLinear& l, const uint16_t* x, const
                                 int64_t m, uint16_t* out) {
   switch (l.mode) {
     case DecoderLinear::Mode::kDense:
-      // The CPU's linear_decoder_order: a zeroed f32 accumulator, ascending-k sums, one rounding.
+      // The CPU's linear_decoder_order: a zeroed f32 accumulator, ascending-k sums, one rounding
+      // (as FMAs where every product is exact: the same bits).
+      exact_products_flag(x, m * l.k, l.range, fma_.get<int>(), fma_.get<int>() + 3, stream_);
       cudaMemsetAsync(acc_.get(), 0, static_cast<size_t>(m * l.n) * 4, stream_);
-      gemm_ordered(xf, m, l.k, l.wt.get<float>(), l.n, acc_.get<float>(), stream_);
+      gemm_ordered(xf, m, l.k, l.wt.get<float>(), l.n, acc_.get<float>(), stream_,
+                   fma_.get<int>() + 3);
       round_linear_output(acc_.get<float>(), m, l.n, nullptr, out, stream_);
       break;
     case DecoderLinear::Mode::kMx:

@@ -24,6 +24,7 @@
 
 #include "bridge/dsv4_program.h"
 #include "common/status.h"
+#include "kernels/cuda/ops.h"
 
 namespace hetero::cuda {
 
@@ -60,6 +61,7 @@ struct Dsv4GpuLinear {
   DecoderLinear::Mode mode = DecoderLinear::Mode::kDense;
   int64_t n = 0, k = 0, group = 0;
   DeviceBuffer wt, q, scales, biases;
+  BF16Range range;  // dense: for the exact-products check (FMA in the ordered GEMM)
 };
 
 struct Dsv4GpuCompressor {
@@ -160,6 +162,7 @@ class Dsv4GpuCacheProgram {
   // Shared by every layer's feeds (serialized by mu_): staged x, x in f32, GEMM accumulators,
   // a compressor's rows (carry then the block's projections), pooled rows before copy-back.
   DeviceBuffer flags4_dev_, flags128_dev_, x_dev_, xf_, acc_, work_kv_, work_gate_, pooled_;
+  DeviceBuffer fma_;  // 3 ints of scratch and the flag, for the dense linears
   bool scratch_ready_ = false;
   mutable std::mutex mu_;
 };
