@@ -229,10 +229,10 @@ int main(int argc, char** argv) {
       double wire_bytes = 0, capture_bytes = 0;
       bool manifest_complete = true;
       auto phases_before = engine->phase_ms();
+      cuda::GpuCaptureStore capture(4);  // as the served stack holds it: one for every request
       for (int run = 0; run < warmup + repeats; ++run) {
         if (run == warmup) phases_before = engine->phase_ms();  // warm-up runs not counted
         engine->reset();
-        cuda::GpuCaptureStore capture(4);
         cuda::Dsv4GpuSegmentProgram program(&decoder, decoder_gpu->get(),
                                             dsv4_server_calls(T, 2048));
         double bytes = 0;

@@ -268,10 +268,12 @@ int main(int argc, char** argv) {
       std::vector<double> secs;
       double wire_bytes = 0, capture_bytes = 0, staging_bytes = 0;
       bool complete = true;
+      // As the served stack holds them: one capture and one page-locked pool for every request.
+      cuda::GpuCaptureStore capture(4);
+      auto pool = cuda::make_pinned_pool();
       for (int r = 0; r < a.warmup + a.repeat; ++r) {
         (*engine)->reset();
-        cuda::GpuCaptureStore capture(4);
-        cuda::LlamaGpuSegmentProgram program(gw->get());
+        cuda::LlamaGpuSegmentProgram program(gw->get(), pool);
         NullGpuProgram null_program(dw.layout);
         ArraysDropped dropped(&program);
         SegmentProgram* run_program = mode == "tap" ? static_cast<SegmentProgram*>(&null_program)

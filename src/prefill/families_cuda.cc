@@ -72,8 +72,12 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
                               std::string(arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast"),
                               std::move(engine), std::move(weights), std::move(gpu_weights));
   const cuda::LlamaGpuWeights* gw = owned->gpu_weights.get();
-  s.programs = [gw](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
-    return std::unique_ptr<SegmentProgram>(std::make_unique<cuda::LlamaGpuSegmentProgram>(gw));
+  // One set of page-locked blocks for every request: pinning hundreds of MB per request would
+  // cost more than the segment's copies.
+  auto pool = cuda::make_pinned_pool();
+  s.programs = [gw, pool](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+    return std::unique_ptr<SegmentProgram>(
+        std::make_unique<cuda::LlamaGpuSegmentProgram>(gw, pool));
   };
   return std::move(s);
 }

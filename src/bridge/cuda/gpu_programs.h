@@ -138,8 +138,10 @@ std::shared_ptr<PinnedPool> make_pinned_pool();
 // segment_ready() waits for the block's last copy.
 class LlamaGpuSegmentProgram : public SegmentProgram {
  public:
-  explicit LlamaGpuSegmentProgram(const LlamaGpuWeights* weights)
-      : program_(weights, stream_.get()), pool_(make_pinned_pool()) {}
+  // pool: page-locked blocks shared with other requests' programs (null: its own).
+  explicit LlamaGpuSegmentProgram(const LlamaGpuWeights* weights,
+                                  std::shared_ptr<PinnedPool> pool = nullptr)
+      : program_(weights, stream_.get()), pool_(pool ? std::move(pool) : make_pinned_pool()) {}
   const DecoderCacheLayout& layout() const override { return program_.layout(); }
   Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
              std::vector<WireArray>* arrays) override;

@@ -19,6 +19,7 @@ namespace {
 // multiply-add runs as one FMA: fma(a, b, s) rounds a*b + s once, which is round(round(a*b) + s)
 // when round(a*b) == a*b, so the sums are the same bits at half the instructions.
 constexpr int kBm = 128, kBn = 128, kBk = 16, kTm = 8, kTn = 8;
+constexpr int kPadA = 4;  // A's transposed tile rows, padded: fewer bank conflicts on its stores
 
 template <bool kFma>
 __device__ __forceinline__ float mac(float s, float a, float b) {
@@ -27,8 +28,9 @@ __device__ __forceinline__ float mac(float s, float a, float b) {
 
 // One k step of 16 (lim == kBk) or the tail (lim < kBk) on the thread's 8 x 8 accumulators.
 template <bool kFma>
-__device__ __forceinline__ void gemm_step(const float (&as)[kBk][kBm], const float (&bs)[kBk][kBn],
-                                          int lim, int tx, int ty, float (&acc)[kTm][kTn]) {
+__device__ __forceinline__ void gemm_step(const float (&as)[kBk][kBm + kPadA],
+                                          const float (&bs)[kBk][kBn], int lim, int tx, int ty,
+                                          float (&acc)[kTm][kTn]) {
   if (lim == kBk) {
 #pragma unroll
     for (int kk = 0; kk < kBk; ++kk) {
@@ -53,15 +55,72 @@ __device__ __forceinline__ void gemm_step(const float (&as)[kBk][kBm], const flo
   }
 }
 
+// The next k tile into registers: A 128 rows x 16 k and B 16 k x 128 columns, two float4 of
+// each per thread (vector loads where the tile is whole and aligned; zeros outside the matrix,
+// which the k loop never reads and the store never writes).
+__device__ __forceinline__ void load_tile(const float* __restrict__ a, int64_t m, int64_t k,
+                                          const float* __restrict__ b, int64_t n, int64_t m0,
+                                          int64_t n0, int64_t k0, bool vec_a, bool vec_b, int tid,
+                                          float4 (&ra)[2], float4 (&rb)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = tid + h * 256;
+    const int r = f >> 2, kq = (f & 3) * 4;  // A: row, first k of its quad
+    const int64_t gr = m0 + r, gk = k0 + kq;
+    if (vec_a) {
+      ra[h] = gr < m ? *reinterpret_cast<const float4*>(a + gr * k + gk) : make_float4(0, 0, 0, 0);
+    } else {
+      float v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = (gr < m && gk + u < k) ? a[gr * k + gk + u] : 0.0f;
+      ra[h] = make_float4(v[0], v[1], v[2], v[3]);
+    }
+    const int kk = f >> 5, nq = (f & 31) * 4;  // B: k row, first column of its quad
+    const int64_t gk2 = k0 + kk, gc = n0 + nq;
+    if (vec_b && gk2 < k && gc + 3 < n) {
+      rb[h] = *reinterpret_cast<const float4*>(b + gk2 * n + gc);
+    } else {
+      float v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = (gk2 < k && gc + u < n) ? b[gk2 * n + gc + u] : 0.0f;
+      rb[h] = make_float4(v[0], v[1], v[2], v[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ void store_tile(const float4 (&ra)[2], const float4 (&rb)[2], int tid,
+                                           float (&as)[kBk][kBm + kPadA], float (&bs)[kBk][kBn]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = tid + h * 256;
+    const int r = f >> 2, kq = (f & 3) * 4;
+    as[kq + 0][r] = ra[h].x, as[kq + 1][r] = ra[h].y, as[kq + 2][r] = ra[h].z,
+            as[kq + 3][r] = ra[h].w;
+    const int kk = f >> 5, nq = (f & 31) * 4;
+    *reinterpret_cast<float4*>(&bs[kk][nq]) = rb[h];
+  }
+}
+
+// C += A @ B with every C element's sum in ascending k, one rounding per multiply and per add:
+// the CPU op's order. Register-blocked: a 128 x 128 tile of C per block of 256 threads, 8 x 8
+// elements per thread, k in steps of 16 through shared memory, double-buffered (the next tile is
+// loaded into registers while this one is multiplied). The tail of k is not padded (an added
+// 0 * b could turn -0 into +0, or inf into NaN): the last step runs only the valid k.
+//
+// Where every product a*b is exact in float32 (the caller's flag, exact_products_flag), the
+// multiply-add runs as one FMA: fma(a, b, s) rounds a*b + s once, which is round(round(a*b) + s)
+// when round(a*b) == a*b, so the sums are the same bits at half the instructions.
 __global__ void __launch_bounds__(256)
     gemm_ordered_kernel(const float* __restrict__ a, int64_t m, int64_t k,
                         const float* __restrict__ b, int64_t n, float* __restrict__ c,
                         const int* __restrict__ fma_ok) {
-  __shared__ __align__(16) float as[kBk][kBm];  // A tile transposed: as[kk][row]
-  __shared__ __align__(16) float bs[kBk][kBn];
+  __shared__ __align__(16) float as[2][kBk][kBm + kPadA];  // A tile transposed: as[kk][row]
+  __shared__ __align__(16) float bs[2][kBk][kBn];
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const int64_t m0 = int64_t(blockIdx.y) * kBm, n0 = int64_t(blockIdx.x) * kBn;
   const bool fma = fma_ok != nullptr && *fma_ok != 0;  // the same for every thread
+  const bool a_aligned = (k % 4 == 0) && (reinterpret_cast<uintptr_t>(a) % 16 == 0);
+  const bool vec_b = (n % 4 == 0) && (reinterpret_cast<uintptr_t>(b) % 16 == 0);
   float acc[kTm][kTn];
 #pragma unroll
   for (int i = 0; i < kTm; ++i)
@@ -70,34 +129,24 @@ __global__ void __launch_bounds__(256)
       const int64_t r = m0 + ty * kTm + i, col = n0 + tx * kTn + j;
       acc[i][j] = (r < m && col < n) ? c[r * n + col] : 0.0f;
     }
+  float4 ra[2], rb[2];
+  load_tile(a, m, k, b, n, m0, n0, 0, a_aligned && kBk <= k, vec_b, tid, ra, rb);
+  store_tile(ra, rb, tid, as[0], bs[0]);
+  __syncthreads();
+  int cur = 0;
   for (int64_t k0 = 0; k0 < k; k0 += kBk) {
-    // A: 128 rows x 16 k, 8 per thread (row tid/2, k (tid%2)*8..+7).
-    {
-      const int r = tid / 2, kk0 = (tid % 2) * 8;
-      const int64_t gr = m0 + r;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int64_t gk = k0 + kk0 + u;
-        as[kk0 + u][r] = (gr < m && gk < k) ? a[gr * k + gk] : 0.0f;
-      }
-    }
-    // B: 16 k x 128 cols, 8 per thread (k tid/16, cols (tid%16)*8..+7).
-    {
-      const int kk = tid / 16, c0 = (tid % 16) * 8;
-      const int64_t gk = k0 + kk;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int64_t gc = n0 + c0 + u;
-        bs[kk][c0 + u] = (gk < k && gc < n) ? b[gk * n + gc] : 0.0f;
-      }
-    }
-    __syncthreads();
+    const int64_t next = k0 + kBk;
+    if (next < k)
+      load_tile(a, m, k, b, n, m0, n0, next, a_aligned && next + kBk <= k, vec_b, tid, ra, rb);
     const int lim = (k - k0 < kBk) ? int(k - k0) : kBk;
     if (fma)
-      gemm_step<true>(as, bs, lim, tx, ty, acc);
+      gemm_step<true>(as[cur], bs[cur], lim, tx, ty, acc);
     else
-      gemm_step<false>(as, bs, lim, tx, ty, acc);
+      gemm_step<false>(as[cur], bs[cur], lim, tx, ty, acc);
+    // The other buffer was last read before the previous barrier.
+    if (next < k) store_tile(ra, rb, tid, as[cur ^ 1], bs[cur ^ 1]);
     __syncthreads();
+    cur ^= 1;
   }
 #pragma unroll
   for (int i = 0; i < kTm; ++i)
