@@ -18,6 +18,7 @@
 # usage: bench/gpu/e2e_device.sh [--backend cpu|cuda] [--sizes 1024,4096,16384] [--scale 135m]
 #          [--repeat 1] [--max-tokens 32] [--verify N] [--verify-tokens 32]
 #          [--verify-timeout 600] [--bench-timeout 1800] [--out DIR] [--no-bench]
+#          [--rev REV (the carried build/hetero's revision; recorded with every result)]
 #          [--verify-args "extra verify flags, e.g. --prefill-arith fast --min-cosine 0.99 ..."]
 # device tool: run(command="bench/gpu/e2e_device.sh --sizes 512,1024",
 #                   carry=[".devkit", "build/hetero"], kind="nvidia-h200")
@@ -26,6 +27,7 @@ cd "$(dirname "$0")/../.." || exit 2
 ROOT=$PWD
 
 ARGS="$*"
+REVISION=""
 BACKEND=${HETERO_PREFILL_BACKEND:-cpu}
 SIZES=1024,4096,16384
 SCALE=135m
@@ -53,6 +55,7 @@ while (($#)); do
     --verify-timeout) VERIFY_TIMEOUT=$2; shift ;;
     --bench-timeout) BENCH_TIMEOUT=$2; shift ;;
     --out) OUT_DIR=$2; shift ;;
+    --rev) REVISION=$2; shift ;;
     --no-bench) RUN_BENCH=0 ;;
     --verify-args) read -r -a VERIFY_EXTRA <<<"$2"; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -96,8 +99,9 @@ die() {
 }
 
 # --- 1. environment ----------------------------------------------------------------------------
-REVISION=$(cat .devkit/REVISION 2>/dev/null || git rev-parse --short HEAD 2>/dev/null ||
-           echo unknown)
+# The carried binary's revision (--rev): the GPU machine's copy of .git and the kit's REVISION
+# (the tree the kit was built from) can both be older than it.
+[[ -n ${REVISION:-} ]] || REVISION="kit-$(cat .devkit/REVISION 2>/dev/null || echo unknown)"
 GPU=$(timeout 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null |
       head -1)
 {
