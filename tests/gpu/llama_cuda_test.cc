@@ -7,6 +7,10 @@
 // there (about 4e-3 relative) and the differences grow through the layers; an FP8 cache adds
 // e4m3's 2^-4 relative rounding of K and V. A wrong position, head or mask shows as an error of
 // tens of percent, far above both bounds.
+//
+// FP8 weights (WeightDtype::kFp8) round every projection weight and its input to e4m3 (3 mantissa
+// bits: about 3e-2 relative RMS per GEMM output, tests/gpu/fp8_gemm_test.cc), on the residual
+// branches only: the embedding, the norms and lm_head stay bf16.
 #include "engine/cuda/llama_cuda.h"
 
 #include <gtest/gtest.h>
@@ -26,6 +30,8 @@ namespace {
 
 constexpr double kTolBf16Cache = 1.5e-2;
 constexpr double kTolFp8Cache = 6e-2;
+constexpr double kTolFp8Weights = 8e-2;          // bf16 cache
+constexpr double kTolFp8WeightsFp8Cache = 1e-1;  // both roundings, adding about in quadrature
 
 // Every layer's tap rows for the whole sequence, [layer][T * hidden].
 using Taps = std::vector<std::vector<uint16_t>>;
@@ -120,7 +126,104 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaVsCpu,
                                   cuda::kv_dtype_name(i.param.kv);
                          });
 
+class LlamaCudaFp8Weights : public CudaDeviceTest, public ::testing::WithParamInterface<Case> {};
+
+TEST_P(LlamaCudaFp8Weights, AttentionInputsWithinTolerance) {
+  const Case& k = GetParam();
+  const LlamaWeights w = tiny_llama(k.type, k.head_dim, 7);
+  const LlamaConfig& c = w.config;
+  const std::vector<int32_t> ids = random_ids(300, c.vocab, 11);
+  LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
+  Taps want;
+  ASSERT_TRUE(run_schedule(cpu, ids, {300}, c.layers, c.hidden, &want).is_ok());
+  const double tol = k.kv == cuda::KvDtype::kFp8 ? kTolFp8WeightsFp8Cache : kTolFp8Weights;
+  cuda::LlamaCudaOptions o;
+  o.kv_dtype = k.kv;
+  o.host_tap = true;
+  o.weight_dtype = cuda::WeightDtype::kFp8;
+  // One chunk, and chunks of awkward lengths (the FP8 GEMMs pad rows to 16).
+  for (const std::vector<int64_t>& chunks :
+       {std::vector<int64_t>{300}, std::vector<int64_t>{37, 200, 5, 1, 57}}) {
+    auto gpu = cuda::LlamaCudaEngine::create(w, o);
+    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+    Taps got;
+    ASSERT_TRUE(run_schedule(**gpu, ids, chunks, c.layers, c.hidden, &got).is_ok());
+    ASSERT_TRUE((*gpu)->synchronize().is_ok());
+    for (int64_t l = 0; l < c.layers; ++l) {
+      const double e = rel_rms(got[static_cast<size_t>(l)], want[static_cast<size_t>(l)]);
+      std::printf("[ fp8 weights %s d%lld %s cache, chunks %zu ] layer %lld rel rms %.2e\n",
+                  k.type.c_str(), static_cast<long long>(k.head_dim), cuda::kv_dtype_name(k.kv),
+                  chunks.size(), static_cast<long long>(l), e);
+      EXPECT_LT(e, tol) << "layer " << l;
+      if (l == 0) {
+        EXPECT_LT(e, 2e-3) << "layer 0's input is the embedding's norm: no projection yet";
+      }
+    }
+    auto logits = (*gpu)->last_logits();
+    ASSERT_TRUE(logits.is_ok());
+    const std::vector<float> ref = cpu.last_logits();
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i)
+      num += std::pow((*logits)[i] - ref[i], 2), den += std::pow(ref[i], 2);
+    std::printf("[ fp8 weights %s ] logits rel rms %.2e\n", k.type.c_str(), std::sqrt(num / den));
+    EXPECT_LT(std::sqrt(num / den), 2 * tol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaFp8Weights,
+                         ::testing::Values(Case{"llama", 64, cuda::KvDtype::kBf16},
+                                           Case{"qwen2", 64, cuda::KvDtype::kFp8},
+                                           Case{"qwen3", 128, cuda::KvDtype::kBf16}),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return i.param.type + "_d" + std::to_string(i.param.head_dim) + "_" +
+                                  cuda::kv_dtype_name(i.param.kv);
+                         });
+
 class LlamaCudaEngineTest : public CudaDeviceTest {};
+
+// FP8 weights replace the bf16 projections on the device (e4m3 bytes plus one float32 scale per
+// 128x128 block, rows padded to 4 scales); everything else is unchanged.
+TEST_F(LlamaCudaEngineTest, Fp8WeightsHoldOnlyTheQuantizedProjections) {
+  const LlamaWeights w = tiny_llama("llama", 64, 3);
+  const LlamaConfig& c = w.config;
+  cuda::LlamaCudaOptions o;
+  auto bf16 = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(bf16.is_ok());
+  o.weight_dtype = cuda::WeightDtype::kFp8;
+  auto fp8 = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(fp8.is_ok()) << fp8.status().to_string();
+  const int64_t H = c.hidden, qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
+  const int64_t I = c.intermediate;
+  size_t bf16_bytes = 0, fp8_bytes = 0;
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{qd + 2 * kvd, H}, {H, qd}, {2 * I, H}, {H, I}}) {
+    bf16_bytes += static_cast<size_t>(n * k) * 2;
+    fp8_bytes +=
+        static_cast<size_t>(n * k + cuda::fp8_blocks(n) * cuda::fp8_weight_scale_ld(k) * 4);
+  }
+  const size_t layers = static_cast<size_t>(c.layers);
+  EXPECT_EQ((*fp8)->weight_bytes(),
+            (*bf16)->weight_bytes() - layers * bf16_bytes + layers * fp8_bytes);
+}
+
+TEST_F(LlamaCudaEngineTest, Fp8WeightsRefuseTheExactArithmetic) {
+  const LlamaWeights w = tiny_llama("llama", 64, 3);
+  cuda::LlamaCudaOptions o;
+  o.arith = cuda::LlamaCudaArith::kExact;
+  o.weight_dtype = cuda::WeightDtype::kFp8;
+  auto gpu = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_FALSE(gpu.is_ok());
+  EXPECT_EQ(gpu.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(gpu.status().message().find("fp8 weights"), std::string::npos);
+}
+
+// No device needed.
+TEST(LlamaCudaOptionsTest, WeightDtypeNames) {
+  EXPECT_EQ(*cuda::parse_weight_dtype("bf16"), cuda::WeightDtype::kBf16);
+  EXPECT_EQ(*cuda::parse_weight_dtype("fp8"), cuda::WeightDtype::kFp8);
+  EXPECT_EQ(cuda::parse_weight_dtype("int4").status().code(), Code::kInvalidArgument);
+  EXPECT_STREQ(cuda::weight_dtype_name(cuda::WeightDtype::kFp8), "fp8");
+  EXPECT_STREQ(cuda::weight_dtype_name(cuda::WeightDtype::kBf16), "bf16");
+}
 
 // The exact path reproduces the CPU engine (and so the decoder) bit for bit, whatever the chunks.
 TEST_F(LlamaCudaEngineTest, ExactArithmeticIsBitIdenticalToCpu) {

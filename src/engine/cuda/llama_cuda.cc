@@ -12,13 +12,20 @@
 
 namespace hetero::cuda {
 
+// A projection weight [n, k]: bf16 or block-scaled FP8, as options().weight_dtype says.
+struct LlamaCudaEngine::Proj {
+  const uint16_t* bf16 = nullptr;
+  Fp8BlockWeight fp8;
+  int64_t n = 0, k = 0;
+};
+
 struct LlamaCudaEngine::Layer {
   const uint16_t* in_norm = nullptr;
   const uint16_t* post_norm = nullptr;
-  const uint16_t* wqkv = nullptr;     // [qd + 2 kvd, hidden]
-  const uint16_t* wo = nullptr;       // [hidden, qd]
-  const uint16_t* gate_up = nullptr;  // [2 inter, hidden]
-  const uint16_t* down = nullptr;     // [hidden, inter]
+  Proj wqkv;     // [qd + 2 kvd, hidden]
+  Proj wo;       // [hidden, qd]
+  Proj gate_up;  // [2 inter, hidden]
+  Proj down;     // [hidden, inter]
   QkvBiasNorm extra;
 };
 
@@ -80,6 +87,15 @@ Result<LlamaCudaArith> parse_llama_cuda_arith(const std::string& name) {
   return invalid_argument("the cuda arithmetic must be fast or exact, not '" + name + "'");
 }
 
+Result<WeightDtype> parse_weight_dtype(const std::string& name) {
+  if (name == "bf16") return WeightDtype::kBf16;
+  if (name == "fp8") return WeightDtype::kFp8;
+  return invalid_argument("the weight dtype must be bf16 or fp8, not '" + name + "'");
+}
+const char* weight_dtype_name(WeightDtype dtype) {
+  return dtype == WeightDtype::kFp8 ? "fp8" : "bf16";
+}
+
 LlamaCudaEngine::LlamaCudaEngine(LlamaConfig config, LlamaCudaOptions options)
     : config_(std::move(config)), options_(options), pages_(std::make_unique<Pages>()) {}
 
@@ -87,7 +103,10 @@ LlamaCudaEngine::~LlamaCudaEngine() {
   if (stream_) cudaStreamSynchronize(stream_);
   for (void* p : allocations_) cudaFree(p);
   for (KvPageRef* t : pages_->table) cudaFree(t);
-  for (void* p : {h_, xn_, qkv_, q_, attn_, tmp_, gate_up_, act_, ids_, logits_}) cudaFree(p);
+  for (void* p : {h_, xn_, qkv_, q_, attn_, tmp_, gate_up_, act_, ids_, logits_, act_q_, act_scale_,
+                  staging_})
+    cudaFree(p);
+  fp8_.reset();
   if (pinned_x_) cudaFreeHost(pinned_x_);
   if (cublas_) cublasDestroy(as_handle(cublas_));
   if (stream_) cudaStreamDestroy(stream_);
@@ -114,6 +133,20 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
     return failed_precondition("the cuda backend's attention supports head_dim 64 and 128, not " +
                                std::to_string(c.head_dim));
   if (c.heads % c.kv_heads != 0) return invalid_argument("heads must be a multiple of kv_heads");
+  const bool fp8 = options.weight_dtype == WeightDtype::kFp8;
+  if (fp8 && options.arith != LlamaCudaArith::kFast)
+    return invalid_argument(
+        "fp8 weights need the fast arithmetic: the exact path reproduces the decoder's bf16 "
+        "weights bit for bit");
+  if (fp8) {
+    cudaDeviceProp p{};
+    cudaGetDeviceProperties(&p, options.device);
+    if (p.major != 9)
+      return failed_precondition(
+          "fp8 block-scaled weights need a Hopper GPU (sm_90) for "
+          "cuBLASLt's block-scaling modes, not sm_" +
+          std::to_string(p.major * 10 + p.minor));
+  }
   std::unique_ptr<LlamaCudaEngine> e(new LlamaCudaEngine(c, options));
   cudaError_t ce = cudaSetDevice(options.device);
   if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&e->stream_, cudaStreamNonBlocking);
@@ -122,7 +155,17 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return internal_error("cublasCreate failed");
   e->cublas_ = h;
   cublasSetStream(h, e->stream_);
+  if (fp8) {
+    HETERO_ASSIGN_OR_RETURN(e->fp8_, Fp8Gemm::create());
+  }
   HETERO_RETURN_IF_ERROR(e->upload(weights));
+  if (fp8 && !e->layers_.empty()) {
+    // Ask cuBLASLt now for every projection shape, so an unsupported one fails the load, not a
+    // chunk.
+    const Layer& L = e->layers_[0];
+    for (const Proj* p : {&L.wqkv, &L.wo, &L.gate_up, &L.down})
+      HETERO_RETURN_IF_ERROR(e->fp8_->prepare(16, p->n, p->k));
+  }
   return e;
 }
 
@@ -156,10 +199,10 @@ Status LlamaCudaEngine::upload(const LlamaWeights& w) {
     HETERO_RETURN_IF_ERROR(put({&L.input_norm}, &D.in_norm));
     HETERO_RETURN_IF_ERROR(put({&L.post_norm}, &D.post_norm));
     if (options_.arith == LlamaCudaArith::kFast) {  // the exact path has its own (below)
-      HETERO_RETURN_IF_ERROR(put({&L.wq, &L.wk, &L.wv}, &D.wqkv));
-      HETERO_RETURN_IF_ERROR(put({&L.wo}, &D.wo));
-      HETERO_RETURN_IF_ERROR(put({&L.w_gate, &L.w_up}, &D.gate_up));
-      HETERO_RETURN_IF_ERROR(put({&L.w_down}, &D.down));
+      HETERO_RETURN_IF_ERROR(upload_projection({&L.wq, &L.wk, &L.wv}, &D.wqkv));
+      HETERO_RETURN_IF_ERROR(upload_projection({&L.wo}, &D.wo));
+      HETERO_RETURN_IF_ERROR(upload_projection({&L.w_gate, &L.w_up}, &D.gate_up));
+      HETERO_RETURN_IF_ERROR(upload_projection({&L.w_down}, &D.down));
     }
     if (c.qkv_bias && opt(L.bq)) {
       HETERO_RETURN_IF_ERROR(put({&L.bq}, &D.extra.bq));
@@ -205,7 +248,66 @@ Status LlamaCudaEngine::upload(const LlamaWeights& w) {
     lm_head_ = embed_;
   else
     HETERO_RETURN_IF_ERROR(put({&w.lm_head}, &lm_head_));
+  if (staging_) {  // the FP8 quantizers have read it
+    const cudaError_t ce = cudaStreamSynchronize(stream_);
+    if (ce != cudaSuccess) return cuda_error("quantizing the weights", ce);
+    cudaFree(staging_);
+    staging_ = nullptr;
+    staging_bytes_ = 0;
+  }
   return device_status("uploading the weights");
+}
+
+// Row blocks (bf16 [rows, k] each) concatenated into one projection weight [n, k] on the device:
+// kept as bf16, or staged and quantized to FP8 (the bf16 copy is not kept).
+Status LlamaCudaEngine::upload_projection(std::initializer_list<const Tensor*> parts, Proj* out) {
+  out->n = 0;
+  out->k = (*parts.begin())->shape[1];
+  for (const Tensor* t : parts) out->n += t->shape[0];
+  const size_t bf16_bytes = static_cast<size_t>(out->n * out->k) * 2;
+  const bool fp8 = options_.weight_dtype == WeightDtype::kFp8;
+  void* dst = nullptr;
+  if (!fp8) {
+    const cudaError_t ce = cudaMalloc(&dst, bf16_bytes);
+    if (ce != cudaSuccess) return cuda_error("uploading the weights", ce);
+    allocations_.push_back(dst);
+    weight_bytes_ += bf16_bytes;
+    out->bf16 = static_cast<const uint16_t*>(dst);
+  } else {
+    if (staging_bytes_ < bf16_bytes) {
+      cudaStreamSynchronize(stream_);  // the quantizer may still read the old one
+      cudaFree(staging_);
+      staging_ = nullptr;
+      const cudaError_t ce = cudaMalloc(&staging_, bf16_bytes);
+      if (ce != cudaSuccess) return cuda_error("staging the weights", ce);
+      staging_bytes_ = bf16_bytes;
+    }
+    dst = staging_;
+  }
+  // On the compute stream: ordered before the quantizer below (pageable sources are copied out
+  // before the call returns).
+  size_t off = 0;
+  for (const Tensor* t : parts) {
+    const Tensor b = as_bf16(*t);
+    const size_t nb = static_cast<size_t>(b.numel()) * 2;
+    cudaMemcpyAsync(static_cast<char*>(dst) + off, b.data<uint16_t>(), nb, cudaMemcpyHostToDevice,
+                    stream_);
+    off += nb;
+  }
+  if (!fp8) return Status::ok();
+  Fp8BlockWeight& w = out->fp8;
+  w.n = out->n, w.k = out->k;
+  const size_t q_bytes = (static_cast<size_t>(w.n * w.k) + 255) / 256 * 256;
+  void* p = nullptr;
+  const cudaError_t ce = cudaMalloc(&p, q_bytes + (w.bytes() - static_cast<size_t>(w.n * w.k)));
+  if (ce != cudaSuccess) return cuda_error("uploading the weights", ce);
+  allocations_.push_back(p);
+  w.q = static_cast<const uint8_t*>(p);
+  w.scale = reinterpret_cast<const float*>(static_cast<char*>(p) + q_bytes);
+  quantize_weight_fp8_block(static_cast<const uint16_t*>(dst), w.n, w.k, static_cast<uint8_t*>(p),
+                            const_cast<float*>(w.scale), stream_);
+  weight_bytes_ += w.bytes();
+  return Status::ok();
 }
 
 Status LlamaCudaEngine::device_status(const char* what) const {
@@ -221,12 +323,18 @@ Status LlamaCudaEngine::ensure_activations(int64_t n) {
   if (n <= act_rows_) return Status::ok();
   const LlamaConfig& c = config_;
   cudaStreamSynchronize(stream_);  // the old buffers may still be in use
-  for (void** p : {&h_, &xn_, &qkv_, &q_, &attn_, &tmp_, &gate_up_, &act_, &ids_}) {
+  for (void** p :
+       {&h_, &xn_, &qkv_, &q_, &attn_, &tmp_, &gate_up_, &act_, &ids_, &act_q_, &act_scale_}) {
     cudaFree(*p);
     *p = nullptr;
   }
   const int64_t qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
-  const size_t H = static_cast<size_t>(c.hidden), N = static_cast<size_t>(n);
+  // FP8 GEMMs read and write whole groups of 16 rows (fp8_gemm.h): every buffer gets the padded
+  // row count, and the FP8 input buffer fits the widest input (k = hidden, qd or inter).
+  const bool fp8 = options_.weight_dtype == WeightDtype::kFp8;
+  const int64_t rows = fp8 ? fp8_act_rows(n) : n;
+  const int64_t widest = std::max({c.hidden, qd, c.intermediate});
+  const size_t H = static_cast<size_t>(c.hidden), N = static_cast<size_t>(rows);
   const struct {
     void** p;
     size_t bytes;
@@ -238,10 +346,13 @@ Status LlamaCudaEngine::ensure_activations(int64_t n) {
               {&tmp_, N * H * 2},
               {&gate_up_, N * static_cast<size_t>(2 * c.intermediate) * 2},
               {&act_, N * static_cast<size_t>(c.intermediate) * 2},
-              {&ids_, N * 4}};
+              {&ids_, N * 4},
+              {&act_q_, fp8 ? N * static_cast<size_t>(widest) : 0},
+              {&act_scale_, fp8 ? N * static_cast<size_t>(fp8_blocks(widest)) * 4 : 0}};
   act_bytes_ = 0;
   act_rows_ = 0;
   for (const auto& b : want) {
+    if (b.bytes == 0) continue;
     const cudaError_t ce = cudaMalloc(b.p, b.bytes);
     if (ce != cudaSuccess) return cuda_error("allocating activations", ce);
     act_bytes_ += b.bytes;
@@ -300,14 +411,21 @@ Status LlamaCudaEngine::ensure_pages(int64_t tokens) {
   return device_status("growing the KV cache");
 }
 
-// out [m, n] = x [m, k] @ w^T, w [n, k] row-major; bf16 in and out, float32 accumulation.
-void LlamaCudaEngine::gemm(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n,
-                           uint16_t* out) {
+// out [m, n] = x [m, k] @ w^T, w [n, k] row-major; bf16 in and out, float32 accumulation. With
+// FP8 weights x is first quantized per token and 128 columns (out then holds padded rows).
+Status LlamaCudaEngine::linear(const uint16_t* x, int64_t m, const Proj& w, uint16_t* out) {
+  if (w.bf16 == nullptr) {
+    quantize_act_fp8_group(x, m, w.k, static_cast<uint8_t*>(act_q_),
+                           static_cast<float*>(act_scale_), stream_);
+    return fp8_->run(static_cast<const uint8_t*>(act_q_), static_cast<const float*>(act_scale_), m,
+                     w.fp8, out, stream_);
+  }
   const float one = 1.f, zero = 0.f;
-  cublasGemmEx(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
-               static_cast<int>(m), static_cast<int>(k), &one, w, CUDA_R_16BF, static_cast<int>(k),
-               x, CUDA_R_16BF, static_cast<int>(k), &zero, out, CUDA_R_16BF, static_cast<int>(n),
-               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  cublasGemmEx(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.n),
+               static_cast<int>(m), static_cast<int>(w.k), &one, w.bf16, CUDA_R_16BF,
+               static_cast<int>(w.k), x, CUDA_R_16BF, static_cast<int>(w.k), &zero, out,
+               CUDA_R_16BF, static_cast<int>(w.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  return Status::ok();
 }
 
 Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
@@ -316,7 +434,7 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
   HETERO_RETURN_IF_ERROR(check_token_ids(ids, c.vocab));
   if (ids.empty()) return Status::ok();
   const int64_t n = static_cast<int64_t>(ids.size()), pos0 = n_cached_, H = c.hidden;
-  const int64_t hd = c.head_dim, qd = c.heads * hd, kvd = c.kv_heads * hd, I = c.intermediate;
+  const int64_t hd = c.head_dim, I = c.intermediate;
   HETERO_RETURN_IF_ERROR(ensure_activations(n));
   if (options_.host_tap && pinned_x_bytes_ < static_cast<size_t>(n * H * 2)) {
     if (pinned_x_) cudaFreeHost(pinned_x_);
@@ -344,15 +462,15 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
     HETERO_RETURN_IF_ERROR(deliver_tap(tap, l, pos0, n, xn));
     PagedKvView kv{pages_->table[static_cast<size_t>(l)], options_.kv_dtype,
                    static_cast<int>(c.kv_heads), static_cast<int>(hd)};
-    gemm(xn, n, H, L.wqkv, qd + 2 * kvd, qkv);
+    HETERO_RETURN_IF_ERROR(linear(xn, n, L.wqkv, qkv));
     qkv_rope_store(qkv, n, static_cast<int>(c.heads), pos0, static_cast<float>(c.rope_theta),
                    L.extra, q, kv, stream_);
     attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, stream_);
-    gemm(attn, n, qd, L.wo, H, tmp);
+    HETERO_RETURN_IF_ERROR(linear(attn, n, L.wo, tmp));
     add_rms_norm_rows(h, tmp, n, H, L.post_norm, eps, xn, stream_);
-    gemm(xn, n, H, L.gate_up, 2 * I, gate_up);
+    HETERO_RETURN_IF_ERROR(linear(xn, n, L.gate_up, gate_up));
     silu_mul_halves(gate_up, n, I, act, stream_);
-    gemm(act, n, I, L.down, H, tmp);
+    HETERO_RETURN_IF_ERROR(linear(act, n, L.down, tmp));
     const uint16_t* next_norm =
         l + 1 < c.layers ? layers_[static_cast<size_t>(l + 1)].in_norm : final_norm_;
     add_rms_norm_rows(h, tmp, n, H, next_norm, eps, xn, stream_);

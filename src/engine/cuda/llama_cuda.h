@@ -1,7 +1,8 @@
 // CUDA backend of the prefill engine for the llama family: chunked prefill on one GPU with
 // bf16 weights in device memory, tensor-core GEMMs through cuBLAS (q|k|v and gate|up fused into
-// one GEMM each), the engine's own paged KV cache (pages of 64 rows, FP8 e4m3 with a scale per
-// row and head, or bf16), flash attention over it, and the attention-input tap.
+// one GEMM each; optionally FP8 block-scaled projection weights, kernels/cuda/fp8_gemm.h), the
+// engine's own paged KV cache (pages of 64 rows, FP8 e4m3 with a scale per row and head, or bf16),
+// flash attention over it, and the attention-input tap.
 //
 // All work of a chunk is enqueued on the engine's compute stream; prefill_chunk returns once it
 // is enqueued and the host waits only where it must (a host tap, last_logits, or a consumer's
@@ -10,13 +11,15 @@
 //
 // Results agree with the CPU engine (engine/llama_cpu.h) within a tolerance, not bit for bit:
 // the GEMMs and the attention sum in another order, and an FP8 cache rounds K and V
-// (tests/gpu/llama_cuda_test.cc states and checks the bounds).
+// (tests/gpu/llama_cuda_test.cc states and checks the bounds). FP8 weights round every projection
+// weight and its input activations to e4m3 as well.
 // Thread-safety: one engine serves one sequence at a time.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +27,7 @@
 #include "common/status.h"
 #include "engine/tap.h"
 #include "kernels/cuda/fast_ops.h"
+#include "kernels/cuda/fp8_gemm.h"
 #include "model/llama.h"
 
 namespace hetero::cuda {
@@ -39,11 +43,18 @@ enum class LlamaCudaArith {
   kExact,
 };
 
+// How the projection weights (q|k|v, o, gate|up, down) live on the device. kFp8 quantizes them
+// at upload into DeepSeek's 128x128 block-scaled e4m3 format (no bf16 copy is kept) and runs
+// those GEMMs on the FP8 tensor cores, quantizing their inputs per token and 128 columns; the
+// embedding, the norms and lm_head stay bf16. kFast only, Hopper (sm_90) only.
+enum class WeightDtype { kBf16, kFp8 };
+
 struct LlamaCudaOptions {
   KvDtype kv_dtype = KvDtype::kFp8;  // kFast only
   bool host_tap = false;
   int device = 0;
   LlamaCudaArith arith = LlamaCudaArith::kFast;
+  WeightDtype weight_dtype = WeightDtype::kBf16;
 };
 
 // "fp8" or "bf16".
@@ -51,6 +62,9 @@ Result<KvDtype> parse_kv_dtype(const std::string& name);
 const char* kv_dtype_name(KvDtype dtype);
 // "fast" or "exact".
 Result<LlamaCudaArith> parse_llama_cuda_arith(const std::string& name);
+// "bf16" or "fp8".
+Result<WeightDtype> parse_weight_dtype(const std::string& name);
+const char* weight_dtype_name(WeightDtype dtype);
 
 class LlamaCudaEngine {
  public:
@@ -77,12 +91,14 @@ class LlamaCudaEngine {
   // Logits of the last processed token (float32 [vocab]); waits for the stream.
   Result<std::vector<float>> last_logits();
 
-  // Device memory held: weights, cache pages, activations.
+  // Device memory held: weights (FP8 projections count their e4m3 bytes and scales), cache pages,
+  // activations.
   size_t weight_bytes() const { return weight_bytes_; }
   size_t cache_bytes() const;
   size_t activation_bytes() const { return act_bytes_; }
 
  private:
+  struct Proj;
   struct Layer;
   struct Pages;
   struct Exact;
@@ -93,13 +109,17 @@ class LlamaCudaEngine {
   Status upload(const LlamaWeights& w);
   Status ensure_activations(int64_t n);
   Status ensure_pages(int64_t tokens);
-  void gemm(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n, uint16_t* out);
+  Status upload_projection(std::initializer_list<const Tensor*> parts, Proj* out);
+  Status linear(const uint16_t* x, int64_t m, const Proj& w, uint16_t* out);
   Status device_status(const char* what) const;
 
   LlamaConfig config_;
   LlamaCudaOptions options_;
   cudaStream_t stream_ = nullptr;
   void* cublas_ = nullptr;  // cublasHandle_t
+  std::unique_ptr<Fp8Gemm> fp8_;
+  void* staging_ = nullptr;  // bf16 projection weights on their way to FP8 (upload only)
+  size_t staging_bytes_ = 0;
   std::vector<void*> allocations_;
   std::vector<Layer> layers_;
   const uint16_t* embed_ = nullptr;
@@ -117,6 +137,7 @@ class LlamaCudaEngine {
   size_t act_bytes_ = 0;
   void *h_ = nullptr, *xn_ = nullptr, *qkv_ = nullptr, *q_ = nullptr, *attn_ = nullptr,
        *tmp_ = nullptr, *gate_up_ = nullptr, *act_ = nullptr, *ids_ = nullptr;
+  void *act_q_ = nullptr, *act_scale_ = nullptr;  // a GEMM input in FP8 (fp8 weights only)
   void *logits_ = nullptr, *pinned_x_ = nullptr;
   size_t pinned_x_bytes_ = 0;
 };

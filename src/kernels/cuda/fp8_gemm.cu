@@ -1,0 +1,122 @@
+// The FP8 quantizers of fp8_gemm.h: a 128x128 block-scaled weight quantizer (once, at upload) and
+// the per-token-group activation quantizer that runs before every FP8 GEMM.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "kernels/cuda/fp8_gemm.h"
+
+namespace hetero::cuda {
+namespace {
+
+__device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
+
+// Round to nearest even, saturating to ±448: what cvt.rn.satfinite.e4m3x2 does. Low byte = a.
+__device__ __forceinline__ uint16_t e4m3x2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// x / (amax / 448): the division as DeepSeek's quantizers write it (not a reciprocal multiply),
+// so the bytes match a host reference exactly.
+__device__ __forceinline__ float block_scale(float amax) {
+  return amax > 0.f ? amax / kE4m3Max : 1.f;
+}
+
+constexpr int kWeightThreads = 256;
+
+// One CUDA block per 128x128 weight block: its amax, its scale, its e4m3 values.
+__global__ void quantize_weight_kernel(const uint16_t* __restrict__ w, int64_t n, int64_t k,
+                                       uint8_t* __restrict__ q, float* __restrict__ scale,
+                                       int64_t scale_ld) {
+  const int64_t bk = blockIdx.x, bn = blockIdx.y;
+  const int64_t r0 = bn * kFp8Block, c0 = bk * kFp8Block;
+  const int64_t rows = n - r0 < kFp8Block ? n - r0 : kFp8Block;
+  const int64_t cols = k - c0 < kFp8Block ? k - c0 : kFp8Block;
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < kFp8Block * kFp8Block; i += kWeightThreads) {
+    const int r = i / kFp8Block, c = i % kFp8Block;
+    if (r < rows && c < cols) amax = fmaxf(amax, fabsf(bf(w[(r0 + r) * k + c0 + c])));
+  }
+  __shared__ float part[kWeightThreads / 32];
+  amax = warp_max(amax);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = 0.f;
+  for (int i = 0; i < kWeightThreads / 32; ++i) amax = fmaxf(amax, part[i]);
+  const float s = block_scale(amax);
+  if (threadIdx.x == 0) scale[bn * scale_ld + bk] = s;
+  // The row's padding past ceil(k/128) is never read; keep it defined.
+  if (bk == 0)
+    for (int64_t j = gridDim.x + threadIdx.x; j < scale_ld; j += kWeightThreads)
+      scale[bn * scale_ld + j] = 1.f;
+  // Pairs of columns: cols is a multiple of 16 (k is).
+  for (int i = threadIdx.x; i < kFp8Block * kFp8Block / 2; i += kWeightThreads) {
+    const int r = i / (kFp8Block / 2), c = 2 * (i % (kFp8Block / 2));
+    if (r < rows && c < cols) {
+      const int64_t at = (r0 + r) * k + c0 + c;
+      const uint16_t v = e4m3x2(bf(w[at]) / s, bf(w[at + 1]) / s);
+      q[at] = static_cast<uint8_t>(v & 0xff);
+      q[at + 1] = static_cast<uint8_t>(v >> 8);
+    }
+  }
+}
+
+constexpr int kActThreads = 256;
+
+// One half-warp per (row, 128-column group), eight columns (16 bytes) per lane: wide loads keep
+// this memory-bound pass near bandwidth. Rows in [m, rows) are padding.
+__global__ void quantize_act_kernel(const uint16_t* __restrict__ x, int64_t m, int64_t rows,
+                                    int64_t k, int64_t groups, uint8_t* __restrict__ q,
+                                    float* __restrict__ scale) {
+  const int64_t unit = (static_cast<int64_t>(blockIdx.x) * kActThreads + threadIdx.x) / 16;
+  const int sub = threadIdx.x % 16;
+  const int64_t row = unit / groups, g = unit % groups;
+  const int64_t col = g * kFp8Block + sub * 8;
+  // k % 16 == 0: a lane's eight columns are all in or all out. No early return: both halves of
+  // the warp take part in the shuffles.
+  const bool in = unit < rows * groups && col < k;
+  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (in && row < m) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + row * k + col);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    for (int i = 0; i < 4; ++i) v[2 * i] = bf(w[i] & 0xffff), v[2 * i + 1] = bf(w[i] >> 16);
+  }
+  float amax = 0.f;
+  for (float f : v) amax = fmaxf(amax, fabsf(f));
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = block_scale(amax);
+  if (in) {
+    uint32_t packed[2];
+    for (int i = 0; i < 2; ++i)
+      packed[i] = e4m3x2(v[4 * i] / s, v[4 * i + 1] / s) |
+                  (uint32_t(e4m3x2(v[4 * i + 2] / s, v[4 * i + 3] / s)) << 16);
+    *reinterpret_cast<uint2*>(q + row * k + col) = make_uint2(packed[0], packed[1]);
+  }
+  if (sub == 0 && unit < rows * groups) scale[g * rows + row] = s;
+}
+
+}  // namespace
+
+void quantize_weight_fp8_block(const uint16_t* w, int64_t n, int64_t k, uint8_t* q, float* scale,
+                               cudaStream_t stream) {
+  if (n <= 0 || k <= 0) return;
+  const dim3 grid(static_cast<unsigned>(fp8_blocks(k)), static_cast<unsigned>(fp8_blocks(n)));
+  quantize_weight_kernel<<<grid, kWeightThreads, 0, stream>>>(w, n, k, q, scale,
+                                                              fp8_weight_scale_ld(k));
+}
+
+void quantize_act_fp8_group(const uint16_t* x, int64_t m, int64_t k, uint8_t* q, float* scale,
+                            cudaStream_t stream) {
+  const int64_t rows = fp8_act_rows(m), groups = fp8_blocks(k);
+  const int64_t units = rows * groups;  // 16 threads each
+  if (units == 0) return;
+  const int64_t blocks = (units * 16 + kActThreads - 1) / kActThreads;
+  quantize_act_kernel<<<static_cast<unsigned>(blocks), kActThreads, 0, stream>>>(x, m, rows, k,
+                                                                                 groups, q, scale);
+}
+
+}  // namespace hetero::cuda
