@@ -160,6 +160,9 @@ Options prefill_options() {
            "tolerance, answers not guaranteed; docs/design/prefill-cuda.md)"},
           {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8",
            "cuda, fast: the engine's cache, fp8 or bf16"},
+          {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
+           "cuda, llama, fast: the projections' weights on the GPU, bf16 or fp8 (e4m3, a scale "
+           "per 128x128 block, quantized at load)"},
           {"device", "HETERO_PREFILL_DEVICE", "0", "cuda: which GPU"},
           {"gemm", "HETERO_PREFILL_GEMM", "ordered",
            "ordered: the decoder's GEMM order (bit-exact attention inputs); blas: OpenBLAS"},
@@ -196,8 +199,12 @@ int cmd_prefill(int argc, char** argv) {
   log_line("prefill", "options " + opts.effective().dump());
   auto device = opts.get_int("device");
   if (!device.is_ok()) return std::fprintf(stderr, "prefill: --device must be an integer\n"), 2;
-  PrefillBackend backend{opts.get("backend"), opts.get("gemm"), opts.get("kv-dtype"),
-                         opts.get("arith"), static_cast<int>(device.value())};
+  PrefillBackend backend{opts.get("backend"),
+                         opts.get("gemm"),
+                         opts.get("kv-dtype"),
+                         opts.get("arith"),
+                         static_cast<int>(device.value()),
+                         opts.get("weight-dtype")};
   auto stack = load_prefill_stack(opts.get("model"), opts.get("weights"), backend);
   if (!stack.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", stack.status().to_string().c_str()), 1;

@@ -34,6 +34,8 @@ Options up_options() {
           {"prefill-arith", "HETERO_PREFILL_ARITH", "exact",
            "cuda, llama: exact (bit-exact caches) or fast (tensor cores; within a tolerance)"},
           {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
+          {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
+           "cuda, llama, fast: the projections' weights, bf16 or fp8 (block-scaled)"},
           {"exit-when-ready", "", "", "start, print the endpoint, then stop (for tests)", true},
       });
 }
@@ -73,7 +75,8 @@ int cmd_up(int argc, char** argv) {
           {(fs::path(repo_root()) / "build" / "hetero").string(), "prefill", "--model",
            prefill_model, "--weights", weights, "--port", std::to_string(pport.value()), "--chunk",
            opts.get("chunk"), "--backend", opts.get("prefill-backend"), "--arith",
-           opts.get("prefill-arith"), "--kv-dtype", opts.get("kv-dtype")},
+           opts.get("prefill-arith"), "--kv-dtype", opts.get("kv-dtype"), "--weight-dtype",
+           opts.get("weight-dtype")},
           {}, plog);
       !st.is_ok())
     return std::fprintf(stderr, "up: prefill: %s\n", st.message().c_str()), 1;

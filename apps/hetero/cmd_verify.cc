@@ -53,6 +53,8 @@ Options verify_options() {
            "cuda, llama: exact (the decoder's arithmetic: bit-exact) or fast (tensor cores: "
            "needs --max-ulp/--min-cosine and --reason)"},
           {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
+          {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
+           "cuda, llama, fast: the projections' weights, bf16 or fp8 (block-scaled)"},
           {"max-tokens", "", "64", "greedy tokens to compare"},
           {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
           {"decoder-port", "HETERO_DECODER_PORT", "0", "use a running decoder seam (0: start one)"},
@@ -195,6 +197,7 @@ int cmd_verify(int argc, char** argv) {
   backend.name = opts.get("prefill-backend");
   backend.arith = opts.get("prefill-arith");
   backend.kv_dtype = opts.get("kv-dtype");
+  backend.weights = opts.get("weight-dtype");
   auto stack = load_prefill_stack(prefill_model, weights_dir, backend);
   if (!stack.is_ok()) return fail("prefill host", stack.status());
   PrefillService service(stack->engine.get(), stack->layout, stack->programs, chunk.value(),
@@ -328,7 +331,8 @@ int cmd_verify(int argc, char** argv) {
       {"prefill_backend",
        {{"name", backend.name},
         {"arith", backend.name == "cuda" ? backend.arith : "ordered"},
-        {"kv_dtype", backend.name == "cuda" && backend.arith == "fast" ? backend.kv_dtype : "-"}}},
+        {"kv_dtype", backend.name == "cuda" && backend.arith == "fast" ? backend.kv_dtype : "-"},
+        {"weights", backend.name == "cuda" && backend.arith == "fast" ? backend.weights : "-"}}},
       {"family", layout.family},
       {"fingerprint", layout.fingerprint},
       {"T", T},

@@ -14,6 +14,7 @@
 // --refcheck first compares the engine with the CPU engine on a small model (per-layer attention
 // inputs, relative RMS error against the stated bound) and refuses to report if that fails.
 //
+// --weights fp8 runs the projections with FP8 block-scaled weights (cuBLASLt), --kv the cache.
 // Output: one JSON line per (T, mode) on stdout; a table on stderr.
 #include <cuda_runtime.h>
 #include <omp.h>
@@ -42,7 +43,7 @@ struct Args {
   int64_t chunk = 8192;
   int repeat = 3, warmup = 1;
   std::vector<std::string> modes = {"off", "on"};
-  std::string kv = "fp8", shape = "1b", rev = "unknown";
+  std::string kv = "fp8", weights = "bf16", shape = "1b", rev = "unknown";
   int64_t layers = 0;  // 0: the shape's
   bool refcheck = false;
 };
@@ -220,6 +221,8 @@ int main(int argc, char** argv) {
       a.modes = split(v);
     else if (k == "--kv")
       a.kv = v;
+    else if (k == "--weights")
+      a.weights = v;
     else if (k == "--shape")
       a.shape = v;
     else if (k == "--layers")
@@ -243,13 +246,22 @@ int main(int argc, char** argv) {
   const LlamaWeights w = random_weights(c);
   auto kv = cuda::parse_kv_dtype(a.kv);
   if (!kv.is_ok()) return std::fprintf(stderr, "%s\n", kv.status().to_string().c_str()), 2;
-  auto engine = cuda::LlamaCudaEngine::create(w, {*kv, false, 0});
+  auto wdt = cuda::parse_weight_dtype(a.weights);
+  if (!wdt.is_ok()) return std::fprintf(stderr, "%s\n", wdt.status().to_string().c_str()), 2;
+  auto engine =
+      cuda::LlamaCudaEngine::create(w, {*kv, false, 0, cuda::LlamaCudaArith::kFast, *wdt});
   if (!engine.is_ok()) return std::fprintf(stderr, "%s\n", engine.status().to_string().c_str()), 1;
   const LlamaDecoderWeights dw = llama_decoder_weights_of(w, "bench");
   auto gw = cuda::upload_llama_weights(dw);
   if (!gw.is_ok()) return std::fprintf(stderr, "%s\n", gw.status().to_string().c_str()), 1;
   std::fprintf(stderr, "weights ready in %.1f s (%.2f GB on the device)\n", bench::now_s() - t0,
                static_cast<double>((*engine)->weight_bytes()) / 1e9);
+  // Parameters of the shape (the FP8 engine's weight bytes are not 2 per parameter).
+  const double params =
+      static_cast<double>(c.vocab * c.hidden) +
+      static_cast<double>(c.layers) *
+          (static_cast<double>(c.hidden) * (c.heads * c.head_dim + 2 * c.kv_heads * c.head_dim) +
+           static_cast<double>(c.heads * c.head_dim) * c.hidden + 3.0 * c.hidden * c.intermediate);
   // The decoder's own cache per token: K and V rows, bf16, every layer.
   const double decoder_bytes_per_token = 2.0 * c.layers * c.kv_heads * c.head_dim * 2;
 
@@ -312,17 +324,18 @@ int main(int argc, char** argv) {
       const double overhead = on && off_median > 0 ? sp.median / off_median - 1.0 : 0.0;
       std::printf(
           "{\"bench\":\"gpu_llama_prefill\",\"rev\":\"%s\",\"gpu\":\"%s\",\"shape\":\"%s\","
-          "\"layers\":%lld,\"params\":%.3e,\"kv\":\"%s\",\"T\":%lld,\"chunk\":%lld,\"mode\":\"%s\","
+          "\"layers\":%lld,\"params\":%.3e,\"weights\":\"%s\",\"kv\":\"%s\",\"T\":%lld,\"chunk\":%"
+          "lld,\"mode\":\"%s\","
           "\"repeat\":%d,\"median_s\":%.4f,\"min_s\":%.4f,\"max_s\":%.4f,\"tok_per_s\":%.0f,"
           "\"tflops\":%.1f,\"peak_tflops\":%.0f,\"peak_fraction\":%.3f,\"overhead_vs_off\":%s,"
           "\"wire_bytes_per_token\":%s,\"decoder_cache_bytes_per_token\":%.0f,"
           "\"capture_device_bytes\":%.0f,\"host_staging_bytes\":%.0f,\"engine_cache_bytes\":%zu,"
           "\"activation_bytes\":%zu,\"manifest_complete\":%s}\n",
-          a.rev.c_str(), gpu.c_str(), a.shape.c_str(), static_cast<long long>(c.layers),
-          static_cast<double>((*engine)->weight_bytes()) / 2, a.kv.c_str(),
-          static_cast<long long>(T), static_cast<long long>(a.chunk), mode.c_str(), a.repeat,
-          sp.median, sp.min, sp.max, static_cast<double>(T) / sp.median, tflops, peak,
-          tflops / peak, on ? std::to_string(overhead).c_str() : "null",
+          a.rev.c_str(), gpu.c_str(), a.shape.c_str(), static_cast<long long>(c.layers), params,
+          a.weights.c_str(), a.kv.c_str(), static_cast<long long>(T),
+          static_cast<long long>(a.chunk), mode.c_str(), a.repeat, sp.median, sp.min, sp.max,
+          static_cast<double>(T) / sp.median, tflops, peak, tflops / peak,
+          on ? std::to_string(overhead).c_str() : "null",
           on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null",
           decoder_bytes_per_token, capture_bytes, staging_bytes, (*engine)->cache_bytes(),
           (*engine)->activation_bytes(), on ? (complete ? "true" : "false") : "null");

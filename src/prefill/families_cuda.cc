@@ -61,12 +61,13 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   HETERO_RETURN_IF_ERROR(check_device(backend.device));
   HETERO_ASSIGN_OR_RETURN(cuda::KvDtype kv, cuda::parse_kv_dtype(backend.kv_dtype));
   HETERO_ASSIGN_OR_RETURN(cuda::LlamaCudaArith arith, cuda::parse_llama_cuda_arith(backend.arith));
+  HETERO_ASSIGN_OR_RETURN(cuda::WeightDtype wdt, cuda::parse_weight_dtype(backend.weights));
   HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(LlamaConfig config, load_llama_config(model_dir));
   HETERO_RETURN_IF_ERROR(check_export_matches_model(config, weights.layout));
   HETERO_ASSIGN_OR_RETURN(
       auto engine,
-      cuda::LlamaCudaEngine::load(model_dir, {kv, /*host_tap=*/false, backend.device, arith}));
+      cuda::LlamaCudaEngine::load(model_dir, {kv, /*host_tap=*/false, backend.device, arith, wdt}));
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, cuda::upload_llama_weights(weights));
   auto [s, owned] = gpu_stack(std::string("llama"),
                               std::string(arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast"),
