@@ -1,10 +1,12 @@
 // What one segment costs on the host, either end of the wire: encode (frame + checksum) on the
 // prefill host, parse + verify + decode on the receiver. Default: one 8192-token segment of a
 // 1B llama (16 layers x K and V x [8, 8192, 64] bf16 = 268 MB), the unit the GPU prefill emits
-// per chunk. Median and spread of --repeat runs; one JSON line on stdout.
+// per chunk. The receiver is fed --piece bytes at a time, as a socket hands them over (0: the
+// whole frame at once), and decodes as the prefill client does (arrays viewing the frame).
+// Median and spread of --repeat runs; one JSON line on stdout.
 //
 // usage: hetero_wire_bench [--layers 16] [--kv-heads 8] [--head-dim 64] [--tokens 8192]
-//                          [--repeat 5] [--rev REV]
+//                          [--piece 65536] [--repeat 5] [--rev REV]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -19,6 +21,7 @@ int main(int argc, char** argv) {
   using namespace hetero;
   int64_t layers = 16, kv_heads = 8, head_dim = 64, tokens = 8192;
   int repeat = 5;
+  int64_t piece = 65536;
   std::string rev = "unknown";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
@@ -33,6 +36,8 @@ int main(int argc, char** argv) {
       tokens = std::atoll(v);
     else if (k == "--repeat")
       repeat = std::atoi(v);
+    else if (k == "--piece")
+      piece = std::atoll(v);
     else if (k == "--rev")
       rev = v;
     else
@@ -57,10 +62,12 @@ int main(int argc, char** argv) {
     const std::string frame = encode_segment(s);
     const auto t1 = Clock::now();
     FrameParser parser(int64_t{1} << 40);
-    parser.feed(frame.data(), frame.size());
+    const size_t step = piece > 0 ? static_cast<size_t>(piece) : frame.size();
+    for (size_t at = 0; at < frame.size(); at += step)
+      parser.feed(frame.data() + at, std::min(step, frame.size() - at));
     auto f = parser.next();
     if (!f.is_ok() || !f->has_value()) return std::fprintf(stderr, "parse failed\n"), 1;
-    auto d = decode_segment(**f);
+    auto d = decode_segment(std::move(**f));
     if (!d.is_ok()) return std::fprintf(stderr, "%s\n", d.status().to_string().c_str()), 1;
     const auto t2 = Clock::now();
     if (r == 0) continue;
@@ -69,13 +76,15 @@ int main(int argc, char** argv) {
   std::sort(enc.begin(), enc.end()), std::sort(dec.begin(), dec.end());
   std::printf(
       "{\"bench\":\"wire_segment\",\"rev\":\"%s\",\"layers\":%lld,\"kv_heads\":%lld,"
-      "\"head_dim\":%lld,\"tokens\":%lld,\"bytes\":%zu,\"repeat\":%d,\"encode_ms_median\":%.1f,"
+      "\"head_dim\":%lld,\"tokens\":%lld,\"bytes\":%zu,\"piece\":%lld,\"repeat\":%d,"
+      "\"encode_ms_median\":%.1f,"
       "\"encode_ms_min\":%.1f,\"encode_ms_max\":%.1f,\"receive_ms_median\":%.1f,"
       "\"receive_ms_min\":%.1f,\"receive_ms_max\":%.1f,\"encode_gb_s\":%.2f,"
       "\"receive_gb_s\":%.2f}\n",
       rev.c_str(), static_cast<long long>(layers), static_cast<long long>(kv_heads),
-      static_cast<long long>(head_dim), static_cast<long long>(tokens), bytes, repeat,
-      enc[enc.size() / 2], enc.front(), enc.back(), dec[dec.size() / 2], dec.front(), dec.back(),
-      bytes / enc[enc.size() / 2] / 1e6, bytes / dec[dec.size() / 2] / 1e6);
+      static_cast<long long>(head_dim), static_cast<long long>(tokens), bytes,
+      static_cast<long long>(piece), repeat, enc[enc.size() / 2], enc.front(), enc.back(),
+      dec[dec.size() / 2], dec.front(), dec.back(), bytes / enc[enc.size() / 2] / 1e6,
+      bytes / dec[dec.size() / 2] / 1e6);
   return 0;
 }

@@ -75,7 +75,8 @@ Status CacheAssembler::accept(const Segment& s) {
   const int64_t hd = layout_.head_dim;
   for (int64_t l = 0; l < layout_.layers; ++l) {
     for (int which = 0; which < 2; ++which) {
-      const uint16_t* src = s.arrays[static_cast<size_t>(2 * l + which)].tensor.data<uint16_t>();
+      const auto* src =
+          reinterpret_cast<const uint16_t*>(s.arrays[static_cast<size_t>(2 * l + which)].data());
       auto& dst = (which ? values_ : keys_)[static_cast<size_t>(l)];
       for (int64_t h = 0; h < layout_.kv_heads; ++h)
         std::memcpy(&dst[static_cast<size_t>((h * requested_ + s.pos0) * hd)],

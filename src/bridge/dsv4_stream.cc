@@ -111,7 +111,7 @@ Status Dsv4Assembler::accept(const Segment& s) {
     if (name == "window_idx") {
       if (a.tensor.dtype != DType::kI64 || a.tensor.shape != shape)
         return data_loss("window_idx is not i64 [1]");
-      idx = a.tensor.data<int64_t>()[0];
+      std::memcpy(&idx, a.data(), sizeof(idx));
       continue;
     }
     std::vector<int64_t> expect = shape;
@@ -137,10 +137,10 @@ Status Dsv4Assembler::accept(const Segment& s) {
     if (a.name == "window_idx") continue;
     if (a.name.size() > 7 && a.name.compare(a.name.size() - 7, 7, ".pooled") == 0) {
       auto& dst = pooled_[a.name];
-      const auto* src = a.tensor.data<uint16_t>();
+      const auto* src = reinterpret_cast<const uint16_t*>(a.data());
       dst.insert(dst.end(), src, src + a.tensor.numel());
     } else {
-      tail_[a.name] = a.tensor;
+      tail_[a.name] = a.owned();
     }
   }
   if (idx >= 0) window_idx_ = idx;

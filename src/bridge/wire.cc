@@ -1,6 +1,7 @@
 // Wire encoding and parsing: see wire.h and docs/design/wire.md.
 #include "bridge/wire.h"
 
+#include <algorithm>
 #include <cstring>
 #ifdef __linux__
 #include <sys/mman.h>
@@ -91,6 +92,35 @@ std::string encode_manifest(const Manifest& m) {
   return frame(h, {});
 }
 
+void FrameParser::feed(const char* data, size_t n) {
+  const size_t have = buf_.size() - pos_;
+  if (failed_.is_ok() && have + n >= kPrefixBytes) {
+    // The frame at pos_: its prefix, from what is buffered and what arrives now.
+    char prefix[kPrefixBytes];
+    const size_t from_buf = std::min(have, kPrefixBytes);
+    std::memcpy(prefix, buf_.data() + pos_, from_buf);
+    std::memcpy(prefix + from_buf, data, kPrefixBytes - from_buf);
+    uint32_t hb;
+    uint64_t pb;
+    std::memcpy(&hb, prefix + 4, 4);
+    std::memcpy(&pb, prefix + 8, 8);
+    // A bad magic or size is next()'s to report; here it only means no growing.
+    if (std::memcmp(prefix, kMagic, 4) == 0 && hb <= kMaxHeaderBytes &&
+        pb <= static_cast<uint64_t>(max_payload_)) {
+      const size_t total = std::max<size_t>(kPrefixBytes + hb + pb + 8, have + n);
+      if (buf_.capacity() - pos_ < total) {
+        std::string grown;
+        grown.reserve(total);
+        prefer_huge_pages(grown.data(), grown.capacity());
+        grown.append(buf_, pos_, have);  // drops what earlier frames left
+        buf_ = std::move(grown);
+        pos_ = 0;
+      }
+    }
+  }
+  buf_.append(data, n);
+}
+
 Result<std::optional<Frame>> FrameParser::next() {
   if (!failed_.is_ok()) return failed_;
   const size_t avail = buf_.size() - pos_;
@@ -136,7 +166,12 @@ Result<std::optional<Frame>> FrameParser::next() {
   return std::optional<Frame>(std::move(f));
 }
 
-Result<Segment> decode_segment(const Frame& f) {
+namespace {
+
+// Shared by both decode_segment overloads: header fields and bounds; `take` fills an array's
+// bytes from its place in the payload.
+template <typename Take>
+Result<Segment> decode_segment_with(const Frame& f, Take take) {
   Segment s;
   try {
     if (f.header.at("kind") != "segment") return data_loss("frame is not a segment");
@@ -160,7 +195,7 @@ Result<Segment> decode_segment(const Frame& f) {
       if (bytes != w.tensor.numel() * dtype_size(w.tensor.dtype) || off < 0 ||
           off + bytes > static_cast<int64_t>(payload.size()))
         return data_loss("array '" + w.name + "' does not fit its shape or the payload");
-      w.tensor.bytes.assign(payload.data() + off, payload.data() + off + bytes);
+      take(&w, payload.data() + off, static_cast<size_t>(bytes));
       s.arrays.push_back(std::move(w));
     }
   } catch (const nlohmann::json::exception& e) {
@@ -168,6 +203,21 @@ Result<Segment> decode_segment(const Frame& f) {
   }
   if (s.pos0 < 0 || s.n_tokens <= 0) return data_loss("segment has an empty or negative range");
   return s;
+}
+
+}  // namespace
+
+Result<Segment> decode_segment(const Frame& f) {
+  return decode_segment_with(
+      f, [](WireArray* w, const char* p, size_t n) { w->tensor.bytes.assign(p, p + n); });
+}
+
+Result<Segment> decode_segment(Frame&& f) {
+  auto owner = std::make_shared<Frame>(std::move(f));
+  return decode_segment_with(*owner, [&owner](WireArray* w, const char* p, size_t) {
+    w->view = reinterpret_cast<const uint8_t*>(p);
+    w->keep = owner;
+  });
 }
 
 Result<Manifest> decode_manifest(const Frame& f) {

@@ -34,6 +34,14 @@ struct WireArray {
   WireArray(std::string n, Tensor t) : name(std::move(n)), tensor(std::move(t)) {}
 
   const uint8_t* data() const { return view ? view : tensor.bytes.data(); }
+  // The tensor with its own bytes (a copy of a view's).
+  Tensor owned() const {
+    if (!view) return tensor;
+    Tensor t;
+    t.dtype = tensor.dtype, t.shape = tensor.shape;
+    t.bytes.assign(view, view + nbytes());
+    return t;
+  }
   size_t nbytes() const {
     return view ? static_cast<size_t>(tensor.numel() * dtype_size(tensor.dtype))
                 : tensor.bytes.size();
@@ -76,7 +84,10 @@ std::string encode_manifest(const Manifest& m);
 class FrameParser {
  public:
   explicit FrameParser(int64_t max_payload_bytes) : max_payload_(max_payload_bytes) {}
-  void feed(const char* data, size_t n) { buf_.append(data, n); }
+  // Once a frame's size is known (its 16-byte prefix has arrived, within the limits), the
+  // buffer is grown to hold all of it at once: a large segment arriving in small pieces is then
+  // neither re-copied as the buffer doubles nor faulted in 4 KB at a time.
+  void feed(const char* data, size_t n);
   // A complete verified frame, nothing yet (std::nullopt), or the error that ends the stream.
   Result<std::optional<Frame>> next();
   size_t buffered_bytes() const { return buf_.size() - pos_; }
@@ -88,8 +99,11 @@ class FrameParser {
   Status failed_;
 };
 
-// Decode a frame's header into a Segment (arrays referencing the payload, bounds-checked).
+// Decode a frame's header into a Segment (bounds-checked), arrays copied out of the payload.
 Result<Segment> decode_segment(const Frame& f);
+// The same, taking the frame over: the arrays are views into its buffer (WireArray::view), which
+// they keep alive, so the payload is not copied again.
+Result<Segment> decode_segment(Frame&& f);
 Result<Manifest> decode_manifest(const Frame& f);
 
 }  // namespace hetero

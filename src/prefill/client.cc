@@ -61,7 +61,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
       auto f = parser.next();
       if (!f.is_ok()) return (stream_status = f.status()), false;
       if (!f.value().has_value()) return true;
-      const Frame& frame = *f.value();
+      Frame& frame = *f.value();
       if (frame.header.value("kind", "") == "manifest") {
         auto m = decode_manifest(frame);
         stream_status = m.is_ok() ? assembler->finish(m.value()) : m.status();
@@ -72,7 +72,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
           out.salvageable = false;
         return stream_status.is_ok();
       }
-      auto s = decode_segment(frame);
+      auto s = decode_segment(std::move(frame));  // views into the frame: no second copy
       if (!s.is_ok()) return (stream_status = s.status()), false;
       Status a = assembler->accept(s.value());
       if (!a.is_ok()) {

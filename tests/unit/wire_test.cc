@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 
 namespace hetero {
@@ -72,6 +73,40 @@ TEST(Wire, ViewArraysEncodeAsOwnedOnes) {
     a.keep = keep;
   }
   EXPECT_EQ(encode_segment(viewed), encode_segment(owned));
+}
+
+// Decoding a frame it takes over, the receiver's arrays view the frame's buffer: the same bytes
+// as a copying decode, still valid once the parser has moved on to later frames.
+TEST(Wire, TakenOverFrameDecodesIntoViews) {
+  const Segment a = make_segment(0, 0, 7, 3, 2, 4), b = make_segment(1, 7, 5, 3, 2, 4);
+  const std::string bytes = encode_segment(a) + encode_segment(b);
+  FrameParser p(1 << 20);
+  std::vector<Segment> views, copies;
+  for (size_t at = 0; at < bytes.size(); at += 13) {  // pieces that split every boundary
+    p.feed(bytes.data() + at, std::min<size_t>(13, bytes.size() - at));
+    for (;;) {
+      auto f = p.next();
+      ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+      if (!f->has_value()) break;
+      auto c = decode_segment(**f);
+      ASSERT_TRUE(c.is_ok());
+      copies.push_back(std::move(*c));
+      auto v = decode_segment(std::move(**f));
+      ASSERT_TRUE(v.is_ok());
+      views.push_back(std::move(*v));
+    }
+  }
+  ASSERT_EQ(views.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    ASSERT_EQ(views[s].arrays.size(), copies[s].arrays.size());
+    for (size_t i = 0; i < views[s].arrays.size(); ++i) {
+      const WireArray& v = views[s].arrays[i];
+      EXPECT_NE(v.view, nullptr);
+      EXPECT_TRUE(v.tensor.bytes.empty());
+      EXPECT_EQ(v.owned().bytes, copies[s].arrays[i].tensor.bytes) << s << " " << v.name;
+      EXPECT_EQ(v.owned().bytes, (s ? b : a).arrays[i].tensor.bytes) << s << " " << v.name;
+    }
+  }
 }
 
 // A frame that fills the parser's buffer alone is handed over without copying its payload; the
