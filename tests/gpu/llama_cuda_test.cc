@@ -77,42 +77,50 @@ void PrintTo(const Case& c, std::ostream* os) {
 
 class LlamaCudaVsCpu : public CudaDeviceTest, public ::testing::WithParamInterface<Case> {};
 
-TEST_P(LlamaCudaVsCpu, AttentionInputsWithinTolerance) {
-  const Case& k = GetParam();
+// The GPU engine with options o against the CPU engine over each chunk schedule: every layer's
+// attention input and the last token's logits within tol (2 tol for the logits) in relative RMS.
+void expect_close_to_cpu(const Case& k, const cuda::LlamaCudaOptions& o, double tol,
+                         const std::vector<std::vector<int64_t>>& schedules, const char* label) {
   const LlamaWeights w = tiny_llama(k.type, k.head_dim, 7);
   const LlamaConfig& c = w.config;
   const std::vector<int32_t> ids = random_ids(300, c.vocab, 11);
   LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
   Taps want;
   ASSERT_TRUE(run_schedule(cpu, ids, {300}, c.layers, c.hidden, &want).is_ok());
-  const double tol = k.kv == cuda::KvDtype::kFp8 ? kTolFp8Cache : kTolBf16Cache;
-  for (const std::vector<int64_t>& chunks :
-       {std::vector<int64_t>{300}, std::vector<int64_t>{64, 64, 172},
-        std::vector<int64_t>{37, 200, 5, 1, 57}}) {
-    auto gpu = cuda::LlamaCudaEngine::create(w, {k.kv, /*host_tap=*/true, 0});
+  for (const std::vector<int64_t>& chunks : schedules) {
+    auto gpu = cuda::LlamaCudaEngine::create(w, o);
     ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
     Taps got;
     ASSERT_TRUE(run_schedule(**gpu, ids, chunks, c.layers, c.hidden, &got).is_ok());
     ASSERT_TRUE((*gpu)->synchronize().is_ok());
     for (int64_t l = 0; l < c.layers; ++l) {
       const double e = rel_rms(got[static_cast<size_t>(l)], want[static_cast<size_t>(l)]);
-      std::printf("[ %s d%lld %s chunks %zu ] layer %lld rel rms %.2e\n", k.type.c_str(),
-                  static_cast<long long>(k.head_dim), cuda::kv_dtype_name(k.kv), chunks.size(),
-                  static_cast<long long>(l), e);
+      std::printf("[ %s%s d%lld %s cache, chunks %zu ] layer %lld rel rms %.2e\n", label,
+                  k.type.c_str(), static_cast<long long>(k.head_dim), cuda::kv_dtype_name(k.kv),
+                  chunks.size(), static_cast<long long>(l), e);
       EXPECT_LT(e, tol) << "layer " << l;
       if (l == 0) {
-        EXPECT_LT(e, 2e-3) << "layer 0's input is the embedding's norm";
+        EXPECT_LT(e, 2e-3) << "layer 0's input is the embedding's norm: no projection yet";
       }
     }
-    // The logits of the last token, the same measure.
     auto logits = (*gpu)->last_logits();
     ASSERT_TRUE(logits.is_ok());
     const std::vector<float> ref = cpu.last_logits();
     double num = 0, den = 0;
     for (size_t i = 0; i < ref.size(); ++i)
       num += std::pow((*logits)[i] - ref[i], 2), den += std::pow(ref[i], 2);
+    std::printf("[ %s%s ] logits rel rms %.2e\n", label, k.type.c_str(), std::sqrt(num / den));
     EXPECT_LT(std::sqrt(num / den), 2 * tol);
   }
+}
+
+TEST_P(LlamaCudaVsCpu, AttentionInputsWithinTolerance) {
+  const Case& k = GetParam();
+  cuda::LlamaCudaOptions o;
+  o.kv_dtype = k.kv;
+  o.host_tap = true;
+  expect_close_to_cpu(k, o, k.kv == cuda::KvDtype::kFp8 ? kTolFp8Cache : kTolBf16Cache,
+                      {{300}, {64, 64, 172}, {37, 200, 5, 1, 57}}, "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaVsCpu,
@@ -130,44 +138,13 @@ class LlamaCudaFp8Weights : public CudaDeviceTest, public ::testing::WithParamIn
 
 TEST_P(LlamaCudaFp8Weights, AttentionInputsWithinTolerance) {
   const Case& k = GetParam();
-  const LlamaWeights w = tiny_llama(k.type, k.head_dim, 7);
-  const LlamaConfig& c = w.config;
-  const std::vector<int32_t> ids = random_ids(300, c.vocab, 11);
-  LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
-  Taps want;
-  ASSERT_TRUE(run_schedule(cpu, ids, {300}, c.layers, c.hidden, &want).is_ok());
-  const double tol = k.kv == cuda::KvDtype::kFp8 ? kTolFp8WeightsFp8Cache : kTolFp8Weights;
   cuda::LlamaCudaOptions o;
   o.kv_dtype = k.kv;
   o.host_tap = true;
   o.weight_dtype = cuda::WeightDtype::kFp8;
   // One chunk, and chunks of awkward lengths (the FP8 GEMMs pad rows to 16).
-  for (const std::vector<int64_t>& chunks :
-       {std::vector<int64_t>{300}, std::vector<int64_t>{37, 200, 5, 1, 57}}) {
-    auto gpu = cuda::LlamaCudaEngine::create(w, o);
-    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
-    Taps got;
-    ASSERT_TRUE(run_schedule(**gpu, ids, chunks, c.layers, c.hidden, &got).is_ok());
-    ASSERT_TRUE((*gpu)->synchronize().is_ok());
-    for (int64_t l = 0; l < c.layers; ++l) {
-      const double e = rel_rms(got[static_cast<size_t>(l)], want[static_cast<size_t>(l)]);
-      std::printf("[ fp8 weights %s d%lld %s cache, chunks %zu ] layer %lld rel rms %.2e\n",
-                  k.type.c_str(), static_cast<long long>(k.head_dim), cuda::kv_dtype_name(k.kv),
-                  chunks.size(), static_cast<long long>(l), e);
-      EXPECT_LT(e, tol) << "layer " << l;
-      if (l == 0) {
-        EXPECT_LT(e, 2e-3) << "layer 0's input is the embedding's norm: no projection yet";
-      }
-    }
-    auto logits = (*gpu)->last_logits();
-    ASSERT_TRUE(logits.is_ok());
-    const std::vector<float> ref = cpu.last_logits();
-    double num = 0, den = 0;
-    for (size_t i = 0; i < ref.size(); ++i)
-      num += std::pow((*logits)[i] - ref[i], 2), den += std::pow(ref[i], 2);
-    std::printf("[ fp8 weights %s ] logits rel rms %.2e\n", k.type.c_str(), std::sqrt(num / den));
-    EXPECT_LT(std::sqrt(num / den), 2 * tol);
-  }
+  expect_close_to_cpu(k, o, k.kv == cuda::KvDtype::kFp8 ? kTolFp8WeightsFp8Cache : kTolFp8Weights,
+                      {{300}, {37, 200, 5, 1, 57}}, "fp8 weights ");
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaFp8Weights,
