@@ -12,6 +12,16 @@ void append_kv_arrays(int64_t layer, KvRows r, std::vector<WireArray>* arrays) {
   arrays->push_back({"layers." + std::to_string(layer) + ".values", std::move(r.values)});
 }
 
+std::vector<ArraySpec> llama_segment_specs(const DecoderCacheLayout& layout, int64_t n) {
+  std::vector<ArraySpec> specs;
+  for (int64_t l = 0; l < layout.layers; ++l)
+    for (const char* kind : {".keys", ".values"})
+      specs.push_back({"layers." + std::to_string(l) + kind,
+                       DType::kBF16,
+                       {layout.kv_heads, n, layout.head_dim}});
+  return specs;
+}
+
 Status LlamaSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                 std::vector<WireArray>* arrays) {
   append_kv_arrays(layer, program_->run(layer, pos0, n, x), arrays);
@@ -20,7 +30,13 @@ Status LlamaSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const ui
 
 BridgeProducer::BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs,
                                CaptureStore* capture)
-    : program_(program), capture_(capture), sink_(std::move(sink)), queue_(max_queued_inputs) {
+    : program_(program),
+      capture_(capture),
+      sink_(std::move(sink)),
+      queue_(max_queued_inputs),
+      // A layer's arrays at a time, up to two segments' worth: the memory they hold is the
+      // program's (views), bounded by the program.
+      segments_(static_cast<size_t>(2 * program->layout().layers + 4)) {
   HETERO_CHECK((program_->device_stream() != nullptr) == (capture_ != nullptr));
   worker_ = std::thread([this] { run(); });
   encoder_ = std::thread([this] { encode(); });
@@ -81,46 +97,111 @@ void BridgeProducer::run() {
       continue;
     }
     Pending& p = pending_[w->pos0];
-    if (p.arrays.empty()) p.arrays.resize(static_cast<size_t>(layout.layers)), p.n = w->n;
+    if (p.arrays.empty()) {  // the segment's first layer
+      p.arrays.resize(static_cast<size_t>(layout.layers)), p.n = w->n;
+      if (auto specs = program_->planned_arrays(w->pos0, w->n)) {
+        p.by_layer = true;
+        EncodeItem open{EncodeItem::Kind::kOpen, {}, -1, std::move(*specs)};
+        open.segment.seq = next_seq_++;
+        open.segment.family = layout.family;
+        open.segment.fingerprint = layout.fingerprint;
+        open.segment.pos0 = w->pos0;
+        open.segment.n_tokens = w->n;
+        segments_.push(std::move(open));
+      }
+    }
     const uint16_t* x = w->slot >= 0 ? capture_->ready(w->slot, stream) : w->x.data();
-    Status st = program_->run(w->layer, w->pos0, w->n, x, &p.arrays[static_cast<size_t>(w->layer)]);
+    auto& layer_arrays = p.arrays[static_cast<size_t>(w->layer)];
+    Status st = program_->run(w->layer, w->pos0, w->n, x, &layer_arrays);
     if (w->slot >= 0) capture_->release(w->slot, stream);
+    if (st.is_ok() && p.by_layer) {
+      EncodeItem layer{EncodeItem::Kind::kLayer, {}, w->layer, {}};
+      layer.segment.pos0 = w->pos0, layer.segment.n_tokens = p.n;
+      layer.segment.arrays = std::move(layer_arrays);
+      segments_.push(std::move(layer));
+    }
     if (st.is_ok() && ++p.layers_done < layout.layers) continue;
     // Every layer has passed this boundary: the segment can leave now.
     Segment s;
-    s.seq = next_seq_++;
     s.family = layout.family;
     s.fingerprint = layout.fingerprint;
     s.pos0 = w->pos0;
     s.n_tokens = p.n;
-    for (auto& layer_arrays : p.arrays)
-      for (auto& a : layer_arrays) s.arrays.push_back(std::move(a));
+    const bool by_layer = p.by_layer;
+    if (!by_layer) {
+      s.seq = next_seq_++;
+      for (auto& arrays : p.arrays)
+        for (auto& a : arrays) s.arrays.push_back(std::move(a));
+    }
+    const size_t before = s.arrays.size();
     if (st.is_ok()) st = program_->close_segment(s.pos0, s.n_tokens, &s.arrays);
+    if (st.is_ok() && by_layer && s.arrays.size() != before)
+      st = internal_error("the program planned its segment's arrays, then added more at close");
     pending_.erase(w->pos0);
     if (!st.is_ok()) {
       // A program error ends the stream without this segment; the manifest says why.
       fail_program(st);
       continue;
     }
-    segments_.push(std::move(s));
+    if (by_layer) {
+      s.arrays.clear();
+      segments_.push(EncodeItem{EncodeItem::Kind::kClose, std::move(s), -1, {}});
+    } else {
+      segments_.push(EncodeItem{EncodeItem::Kind::kWhole, std::move(s), -1, {}});
+    }
   }
   segments_.close();
 }
 
 void BridgeProducer::encode() {
   omp_set_num_threads(1);
-  while (auto s = segments_.pop()) {
-    if (cancelled_.load()) continue;  // drain: the arrays' memory goes back as they go
-    const Status st = program_->segment_ready(s->pos0, s->n_tokens);
+  std::map<int64_t, SegmentFrameWriter> open;  // by pos0: segments framed layer by layer
+  auto deliver = [this](std::string frame, int64_t pos0, int64_t n) {
+    if (!sink_(std::move(frame))) {
+      cancelled_ = true;
+      return;
+    }
+    if (pos0 == covered_) covered_ += n;
+  };
+  while (auto item = segments_.pop()) {
+    if (cancelled_.load()) {  // drain: the arrays' memory goes back as they go
+      open.clear();
+      continue;
+    }
+    const Segment& s = item->segment;
+    Status st;
+    switch (item->kind) {
+      case EncodeItem::Kind::kWhole:
+        st = program_->segment_ready(s.pos0, s.n_tokens);
+        if (st.is_ok()) deliver(encode_segment(s), s.pos0, s.n_tokens);
+        break;
+      case EncodeItem::Kind::kOpen:
+        open.emplace(std::piecewise_construct, std::forward_as_tuple(s.pos0),
+                     std::forward_as_tuple(s, std::move(item->specs)));
+        break;
+      case EncodeItem::Kind::kLayer: {
+        auto it = open.find(s.pos0);
+        HETERO_CHECK(it != open.end());
+        st = program_->layer_ready(item->layer, s.pos0, s.n_tokens);
+        for (size_t i = 0; st.is_ok() && i < s.arrays.size(); ++i)
+          st = it->second.append(s.arrays[i]);
+        break;
+      }
+      case EncodeItem::Kind::kClose: {
+        auto it = open.find(s.pos0);
+        HETERO_CHECK(it != open.end());
+        st = program_->segment_ready(s.pos0, s.n_tokens);
+        Result<std::string> frame = st.is_ok() ? it->second.finish() : Result<std::string>(st);
+        open.erase(it);
+        if (!frame.is_ok()) st = frame.status();
+        if (st.is_ok()) deliver(std::move(frame.value()), s.pos0, s.n_tokens);
+        break;
+      }
+    }
     if (!st.is_ok()) {
       fail_program(st);
-      continue;
+      open.clear();
     }
-    if (!sink_(encode_segment(*s))) {
-      cancelled_ = true;
-      continue;
-    }
-    if (s->pos0 == covered_) covered_ += s->n_tokens;
   }
 }
 

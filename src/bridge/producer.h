@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,6 +49,20 @@ class SegmentProgram {
     (void)pos0, (void)n;
     return Status::ok();
   }
+  // Every array that [pos0, pos0+n)'s segment will carry, in order, when the program knows them
+  // before it runs and close_segment adds none. The producer then frames the segment layer by
+  // layer as each layer's arrays are ready, so only the last layer's share of the framing is
+  // left once the forward ends. Default: not known (the segment is framed whole at the end).
+  virtual std::optional<std::vector<ArraySpec>> planned_arrays(int64_t pos0, int64_t n) const {
+    (void)pos0, (void)n;
+    return std::nullopt;
+  }
+  // Called on the encoding thread before a layer's arrays are read, when framing layer by layer
+  // (segment_ready follows once all are in). Default: ready when run() returns.
+  virtual Status layer_ready(int64_t layer, int64_t pos0, int64_t n) {
+    (void)layer, (void)pos0, (void)n;
+    return Status::ok();
+  }
 };
 
 // Where the producer keeps the tap's rows on the device until a GPU program has read them: a
@@ -71,10 +86,18 @@ class CaptureStore {
 void append_kv_arrays(int64_t layer, KvRows rows, std::vector<WireArray>* arrays);
 
 // The llama program as a segment program: per layer `layers.{i}.keys` / `.values`.
+// The llama segment's arrays: per layer `layers.{i}.keys` and `.values`, bf16 [kv_heads, n,
+// head_dim].
+std::vector<ArraySpec> llama_segment_specs(const DecoderCacheLayout& layout, int64_t n);
+
 class LlamaSegmentProgram : public SegmentProgram {
  public:
   explicit LlamaSegmentProgram(const LlamaCacheProgram* program) : program_(program) {}
   const DecoderCacheLayout& layout() const override { return program_->layout(); }
+  std::optional<std::vector<ArraySpec>> planned_arrays(int64_t pos0, int64_t n) const override {
+    (void)pos0;
+    return llama_segment_specs(layout(), n);
+  }
   Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
              std::vector<WireArray>* arrays) override;
 
@@ -110,7 +133,16 @@ class BridgeProducer {
   struct Pending {
     int64_t n = 0;
     int64_t layers_done = 0;
-    std::vector<std::vector<WireArray>> arrays;  // per layer
+    bool by_layer = false;                       // framed layer by layer (planned arrays)
+    std::vector<std::vector<WireArray>> arrays;  // per layer (framed whole)
+  };
+  // Worker -> encoder: a whole segment, or (planned programs) a segment opened, one layer's
+  // arrays, and the segment closed.
+  struct EncodeItem {
+    enum class Kind { kWhole, kOpen, kLayer, kClose } kind = Kind::kWhole;
+    Segment segment;  // kWhole: all of it; kOpen: its fields; kLayer: the layer's arrays
+    int64_t layer = -1;
+    std::vector<ArraySpec> specs;  // kOpen
   };
   void run();
   void encode();
@@ -122,7 +154,7 @@ class BridgeProducer {
   CaptureStore* capture_;
   FrameSink sink_;
   BoundedQueue<Work> queue_;
-  BoundedQueue<Segment> segments_{1};  // worker -> encoder: one waiting while one is encoded
+  BoundedQueue<EncodeItem> segments_;  // worker -> encoder
   std::thread worker_, encoder_;
   std::map<int64_t, Pending> pending_;  // by pos0; touched by the worker only
   int64_t next_seq_ = 0;                // the worker's

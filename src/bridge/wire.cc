@@ -33,50 +33,107 @@ void prefer_huge_pages(const char* p, size_t bytes) {
 #endif
 }
 
-// A frame whose payload is the concatenation of `parts`, written once into the frame's own
-// buffer (a segment's arrays are copied exactly once on their way out).
-std::string frame(const json& header, const std::vector<std::pair<const char*, size_t>>& parts) {
+// The frame's fixed prefix: magic, header length, payload length.
+void append_prefix(std::string* out, size_t header_bytes, uint64_t payload_bytes) {
+  out->append(kMagic, 4);
+  const auto hb = static_cast<uint32_t>(header_bytes);
+  out->append(reinterpret_cast<const char*>(&hb), 4);
+  out->append(reinterpret_cast<const char*>(&payload_bytes), 8);
+}
+
+// A frame with no payload (a manifest).
+std::string frame(const json& header) {
   const std::string h = header.dump();
-  uint64_t pb = 0;
-  for (const auto& [p, n] : parts) pb += n;
   std::string out;
-  out.reserve(kPrefixBytes + h.size() + pb + 8);
-  prefer_huge_pages(out.data(), out.capacity());
-  out.append(kMagic, 4);
-  const uint32_t hb = static_cast<uint32_t>(h.size());
-  out.append(reinterpret_cast<const char*>(&hb), 4);
-  out.append(reinterpret_cast<const char*>(&pb), 8);
+  append_prefix(&out, h.size(), 0);
   out += h;
-  for (const auto& [p, n] : parts) out.append(p, n);
-  const uint64_t sum = checksum64(out.data() + kPrefixBytes, h.size() + pb);
+  const uint64_t sum = checksum64(out.data() + kPrefixBytes, h.size());
   out.append(reinterpret_cast<const char*>(&sum), 8);
   return out;
 }
 
-}  // namespace
-
-std::string encode_segment(const Segment& s) {
+json segment_header(const Segment& s, const std::vector<ArraySpec>& specs) {
   json arrays = json::array();
-  std::vector<std::pair<const char*, size_t>> parts;
   size_t offset = 0;
-  for (const auto& a : s.arrays) {
+  for (const ArraySpec& a : specs) {
     arrays.push_back({{"name", a.name},
-                      {"dtype", dtype_name(a.tensor.dtype)},
-                      {"shape", a.tensor.shape},
+                      {"dtype", dtype_name(a.dtype)},
+                      {"shape", a.shape},
                       {"offset", offset},
                       {"bytes", a.nbytes()}});
-    parts.push_back({reinterpret_cast<const char*>(a.data()), a.nbytes()});
     offset += a.nbytes();
   }
-  json h = {{"v", kWireVersion},
-            {"kind", "segment"},
-            {"seq", s.seq},
-            {"family", s.family},
-            {"fingerprint", s.fingerprint},
-            {"pos0", s.pos0},
-            {"n_tokens", s.n_tokens},
-            {"arrays", arrays}};
-  return frame(h, parts);
+  return {{"v", kWireVersion},
+          {"kind", "segment"},
+          {"seq", s.seq},
+          {"family", s.family},
+          {"fingerprint", s.fingerprint},
+          {"pos0", s.pos0},
+          {"n_tokens", s.n_tokens},
+          {"arrays", arrays}};
+}
+
+}  // namespace
+
+size_t ArraySpec::nbytes() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return static_cast<size_t>(n * dtype_size(dtype));
+}
+
+std::vector<ArraySpec> specs_of(const std::vector<WireArray>& arrays) {
+  std::vector<ArraySpec> specs;
+  for (const WireArray& a : arrays) specs.push_back({a.name, a.tensor.dtype, a.tensor.shape});
+  return specs;
+}
+
+SegmentFrameWriter::SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs)
+    : specs_(std::move(specs)) {
+  const std::string h = segment_header(s, specs_).dump();
+  uint64_t pb = 0;
+  for (const ArraySpec& a : specs_) pb += a.nbytes();
+  out_.reserve(kPrefixBytes + h.size() + pb + 8);
+  prefer_huge_pages(out_.data(), out_.capacity());
+  append_prefix(&out_, h.size(), pb);
+  out_ += h;
+  sum_.update(h.data(), h.size());
+}
+
+Status SegmentFrameWriter::append(const WireArray& a) {
+  if (next_ >= specs_.size())
+    return internal_error("segment array '" + a.name + "' beyond the " +
+                          std::to_string(specs_.size()) + " planned");
+  const ArraySpec& want = specs_[next_];
+  if (a.name != want.name || a.tensor.dtype != want.dtype || a.tensor.shape != want.shape ||
+      a.nbytes() != want.nbytes())
+    return internal_error("segment array '" + a.name + "' " + a.tensor.shape_string() +
+                          " where the plan has '" + want.name + "'");
+  // Copy and checksum 256 KB at a time, while the piece is still in cache (34 ms per 268 MB
+  // segment on the cpp-kernels machine; 37 ms with 1 MB or 4 MB pieces).
+  constexpr size_t kPiece = size_t{1} << 18;
+  const auto* p = reinterpret_cast<const char*>(a.data());
+  for (size_t at = 0; at < want.nbytes(); at += kPiece) {
+    const size_t n = std::min(kPiece, want.nbytes() - at);
+    out_.append(p + at, n);
+    sum_.update(out_.data() + out_.size() - n, n);
+  }
+  ++next_;
+  return Status::ok();
+}
+
+Result<std::string> SegmentFrameWriter::finish() {
+  if (next_ != specs_.size())
+    return internal_error("segment frame finished with " + std::to_string(next_) + " of " +
+                          std::to_string(specs_.size()) + " arrays");
+  const uint64_t sum = sum_.digest();
+  out_.append(reinterpret_cast<const char*>(&sum), 8);
+  return std::move(out_);
+}
+
+std::string encode_segment(const Segment& s) {
+  SegmentFrameWriter w(s, specs_of(s.arrays));
+  for (const WireArray& a : s.arrays) HETERO_CHECK(w.append(a).is_ok());
+  return std::move(w.finish().value());
 }
 
 std::string encode_manifest(const Manifest& m) {
@@ -89,7 +146,7 @@ std::string encode_manifest(const Manifest& m) {
             {"complete", m.complete},
             {"reason", m.reason},
             {"arith", m.arith}};
-  return frame(h, {});
+  return frame(h);
 }
 
 void FrameParser::feed(const char* data, size_t n) {

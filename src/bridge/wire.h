@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/hash.h"
 #include "common/status.h"
 #include "common/tensor.h"
 
@@ -74,6 +75,35 @@ struct Frame {
   std::string buffer;
   size_t payload_offset = 0, payload_size = 0;
   std::string_view payload() const { return {buffer.data() + payload_offset, payload_size}; }
+};
+
+// What an array will be, before its bytes exist.
+struct ArraySpec {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  size_t nbytes() const;
+};
+std::vector<ArraySpec> specs_of(const std::vector<WireArray>& arrays);
+
+// A segment's frame written array by array, as each becomes ready: the header first (from the
+// specs), then each array's bytes in the specs' order, the checksum running along. The frame is
+// byte for byte encode_segment's for the same segment, so a producer can frame a segment while
+// its last layers are still being computed.
+class SegmentFrameWriter {
+ public:
+  // s: the segment's fields (its arrays are not read); specs: every array it will carry.
+  SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs);
+  // The next array: its name, dtype and shape must be the next spec's.
+  Status append(const WireArray& a);
+  // Once every array is in: the frame (the writer is spent).
+  Result<std::string> finish();
+
+ private:
+  std::vector<ArraySpec> specs_;
+  size_t next_ = 0;
+  std::string out_;
+  Checksum64 sum_;
 };
 
 std::string encode_segment(const Segment& s);

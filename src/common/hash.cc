@@ -11,6 +11,20 @@ uint64_t checksum64(const void* data, size_t bytes, uint64_t seed) {
   return XXH64(data, bytes, seed);
 }
 
+Checksum64::Checksum64(uint64_t seed) : state_(XXH64_createState()) {
+  XXH64_reset(static_cast<XXH64_state_t*>(state_), seed);
+}
+
+Checksum64::~Checksum64() { XXH64_freeState(static_cast<XXH64_state_t*>(state_)); }
+
+void Checksum64::update(const void* data, size_t bytes) {
+  XXH64_update(static_cast<XXH64_state_t*>(state_), data, bytes);
+}
+
+uint64_t Checksum64::digest() const {
+  return XXH64_digest(static_cast<const XXH64_state_t*>(state_));
+}
+
 std::string hex64(uint64_t v) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));

@@ -2,7 +2,8 @@
 // encoded only after its program says its arrays are ready (a GPU program's copies land
 // asynchronously), arrays that view a program's memory go out with that memory's bytes, and a
 // program that fails to make a segment ready ends the stream with an incomplete manifest that
-// says why.
+// says why. A program that plans its arrays gets its segments framed layer by layer, each layer
+// only once that layer is ready, into the same frames.
 #include "bridge/producer.h"
 
 #include <gtest/gtest.h>
@@ -46,18 +47,38 @@ class LateProgram : public SegmentProgram {
   Status segment_ready(int64_t pos0, int64_t n) override {
     ++ready_calls;
     if (pos0 == fail_at) return internal_error("device copy failed");
-    std::lock_guard<std::mutex> lock(mu_);
-    for (int64_t l = 0; l < layout_.layers; ++l) {
-      auto& b = *buffers_.at(pos0 * 10 + l);
-      for (int64_t i = 0; i < n * 2; ++i) b[static_cast<size_t>(i)] = value(l, pos0 + i / 2);
-    }
+    if (!plan)
+      for (int64_t l = 0; l < layout_.layers; ++l) fill(l, pos0, n);
     return Status::ok();
+  }
+  std::optional<std::vector<ArraySpec>> planned_arrays(int64_t, int64_t n) const override {
+    if (!plan) return std::nullopt;
+    std::vector<ArraySpec> specs;
+    for (int64_t l = 0; l < layout_.layers; ++l)
+      specs.push_back({"layers." + std::to_string(l) + ".keys", DType::kBF16, {1, n, plan_width}});
+    return specs;
+  }
+  Status layer_ready(int64_t layer, int64_t pos0, int64_t n) override {
+    ++layer_calls;
+    fill(layer, pos0, n);
+    return Status::ok();
+  }
+  Status close_segment(int64_t, int64_t n, std::vector<WireArray>* arrays) override {
+    if (add_at_close) arrays->push_back({"extra", Tensor(DType::kBF16, {n})});
+    return Status::ok();
+  }
+  void fill(int64_t layer, int64_t pos0, int64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& b = *buffers_.at(pos0 * 10 + layer);
+    for (int64_t i = 0; i < n * 2; ++i) b[static_cast<size_t>(i)] = value(layer, pos0 + i / 2);
   }
   static uint16_t value(int64_t layer, int64_t pos) {
     return static_cast<uint16_t>(100 * layer + pos + 1);
   }
-  std::atomic<int> ready_calls{0};
+  std::atomic<int> ready_calls{0}, layer_calls{0};
   int64_t fail_at = -1;
+  bool plan = false, add_at_close = false;
+  int64_t plan_width = 2;  // the planned arrays' last dim (2: what run() makes)
 
  private:
   DecoderCacheLayout layout_;
@@ -107,6 +128,36 @@ TEST(Producer, EncodesASegmentOnlyOnceItsArraysAreReady) {
         ASSERT_EQ(t.data<uint16_t>()[i], LateProgram::value(l, s.pos0 + i / 2))
             << "segment at " << s.pos0 << " layer " << l << " element " << i;
     }
+  }
+}
+
+TEST(Producer, PlannedArraysAreFramedLayerByLayerIntoTheSameFrames) {
+  LateProgram whole, by_layer;
+  by_layer.plan = true;
+  Stream a, b;
+  EXPECT_TRUE(run_producer(&whole, &a, 10, 4).complete);
+  const Manifest m = run_producer(&by_layer, &b, 10, 4);
+  EXPECT_TRUE(m.complete) << m.reason;
+  EXPECT_EQ(by_layer.layer_calls.load(), 3 * 2);  // every layer of every segment, before reading
+  EXPECT_EQ(by_layer.ready_calls.load(), 3);
+  ASSERT_EQ(a.frames.size(), b.frames.size());
+  for (size_t i = 0; i < a.frames.size(); ++i) {
+    EXPECT_EQ(a.frames[i].header, b.frames[i].header) << "frame " << i;
+    EXPECT_EQ(a.frames[i].payload(), b.frames[i].payload()) << "frame " << i;
+  }
+}
+
+TEST(Producer, APlanTheProgramBreaksEndsTheStream) {
+  LateProgram more, wrong;
+  more.plan = true, more.add_at_close = true;  // arrays beyond the plan
+  wrong.plan = true, wrong.plan_width = 3;     // arrays of another shape than planned
+  for (LateProgram* p : {&more, &wrong}) {
+    Stream out;
+    const Manifest m = run_producer(p, &out, 10, 4);
+    EXPECT_FALSE(m.complete);
+    EXPECT_EQ(m.covered_tokens, 0);
+    EXPECT_NE(m.reason.find("cache program failed"), std::string::npos) << m.reason;
+    EXPECT_TRUE(out.segments.empty());
   }
 }
 

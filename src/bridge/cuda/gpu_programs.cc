@@ -230,6 +230,8 @@ PinnedPool::~PinnedPool() {
   for (Block* b : free_) {
     cudaEventSynchronize(b->landed);
     cudaEventDestroy(b->landed);
+    for (cudaEvent_t e : b->layer_landed)
+      if (e) cudaEventDestroy(e);
     cudaFreeHost(b->data);
     delete b;
   }
@@ -303,6 +305,16 @@ Status LlamaGpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const
   auto* keys = reinterpret_cast<uint16_t*>(block->data) + 2 * layer * rows;
   uint16_t* values = keys + rows;
   HETERO_RETURN_IF_ERROR(program_.enqueue(layer, pos0, n, x, keys, values));
+  // Only this thread records into the block's events, and the encoder waits on a layer's event
+  // only after this call has returned (the producer hands the layer over afterwards).
+  if (block->layer_landed.size() < static_cast<size_t>(L.layers))
+    block->layer_landed.resize(static_cast<size_t>(L.layers), nullptr);
+  cudaEvent_t& layer_event = block->layer_landed[static_cast<size_t>(layer)];
+  if (!layer_event)
+    HETERO_RETURN_IF_ERROR(cuda_status(
+        "the llama cache program", cudaEventCreateWithFlags(&layer_event, cudaEventDisableTiming)));
+  HETERO_RETURN_IF_ERROR(
+      cuda_status("the llama cache program", cudaEventRecord(layer_event, stream_.get())));
   HETERO_RETURN_IF_ERROR(
       cuda_status("the llama cache program", cudaEventRecord(block->landed, stream_.get())));
   for (int which = 0; which < 2; ++which) {
@@ -315,6 +327,23 @@ Status LlamaGpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const
     arrays->push_back(std::move(a));
   }
   return Status::ok();
+}
+
+std::shared_ptr<PinnedPool::Block> LlamaGpuSegmentProgram::block_of(int64_t pos0) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = filling_.find(pos0);
+  return it == filling_.end() ? nullptr : it->second;
+}
+
+Status LlamaGpuSegmentProgram::layer_ready(int64_t layer, int64_t pos0, int64_t n) {
+  (void)n;
+  std::shared_ptr<PinnedPool::Block> block = block_of(pos0);
+  if (!block || block->layer_landed.size() <= static_cast<size_t>(layer) ||
+      !block->layer_landed[static_cast<size_t>(layer)])
+    return internal_error("no rows in flight for layer " + std::to_string(layer) + " at " +
+                          std::to_string(pos0));
+  return cuda_status("the llama cache program",
+                     cudaEventSynchronize(block->layer_landed[static_cast<size_t>(layer)]));
 }
 
 Status LlamaGpuSegmentProgram::segment_ready(int64_t pos0, int64_t n) {

@@ -116,7 +116,8 @@ class PinnedPool {
   struct Block {
     uint8_t* data = nullptr;
     size_t bytes = 0;
-    cudaEvent_t landed = nullptr;  // recorded after each copy into the block
+    cudaEvent_t landed = nullptr;           // recorded after each copy into the block
+    std::vector<cudaEvent_t> layer_landed;  // per layer: after that layer's copies
   };
   ~PinnedPool();
   // A block of at least `bytes` (grows, or allocates, page-locked memory).
@@ -146,6 +147,11 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
   Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
              std::vector<WireArray>* arrays) override;
   Status segment_ready(int64_t pos0, int64_t n) override;
+  std::optional<std::vector<ArraySpec>> planned_arrays(int64_t pos0, int64_t n) const override {
+    (void)pos0;
+    return llama_segment_specs(layout(), n);
+  }
+  Status layer_ready(int64_t layer, int64_t pos0, int64_t n) override;
   void* device_stream() const override { return stream_.get(); }
   // Page-locked host memory held for segments on their way out.
   size_t host_staging_bytes() const { return pool_->host_bytes(); }
@@ -154,6 +160,7 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
   SideStream stream_;
   LlamaGpuCacheProgram program_;
   std::shared_ptr<PinnedPool> pool_;
+  std::shared_ptr<PinnedPool::Block> block_of(int64_t pos0);
   std::mutex mu_;
   std::map<int64_t, std::shared_ptr<PinnedPool::Block>> filling_;  // by pos0
 };
