@@ -143,12 +143,9 @@ void BridgeProducer::run() {
       fail_program(st);
       continue;
     }
-    if (by_layer) {
-      s.arrays.clear();
-      segments_.push(EncodeItem{EncodeItem::Kind::kClose, std::move(s), -1, {}});
-    } else {
-      segments_.push(EncodeItem{EncodeItem::Kind::kWhole, std::move(s), -1, {}});
-    }
+    // Framed layer by layer, the segment only needs closing (it carries no arrays here).
+    segments_.push(EncodeItem{
+        by_layer ? EncodeItem::Kind::kClose : EncodeItem::Kind::kWhole, std::move(s), -1, {}});
   }
   segments_.close();
 }
