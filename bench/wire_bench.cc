@@ -3,7 +3,8 @@
 // 1B llama (16 layers x K and V x [8, 8192, 64] bf16 = 268 MB), the unit the GPU prefill emits
 // per chunk. The receiver is fed --piece bytes at a time, as a socket hands them over (0: the
 // whole frame at once), and decodes as the prefill client does (arrays viewing the frame).
-// Median and spread of --repeat runs; one JSON line on stdout.
+// Median and spread of --repeat runs; one JSON line on stdout, with the encode's parts apart:
+// a fresh frame-sized buffer, a copy into a warm one, the checksum alone.
 //
 // usage: hetero_wire_bench [--layers 16] [--kv-heads 8] [--head-dim 64] [--tokens 8192]
 //                          [--piece 65536] [--repeat 5] [--rev REV]
@@ -73,18 +74,38 @@ int main(int argc, char** argv) {
     if (r == 0) continue;
     enc.push_back(ms(t0, t1)), dec.push_back(ms(t1, t2)), bytes = frame.size();
   }
-  std::sort(enc.begin(), enc.end()), std::sort(dec.begin(), dec.end());
+  // Where an encode's time goes: a fresh buffer of the frame's size (allocated, its pages
+  // faulted in and zeroed), a copy into a buffer already faulted in, and the checksum alone.
+  std::vector<double> fresh, copy, hash;
+  {
+    const std::string frame = encode_segment(s);
+    std::string warm(frame.size(), '\0');
+    for (int r = 0; r < repeat + 1; ++r) {
+      const auto t0 = Clock::now();
+      std::string buf(frame.size(), '\0');
+      const auto t1 = Clock::now();
+      std::memcpy(warm.data(), frame.data(), frame.size());
+      const auto t2 = Clock::now();
+      volatile uint64_t sum = checksum64(frame.data(), frame.size());
+      (void)sum;
+      const auto t3 = Clock::now();
+      if (r == 0) continue;
+      fresh.push_back(ms(t0, t1)), copy.push_back(ms(t1, t2)), hash.push_back(ms(t2, t3));
+    }
+  }
+  for (auto* v : {&enc, &dec, &fresh, &copy, &hash}) std::sort(v->begin(), v->end());
   std::printf(
       "{\"bench\":\"wire_segment\",\"rev\":\"%s\",\"layers\":%lld,\"kv_heads\":%lld,"
       "\"head_dim\":%lld,\"tokens\":%lld,\"bytes\":%zu,\"piece\":%lld,\"repeat\":%d,"
       "\"encode_ms_median\":%.1f,"
       "\"encode_ms_min\":%.1f,\"encode_ms_max\":%.1f,\"receive_ms_median\":%.1f,"
       "\"receive_ms_min\":%.1f,\"receive_ms_max\":%.1f,\"encode_gb_s\":%.2f,"
-      "\"receive_gb_s\":%.2f}\n",
+      "\"receive_gb_s\":%.2f,\"fresh_buffer_ms\":%.1f,\"copy_ms\":%.1f,\"checksum_ms\":%.1f}\n",
       rev.c_str(), static_cast<long long>(layers), static_cast<long long>(kv_heads),
       static_cast<long long>(head_dim), static_cast<long long>(tokens), bytes,
       static_cast<long long>(piece), repeat, enc[enc.size() / 2], enc.front(), enc.back(),
       dec[dec.size() / 2], dec.front(), dec.back(), bytes / enc[enc.size() / 2] / 1e6,
-      bytes / dec[dec.size() / 2] / 1e6);
+      bytes / dec[dec.size() / 2] / 1e6, fresh[fresh.size() / 2], copy[copy.size() / 2],
+      hash[hash.size() / 2]);
   return 0;
 }

@@ -230,6 +230,8 @@ int main(int argc, char** argv) {
       bool manifest_complete = true;
       auto phases_before = engine->phase_ms();
       cuda::GpuCaptureStore capture(4);  // as the served stack holds it: one for every request
+      // Frames reuse buffers given back once "sent" (here: counted), as the service's do.
+      FrameBufferPool frame_buffers(3);
       for (int run = 0; run < warmup + repeats; ++run) {
         if (run == warmup) phases_before = engine->phase_ms();  // warm-up runs not counted
         engine->reset();
@@ -240,11 +242,12 @@ int main(int argc, char** argv) {
         if (on)
           producer = std::make_unique<BridgeProducer>(
               &program,
-              [&bytes](std::string f) {
+              [&bytes, &frame_buffers](std::string f) {
                 bytes += static_cast<double>(f.size());
+                frame_buffers.give(std::move(f));
                 return true;
               },
-              4, &capture);
+              4, &capture, &frame_buffers);
         const AttentionInputTap bridge_tap = on ? producer->tap() : AttentionInputTap();
         std::vector<double> ms(static_cast<size_t>(layers), 0.0);
         double total = 0;

@@ -283,6 +283,8 @@ int main(int argc, char** argv) {
       // As the served stack holds them: one capture and one page-locked pool for every request.
       cuda::GpuCaptureStore capture(4);
       auto pool = cuda::make_pinned_pool();
+      // Frames reuse buffers given back once "sent" (here: counted), as the service's do.
+      FrameBufferPool frame_buffers(3);
       for (int r = 0; r < a.warmup + a.repeat; ++r) {
         (*engine)->reset();
         cuda::LlamaGpuSegmentProgram program(gw->get(), pool);
@@ -296,11 +298,12 @@ int main(int argc, char** argv) {
         if (on)
           producer = std::make_unique<BridgeProducer>(
               run_program,
-              [&bytes](std::string f) {
+              [&bytes, &frame_buffers](std::string f) {
                 bytes += static_cast<double>(f.size());
+                frame_buffers.give(std::move(f));
                 return true;
               },
-              4, &capture);
+              4, &capture, &frame_buffers);
         const AttentionInputTap tap = on ? producer->tap() : AttentionInputTap();
         cudaDeviceSynchronize();
         const double s0 = bench::now_s();

@@ -29,9 +29,10 @@ Status LlamaSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const ui
 }
 
 BridgeProducer::BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs,
-                               CaptureStore* capture)
+                               CaptureStore* capture, FrameBufferPool* buffers)
     : program_(program),
       capture_(capture),
+      buffers_(buffers),
       sink_(std::move(sink)),
       queue_(max_queued_inputs),
       // A layer's arrays at a time, up to two segments' worth: the memory they hold is the
@@ -170,11 +171,11 @@ void BridgeProducer::encode() {
     switch (item->kind) {
       case EncodeItem::Kind::kWhole:
         st = program_->segment_ready(s.pos0, s.n_tokens);
-        if (st.is_ok()) deliver(encode_segment(s), s.pos0, s.n_tokens);
+        if (st.is_ok()) deliver(encode_segment(s, buffers_), s.pos0, s.n_tokens);
         break;
       case EncodeItem::Kind::kOpen:
         open.emplace(std::piecewise_construct, std::forward_as_tuple(s.pos0),
-                     std::forward_as_tuple(s, std::move(item->specs)));
+                     std::forward_as_tuple(s, std::move(item->specs), buffers_));
         break;
       case EncodeItem::Kind::kLayer: {
         auto it = open.find(s.pos0);

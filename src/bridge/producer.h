@@ -111,8 +111,10 @@ class BridgeProducer {
   using FrameSink = std::function<bool(std::string frame)>;
   // capture: for a GPU program (device_stream() non-null), where the tap's device rows wait
   // (must outlive the producer); null for a host program, which gets copies in host memory.
+  // buffers: where segment frames are written (the sink's owner gives them back once sent, so
+  // the next frames reuse their memory); null: fresh memory for every frame.
   BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs = 4,
-                 CaptureStore* capture = nullptr);
+                 CaptureStore* capture = nullptr, FrameBufferPool* buffers = nullptr);
   ~BridgeProducer();
 
   AttentionInputTap tap();
@@ -152,6 +154,7 @@ class BridgeProducer {
 
   SegmentProgram* program_;
   CaptureStore* capture_;
+  FrameBufferPool* buffers_;
   FrameSink sink_;
   BoundedQueue<Work> queue_;
   BoundedQueue<EncodeItem> segments_;  // worker -> encoder

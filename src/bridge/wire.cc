@@ -87,13 +87,68 @@ std::vector<ArraySpec> specs_of(const std::vector<WireArray>& arrays) {
   return specs;
 }
 
-SegmentFrameWriter::SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs)
+std::string FrameBufferPool::take(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The smallest kept buffer that holds the frame.
+    auto best = kept_.end();
+    for (auto it = kept_.begin(); it != kept_.end(); ++it)
+      if (it->capacity() >= bytes && (best == kept_.end() || it->capacity() < best->capacity()))
+        best = it;
+    if (best != kept_.end()) {
+      std::string buf = std::move(*best);
+      kept_.erase(best);
+      buf.clear();  // keeps its capacity, and its pages
+      return buf;
+    }
+  }
+  std::string buf;
+  buf.reserve(bytes);
+  prefer_huge_pages(buf.data(), buf.capacity());
+  return buf;
+}
+
+void FrameBufferPool::give(std::string buf) {
+  if (buf.capacity() < min_bytes_ || max_kept_ == 0) return;
+  std::string dropped;  // freed outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  if (kept_.size() < max_kept_) {
+    kept_.push_back(std::move(buf));
+    return;
+  }
+  auto smallest = std::min_element(kept_.begin(), kept_.end(), [](const auto& a, const auto& b) {
+    return a.capacity() < b.capacity();
+  });
+  if (smallest->capacity() >= buf.capacity()) return;
+  dropped = std::move(*smallest);
+  *smallest = std::move(buf);
+}
+
+size_t FrameBufferPool::kept() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return kept_.size();
+}
+
+size_t FrameBufferPool::kept_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const std::string& b : kept_) n += b.capacity();
+  return n;
+}
+
+SegmentFrameWriter::SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs,
+                                       FrameBufferPool* buffers)
     : specs_(std::move(specs)) {
   const std::string h = segment_header(s, specs_).dump();
   uint64_t pb = 0;
   for (const ArraySpec& a : specs_) pb += a.nbytes();
-  out_.reserve(kPrefixBytes + h.size() + pb + 8);
-  prefer_huge_pages(out_.data(), out_.capacity());
+  const size_t bytes = kPrefixBytes + h.size() + pb + 8;
+  if (buffers) {
+    out_ = buffers->take(bytes);
+  } else {
+    out_.reserve(bytes);
+    prefer_huge_pages(out_.data(), out_.capacity());
+  }
   append_prefix(&out_, h.size(), pb);
   out_ += h;
   sum_.update(h.data(), h.size());
@@ -130,8 +185,8 @@ Result<std::string> SegmentFrameWriter::finish() {
   return std::move(out_);
 }
 
-std::string encode_segment(const Segment& s) {
-  SegmentFrameWriter w(s, specs_of(s.arrays));
+std::string encode_segment(const Segment& s, FrameBufferPool* buffers) {
+  SegmentFrameWriter w(s, specs_of(s.arrays), buffers);
   for (const WireArray& a : s.arrays) HETERO_CHECK(w.append(a).is_ok());
   return std::move(w.finish().value());
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -86,14 +87,38 @@ struct ArraySpec {
 };
 std::vector<ArraySpec> specs_of(const std::vector<WireArray>& arrays);
 
+// Frame-sized host buffers kept for the next frames. Writing a large frame into fresh memory
+// pays for faulting its pages in; where the kernel gives no huge pages, that is most of the cost
+// of framing a segment. A stream's segments are mostly of one size, so a buffer given back after
+// its frame was sent fits the next. Thread-safe; keeps at most `max_kept` buffers idle (the
+// largest), and none under `min_bytes`.
+class FrameBufferPool {
+ public:
+  explicit FrameBufferPool(size_t max_kept = 4, size_t min_bytes = size_t{1} << 20)
+      : max_kept_(max_kept), min_bytes_(min_bytes) {}
+  // An empty buffer whose capacity holds `bytes`: a kept one if one is large enough, else new.
+  std::string take(size_t bytes);
+  // A buffer whose frame is done with.
+  void give(std::string buf);
+  size_t kept() const;
+  size_t kept_bytes() const;
+
+ private:
+  size_t max_kept_, min_bytes_;
+  mutable std::mutex mu_;
+  std::vector<std::string> kept_;
+};
+
 // A segment's frame written array by array, as each becomes ready: the header first (from the
 // specs), then each array's bytes in the specs' order, the checksum running along. The frame is
 // byte for byte encode_segment's for the same segment, so a producer can frame a segment while
 // its last layers are still being computed.
 class SegmentFrameWriter {
  public:
-  // s: the segment's fields (its arrays are not read); specs: every array it will carry.
-  SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs);
+  // s: the segment's fields (its arrays are not read); specs: every array it will carry;
+  // buffers: where the frame's memory comes from (null: fresh memory).
+  SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs,
+                     FrameBufferPool* buffers = nullptr);
   // The next array: its name, dtype and shape must be the next spec's.
   Status append(const WireArray& a);
   // Once every array is in: the frame (the writer is spent).
@@ -106,7 +131,7 @@ class SegmentFrameWriter {
   Checksum64 sum_;
 };
 
-std::string encode_segment(const Segment& s);
+std::string encode_segment(const Segment& s, FrameBufferPool* buffers = nullptr);
 std::string encode_manifest(const Manifest& m);
 
 // Incremental frame parser for a byte stream arriving in arbitrary pieces. Verifies magic,

@@ -169,7 +169,7 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
   }
   engine_->reset();
   BridgeProducer producer(program.value().get(), sink, 4,
-                          program.value()->device_stream() ? capture_ : nullptr);
+                          program.value()->device_stream() ? capture_ : nullptr, buffers_.get());
   producer.set_arith(arith_);
   const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
   std::vector<int64_t> plan;
@@ -210,6 +210,7 @@ Status PrefillService::start(const std::string& host, int port) {
     auto frames = std::make_shared<BoundedQueue<std::string>>(4);
     auto cancelled = std::make_shared<std::atomic<bool>>(false);
     auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
+    auto buffers = buffers_;
     auto worker = std::make_shared<std::thread>([this, frames, cancelled, request] {
       run(*request, [frames, cancelled](std::string f) {
         return !cancelled->load() && frames->push(std::move(f));
@@ -220,7 +221,7 @@ Status PrefillService::start(const std::string& host, int port) {
     auto stopping = stopping_;
     res.set_chunked_content_provider(
         "application/x-hetero-segments",
-        [frames, cancelled, fault, stopping](size_t, httplib::DataSink& sink) {
+        [frames, cancelled, fault, stopping, buffers](size_t, httplib::DataSink& sink) {
           int64_t i = 0;
           while (auto f = frames->pop()) {
             if (!fault.kind.empty()) {
@@ -238,6 +239,7 @@ Status PrefillService::start(const std::string& host, int port) {
               frames->close();
               return false;
             }
+            buffers->give(std::move(*f));  // sent: its memory frames a later segment
           }
           sink.done();
           return true;

@@ -75,6 +75,37 @@ TEST(Wire, ViewArraysEncodeAsOwnedOnes) {
   EXPECT_EQ(encode_segment(viewed), encode_segment(owned));
 }
 
+// Frames written into a pool's buffers are the same bytes; a buffer given back is reused (its
+// memory, not fresh), a smaller one when it fits, and the pool keeps no more than it may.
+TEST(Wire, PooledFramesReuseTheirBuffers) {
+  const Segment big = make_segment(0, 0, 96, 4, 2, 64);  // ~200 KB
+  const Segment small = make_segment(1, 96, 8, 4, 2, 64);
+  FrameBufferPool pool(2, 1024);
+  std::string f = encode_segment(big, &pool);
+  EXPECT_EQ(f, encode_segment(big));
+  const char* memory = f.data();
+  const size_t capacity = f.capacity();
+  pool.give(std::move(f));
+  EXPECT_EQ(pool.kept(), 1u);
+  std::string g = encode_segment(small, &pool);  // fits in the kept buffer: reuses it
+  EXPECT_EQ(g, encode_segment(small));
+  EXPECT_EQ(g.data(), memory);
+  EXPECT_EQ(pool.kept(), 0u);
+  std::string h = encode_segment(big, &pool);  // none kept: new memory
+  EXPECT_NE(h.data(), memory);
+  EXPECT_EQ(h, encode_segment(big));
+  pool.give(std::move(g));
+  pool.give(std::move(h));
+  pool.give(std::string(4096, 'x'));  // full: a buffer smaller than every kept one is dropped
+  EXPECT_EQ(pool.kept(), 2u);
+  EXPECT_GE(pool.kept_bytes(), 2 * capacity);
+  pool.give(std::string(100, 'x'));  // under min_bytes: never kept
+  EXPECT_EQ(pool.kept(), 2u);
+  const std::string taken = pool.take(capacity);
+  EXPECT_TRUE(taken.empty());
+  EXPECT_GE(taken.capacity(), capacity);
+}
+
 // Decoding a frame it takes over, the receiver's arrays view the frame's buffer: the same bytes
 // as a copying decode, still valid once the parser has moved on to later frames.
 TEST(Wire, TakenOverFrameDecodesIntoViews) {
