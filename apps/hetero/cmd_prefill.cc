@@ -161,8 +161,8 @@ Options prefill_options() {
           {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8",
            "cuda, fast: the engine's cache, fp8 or bf16"},
           {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
-           "cuda, llama, fast: the projections' weights on the GPU, bf16 or fp8 (e4m3, a scale "
-           "per 128x128 block, quantized at load)"},
+           "cuda, fast: the large weights on the GPU, bf16 or fp8 (e4m3, a scale per 128x128 "
+           "block, quantized at load; llama: every projection, deepseek_v4: the experts)"},
           {"device", "HETERO_PREFILL_DEVICE", "0", "cuda: which GPU"},
           {"gemm", "HETERO_PREFILL_GEMM", "ordered",
            "ordered: the decoder's GEMM order (bit-exact attention inputs); blas: OpenBLAS"},

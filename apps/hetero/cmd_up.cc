@@ -35,7 +35,8 @@ Options up_options() {
            "cuda, llama: exact (bit-exact caches) or fast (tensor cores; within a tolerance)"},
           {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
           {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
-           "cuda, llama, fast: the projections' weights, bf16 or fp8 (block-scaled)"},
+           "cuda, fast: the large weights, bf16 or fp8 (block-scaled; llama: the projections, "
+           "deepseek_v4: the experts)"},
           {"exit-when-ready", "", "", "start, print the endpoint, then stop (for tests)", true},
       });
 }

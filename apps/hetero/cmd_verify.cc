@@ -54,7 +54,8 @@ Options verify_options() {
            "needs --max-ulp/--min-cosine and --reason)"},
           {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
           {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
-           "cuda, llama, fast: the projections' weights, bf16 or fp8 (block-scaled)"},
+           "cuda, fast: the large weights, bf16 or fp8 (block-scaled; llama: the projections, "
+           "deepseek_v4: the experts)"},
           {"max-tokens", "", "64", "greedy tokens to compare"},
           {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
           {"decoder-port", "HETERO_DECODER_PORT", "0", "use a running decoder seam (0: start one)"},

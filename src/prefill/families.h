@@ -32,8 +32,9 @@ struct PrefillBackend {
   std::string kv_dtype = "fp8";  // cuda: the engine's own cache, "fp8" or "bf16"
   std::string arith = "exact";   // cuda, llama: "exact" (the decoder's) or "fast" (tensor cores)
   int device = 0;                // cuda: which GPU
-  // cuda, llama, fast: the projections' weights on the GPU, "bf16" or "fp8" (e4m3 with a float32
-  // scale per 128x128 block, quantized at load; cuBLASLt block-scaled GEMMs).
+  // cuda, fast: the large weights on the GPU, "bf16" or "fp8" (e4m3 with a float32 scale per
+  // 128x128 block, quantized at load; cuBLASLt block-scaled GEMMs): llama's projections,
+  // deepseek_v4's experts.
   std::string weights = "bf16";
 };
 

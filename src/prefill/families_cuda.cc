@@ -91,8 +91,10 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
         "deepseek_v4 on the cuda backend has only fast arithmetic (its caches agree with the "
         "decoder's within a tolerance, not bit for bit); pass --arith fast to accept that, or "
         "use --backend cpu for bit-exact caches");
+  Dsv4CudaOptions options;
+  HETERO_ASSIGN_OR_RETURN(options.weight_dtype, cuda::parse_weight_dtype(backend.weights));
   HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
-  HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CudaEngine::load(model_dir));
+  HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CudaEngine::load(model_dir, options));
   HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, cuda::upload_dsv4_weights(weights));
   auto [s, owned] = gpu_stack(std::string("deepseek_v4"), std::string("fast"), std::move(engine),

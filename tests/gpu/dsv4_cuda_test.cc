@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -107,6 +109,87 @@ TEST_F(Dsv4CudaEngineTest, OnlineSoftmaxAttentionMatchesCpuDequant) {
 TEST_F(Dsv4CudaEngineTest, ScoreRoutedAttentionInputsStayCloseToCpuDequant) {
   const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
   expect_close(c, random_dsv4_model(c, 11), kDsv4ScoreRoutedTolerance);
+}
+
+double rel_rms(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = bf16_to_f32(a[i]), y = bf16_to_f32(b[i]);
+    num += (x - y) * (x - y), den += y * y;
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// FP8 experts: every expert weight and the experts' inputs are rounded to e4m3 in blocks of 128
+// (a relative error of a few percent per GEMM, as the llama engine's FP8 weights show), which the
+// residual stream carries into the later layers' attention inputs. On hash-routed layers (no
+// expert choice can flip) each layer's input must stay within kTolFp8Experts relative RMS of the
+// CPU dequant engine's, on the three schedules (the 2..8-token chunks leave most experts a row or
+// two, padded to 16 for the FP8 GEMM). The bf16 engine on the same model is the control: FP8 must
+// change the inputs (the path ran) and halve the experts' bytes, to the scale layout's byte.
+constexpr double kTolFp8Experts = 8e-2;
+
+TEST_F(Dsv4CudaEngineTest, Fp8ExpertsStayCloseToCpuDequant) {
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/true);
+  const Dsv4Weights w = random_dsv4_model(c, 11);
+  Dsv4EngineOptions cpu_opts;
+  cpu_opts.quant_arith = Dsv4QuantArith::kDequant;
+  Dsv4CpuEngine cpu(w, cpu_opts);
+  Dsv4CudaOptions o;
+  o.host_tap = true;
+  Dsv4CudaEngine bf16(w, o);
+  o.weight_dtype = cuda::WeightDtype::kFp8;
+  ASSERT_TRUE(Dsv4CudaEngine::check_options(c, o).is_ok());
+  Dsv4CudaEngine fp8(w, o);
+
+  const int64_t E = c.n_routed_experts, I = c.moe_inter, H = c.hidden;
+  const int64_t S = c.moe_inter * c.n_shared_experts;
+  auto fp8_saving = [](int64_t mats, int64_t n, int64_t k) {  // bf16 bytes - (e4m3 + scales)
+    return mats * n * k * 2 -
+           (mats * n * k + mats * cuda::fp8_blocks(n) * cuda::fp8_weight_scale_ld(k) * 4);
+  };
+  const int64_t saved = c.layers * (fp8_saving(E, 2 * I, H) + fp8_saving(E, H, I) +
+                                    fp8_saving(1, 2 * S, H) + fp8_saving(1, H, S));
+  EXPECT_EQ(bf16.weight_bytes() - fp8.weight_bytes(), saved);
+
+  const int64_t T = 300;
+  const std::vector<int32_t> ids = random_ids(T, c.vocab, 3);
+  for (const std::vector<int64_t>& schedule : std::vector<std::vector<int64_t>>{
+           {T}, {37, 37, 37, 37, 37, 37, 37, 37}, {5, 3, 120, 1, 1, 2, 8, 9, 31, 4, 1}}) {
+    std::string name;
+    for (int64_t n : schedule) name += std::to_string(n) + ",";
+    Status st;
+    const auto want = dsv4_taps(cpu, ids, schedule, &st);
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    const auto base = dsv4_taps(bf16, ids, schedule, &st);
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    const auto got = dsv4_taps(fp8, ids, schedule, &st);
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    for (size_t l = 0; l < got.size(); ++l) {
+      const double e = rel_rms(got[l], want[l]), e_bf16 = rel_rms(base[l], want[l]);
+      std::printf("[ dsv4 fp8 experts ] schedule %s layer %zu: rel rms %.4g (bf16 experts %.4g)\n",
+                  name.c_str(), l, e, e_bf16);
+      EXPECT_LE(e, kTolFp8Experts) << "schedule " << name << " layer " << l;
+      // Layer 0's input comes before any expert; every later one must show the FP8 rounding.
+      if (l > 0) EXPECT_NE(got[l], base[l]) << "schedule " << name << " layer " << l;
+    }
+    EXPECT_EQ(got[0], base[0]) << name;
+  }
+}
+
+// Options FP8 experts cannot run with are refused before any weight is touched.
+TEST_F(Dsv4CudaEngineTest, Fp8ExpertsRefuseWhatTheyCannotRun) {
+  Dsv4Config c = tiny_dsv4_config();
+  Dsv4CudaOptions o;
+  o.weight_dtype = cuda::WeightDtype::kFp8;
+  o.grouped_experts = true;
+  const Status grouped = Dsv4CudaEngine::check_options(c, o);
+  EXPECT_EQ(grouped.code(), Code::kInvalidArgument) << grouped.to_string();
+  o.grouped_experts = false;
+  c.moe_inter = 120;
+  const Status narrow = Dsv4CudaEngine::check_options(c, o);
+  EXPECT_EQ(narrow.code(), Code::kInvalidArgument) << narrow.to_string();
+  EXPECT_NE(narrow.message().find("multiples of 16"), std::string::npos) << narrow.to_string();
 }
 
 // The device tap: x_device on the engine's stream holds what the host tap got.

@@ -94,6 +94,30 @@ void gemm(cublasHandle_t h, const uint16_t* x, int64_t m, int64_t k, const uint1
 struct DHc {
   DevBuf fn, base, scale;
 };
+// `mats` block-scaled FP8 weights [n, k] back to back (kernels/cuda/fp8_gemm.h): e4m3 bytes, then
+// each matrix's scales.
+struct DFp8 {
+  DevBuf q, scale;
+  int64_t mats = 0, n = 0, k = 0;
+  int64_t scale_floats() const { return cuda::fp8_blocks(n) * cuda::fp8_weight_scale_ld(k); }
+  void alloc(int64_t count, int64_t rows, int64_t cols) {
+    n = rows, k = cols, mats = count / (rows * cols);
+    q.alloc(static_cast<size_t>(count));
+    scale.alloc(static_cast<size_t>(mats * scale_floats()) * 4);
+  }
+  cuda::Fp8BlockWeight at(int64_t i) const {
+    return {q.as<uint8_t>() + i * n * k, scale.f32() + i * scale_floats(), n, k};
+  }
+  // Quantizes bf16 w [n, k] (device) into matrix i.
+  void quantize_one(const uint16_t* w, int64_t i, cudaStream_t st) const {
+    cuda::quantize_weight_fp8_block(w, n, k, q.as<uint8_t>() + i * n * k,
+                                    scale.f32() + i * scale_floats(), st);
+  }
+  // Quantizes bf16 w [mats, n, k] (device) into place.
+  void quantize(const uint16_t* w, cudaStream_t st) const {
+    for (int64_t i = 0; i < mats; ++i) quantize_one(w + i * n * k, i, st);
+  }
+};
 struct DComp {
   int64_t ratio = 0, head_dim = 0, out_dim = 0;
   DevBuf wkv, wgate, ape, norm;
@@ -108,6 +132,7 @@ struct DLayer {
   DevBuf gate, gate_bias, tid2eid;
   DevBuf w13, w2;        // routed experts: [E][2I][H] (gate rows, then up rows), [E][H][I]
   DevBuf sh_w13, sh_w2;  // the shared expert, same layout
+  DFp8 w13_8, w2_8, sh_w13_8, sh_w2_8;  // the same as FP8 (WeightDtype::kFp8; then no bf16)
 };
 
 // How a buffer is drawn for random weights.
@@ -118,6 +143,11 @@ struct Spec {
   int elem_bytes;
   Init init;
   int64_t fan_in;
+  DFp8* fp8 = nullptr;  // an expert weight: its FP8 form, matrices of [rows, cols]
+  int64_t rows = 0, cols = 0;
+  Spec(DevBuf* b, int64_t n, int eb, Init i, int64_t fi, DFp8* f = nullptr, int64_t r = 0,
+       int64_t c = 0)
+      : buf(b), count(n), elem_bytes(eb), init(i), fan_in(fi), fp8(f), rows(r), cols(c) {}
 };
 
 std::vector<Spec> layer_specs(DLayer& L, const Dsv4Config& c, int64_t layer) {
@@ -142,8 +172,8 @@ std::vector<Spec> layer_specs(DLayer& L, const Dsv4Config& c, int64_t layer) {
       {&L.wo_b, H * G * R, 2, Init::kMatrix, G * R},
       {&L.sinks, c.heads, 4, Init::kSink, 0},
       {&L.gate, E * H, 2, Init::kMatrix, H},
-      {&L.w13, E * 2 * I * H, 2, Init::kMatrix, H},
-      {&L.w2, E * H * I, 2, Init::kMatrix, I},
+      {&L.w13, E * 2 * I * H, 2, Init::kMatrix, H, &L.w13_8, 2 * I, H},
+      {&L.w2, E * H * I, 2, Init::kMatrix, I, &L.w2_8, H, I},
   };
   if (c.attention_bias) s.push_back({&L.wo_b_bias, H, 2, Init::kSmall, 0});
   if (layer < c.num_hash_layers)
@@ -151,8 +181,8 @@ std::vector<Spec> layer_specs(DLayer& L, const Dsv4Config& c, int64_t layer) {
   else
     s.push_back({&L.gate_bias, E, 4, Init::kSmall, 0});
   if (S > 0) {
-    s.push_back({&L.sh_w13, 2 * S * H, 2, Init::kMatrix, H});
-    s.push_back({&L.sh_w2, H * S, 2, Init::kMatrix, S});
+    s.push_back({&L.sh_w13, 2 * S * H, 2, Init::kMatrix, H, &L.sh_w13_8, 2 * S, H});
+    s.push_back({&L.sh_w2, H * S, 2, Init::kMatrix, S, &L.sh_w2_8, H, S});
   }
   auto comp = [&](DComp& cm, int64_t ratio, int64_t d) {
     cm.ratio = ratio, cm.head_dim = d, cm.out_dim = ratio == 4 ? 2 * d : d;
@@ -262,6 +292,11 @@ struct Dsv4CudaEngine::Impl {
   int grouped_slot = 0;
   bool online_only = false;  // Dsv4CudaOptions::online_softmax_attention
   std::vector<uint16_t> host_x;
+  // FP8 experts (Dsv4CudaOptions::weight_dtype): the GEMM plans and the quantized inputs.
+  bool fp8 = false;
+  std::unique_ptr<cuda::Fp8Gemm> fp8_gemm;
+  DevBuf act_q, act_scale;
+  Status init;  // why the engine cannot run, if it cannot
 
   ~Impl() {
     if (host_offsets) cudaFreeHost(host_offsets);
@@ -288,6 +323,21 @@ Dsv4CudaEngine::Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& 
   m.grouped = options_.grouped_experts;
   m.timer.on = options_.phase_timing;
   m.online_only = options_.online_softmax_attention;
+  m.fp8 = options_.weight_dtype == cuda::WeightDtype::kFp8;
+  m.init = check_options(c, options_);
+  if (m.fp8 && m.init.is_ok()) {
+    auto g = cuda::Fp8Gemm::create();
+    if (g.is_ok()) {
+      m.fp8_gemm = std::move(g.value());
+      // Ask cuBLASLt for every expert shape now: one it refuses fails the engine, not a chunk.
+      const int64_t I = c.moe_inter, S = c.moe_inter * c.n_shared_experts, H = c.hidden;
+      for (auto [n, k] :
+           {std::pair{2 * I, H}, std::pair{H, I}, std::pair{2 * S, H}, std::pair{H, S}})
+        if (m.init.is_ok() && n > 0 && k > 0) m.init = m.fp8_gemm->prepare(16, n, k);
+    } else {
+      m.init = g.status();
+    }
+  }
   const std::vector<float> lf =
       dsv4_rope_freqs(static_cast<int>(c.rope_head_dim), c.rope_theta, YarnScaling{});
   const std::vector<float> cf =
@@ -302,6 +352,11 @@ Dsv4CudaEngine::Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& 
     DLayer& L = m.layers[static_cast<size_t>(l)];
     L.ratio = c.compress_ratios[static_cast<size_t>(l)];
     for (const Spec& s : layer_specs(L, c, l)) {
+      if (s.fp8 && m.fp8) {
+        s.fp8->alloc(s.count, s.rows, s.cols);
+        weight_bytes_ += static_cast<int64_t>(s.fp8->q.bytes + s.fp8->scale.bytes);
+        continue;
+      }
       s.buf->alloc(static_cast<size_t>(s.count) * s.elem_bytes);
       weight_bytes_ += static_cast<int64_t>(s.buf->bytes);
     }
@@ -335,6 +390,31 @@ Dsv4CudaEngine::Dsv4CudaEngine(const Dsv4Weights& w, const Dsv4CudaOptions& opti
     if (D.tid2eid) put(D.tid2eid, L.tid2eid.data(), L.tid2eid.size() * 4);
     if (D.gate_bias) put(D.gate_bias, L.gate_bias);
     const size_t mat = static_cast<size_t>(I * H) * 2;
+    if (m.fp8) {
+      // Each expert's bf16 weights through one scratch buffer into their FP8 form, in the
+      // stream's order (the scratch is refilled only once the quantizer has read it).
+      DevBuf tmp;
+      tmp.alloc(2 * std::max(mat, L.shared_w1.bytes.size()));
+      auto up = [&](const Tensor& t, size_t at) {
+        HETERO_CUDA_OK(cudaMemcpyAsync(tmp.as<uint8_t>() + at, t.bytes.data(), t.bytes.size(),
+                                       cudaMemcpyHostToDevice, m.stream));
+      };
+      for (int64_t e = 0; e < E; ++e) {
+        const size_t i = static_cast<size_t>(e);
+        up(L.w1[i], 0), up(L.w3[i], mat);
+        D.w13_8.quantize_one(tmp.bf(), e, m.stream);
+        up(L.w2[i], 0);
+        D.w2_8.quantize_one(tmp.bf(), e, m.stream);
+      }
+      if (D.sh_w13_8.mats > 0) {
+        up(L.shared_w1, 0), up(L.shared_w3, L.shared_w1.bytes.size());
+        D.sh_w13_8.quantize(tmp.bf(), m.stream);
+        up(L.shared_w2, 0);
+        D.sh_w2_8.quantize(tmp.bf(), m.stream);
+      }
+      HETERO_CUDA_OK(cudaStreamSynchronize(m.stream));
+      continue;
+    }
     for (int64_t e = 0; e < E; ++e) {
       const size_t at = static_cast<size_t>(e) * 2 * mat;
       HETERO_CUDA_OK(cudaMemcpy(D.w13.as<uint8_t>() + at, L.w1[static_cast<size_t>(e)].bytes.data(),
@@ -365,13 +445,18 @@ std::unique_ptr<Dsv4CudaEngine> Dsv4CudaEngine::random(const Dsv4Config& config,
   cudaStream_t st = m.stream;
   cuda::fill_random_bf16(m.embed.bf(), c.vocab * c.hidden, 1.0f, seed, st);
   uint64_t k = seed * 1000;
+  DevBuf scratch;  // FP8 experts: one layer's bf16 draw at a time
   for (int64_t l = 0; l < c.layers; ++l) {
     for (const Spec& s : layer_specs(m.layers[static_cast<size_t>(l)], c, l)) {
       ++k;
       switch (s.init) {
         case Init::kMatrix: {
           const float sc = 1.0f / std::sqrt(static_cast<float>(s.fan_in));
-          if (s.elem_bytes == 2)
+          if (s.fp8 && m.fp8) {  // drawn in bf16 into scratch, then quantized
+            scratch.ensure(static_cast<size_t>(s.count) * 2);
+            cuda::fill_random_bf16(scratch.bf(), s.count, sc, k, st);
+            s.fp8->quantize(scratch.bf(), st);
+          } else if (s.elem_bytes == 2)
             cuda::fill_random_bf16(s.buf->bf(), s.count, sc, k, st);
           else
             cuda::fill_random_f32(s.buf->f32(), s.count, sc, 0.0f, k, st);
@@ -419,7 +504,27 @@ Result<std::unique_ptr<Dsv4CudaEngine>> Dsv4CudaEngine::load(const std::string& 
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0)
     return failed_precondition("no CUDA device for the DeepSeek-V4 CUDA engine");
   HETERO_ASSIGN_OR_RETURN(Dsv4Weights w, load_dsv4_weights(model_dir));
-  return std::make_unique<Dsv4CudaEngine>(w, options);
+  HETERO_RETURN_IF_ERROR(check_options(w.config, options));
+  auto e = std::make_unique<Dsv4CudaEngine>(w, options);
+  HETERO_RETURN_IF_ERROR(e->impl_->init);
+  return e;
+}
+
+Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions& options) {
+  if (options.weight_dtype != cuda::WeightDtype::kFp8) return Status::ok();
+  if (options.grouped_experts)
+    return invalid_argument(
+        "fp8 expert weights run one cuBLASLt GEMM per expert; grouped_experts is for bf16 "
+        "weights");
+  const int64_t S = c.moe_inter * c.n_shared_experts;
+  if (c.hidden % 16 != 0 || c.moe_inter % 16 != 0 || S % 16 != 0)
+    return invalid_argument(
+        "fp8 expert weights need hidden and moe_intermediate_size multiples "
+        "of 16, not " +
+        std::to_string(c.hidden) + " and " + std::to_string(c.moe_inter));
+  int device = 0;
+  cudaGetDevice(&device);
+  return cuda::check_fp8_device(device);
 }
 
 Dsv4CudaEngine::~Dsv4CudaEngine() {
@@ -718,8 +823,31 @@ static void expert_gemms(Dsv4CudaEngine::Impl& m, int64_t E, const int32_t* off,
       ldcs.data(), g, sizes.data(), CUBLAS_COMPUTE_32F));
 }
 
+// y [fp8_act_rows(rows), w.n] = x [rows, w.k] @ dequant(w)^T on the FP8 tensor cores: the rows
+// quantized per token and 128 columns, then one cuBLASLt call. y's rows past `rows` get zeros
+// (the GEMM's padding): its buffer must hold them, and a later write may reuse them.
+static Status fp8_linear(Dsv4CudaEngine::Impl& m, const uint16_t* x, int64_t rows,
+                         const cuda::Fp8BlockWeight& w, uint16_t* y) {
+  if (rows == 0) return Status::ok();
+  cuda::quantize_act_fp8_group(x, rows, w.k, m.act_q.as<uint8_t>(), m.act_scale.f32(), m.stream);
+  return m.fp8_gemm->run(m.act_q.as<uint8_t>(), m.act_scale.f32(), rows, w, y, m.stream);
+}
+
+// expert_gemms with FP8 weights: one quantize and one GEMM per expert with rows, in expert
+// order, so each expert's padding rows are overwritten by the next expert's output (the last
+// expert's land in the buffer's slack).
+static Status expert_gemms_fp8(Dsv4CudaEngine::Impl& m, int64_t E, const int32_t* off,
+                               const uint16_t* x, const DFp8& w, uint16_t* y) {
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = off[e + 1] - off[e];
+    if (rows > 0)
+      HETERO_RETURN_IF_ERROR(fp8_linear(m, x + off[e] * w.k, rows, w.at(e), y + off[e] * w.n));
+  }
+  return Status::ok();
+}
+
 // The MoE of layer l on x [n, hidden] into y.
-static void moe(Dsv4CudaEngine::Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
+static Status moe(Dsv4CudaEngine::Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
   const DLayer& L = m.layers[static_cast<size_t>(l)];
   cudaStream_t st = m.stream;
   cublasHandle_t b = m.blas;
@@ -747,19 +875,32 @@ static void moe(Dsv4CudaEngine::Impl& m, const Dsv4Config& c, int64_t l, int64_t
   // The shared expert does not depend on the routing: enqueue it before waiting.
   if (S > 0) {
     m.timer.mark(st, "moe shared expert");
-    gemm(b, x, n, H, L.sh_w13.bf(), 2 * S, m.sgu.bf());
+    if (m.fp8)
+      HETERO_RETURN_IF_ERROR(fp8_linear(m, x, n, L.sh_w13_8.at(0), m.sgu.bf()));
+    else
+      gemm(b, x, n, H, L.sh_w13.bf(), 2 * S, m.sgu.bf());
     cuda::swiglu(m.sgu.bf(), n, S, static_cast<float>(c.swiglu_limit), m.sact.bf(), st);
-    gemm(b, m.sact.bf(), n, S, L.sh_w2.bf(), H, m.sh.bf());
+    if (m.fp8)
+      HETERO_RETURN_IF_ERROR(fp8_linear(m, m.sact.bf(), n, L.sh_w2_8.at(0), m.sh.bf()));
+    else
+      gemm(b, m.sact.bf(), n, S, L.sh_w2.bf(), H, m.sh.bf());
   }
   HETERO_CUDA_OK(cudaStreamSynchronize(st));
   m.timer.mark(st, "moe routed experts");
   const int32_t* off = m.host_offsets;
-  expert_gemms(m, E, off, m.xe.bf(), H, L.w13.bf(), 2 * I, m.gu.bf());
+  if (m.fp8)
+    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, m.xe.bf(), L.w13_8, m.gu.bf()));
+  else
+    expert_gemms(m, E, off, m.xe.bf(), H, L.w13.bf(), 2 * I, m.gu.bf());
   cuda::swiglu(m.gu.bf(), n * K, I, static_cast<float>(c.swiglu_limit), m.act.bf(), st);
-  expert_gemms(m, E, off, m.act.bf(), I, L.w2.bf(), H, m.ye.bf());
+  if (m.fp8)
+    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, m.act.bf(), L.w2_8, m.ye.bf()));
+  else
+    expert_gemms(m, E, off, m.act.bf(), I, L.w2.bf(), H, m.ye.bf());
   m.timer.mark(st, "moe combine");
   cuda::moe_combine(m.ye.bf(), m.slot_row.as<int32_t>(), m.weights.f32(),
                     S > 0 ? m.sh.bf() : nullptr, n, K, H, m.y.bf(), st);
+  return Status::ok();
 }
 
 // Scratch for chunks of up to n tokens.
@@ -789,9 +930,17 @@ static void size_scratch(Dsv4CudaEngine::Impl& m, const Dsv4Config& c, int64_t n
   m.inds.alloc(N * K * 4), m.weights.alloc(N * K * 4);
   m.counts.alloc(static_cast<size_t>(E) * 4), m.offsets.alloc(static_cast<size_t>(E + 1) * 4);
   m.perm.alloc(N * K * 4), m.slot_row.alloc(N * K * 4);
-  m.xe.alloc(N * K * H * 2), m.ye.alloc(N * K * H * 2);
-  m.gu.alloc(N * K * 2 * I * 2), m.act.alloc(N * K * I * 2);
-  if (S > 0) m.sgu.alloc(N * 2 * S * 2), m.sact.alloc(N * S * 2), m.sh.alloc(N * H * 2);
+  // FP8 GEMM outputs run up to 15 rows past their inputs (fp8_linear): slack for them.
+  const size_t P = m.fp8 ? 16 : 0;
+  m.xe.alloc(N * K * H * 2), m.ye.alloc((N * K + P) * H * 2);
+  m.gu.alloc((N * K + P) * 2 * I * 2), m.act.alloc(N * K * I * 2);
+  if (S > 0) m.sgu.alloc((N + P) * 2 * S * 2), m.sact.alloc(N * S * 2), m.sh.alloc((N + P) * H * 2);
+  if (m.fp8) {  // one expert's (or the shared expert's) rows at a time: at most n
+    const int64_t widest = std::max({H, I, S});
+    const size_t R = static_cast<size_t>(cuda::fp8_act_rows(n));
+    m.act_q.alloc(R * static_cast<size_t>(widest));
+    m.act_scale.alloc(R * static_cast<size_t>(cuda::fp8_blocks(widest)) * 4);
+  }
   m.cap = n;
 }
 
@@ -799,8 +948,9 @@ Status Dsv4CudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
                                      const AttentionInputTap& tap) {
   const Dsv4Config& c = config_;
   HETERO_RETURN_IF_ERROR(check_token_ids(ids, c.vocab));
-  if (ids.empty()) return Status::ok();
   Impl& m = *impl_;
+  HETERO_RETURN_IF_ERROR(m.init);
+  if (ids.empty()) return Status::ok();
   cudaStream_t st = m.stream;
   const int64_t n = static_cast<int64_t>(ids.size()), pos0 = n_cached_, H = c.hidden;
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -841,7 +991,7 @@ Status Dsv4CudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
     cuda::hc_expand(ha, m.mix.f32(), m.y.bf(), n, m.h.bf(), st);
     cuda::hc_collapse(hf, m.h.bf(), n, m.mix.f32(), m.x.bf(), st);
     cuda::fast_rms_norm(m.x.bf(), n, H, L.ffn_norm.bf(), eps, m.x.bf(), st);
-    moe(m, c, l, n);
+    HETERO_RETURN_IF_ERROR(moe(m, c, l, n));
     m.timer.mark(st, "hyper-connections + norms");
     cuda::hc_expand(hf, m.mix.f32(), m.y.bf(), n, m.h.bf(), st);
   }

@@ -24,6 +24,7 @@
 
 #include "common/status.h"
 #include "engine/tap.h"
+#include "kernels/cuda/fp8_gemm.h"
 #include "model/dsv4.h"
 
 namespace hetero {
@@ -43,6 +44,13 @@ struct Dsv4CudaOptions {
   // lists too long for the two-pass kernel's shared memory (ratio-128 layers past ~230K tokens at
   // head_dim 512): for tests.
   bool online_softmax_attention = false;
+  // How the experts' weights (routed and shared: ~98% of a Flash layer's bytes) live on the
+  // device. kFp8 quantizes them at upload into the 128x128 block-scaled e4m3 format
+  // (kernels/cuda/fp8_gemm.h; no bf16 copy is kept, so about twice as many layers fit) and runs
+  // the expert GEMMs on the FP8 tensor cores through cuBLASLt, one per active expert, quantizing
+  // their inputs per token and 128 columns. The other projections stay bf16. Hopper (sm_90) only;
+  // the hidden and expert widths must be multiples of 16; not with grouped_experts.
+  cuda::WeightDtype weight_dtype = cuda::WeightDtype::kBf16;
 };
 
 class Dsv4CudaEngine {
@@ -54,6 +62,9 @@ class Dsv4CudaEngine {
   // them on the host would take longer than the measurement): matrices ~ N(0, 1/in), norms ~ 1.
   static std::unique_ptr<Dsv4CudaEngine> random(const Dsv4Config& config, uint64_t seed,
                                                 const Dsv4CudaOptions& options = {});
+  // Whether this device and model can run with these options (load() checks it; the
+  // constructors assume it).
+  static Status check_options(const Dsv4Config& config, const Dsv4CudaOptions& options);
   ~Dsv4CudaEngine();
   Dsv4CudaEngine(const Dsv4CudaEngine&) = delete;
   Dsv4CudaEngine& operator=(const Dsv4CudaEngine&) = delete;

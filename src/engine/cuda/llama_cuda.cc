@@ -87,15 +87,6 @@ Result<LlamaCudaArith> parse_llama_cuda_arith(const std::string& name) {
   return invalid_argument("the cuda arithmetic must be fast or exact, not '" + name + "'");
 }
 
-Result<WeightDtype> parse_weight_dtype(const std::string& name) {
-  if (name == "bf16") return WeightDtype::kBf16;
-  if (name == "fp8") return WeightDtype::kFp8;
-  return invalid_argument("the weight dtype must be bf16 or fp8, not '" + name + "'");
-}
-const char* weight_dtype_name(WeightDtype dtype) {
-  return dtype == WeightDtype::kFp8 ? "fp8" : "bf16";
-}
-
 LlamaCudaEngine::LlamaCudaEngine(LlamaConfig config, LlamaCudaOptions options)
     : config_(std::move(config)), options_(options), pages_(std::make_unique<Pages>()) {}
 
@@ -138,15 +129,7 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
     return invalid_argument(
         "fp8 weights need the fast arithmetic: the exact path reproduces the decoder's bf16 "
         "weights bit for bit");
-  if (fp8) {
-    cudaDeviceProp p{};
-    cudaGetDeviceProperties(&p, options.device);
-    if (p.major != 9)
-      return failed_precondition(
-          "fp8 block-scaled weights need a Hopper GPU (sm_90) for "
-          "cuBLASLt's block-scaling modes, not sm_" +
-          std::to_string(p.major * 10 + p.minor));
-  }
+  if (fp8) HETERO_RETURN_IF_ERROR(check_fp8_device(options.device));
   std::unique_ptr<LlamaCudaEngine> e(new LlamaCudaEngine(c, options));
   cudaError_t ce = cudaSetDevice(options.device);
   if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&e->stream_, cudaStreamNonBlocking);

@@ -43,11 +43,10 @@ enum class LlamaCudaArith {
   kExact,
 };
 
-// How the projection weights (q|k|v, o, gate|up, down) live on the device. kFp8 quantizes them
-// at upload into DeepSeek's 128x128 block-scaled e4m3 format (no bf16 copy is kept) and runs
-// those GEMMs on the FP8 tensor cores, quantizing their inputs per token and 128 columns; the
+// WeightDtype (kernels/cuda/fp8_gemm.h): kFp8 quantizes the projection weights (q|k|v, o,
+// gate|up, down) at upload into the 128x128 block-scaled e4m3 format (no bf16 copy is kept) and
+// runs those GEMMs on the FP8 tensor cores, quantizing their inputs per token and 128 columns; the
 // embedding, the norms and lm_head stay bf16. kFast only, Hopper (sm_90) only.
-enum class WeightDtype { kBf16, kFp8 };
 
 struct LlamaCudaOptions {
   KvDtype kv_dtype = KvDtype::kFp8;  // kFast only
@@ -62,9 +61,6 @@ Result<KvDtype> parse_kv_dtype(const std::string& name);
 const char* kv_dtype_name(KvDtype dtype);
 // "fast" or "exact".
 Result<LlamaCudaArith> parse_llama_cuda_arith(const std::string& name);
-// "bf16" or "fp8".
-Result<WeightDtype> parse_weight_dtype(const std::string& name);
-const char* weight_dtype_name(WeightDtype dtype);
 
 class LlamaCudaEngine {
  public:

@@ -39,6 +39,30 @@ cublasStatus_t set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t att
 
 }  // namespace
 
+Result<WeightDtype> parse_weight_dtype(const std::string& name) {
+  if (name == "bf16") return WeightDtype::kBf16;
+  if (name == "fp8") return WeightDtype::kFp8;
+  return invalid_argument("the weight dtype must be bf16 or fp8, not '" + name + "'");
+}
+
+const char* weight_dtype_name(WeightDtype dtype) {
+  return dtype == WeightDtype::kFp8 ? "fp8" : "bf16";
+}
+
+Status check_fp8_device(int device) {
+  cudaDeviceProp p{};
+  const cudaError_t e = cudaGetDeviceProperties(&p, device);
+  if (e != cudaSuccess)
+    return failed_precondition(std::string("fp8 weights: no CUDA device ") +
+                               std::to_string(device) + ": " + cudaGetErrorString(e));
+  if (p.major != 9)
+    return failed_precondition(
+        "fp8 block-scaled weights need a Hopper GPU (sm_90) for cuBLASLt's block-scaling modes, "
+        "not sm_" +
+        std::to_string(p.major * 10 + p.minor));
+  return Status::ok();
+}
+
 Fp8Gemm::Fp8Gemm() = default;
 
 Fp8Gemm::~Fp8Gemm() {

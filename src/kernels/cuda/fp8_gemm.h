@@ -21,11 +21,21 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 
 #include "common/status.h"
 
 namespace hetero::cuda {
+
+// How an engine's large projection weights live on the device: bf16, or quantized at upload
+// into the block-scaled e4m3 format below (each engine says which of its weights).
+enum class WeightDtype { kBf16, kFp8 };
+// "bf16" or "fp8".
+Result<WeightDtype> parse_weight_dtype(const std::string& name);
+const char* weight_dtype_name(WeightDtype dtype);
+// Ok where this device runs the FP8 block-scaled GEMMs (Hopper, sm_90), else why not.
+Status check_fp8_device(int device);
 
 constexpr int64_t kFp8Block = 128;
 constexpr float kE4m3Max = 448.f;
