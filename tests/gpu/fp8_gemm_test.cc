@@ -181,6 +181,40 @@ TEST_F(Fp8Test, ActivationQuantizerMatchesHostBytes) {
   }
 }
 
+// Segments (an MoE's rows by expert, empty ones among them) quantized in one pass: each exactly
+// the bytes quantize_act_fp8_group gives it alone (the host reference), at its padded place.
+TEST_F(Fp8Test, SegmentedActivationQuantizerPacksEachSegmentAsAlone) {
+  const int64_t k = 384, groups = fp8_blocks(k);
+  const std::vector<int32_t> rows = {3, 0, 16, 17, 0, 0, 1, 40};
+  std::vector<int32_t> off = {0}, pad = {0};
+  for (int32_t r : rows) {
+    off.push_back(off.back() + r);
+    pad.push_back(pad.back() + static_cast<int32_t>(fp8_act_rows(r)));
+  }
+  const int64_t m = off.back(), total = pad.back();
+  const std::vector<uint16_t> x = blocky_bf16(m, k, 1, 5);
+  Dev dx(x.size() * 2), doff(off.size() * 4), dpad(pad.size() * 4), dq(total * k),
+      ds(total * groups * 4);
+  put(dx, x), put(doff, off), put(dpad, pad);
+  cudaMemset(dq.p, 0xAB, total * k);  // padding rows must be written, not left over
+  cuda::quantize_act_fp8_segments(dx.as<uint16_t>(), doff.as<int32_t>(), dpad.as<int32_t>(),
+                                  static_cast<int64_t>(rows.size()), total, k, dq.as<uint8_t>(),
+                                  ds.as<float>(), nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto q = get<uint8_t>(dq, static_cast<size_t>(total * k));
+  const auto s = get<float>(ds, static_cast<size_t>(total * groups));
+  for (size_t e = 0; e < rows.size(); ++e) {
+    if (rows[e] == 0) continue;
+    const std::vector<uint16_t> part(x.begin() + off[e] * k, x.begin() + off[e + 1] * k);
+    const HostFp8 want = host_quantize_act(part, rows[e], k);
+    ASSERT_EQ(want.q.size(), static_cast<size_t>((pad[e + 1] - pad[e]) * k));
+    EXPECT_EQ(0, std::memcmp(q.data() + pad[e] * k, want.q.data(), want.q.size()))
+        << "segment " << e;
+    EXPECT_EQ(0, std::memcmp(s.data() + pad[e] * groups, want.scale.data(), want.scale.size() * 4))
+        << "segment " << e;
+  }
+}
+
 // out [rows, n] (bf16 bits) of the FP8 GEMM on device operands quantized on the device.
 struct GemmCase {
   int64_t m, n, k;

@@ -296,11 +296,14 @@ struct Dsv4CudaEngine::Impl {
   bool fp8 = false;
   std::unique_ptr<cuda::Fp8Gemm> fp8_gemm;
   DevBuf act_q, act_scale;
-  Status init;  // why the engine cannot run, if it cannot
+  int32_t* host_pad = nullptr;  // pinned [E + 1]: each expert's first row in act_q, padded
+  DevBuf pad;                   // its device copy
+  Status init;                  // why the engine cannot run, if it cannot
 
   ~Impl() {
     if (host_offsets) cudaFreeHost(host_offsets);
     if (host_ptrs) cudaFreeHost(host_ptrs);
+    if (host_pad) cudaFreeHost(host_pad);
     if (blas) cublasDestroy(blas);
     if (stream) cudaStreamDestroy(stream);
   }
@@ -324,6 +327,10 @@ Dsv4CudaEngine::Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& 
   m.timer.on = options_.phase_timing;
   m.online_only = options_.online_softmax_attention;
   m.fp8 = options_.weight_dtype == cuda::WeightDtype::kFp8;
+  if (m.fp8) {
+    HETERO_CUDA_OK(cudaMallocHost(&m.host_pad, sizeof(int32_t) * (c.n_routed_experts + 1)));
+    m.pad.alloc(sizeof(int32_t) * (c.n_routed_experts + 1));
+  }
   m.init = check_options(c, options_);
   if (m.fp8 && m.init.is_ok()) {
     auto g = cuda::Fp8Gemm::create();
@@ -833,15 +840,22 @@ static Status fp8_linear(Dsv4CudaEngine::Impl& m, const uint16_t* x, int64_t row
   return m.fp8_gemm->run(m.act_q.as<uint8_t>(), m.act_scale.f32(), rows, w, y, m.stream);
 }
 
-// expert_gemms with FP8 weights: one quantize and one GEMM per expert with rows, in expert
-// order, so each expert's padding rows are overwritten by the next expert's output (the last
-// expert's land in the buffer's slack).
+// expert_gemms with FP8 weights: every expert's rows quantized in one pass (each expert's rows
+// padded to 16, m.host_pad / m.pad, set by the caller), then one GEMM per expert with rows, in
+// expert order, so each expert's padding rows are overwritten by the next expert's output (the
+// last expert's land in the buffer's slack). off: host and device copies of the row offsets.
 static Status expert_gemms_fp8(Dsv4CudaEngine::Impl& m, int64_t E, const int32_t* off,
-                               const uint16_t* x, const DFp8& w, uint16_t* y) {
+                               const int32_t* dev_off, const uint16_t* x, const DFp8& w,
+                               uint16_t* y) {
+  const int64_t groups = cuda::fp8_blocks(w.k);
+  cuda::quantize_act_fp8_segments(x, dev_off, m.pad.as<int32_t>(), E, m.host_pad[E], w.k,
+                                  m.act_q.as<uint8_t>(), m.act_scale.f32(), m.stream);
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = off[e + 1] - off[e];
+    const int64_t rows = off[e + 1] - off[e], p = m.host_pad[e];
     if (rows > 0)
-      HETERO_RETURN_IF_ERROR(fp8_linear(m, x + off[e] * w.k, rows, w.at(e), y + off[e] * w.n));
+      HETERO_RETURN_IF_ERROR(m.fp8_gemm->run(m.act_q.as<uint8_t>() + p * w.k,
+                                             m.act_scale.f32() + p * groups, rows, w.at(e),
+                                             y + off[e] * w.n, m.stream));
   }
   return Status::ok();
 }
@@ -888,13 +902,26 @@ static Status moe(Dsv4CudaEngine::Impl& m, const Dsv4Config& c, int64_t l, int64
   HETERO_CUDA_OK(cudaStreamSynchronize(st));
   m.timer.mark(st, "moe routed experts");
   const int32_t* off = m.host_offsets;
+  if (m.fp8) {
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      m.host_pad[e] = static_cast<int32_t>(total);
+      total += cuda::fp8_act_rows(off[e + 1] - off[e]);
+    }
+    m.host_pad[E] = static_cast<int32_t>(total);
+    // The previous layer's copy of host_pad is done: the stream was waited for above.
+    HETERO_CUDA_OK(cudaMemcpyAsync(m.pad.p, m.host_pad, sizeof(int32_t) * (E + 1),
+                                   cudaMemcpyHostToDevice, st));
+  }
   if (m.fp8)
-    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, m.xe.bf(), L.w13_8, m.gu.bf()));
+    HETERO_RETURN_IF_ERROR(
+        expert_gemms_fp8(m, E, off, m.offsets.as<int32_t>(), m.xe.bf(), L.w13_8, m.gu.bf()));
   else
     expert_gemms(m, E, off, m.xe.bf(), H, L.w13.bf(), 2 * I, m.gu.bf());
   cuda::swiglu(m.gu.bf(), n * K, I, static_cast<float>(c.swiglu_limit), m.act.bf(), st);
   if (m.fp8)
-    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, m.act.bf(), L.w2_8, m.ye.bf()));
+    HETERO_RETURN_IF_ERROR(
+        expert_gemms_fp8(m, E, off, m.offsets.as<int32_t>(), m.act.bf(), L.w2_8, m.ye.bf()));
   else
     expert_gemms(m, E, off, m.act.bf(), I, L.w2.bf(), H, m.ye.bf());
   m.timer.mark(st, "moe combine");
@@ -935,9 +962,9 @@ static void size_scratch(Dsv4CudaEngine::Impl& m, const Dsv4Config& c, int64_t n
   m.xe.alloc(N * K * H * 2), m.ye.alloc((N * K + P) * H * 2);
   m.gu.alloc((N * K + P) * 2 * I * 2), m.act.alloc(N * K * I * 2);
   if (S > 0) m.sgu.alloc((N + P) * 2 * S * 2), m.sact.alloc(N * S * 2), m.sh.alloc((N + P) * H * 2);
-  if (m.fp8) {  // one expert's (or the shared expert's) rows at a time: at most n
+  if (m.fp8) {  // every expert's rows, each padded to 16 (or the shared expert's n rows)
     const int64_t widest = std::max({H, I, S});
-    const size_t R = static_cast<size_t>(cuda::fp8_act_rows(n));
+    const size_t R = static_cast<size_t>(cuda::fp8_act_rows(n * K) + 16 * E);
     m.act_q.alloc(R * static_cast<size_t>(widest));
     m.act_scale.alloc(R * static_cast<size_t>(cuda::fp8_blocks(widest)) * 4);
   }

@@ -67,21 +67,16 @@ __global__ void quantize_weight_kernel(const uint16_t* __restrict__ w, int64_t n
 
 constexpr int kActThreads = 256;
 
-// One half-warp per (row, 128-column group), eight columns (16 bytes) per lane: wide loads keep
-// this memory-bound pass near bandwidth. Rows in [m, rows) are padding.
-__global__ void quantize_act_kernel(const uint16_t* __restrict__ x, int64_t m, int64_t rows,
-                                    int64_t k, int64_t groups, uint8_t* __restrict__ q,
-                                    float* __restrict__ scale) {
-  const int64_t unit = (static_cast<int64_t>(blockIdx.x) * kActThreads + threadIdx.x) / 16;
-  const int sub = threadIdx.x % 16;
-  const int64_t row = unit / groups, g = unit % groups;
-  const int64_t col = g * kFp8Block + sub * 8;
-  // k % 16 == 0: a lane's eight columns are all in or all out. No early return: both halves of
-  // the warp take part in the shuffles.
-  const bool in = unit < rows * groups && col < k;
+// One lane's share of a (row, 128-column group): eight columns (16 bytes) of src (null: a padding
+// row, zeros), the group's amax across its half-warp, the e4m3 bytes to dst and (lane 0) the
+// scale. `in`: the unit exists and the lane's columns are inside k. Every lane of the warp must
+// call it (the shuffles).
+__device__ __forceinline__ void quantize_unit(const uint16_t* __restrict__ src, bool in, int sub,
+                                              uint8_t* __restrict__ dst, float* scale_at,
+                                              bool unit_exists) {
   float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (in && row < m) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(x + row * k + col);
+  if (in && src) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
     for (int i = 0; i < 4; ++i) v[2 * i] = bf(w[i] & 0xffff), v[2 * i + 1] = bf(w[i] >> 16);
   }
@@ -94,9 +89,51 @@ __global__ void quantize_act_kernel(const uint16_t* __restrict__ x, int64_t m, i
     for (int i = 0; i < 2; ++i)
       packed[i] = e4m3x2(v[4 * i] / s, v[4 * i + 1] / s) |
                   (uint32_t(e4m3x2(v[4 * i + 2] / s, v[4 * i + 3] / s)) << 16);
-    *reinterpret_cast<uint2*>(q + row * k + col) = make_uint2(packed[0], packed[1]);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
   }
-  if (sub == 0 && unit < rows * groups) scale[g * rows + row] = s;
+  if (sub == 0 && unit_exists) *scale_at = s;
+}
+
+// One half-warp per (row, 128-column group), eight columns (16 bytes) per lane: wide loads keep
+// this memory-bound pass near bandwidth. Rows in [m, rows) are padding.
+__global__ void quantize_act_kernel(const uint16_t* __restrict__ x, int64_t m, int64_t rows,
+                                    int64_t k, int64_t groups, uint8_t* __restrict__ q,
+                                    float* __restrict__ scale) {
+  const int64_t unit = (static_cast<int64_t>(blockIdx.x) * kActThreads + threadIdx.x) / 16;
+  const int sub = threadIdx.x % 16;
+  const int64_t row = unit / groups, g = unit % groups;
+  const int64_t col = g * kFp8Block + sub * 8;
+  // k % 16 == 0: a lane's eight columns are all in or all out. No early return: both halves of
+  // the warp take part in the shuffles.
+  const bool exists = unit < rows * groups;
+  quantize_unit(row < m ? x + row * k + col : nullptr, exists && col < k, sub, q + row * k + col,
+                scale + g * rows + row, exists);
+}
+
+// The same per segment of rows (quantize_act_fp8_segments): unit p of the packed padded rows
+// belongs to the segment e with pad[e] <= p < pad[e + 1].
+__global__ void quantize_act_segments_kernel(const uint16_t* __restrict__ x,
+                                             const int32_t* __restrict__ off,
+                                             const int32_t* __restrict__ pad, int64_t segments,
+                                             int64_t total, int64_t k, int64_t groups,
+                                             uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t unit = (static_cast<int64_t>(blockIdx.x) * kActThreads + threadIdx.x) / 16;
+  const int sub = threadIdx.x % 16;
+  const bool exists = unit < total * groups;
+  const int64_t p = exists ? unit / groups : 0, g = unit % groups;
+  int64_t lo = 0, hi = segments;  // the last e with pad[e] <= p (empty segments are skipped)
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (pad[mid] <= p)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  const int64_t e = lo, i = p - pad[e], rows = pad[e + 1] - pad[e];
+  const int64_t col = g * kFp8Block + sub * 8;
+  const uint16_t* src = i < off[e + 1] - off[e] ? x + (off[e] + i) * k + col : nullptr;
+  quantize_unit(src, exists && col < k, sub, q + p * k + col,
+                scale + pad[e] * groups + g * rows + i, exists);
 }
 
 }  // namespace
@@ -117,6 +154,16 @@ void quantize_act_fp8_group(const uint16_t* x, int64_t m, int64_t k, uint8_t* q,
   const int64_t blocks = (units * 16 + kActThreads - 1) / kActThreads;
   quantize_act_kernel<<<static_cast<unsigned>(blocks), kActThreads, 0, stream>>>(x, m, rows, k,
                                                                                  groups, q, scale);
+}
+
+void quantize_act_fp8_segments(const uint16_t* x, const int32_t* off, const int32_t* pad,
+                               int64_t segments, int64_t total_rows, int64_t k, uint8_t* q,
+                               float* scale, cudaStream_t stream) {
+  const int64_t groups = fp8_blocks(k), units = total_rows * groups;
+  if (units == 0 || segments == 0) return;
+  const int64_t blocks = (units * 16 + kActThreads - 1) / kActThreads;
+  quantize_act_segments_kernel<<<static_cast<unsigned>(blocks), kActThreads, 0, stream>>>(
+      x, off, pad, segments, total_rows, k, groups, q, scale);
 }
 
 }  // namespace hetero::cuda

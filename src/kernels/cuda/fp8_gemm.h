@@ -66,6 +66,16 @@ void quantize_weight_fp8_block(const uint16_t* w, int64_t n, int64_t k, uint8_t*
 void quantize_act_fp8_group(const uint16_t* x, int64_t m, int64_t k, uint8_t* q, float* scale,
                             cudaStream_t stream);
 
+// quantize_act_fp8_group on each of `segments` runs of rows at once (an MoE's rows grouped by
+// expert): segment e is x's rows [off[e], off[e+1]), quantized as if alone, and packed with the
+// others: its q at q + pad[e] * k ([fp8_act_rows(rows_e), k]) and its scales at
+// scale + pad[e] * ceil(k/128) ([ceil(k/128)][fp8_act_rows(rows_e)]), where
+// pad[e] = the sum of fp8_act_rows(rows_j) for j < e and total_rows = pad[segments].
+// off and pad: device int32 [segments + 1].
+void quantize_act_fp8_segments(const uint16_t* x, const int32_t* off, const int32_t* pad,
+                               int64_t segments, int64_t total_rows, int64_t k, uint8_t* q,
+                               float* scale, cudaStream_t stream);
+
 // out bf16 [fp8_act_rows(m), n] = dequant(act) · dequant(W)^T with float32 accumulation, through
 // cuBLASLt. The plan (descriptors, layouts, heuristic algorithm) is chosen once per (m, n, k) and
 // cached; the workspace is allocated once. Not thread-safe: one instance per stream user.
