@@ -173,8 +173,11 @@ int main(int argc, char** argv) {
       rev = next();
     else if (a == "--phases")
       opts.phase_timing = true;
-    else if (a == "--moe")
+    else if (a == "--moe") {
       opts.grouped_experts = std::string(next()) != "loop";
+      if (opts.grouped_experts) opts.expert_streams = 1;  // one call for every expert
+    } else if (a == "--expert-streams")
+      opts.expert_streams = std::atoi(next());
     else if (a == "--weights") {
       auto w = cuda::parse_weight_dtype(next());
       if (!w.is_ok()) return std::fprintf(stderr, "%s\n", w.status().to_string().c_str()), 2;
@@ -189,13 +192,13 @@ int main(int argc, char** argv) {
         else
           return std::fprintf(stderr, "--bridge takes off and/or on\n"), 2;
     } else {
-      std::fprintf(
-          stderr,
-          "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
-          "[--repeats 3] [--moe loop|grouped] [--weights bf16|fp8] [--bridge off,on] [--phases] "
-          "[--refcheck] "
-          "[--rev GIT_REV]\n",
-          argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
+                   "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8] "
+                   "[--bridge off,on] [--phases] "
+                   "[--refcheck] "
+                   "[--rev GIT_REV]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -342,7 +345,8 @@ int main(int argc, char** argv) {
       const double overhead = on && off_wall > 0 ? wall.median / off_wall - 1.0 : 0.0;
       std::printf(
           "{\"bench\":\"gpu_dsv4_layer\",\"gpu\":\"%s\",\"rev\":\"%s\",\"config\":\"flash-shape "
-          "random\",\"weights\":\"%s\",\"weight_gb\":%.2f,\"T\":%lld,\"chunk\":%lld,\"layers\":%"
+          "random\",\"weights\":\"%s\",\"expert_streams\":%d,\"weight_gb\":%.2f,\"T\":%lld,"
+          "\"chunk\":%lld,\"layers\":%"
           "lld,\"moe\":\"%s\",\"warmup\":%d,"
           "\"repeats\":"
           "%d,\"bridge\":\"%s\",\"wall_s_median\":%.4f,\"wall_s_min\":%.4f,\"wall_s_max\":%.4f,"
@@ -354,10 +358,10 @@ int main(int argc, char** argv) {
           "\"peak_bf16_tflops\":%.1f,\"fraction_of_peak\":%.3f,\"phase_ms\":%s,\"refcheck\":%s}\n",
           gpu.c_str(), rev.c_str(),
           opts.weight_dtype == cuda::WeightDtype::kFp8 ? "experts fp8, rest bf16" : "bf16",
-          engine->weight_bytes() / 1e9, static_cast<long long>(T), static_cast<long long>(chunk),
-          static_cast<long long>(layers), opts.grouped_experts ? "grouped" : "loop", warmup,
-          repeats, bridge.c_str(), wall.median, wall.min, wall.max,
-          on ? std::to_string(overhead).c_str() : "null",
+          opts.expert_streams, engine->weight_bytes() / 1e9, static_cast<long long>(T),
+          static_cast<long long>(chunk), static_cast<long long>(layers),
+          opts.grouped_experts ? "grouped" : "loop", warmup, repeats, bridge.c_str(), wall.median,
+          wall.min, wall.max, on ? std::to_string(overhead).c_str() : "null",
           on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null", capture_bytes,
           on ? (manifest_complete ? "true" : "false") : "null", per_layer.c_str(), by_ratio[0],
           by_ratio[1], by_ratio[2], tot.median, tot.min, tot.max, model_ms * 1e-3, tok_s, tflops,

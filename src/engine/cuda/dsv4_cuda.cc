@@ -298,12 +298,32 @@ struct Dsv4CudaEngine::Impl {
   DevBuf act_q, act_scale;
   int32_t* host_pad = nullptr;  // pinned [E + 1]: each expert's first row in act_q, padded
   DevBuf pad;                   // its device copy
-  Status init;                  // why the engine cannot run, if it cannot
+  // Routed experts over side streams (Dsv4CudaOptions::expert_streams), forked from and joined
+  // back into the compute stream by events: each lane its own cuBLAS handle and FP8 plans, and
+  // (FP8) a buffer for its last expert's output, whose padding rows would otherwise land on the
+  // next lane's first expert.
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    cublasHandle_t blas = nullptr;
+    std::unique_ptr<cuda::Fp8Gemm> fp8;
+    cudaEvent_t done = nullptr;
+    DevBuf spill;
+  };
+  std::vector<Lane> lanes;
+  cudaEvent_t fork = nullptr;
+  Status init;  // why the engine cannot run, if it cannot
 
   ~Impl() {
     if (host_offsets) cudaFreeHost(host_offsets);
     if (host_ptrs) cudaFreeHost(host_ptrs);
     if (host_pad) cudaFreeHost(host_pad);
+    for (Lane& l : lanes) {
+      if (l.stream) cudaStreamSynchronize(l.stream);
+      if (l.blas) cublasDestroy(l.blas);
+      if (l.done) cudaEventDestroy(l.done);
+      if (l.stream) cudaStreamDestroy(l.stream);
+    }
+    if (fork) cudaEventDestroy(fork);
     if (blas) cublasDestroy(blas);
     if (stream) cudaStreamDestroy(stream);
   }
@@ -327,6 +347,19 @@ Dsv4CudaEngine::Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& 
   m.timer.on = options_.phase_timing;
   m.online_only = options_.online_softmax_attention;
   m.fp8 = options_.weight_dtype == cuda::WeightDtype::kFp8;
+  if (options_.expert_streams > 1) {
+    HETERO_CUDA_OK(cudaEventCreateWithFlags(&m.fork, cudaEventDisableTiming));
+    m.lanes.resize(static_cast<size_t>(options_.expert_streams));
+    for (Impl::Lane& lane : m.lanes) {
+      HETERO_CUDA_OK(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
+      HETERO_CUDA_OK(cudaEventCreateWithFlags(&lane.done, cudaEventDisableTiming));
+      HETERO_CUBLAS_OK(cublasCreate(&lane.blas));
+      HETERO_CUBLAS_OK(cublasSetStream(lane.blas, lane.stream));
+      HETERO_CUBLAS_OK(cublasSetMathMode(
+          lane.blas, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                               CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+    }
+  }
   if (m.fp8) {
     HETERO_CUDA_OK(cudaMallocHost(&m.host_pad, sizeof(int32_t) * (c.n_routed_experts + 1)));
     m.pad.alloc(sizeof(int32_t) * (c.n_routed_experts + 1));
@@ -334,17 +367,24 @@ Dsv4CudaEngine::Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& 
   m.init = check_options(c, options_);
   if (m.fp8 && m.init.is_ok()) {
     auto g = cuda::Fp8Gemm::create();
-    if (g.is_ok()) {
+    if (g.is_ok())
       m.fp8_gemm = std::move(g.value());
-      // Ask cuBLASLt for every expert shape now: one it refuses fails the engine, not a chunk.
-      const int64_t I = c.moe_inter, S = c.moe_inter * c.n_shared_experts, H = c.hidden;
-      for (auto [n, k] :
-           {std::pair{2 * I, H}, std::pair{H, I}, std::pair{2 * S, H}, std::pair{H, S}})
-        if (m.init.is_ok() && n > 0 && k > 0) m.init = m.fp8_gemm->prepare(16, n, k);
-    } else {
+    else
       m.init = g.status();
+    for (Impl::Lane& lane : m.lanes) {
+      if (!m.init.is_ok()) break;
+      auto lg = cuda::Fp8Gemm::create();
+      if (lg.is_ok())
+        lane.fp8 = std::move(lg.value());
+      else
+        m.init = lg.status();
     }
+    // Ask cuBLASLt for every expert shape now: one it refuses fails the engine, not a chunk.
+    const int64_t I = c.moe_inter, S = c.moe_inter * c.n_shared_experts, H = c.hidden;
+    for (auto [n, k] : {std::pair{2 * I, H}, std::pair{H, I}, std::pair{2 * S, H}, std::pair{H, S}})
+      if (m.init.is_ok() && n > 0 && k > 0) m.init = m.fp8_gemm->prepare(16, n, k);
   }
+
   const std::vector<float> lf =
       dsv4_rope_freqs(static_cast<int>(c.rope_head_dim), c.rope_theta, YarnScaling{});
   const std::vector<float> cf =
@@ -518,6 +558,11 @@ Result<std::unique_ptr<Dsv4CudaEngine>> Dsv4CudaEngine::load(const std::string& 
 }
 
 Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions& options) {
+  if (options.expert_streams < 1 || options.expert_streams > 16)
+    return invalid_argument("expert_streams must be 1..16, not " +
+                            std::to_string(options.expert_streams));
+  if (options.expert_streams > 1 && options.grouped_experts)
+    return invalid_argument("grouped_experts runs every expert in one call: expert_streams 1");
   if (options.weight_dtype != cuda::WeightDtype::kFp8) return Status::ok();
   if (options.grouped_experts)
     return invalid_argument(
@@ -789,15 +834,55 @@ static void attention(Dsv4CudaEngine::Impl& m, const Dsv4Config& c, int64_t l, i
   gemm(b, m.mid.bf(), n, G * R, L.wo_b.bf(), H, m.y.bf(), -1, -1, beta);
 }
 
+// The experts [0, E) cut into `lanes` runs of consecutive experts with about equal rows:
+// run i is [cut[i], cut[i + 1]).
+static std::vector<int64_t> split_by_rows(const int32_t* off, int64_t E, size_t lanes) {
+  std::vector<int64_t> cut = {0};
+  const double total = off[E];
+  for (int64_t e = 0; e < E && cut.size() < lanes; ++e)
+    if (off[e + 1] >= total * static_cast<double>(cut.size()) / static_cast<double>(lanes))
+      cut.push_back(e + 1);
+  while (cut.size() <= lanes) cut.push_back(E);
+  return cut;
+}
+
+// run(lane, e) for every expert with rows: on the compute stream in expert order (lane -1), or
+// over the lanes, each taking a run of consecutive experts in order (lane i), forked from the
+// compute stream's work so far and joined back into it.
+template <class F>
+static Status over_lanes(Dsv4CudaEngine::Impl& m, int64_t E, const int32_t* off, F&& run) {
+  if (m.lanes.empty()) {
+    for (int64_t e = 0; e < E; ++e)
+      if (off[e + 1] > off[e]) HETERO_RETURN_IF_ERROR(run(-1, e));
+    return Status::ok();
+  }
+  HETERO_CUDA_OK(cudaEventRecord(m.fork, m.stream));
+  const std::vector<int64_t> cut = split_by_rows(off, E, m.lanes.size());
+  Status st;
+  for (size_t i = 0; i < m.lanes.size(); ++i) {
+    Dsv4CudaEngine::Impl::Lane& lane = m.lanes[i];
+    HETERO_CUDA_OK(cudaStreamWaitEvent(lane.stream, m.fork));
+    for (int64_t e = cut[i]; e < cut[i + 1] && st.is_ok(); ++e)
+      if (off[e + 1] > off[e]) st = run(static_cast<int>(i), e);
+    HETERO_CUDA_OK(cudaEventRecord(lane.done, lane.stream));
+    HETERO_CUDA_OK(cudaStreamWaitEvent(m.stream, lane.done));
+  }
+  return st;
+}
+
 // Per expert e with rows: y[off[e]..] = x[off[e]..] @ w_e^T, w_e [n, k] at w + e * n * k. One
-// grouped cuBLAS call (pointer arrays through pinned memory), or a loop of GEMMs.
+// grouped cuBLAS call (pointer arrays through pinned memory), or a GEMM per expert (over the
+// lanes, if any).
 static void expert_gemms(Dsv4CudaEngine::Impl& m, int64_t E, const int32_t* off, const uint16_t* x,
                          int64_t k, const uint16_t* w, int64_t n, uint16_t* y) {
   if (!m.grouped) {
-    for (int64_t e = 0; e < E; ++e) {
+    const Status st = over_lanes(m, E, off, [&](int lane, int64_t e) {
       const int64_t rows = off[e + 1] - off[e];
-      if (rows > 0) gemm(m.blas, x + off[e] * k, rows, k, w + e * n * k, n, y + off[e] * n);
-    }
+      gemm(lane < 0 ? m.blas : m.lanes[static_cast<size_t>(lane)].blas, x + off[e] * k, rows, k,
+           w + e * n * k, n, y + off[e] * n);
+      return Status::ok();
+    });
+    HETERO_CHECK(st.is_ok());
     return;
   }
   std::vector<int> ms, ns, ks, ldas, ldbs, ldcs, sizes;
@@ -842,22 +927,37 @@ static Status fp8_linear(Dsv4CudaEngine::Impl& m, const uint16_t* x, int64_t row
 
 // expert_gemms with FP8 weights: every expert's rows quantized in one pass (each expert's rows
 // padded to 16, m.host_pad / m.pad, set by the caller), then one GEMM per expert with rows, in
-// expert order, so each expert's padding rows are overwritten by the next expert's output (the
-// last expert's land in the buffer's slack). off: host and device copies of the row offsets.
+// expert order on its stream, so each expert's padding rows are overwritten by the next expert's
+// output (the last expert's land in the buffer's slack; a lane's last expert writes into the
+// lane's own buffer, and its real rows are copied into place). off: host and device copies of
+// the row offsets.
 static Status expert_gemms_fp8(Dsv4CudaEngine::Impl& m, int64_t E, const int32_t* off,
                                const int32_t* dev_off, const uint16_t* x, const DFp8& w,
                                uint16_t* y) {
   const int64_t groups = cuda::fp8_blocks(w.k);
   cuda::quantize_act_fp8_segments(x, dev_off, m.pad.as<int32_t>(), E, m.host_pad[E], w.k,
                                   m.act_q.as<uint8_t>(), m.act_scale.f32(), m.stream);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = off[e + 1] - off[e], p = m.host_pad[e];
-    if (rows > 0)
-      HETERO_RETURN_IF_ERROR(m.fp8_gemm->run(m.act_q.as<uint8_t>() + p * w.k,
-                                             m.act_scale.f32() + p * groups, rows, w.at(e),
-                                             y + off[e] * w.n, m.stream));
+  std::vector<int64_t> last(m.lanes.size(), -1);  // each lane's last expert with rows
+  if (!m.lanes.empty()) {
+    const std::vector<int64_t> cut = split_by_rows(off, E, m.lanes.size());
+    for (size_t i = 0; i + 1 < m.lanes.size(); ++i)
+      for (int64_t e = cut[i]; e < cut[i + 1]; ++e)
+        if (off[e + 1] > off[e]) last[i] = e;
   }
-  return Status::ok();
+  return over_lanes(m, E, off, [&](int lane, int64_t e) {
+    const int64_t rows = off[e + 1] - off[e], p = m.host_pad[e];
+    cuda::Fp8Gemm& g = lane < 0 ? *m.fp8_gemm : *m.lanes[static_cast<size_t>(lane)].fp8;
+    cudaStream_t st = lane < 0 ? m.stream : m.lanes[static_cast<size_t>(lane)].stream;
+    const bool spills =
+        lane >= 0 && last[static_cast<size_t>(lane)] == e && cuda::fp8_act_rows(rows) != rows;
+    uint16_t* out = spills ? m.lanes[static_cast<size_t>(lane)].spill.bf() : y + off[e] * w.n;
+    HETERO_RETURN_IF_ERROR(g.run(m.act_q.as<uint8_t>() + p * w.k, m.act_scale.f32() + p * groups,
+                                 rows, w.at(e), out, st));
+    if (spills)
+      HETERO_CUDA_OK(cudaMemcpyAsync(y + off[e] * w.n, out, static_cast<size_t>(rows * w.n) * 2,
+                                     cudaMemcpyDeviceToDevice, st));
+    return Status::ok();
+  });
 }
 
 // The MoE of layer l on x [n, hidden] into y.
@@ -967,6 +1067,8 @@ static void size_scratch(Dsv4CudaEngine::Impl& m, const Dsv4Config& c, int64_t n
     const size_t R = static_cast<size_t>(cuda::fp8_act_rows(n * K) + 16 * E);
     m.act_q.alloc(R * static_cast<size_t>(widest));
     m.act_scale.alloc(R * static_cast<size_t>(cuda::fp8_blocks(widest)) * 4);
+    for (auto& lane : m.lanes)
+      lane.spill.alloc(static_cast<size_t>(cuda::fp8_act_rows(n) * std::max(2 * I, H)) * 2);
   }
   m.cap = n;
 }
