@@ -164,6 +164,9 @@ Options prefill_options() {
            "cuda, fast: the large weights on the GPU, bf16 or fp8 (e4m3, a scale per 128x128 "
            "block, quantized at load; llama: every projection, deepseek_v4: the experts)"},
           {"device", "HETERO_PREFILL_DEVICE", "0", "cuda: which GPU"},
+          {"program-device", "HETERO_PREFILL_PROGRAM_DEVICE", "-1",
+           "cuda: the GPU the cache program runs on (-1: the engine's); another GPU keeps its work "
+           "off the engine's"},
           {"gemm", "HETERO_PREFILL_GEMM", "ordered",
            "ordered: the decoder's GEMM order (bit-exact attention inputs); blas: OpenBLAS"},
           {"quant-arith", "HETERO_PREFILL_QUANT_ARITH", "mlx-cpu",
@@ -199,12 +202,16 @@ int cmd_prefill(int argc, char** argv) {
   log_line("prefill", "options " + opts.effective().dump());
   auto device = opts.get_int("device");
   if (!device.is_ok()) return std::fprintf(stderr, "prefill: --device must be an integer\n"), 2;
+  auto program_device = opts.get_int("program-device");
+  if (!program_device.is_ok())
+    return std::fprintf(stderr, "prefill: --program-device must be an integer\n"), 2;
   PrefillBackend backend{opts.get("backend"),
                          opts.get("gemm"),
                          opts.get("kv-dtype"),
                          opts.get("arith"),
                          static_cast<int>(device.value()),
-                         opts.get("weight-dtype")};
+                         opts.get("weight-dtype"),
+                         static_cast<int>(program_device.value())};
   auto stack = load_prefill_stack(opts.get("model"), opts.get("weights"), backend);
   if (!stack.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", stack.status().to_string().c_str()), 1;

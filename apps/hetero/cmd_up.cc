@@ -34,6 +34,8 @@ Options up_options() {
           {"prefill-arith", "HETERO_PREFILL_ARITH", "exact",
            "cuda, llama: exact (bit-exact caches) or fast (tensor cores; within a tolerance)"},
           {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
+          {"program-device", "HETERO_PREFILL_PROGRAM_DEVICE", "-1",
+           "cuda: the GPU the cache program runs on (-1: the prefill engine's)"},
           {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
            "cuda, fast: the large weights, bf16 or fp8 (block-scaled; llama: the projections, "
            "deepseek_v4: the experts)"},
@@ -72,13 +74,27 @@ int cmd_up(int argc, char** argv) {
                                 (work / "store").string(), dlog);
       !st.is_ok())
     return std::fprintf(stderr, "up: decoder: %s\n", st.message().c_str()), 1;
-  if (Status st = prefill.start(
-          {(fs::path(repo_root()) / "build" / "hetero").string(), "prefill", "--model",
-           prefill_model, "--weights", weights, "--port", std::to_string(pport.value()), "--chunk",
-           opts.get("chunk"), "--backend", opts.get("prefill-backend"), "--arith",
-           opts.get("prefill-arith"), "--kv-dtype", opts.get("kv-dtype"), "--weight-dtype",
-           opts.get("weight-dtype")},
-          {}, plog);
+  if (Status st = prefill.start({(fs::path(repo_root()) / "build" / "hetero").string(),
+                                 "prefill",
+                                 "--model",
+                                 prefill_model,
+                                 "--weights",
+                                 weights,
+                                 "--port",
+                                 std::to_string(pport.value()),
+                                 "--chunk",
+                                 opts.get("chunk"),
+                                 "--backend",
+                                 opts.get("prefill-backend"),
+                                 "--arith",
+                                 opts.get("prefill-arith"),
+                                 "--kv-dtype",
+                                 opts.get("kv-dtype"),
+                                 "--weight-dtype",
+                                 opts.get("weight-dtype"),
+                                 "--program-device",
+                                 opts.get("program-device")},
+                                {}, plog);
       !st.is_ok())
     return std::fprintf(stderr, "up: prefill: %s\n", st.message().c_str()), 1;
   std::printf("starting decoder (log %s) and prefill host (log %s)...\n", dlog.c_str(),

@@ -13,6 +13,8 @@
 // layers' shapes, the decoder server's 2048-token calls) and the producer encoding every segment
 // — and reports its wall time against "off" (the target: at most 3% more).
 //
+// --program-device N runs the cache program on GPU N (the engine stays on GPU 0).
+//
 // --weights fp8 keeps the experts' weights as FP8 block-scaled e4m3 (Dsv4CudaOptions::
 // weight_dtype): about half the bytes per layer, so about twice the layers fit one GPU; the
 // fraction of peak is still against the bf16 peak.
@@ -26,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -154,6 +157,7 @@ int main(int argc, char** argv) {
   Dsv4CudaOptions opts;
   std::string rev = "unknown";
   std::vector<std::string> bridge_modes = {"off", "on"};
+  int program_device = -1;  // the cache program's GPU (-1: the engine's)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&] { return i + 1 < argc ? argv[++i] : ""; };
@@ -176,7 +180,9 @@ int main(int argc, char** argv) {
     else if (a == "--moe") {
       opts.grouped_experts = std::string(next()) != "loop";
       if (opts.grouped_experts) opts.expert_streams = 1;  // one call for every expert
-    } else if (a == "--expert-streams")
+    } else if (a == "--program-device")
+      program_device = std::atoi(next());
+    else if (a == "--expert-streams")
       opts.expert_streams = std::atoi(next());
     else if (a == "--weights") {
       auto w = cuda::parse_weight_dtype(next());
@@ -195,7 +201,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
                    "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8] "
-                   "[--bridge off,on] [--phases] "
+                   "[--bridge off,on] [--program-device N] [--phases] "
                    "[--refcheck] "
                    "[--rev GIT_REV]\n",
                    argv[0]);
@@ -224,7 +230,10 @@ int main(int argc, char** argv) {
   // The decoder's program weights for the same layers (bridge "on").
   std::vector<int64_t> ratios(c.compress_ratios.begin(), c.compress_ratios.end());
   const Dsv4DecoderWeights decoder = bench::flash_decoder_weights(ratios);
-  auto decoder_gpu = cuda::upload_dsv4_weights(decoder);
+  auto decoder_gpu = [&] {
+    cuda::DeviceGuard on_program(program_device);
+    return cuda::upload_dsv4_weights(decoder);
+  }();
   if (!decoder_gpu.is_ok())
     return std::fprintf(stderr, "%s\n", decoder_gpu.status().to_string().c_str()), 1;
   std::mt19937 rng(7);
@@ -244,14 +253,19 @@ int main(int argc, char** argv) {
       double wire_bytes = 0, capture_bytes = 0;
       bool manifest_complete = true;
       auto phases_before = engine->phase_ms();
-      cuda::GpuCaptureStore capture(4);  // as the served stack holds it: one for every request
+      // As the served stack holds it: one for every request.
+      cuda::GpuCaptureStore capture(4, program_device);
       // Frames reuse buffers given back once "sent" (here: counted), as the service's do.
       FrameBufferPool frame_buffers(3);
       for (int run = 0; run < warmup + repeats; ++run) {
         if (run == warmup) phases_before = engine->phase_ms();  // warm-up runs not counted
         engine->reset();
-        cuda::Dsv4GpuSegmentProgram program(&decoder, decoder_gpu->get(),
-                                            dsv4_server_calls(T, 2048));
+        std::optional<cuda::Dsv4GpuSegmentProgram> program_on;
+        {  // on the program's GPU
+          cuda::DeviceGuard on_program(program_device);
+          program_on.emplace(&decoder, decoder_gpu->get(), dsv4_server_calls(T, 2048));
+        }
+        cuda::Dsv4GpuSegmentProgram& program = *program_on;
         double bytes = 0;
         std::unique_ptr<BridgeProducer> producer;
         if (on)
@@ -345,7 +359,8 @@ int main(int argc, char** argv) {
       const double overhead = on && off_wall > 0 ? wall.median / off_wall - 1.0 : 0.0;
       std::printf(
           "{\"bench\":\"gpu_dsv4_layer\",\"gpu\":\"%s\",\"rev\":\"%s\",\"config\":\"flash-shape "
-          "random\",\"weights\":\"%s\",\"expert_streams\":%d,\"weight_gb\":%.2f,\"T\":%lld,"
+          "random\",\"weights\":\"%s\",\"expert_streams\":%d,\"program_device\":%d,\"weight_gb\":%."
+          "2f,\"T\":%lld,"
           "\"chunk\":%lld,\"layers\":%"
           "lld,\"moe\":\"%s\",\"warmup\":%d,"
           "\"repeats\":"
@@ -358,8 +373,8 @@ int main(int argc, char** argv) {
           "\"peak_bf16_tflops\":%.1f,\"fraction_of_peak\":%.3f,\"phase_ms\":%s,\"refcheck\":%s}\n",
           gpu.c_str(), rev.c_str(),
           opts.weight_dtype == cuda::WeightDtype::kFp8 ? "experts fp8, rest bf16" : "bf16",
-          opts.expert_streams, engine->weight_bytes() / 1e9, static_cast<long long>(T),
-          static_cast<long long>(chunk), static_cast<long long>(layers),
+          opts.expert_streams, program_device, engine->weight_bytes() / 1e9,
+          static_cast<long long>(T), static_cast<long long>(chunk), static_cast<long long>(layers),
           opts.grouped_experts ? "grouped" : "loop", warmup, repeats, bridge.c_str(), wall.median,
           wall.min, wall.max, on ? std::to_string(overhead).c_str() : "null",
           on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null", capture_bytes,

@@ -15,6 +15,8 @@
 // inputs, relative RMS error against the stated bound) and refuses to report if that fails.
 //
 // --weights fp8 runs the projections with FP8 block-scaled weights (cuBLASLt), --kv the cache.
+// --program-device N runs the cache program on GPU N (the engine stays on GPU 0): the tap's rows
+// cross peer to peer and the program takes none of the engine's SMs.
 // Output: one JSON line per (T, mode) on stdout; a table on stderr.
 #include <cuda_runtime.h>
 #include <omp.h>
@@ -23,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,7 +47,8 @@ struct Args {
   int repeat = 3, warmup = 1;
   std::vector<std::string> modes = {"off", "on"};
   std::string kv = "fp8", weights = "bf16", shape = "1b", rev = "unknown";
-  int64_t layers = 0;  // 0: the shape's
+  int64_t layers = 0;       // 0: the shape's
+  int program_device = -1;  // the cache program's GPU (-1: the engine's)
   bool refcheck = false;
 };
 
@@ -227,6 +231,8 @@ int main(int argc, char** argv) {
       a.shape = v;
     else if (k == "--layers")
       a.layers = std::atoll(v);
+    else if (k == "--program-device")
+      a.program_device = std::atoi(v);
     else if (k == "--rev")
       a.rev = v;
     else
@@ -252,7 +258,12 @@ int main(int argc, char** argv) {
       cuda::LlamaCudaEngine::create(w, {*kv, false, 0, cuda::LlamaCudaArith::kFast, *wdt});
   if (!engine.is_ok()) return std::fprintf(stderr, "%s\n", engine.status().to_string().c_str()), 1;
   const LlamaDecoderWeights dw = llama_decoder_weights_of(w, "bench");
-  auto gw = cuda::upload_llama_weights(dw);
+  if (a.program_device >= devices)
+    return std::fprintf(stderr, "--program-device %d: %d GPU(s)\n", a.program_device, devices), 2;
+  auto gw = [&] {
+    cuda::DeviceGuard on_program(a.program_device);
+    return cuda::upload_llama_weights(dw);
+  }();
   if (!gw.is_ok()) return std::fprintf(stderr, "%s\n", gw.status().to_string().c_str()), 1;
   std::fprintf(stderr, "weights ready in %.1f s (%.2f GB on the device)\n", bench::now_s() - t0,
                static_cast<double>((*engine)->weight_bytes()) / 1e9);
@@ -281,14 +292,21 @@ int main(int argc, char** argv) {
       double wire_bytes = 0, capture_bytes = 0, staging_bytes = 0;
       bool complete = true;
       // As the served stack holds them: one capture and one page-locked pool for every request.
-      cuda::GpuCaptureStore capture(4);
+      cuda::GpuCaptureStore capture(4, a.program_device);
       auto pool = cuda::make_pinned_pool();
       // Frames reuse buffers given back once "sent" (here: counted), as the service's do.
       FrameBufferPool frame_buffers(3);
       for (int r = 0; r < a.warmup + a.repeat; ++r) {
         (*engine)->reset();
-        cuda::LlamaGpuSegmentProgram program(gw->get(), pool);
-        NullGpuProgram null_program(dw.layout);
+        std::optional<cuda::LlamaGpuSegmentProgram> program_on;
+        std::optional<NullGpuProgram> null_on;
+        {  // on the program's GPU (its stream, its scratch)
+          cuda::DeviceGuard on_program(a.program_device);
+          program_on.emplace(gw->get(), pool);
+          null_on.emplace(dw.layout);
+        }
+        cuda::LlamaGpuSegmentProgram& program = *program_on;
+        NullGpuProgram& null_program = *null_on;
         ArraysDropped dropped(&program);
         SegmentProgram* run_program = mode == "tap" ? static_cast<SegmentProgram*>(&null_program)
                                       : mode == "program" ? static_cast<SegmentProgram*>(&dropped)
@@ -328,7 +346,7 @@ int main(int argc, char** argv) {
       std::printf(
           "{\"bench\":\"gpu_llama_prefill\",\"rev\":\"%s\",\"gpu\":\"%s\",\"shape\":\"%s\","
           "\"layers\":%lld,\"params\":%.3e,\"weights\":\"%s\",\"kv\":\"%s\",\"T\":%lld,\"chunk\":%"
-          "lld,\"mode\":\"%s\","
+          "lld,\"mode\":\"%s\",\"program_device\":%d,"
           "\"repeat\":%d,\"median_s\":%.4f,\"min_s\":%.4f,\"max_s\":%.4f,\"tok_per_s\":%.0f,"
           "\"tflops\":%.1f,\"peak_tflops\":%.0f,\"peak_fraction\":%.3f,\"overhead_vs_off\":%s,"
           "\"wire_bytes_per_token\":%s,\"decoder_cache_bytes_per_token\":%.0f,"
@@ -336,8 +354,8 @@ int main(int argc, char** argv) {
           "\"activation_bytes\":%zu,\"manifest_complete\":%s}\n",
           a.rev.c_str(), gpu.c_str(), a.shape.c_str(), static_cast<long long>(c.layers), params,
           a.weights.c_str(), a.kv.c_str(), static_cast<long long>(T),
-          static_cast<long long>(a.chunk), mode.c_str(), a.repeat, sp.median, sp.min, sp.max,
-          static_cast<double>(T) / sp.median, tflops, peak, tflops / peak,
+          static_cast<long long>(a.chunk), mode.c_str(), a.program_device, a.repeat, sp.median,
+          sp.min, sp.max, static_cast<double>(T) / sp.median, tflops, peak, tflops / peak,
           on ? std::to_string(overhead).c_str() : "null",
           on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null",
           decoder_bytes_per_token, capture_bytes, staging_bytes, (*engine)->cache_bytes(),

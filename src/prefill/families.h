@@ -36,6 +36,9 @@ struct PrefillBackend {
   // 128x128 block, quantized at load; cuBLASLt block-scaled GEMMs): llama's projections,
   // deepseek_v4's experts.
   std::string weights = "bf16";
+  // cuda: the GPU the cache program runs on (-1: the engine's). Another GPU than the engine's
+  // keeps the program's work off the engine's SMs; the tap's rows cross peer to peer.
+  int program_device = -1;
 };
 
 // Whether this build has the CUDA backend.

@@ -25,6 +25,13 @@ Status check_device(int device) {
   return Status::ok();
 }
 
+// f() with the cache program's GPU current (its weights, its stream and scratch live there).
+template <class F>
+auto on_program_device(const PrefillBackend& backend, F&& f) {
+  cuda::DeviceGuard on_program(backend.program_device);
+  return f();
+}
+
 // What a GPU stack owns: the engine, the decoder's export (host and device copies) and the
 // capture its producer uses.
 template <class Engine, class Weights, class GpuWeights>
@@ -32,15 +39,19 @@ struct GpuOwned {
   std::unique_ptr<Engine> engine;
   Weights weights;
   std::unique_ptr<GpuWeights> gpu_weights;
-  cuda::GpuCaptureStore capture;
+  std::unique_ptr<cuda::GpuCaptureStore> capture;
 };
 
 // The stack's parts every family shares; the family adds its programs and chunk plan.
 template <class Engine, class Weights, class GpuWeights>
 std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>> gpu_stack(
     std::string family, std::string arith, std::unique_ptr<Engine> engine, Weights weights,
-    std::unique_ptr<GpuWeights> gpu_weights) {
+    std::unique_ptr<GpuWeights> gpu_weights, const PrefillBackend& backend) {
   auto owned = std::make_shared<GpuOwned<Engine, Weights, GpuWeights>>();
+  {
+    cuda::DeviceGuard on_engine(backend.device);
+    owned->capture = std::make_unique<cuda::GpuCaptureStore>(4, backend.program_device);
+  }
   owned->engine = std::move(engine);
   owned->weights = std::move(weights);
   owned->gpu_weights = std::move(gpu_weights);
@@ -49,7 +60,7 @@ std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>> 
   s.arith = std::move(arith);
   s.engine = std::make_unique<EngineAdapter<Engine>>(owned->engine.get());
   s.layout = owned->weights.layout;
-  s.capture = &owned->capture;
+  s.capture = owned->capture.get();
   s.owned = owned;
   return {std::move(s), owned};
 }
@@ -59,6 +70,7 @@ std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>> 
 Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::string& weights_dir,
                                      const PrefillBackend& backend) {
   HETERO_RETURN_IF_ERROR(check_device(backend.device));
+  if (backend.program_device >= 0) HETERO_RETURN_IF_ERROR(check_device(backend.program_device));
   HETERO_ASSIGN_OR_RETURN(cuda::KvDtype kv, cuda::parse_kv_dtype(backend.kv_dtype));
   HETERO_ASSIGN_OR_RETURN(cuda::LlamaCudaArith arith, cuda::parse_llama_cuda_arith(backend.arith));
   HETERO_ASSIGN_OR_RETURN(cuda::WeightDtype wdt, cuda::parse_weight_dtype(backend.weights));
@@ -68,17 +80,22 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   HETERO_ASSIGN_OR_RETURN(
       auto engine,
       cuda::LlamaCudaEngine::load(model_dir, {kv, /*host_tap=*/false, backend.device, arith, wdt}));
-  HETERO_ASSIGN_OR_RETURN(auto gpu_weights, cuda::upload_llama_weights(weights));
-  auto [s, owned] = gpu_stack(std::string("llama"),
-                              std::string(arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast"),
-                              std::move(engine), std::move(weights), std::move(gpu_weights));
+  HETERO_ASSIGN_OR_RETURN(auto gpu_weights, on_program_device(backend, [&] {
+                            return cuda::upload_llama_weights(weights);
+                          }));
+  auto [s, owned] = gpu_stack(
+      std::string("llama"), std::string(arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast"),
+      std::move(engine), std::move(weights), std::move(gpu_weights), backend);
   const cuda::LlamaGpuWeights* gw = owned->gpu_weights.get();
   // One set of page-locked blocks for every request: pinning hundreds of MB per request would
   // cost more than the segment's copies.
   auto pool = cuda::make_pinned_pool();
-  s.programs = [gw, pool](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
-    return std::unique_ptr<SegmentProgram>(
-        std::make_unique<cuda::LlamaGpuSegmentProgram>(gw, pool));
+  s.programs = [gw, pool,
+                backend](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+    return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
+      return std::unique_ptr<SegmentProgram>(
+          std::make_unique<cuda::LlamaGpuSegmentProgram>(gw, pool));
+    });
   };
   return std::move(s);
 }
@@ -86,6 +103,7 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
 Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::string& weights_dir,
                                     const PrefillBackend& backend) {
   HETERO_RETURN_IF_ERROR(check_device(backend.device));
+  if (backend.program_device >= 0) HETERO_RETURN_IF_ERROR(check_device(backend.program_device));
   if (backend.arith != "fast")
     return failed_precondition(
         "deepseek_v4 on the cuda backend has only fast arithmetic (its caches agree with the "
@@ -96,15 +114,20 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
   HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CudaEngine::load(model_dir, options));
   HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
-  HETERO_ASSIGN_OR_RETURN(auto gpu_weights, cuda::upload_dsv4_weights(weights));
+  HETERO_ASSIGN_OR_RETURN(auto gpu_weights, on_program_device(backend, [&] {
+                            return cuda::upload_dsv4_weights(weights);
+                          }));
   auto [s, owned] = gpu_stack(std::string("deepseek_v4"), std::string("fast"), std::move(engine),
-                              std::move(weights), std::move(gpu_weights));
+                              std::move(weights), std::move(gpu_weights), backend);
   const Dsv4DecoderWeights* w = &owned->weights;
   const cuda::Dsv4GpuWeights* gw = owned->gpu_weights.get();
-  s.programs = [w, gw](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+  s.programs = [w, gw,
+                backend](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
     HETERO_RETURN_IF_ERROR(require_decoder_calls(req));
-    return std::unique_ptr<SegmentProgram>(
-        std::make_unique<cuda::Dsv4GpuSegmentProgram>(w, gw, req.decoder_calls));
+    return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
+      return std::unique_ptr<SegmentProgram>(
+          std::make_unique<cuda::Dsv4GpuSegmentProgram>(w, gw, req.decoder_calls));
+    });
   };
   s.chunk_plan = [](const PrefillRequest& req, int64_t) { return req.decoder_calls; };
   return std::move(s);

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "bridge/llama_program.h"
 #include "bridge/producer.h"
@@ -80,17 +81,31 @@ BridgeProducer::FrameSink collect(Received* r) {
   };
 }
 
-TEST_F(GpuProgramsTest, DeviceCaptureStreamsTheCpuProgramsSegments) {
+// The engine on GPU 0 with its device tap feeding the GPU program on program_device (-1: the
+// same GPU) through the capture; the CPU program gets the same rows from the host tap.
+void expect_cpu_programs_segments(int program_device) {
   const LlamaWeights w = tiny_llama("qwen3", 128, 9);
   const LlamaDecoderWeights d = export_of(w);
-  auto gw = cuda::upload_llama_weights(d);
+  auto gw = [&] {
+    cuda::DeviceGuard on_program(program_device);
+    return cuda::upload_llama_weights(d);
+  }();
   ASSERT_TRUE(gw.is_ok());
   // Host tap on, so the same rows also reach the CPU program for the reference.
   auto engine = cuda::LlamaCudaEngine::create(w, {cuda::KvDtype::kFp8, /*host_tap=*/true, 0});
   ASSERT_TRUE(engine.is_ok());
   constexpr int kSlots = 2;
-  cuda::GpuCaptureStore capture(kSlots);
-  cuda::LlamaGpuSegmentProgram gpu_program(gw->get());
+  cuda::GpuCaptureStore capture(kSlots, program_device);
+  std::optional<cuda::LlamaGpuSegmentProgram> on_program;
+  {
+    cuda::DeviceGuard guard(program_device);
+    on_program.emplace(gw->get());
+  }
+  cuda::LlamaGpuSegmentProgram& gpu_program = *on_program;
+  // The program's rows and stream are on its GPU.
+  cudaPointerAttributes where{};
+  ASSERT_EQ(cudaPointerGetAttributes(&where, (*gw)->layers[0].wk_t.get<float>()), cudaSuccess);
+  EXPECT_EQ(where.device, program_device < 0 ? 0 : program_device);
   LlamaCacheProgram cpu_cache(&d);
   LlamaSegmentProgram cpu_program(&cpu_cache);
   Received got, want;
@@ -128,6 +143,18 @@ TEST_F(GpuProgramsTest, DeviceCaptureStreamsTheCpuProgramsSegments) {
   // The capture held at most its slots' worth of one chunk's rows.
   EXPECT_LE(capture.device_bytes(), static_cast<size_t>(kSlots * chunk * w.config.hidden * 2));
   EXPECT_GT(capture.device_bytes(), 0u);
+}
+
+TEST_F(GpuProgramsTest, DeviceCaptureStreamsTheCpuProgramsSegments) {
+  expect_cpu_programs_segments(-1);
+}
+
+// The program on a second GPU: the rows cross peer to peer, the segments are the same.
+TEST_F(GpuProgramsTest, ProgramOnASecondGpuStreamsTheSameSegments) {
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  if (devices < 2) GTEST_SKIP() << "one GPU: no second GPU for the program";
+  expect_cpu_programs_segments(1);
 }
 
 // A producer with a GPU program refuses a tap without device rows (a CPU engine's) in its

@@ -33,12 +33,40 @@ const uint16_t* or_null(const DeviceBuffer& b) { return b.bytes() ? b.get<uint16
 
 }  // namespace
 
+DeviceGuard::DeviceGuard(int device) {
+  if (device < 0) return;
+  previous_ = current_device();
+  if (previous_ != device) cudaSetDevice(device);
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (previous_ >= 0 && previous_ != current_device()) cudaSetDevice(previous_);
+}
+
+int current_device() {
+  int d = 0;
+  cudaGetDevice(&d);
+  return d;
+}
+
 // ---- capture ----
 
-GpuCaptureStore::GpuCaptureStore(int slots) : slots_(static_cast<size_t>(slots)) {
+GpuCaptureStore::GpuCaptureStore(int slots, int program_device)
+    : slots_(static_cast<size_t>(slots)),
+      engine_device_(current_device()),
+      program_device_(program_device < 0 ? current_device() : program_device) {
+  if (program_device_ != engine_device_) {
+    // The tap's copies write into the program's GPU from the engine's: peer access where the
+    // GPUs have it (else the driver stages the copy through the host, slower but correct).
+    int can = 0;
+    cudaDeviceCanAccessPeer(&can, engine_device_, program_device_);
+    if (can && cudaDeviceEnablePeerAccess(program_device_, 0) != cudaSuccess)
+      cudaGetLastError();  // already enabled: not an error for the copies
+  }
   for (Slot& s : slots_) {
-    cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming);
-    cudaEventCreateWithFlags(&s.read, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming);  // on the engine's stream
+    DeviceGuard on_program(program_device_);
+    cudaEventCreateWithFlags(&s.read, cudaEventDisableTiming);  // on the program's
   }
 }
 
@@ -70,6 +98,7 @@ Result<int> GpuCaptureStore::capture(const TapEvent& e) {
     // Growing frees the old rows: their reader must be done with them first.
     if (s.read_pending) cudaEventSynchronize(s.read);
     s.read_pending = false;
+    DeviceGuard on_program(program_device_);
     const Status st = s.rows.allocate(bytes, nullptr, false);
     if (!st.is_ok()) {
       release(slot, nullptr);
@@ -80,7 +109,10 @@ Result<int> GpuCaptureStore::capture(const TapEvent& e) {
   cudaError_t ce = cudaSuccess;
   if (s.read_pending) ce = cudaStreamWaitEvent(stream, s.read, 0);  // the previous rows' reader
   if (ce == cudaSuccess)
-    ce = cudaMemcpyAsync(s.rows.get(), e.x_device, bytes, cudaMemcpyDeviceToDevice, stream);
+    ce = program_device_ == engine_device_
+             ? cudaMemcpyAsync(s.rows.get(), e.x_device, bytes, cudaMemcpyDeviceToDevice, stream)
+             : cudaMemcpyPeerAsync(s.rows.get(), program_device_, e.x_device, engine_device_, bytes,
+                                   stream);
   if (ce == cudaSuccess) ce = cudaEventRecord(s.copied, stream);
   if (ce != cudaSuccess) {
     release(slot, nullptr);
@@ -289,6 +321,7 @@ SideStream::~SideStream() {
 
 Status LlamaGpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                    std::vector<WireArray>* arrays) {
+  DeviceGuard on_program(device_);
   const DecoderCacheLayout& L = program_.layout();
   const int64_t rows = n * L.kv_heads * L.head_dim;  // elements per array
   std::shared_ptr<PinnedPool::Block> block;
@@ -363,6 +396,7 @@ Status LlamaGpuSegmentProgram::segment_ready(int64_t pos0, int64_t n) {
 
 Status Dsv4GpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                   std::vector<WireArray>* arrays) {
+  DeviceGuard on_program(device_);
   Dsv4NewRows rows;
   HETERO_RETURN_IF_ERROR(program_.feed_device(layer, pos0, n, x, &rows));
   dsv4_feed_arrays(*host_, layer, std::move(rows), arrays);
@@ -372,6 +406,7 @@ Status Dsv4GpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const 
 Status Dsv4GpuSegmentProgram::close_segment(int64_t pos0, int64_t n,
                                             std::vector<WireArray>* arrays) {
   if (pos0 + n != program_.tokens()) return Status::ok();
+  DeviceGuard on_program(device_);
   return dsv4_close_arrays(
       *host_, program_.window_idx(), [this](int64_t l) { return program_.finish_layer(l); },
       arrays);

@@ -20,14 +20,34 @@
 
 namespace hetero::cuda {
 
+// Makes `device` the calling thread's current CUDA device while the guard lives (negative: no
+// change); the previous one is current again after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+// The calling thread's current CUDA device.
+int current_device();
+
 // A ring of device slots. A slot grows to the largest rows it has held (chunk x hidden bf16),
 // so the memory held is slots x the largest chunk's rows: bounded by the chunk size, flat in the
 // prompt's length. A slot is taken by the tap and given back once the program has enqueued its
 // reads; the next copy into it waits for those reads on the device (an event), not on the host,
 // so the engine's host thread blocks only while every slot is still waiting for its program.
+//
+// The program may run on another GPU than the engine (program_device): the slots then live on
+// the program's GPU and the tap's copy crosses to it peer to peer (over NVLink where the GPUs
+// have it), still enqueued on the engine's stream, so the program's work takes none of the
+// engine's SMs. Construct the store with the engine's device current.
 class GpuCaptureStore : public CaptureStore {
  public:
-  explicit GpuCaptureStore(int slots = 4);
+  explicit GpuCaptureStore(int slots = 4, int program_device = -1);
   ~GpuCaptureStore() override;
   GpuCaptureStore(const GpuCaptureStore&) = delete;
   GpuCaptureStore& operator=(const GpuCaptureStore&) = delete;
@@ -46,6 +66,7 @@ class GpuCaptureStore : public CaptureStore {
     bool busy = false, read_pending = false;
   };
   std::vector<Slot> slots_;
+  int engine_device_ = 0, program_device_ = 0;
   mutable std::mutex mu_;
   std::condition_variable freed_;
 };
@@ -139,7 +160,9 @@ std::shared_ptr<PinnedPool> make_pinned_pool();
 // segment_ready() waits for the block's last copy.
 class LlamaGpuSegmentProgram : public SegmentProgram {
  public:
-  // pool: page-locked blocks shared with other requests' programs (null: its own).
+  // pool: page-locked blocks shared with other requests' programs (null: its own). The program
+  // runs on the device current at construction (weights must be there), whichever thread
+  // calls it; a pool serves programs of one device (its events are that device's).
   explicit LlamaGpuSegmentProgram(const LlamaGpuWeights* weights,
                                   std::shared_ptr<PinnedPool> pool = nullptr)
       : program_(weights, stream_.get()), pool_(pool ? std::move(pool) : make_pinned_pool()) {}
@@ -157,6 +180,7 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
   size_t host_staging_bytes() const { return pool_->host_bytes(); }
 
  private:
+  int device_ = current_device();
   SideStream stream_;
   LlamaGpuCacheProgram program_;
   std::shared_ptr<PinnedPool> pool_;
@@ -167,7 +191,8 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
 
 class Dsv4GpuSegmentProgram : public SegmentProgram {
  public:
-  // host: the export (for names and widths); weights: its device copy.
+  // host: the export (for names and widths); weights: its device copy, on the device current at
+  // construction, where the program runs whichever thread calls it.
   Dsv4GpuSegmentProgram(const Dsv4DecoderWeights* host, const Dsv4GpuWeights* weights,
                         const std::vector<int64_t>& decoder_calls)
       : host_(host), program_(weights, decoder_calls, stream_.get()) {}
@@ -179,6 +204,7 @@ class Dsv4GpuSegmentProgram : public SegmentProgram {
 
  private:
   const Dsv4DecoderWeights* host_;
+  int device_ = current_device();
   SideStream stream_;
   Dsv4GpuCacheProgram program_;
 };
