@@ -4,8 +4,9 @@
 // that is empty for the first window a call completes, HISA once a layer holds index_block *
 // index_keep pooled rows, chunks of 2..8 tokens run token by token) — in fast arithmetic: bf16
 // tensor-core GEMMs through cuBLAS with float32 accumulation, the checkpoint's FP8/FP4 weights
-// dequantized to bf16 at load, tensor-core attention over the window and the (selected)
-// compressed rows, routed experts grouped per expert. It is not bit-identical to the CPU engine;
+// dequantized to bf16 at load (the experts' optionally requantized to block-scaled FP8,
+// weight_dtype), tensor-core attention over the window and the (selected) compressed rows,
+// routed experts grouped per expert over a few side streams. It is not bit-identical to the CPU engine;
 // tests/gpu/dsv4_cuda_test.cc states how close it is (it compares with the CPU engine's
 // `dequant` arithmetic, the dense decoder this engine computes).
 //
