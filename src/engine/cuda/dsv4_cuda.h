@@ -6,8 +6,8 @@
 // tensor-core GEMMs through cuBLAS with float32 accumulation, the checkpoint's FP8/FP4 weights
 // dequantized to bf16 at load (the experts' optionally requantized to block-scaled FP8,
 // weight_dtype), tensor-core attention over the window and the (selected) compressed rows,
-// routed experts grouped per expert over a few side streams. It is not bit-identical to the CPU engine;
-// tests/gpu/dsv4_cuda_test.cc states how close it is (it compares with the CPU engine's
+// routed experts grouped per expert over a few side streams. It is not bit-identical to the CPU
+// engine; tests/gpu/dsv4_cuda_test.cc states how close it is (it compares with the CPU engine's
 // `dequant` arithmetic, the dense decoder this engine computes).
 //
 // Memory: the weights are uploaded once; activations are sized by the largest chunk seen; the
