@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -34,6 +36,16 @@ inline std::vector<uint16_t> random_bf16(size_t n, float scale, uint32_t seed) {
   std::vector<uint16_t> v(n);
   for (auto& x : v) x = f32_to_bf16(nd(rng));
   return v;
+}
+
+// Relative RMS error of bf16 values a against the reference b: sqrt(sum (a-b)^2 / sum b^2).
+inline double rel_rms(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = bf16_to_f32(a[i]), y = bf16_to_f32(b[i]);
+    num += (x - y) * (x - y), den += y * y;
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
 }
 
 }  // namespace hetero

@@ -111,15 +111,6 @@ TEST_F(Dsv4CudaEngineTest, ScoreRoutedAttentionInputsStayCloseToCpuDequant) {
   expect_close(c, random_dsv4_model(c, 11), kDsv4ScoreRoutedTolerance);
 }
 
-double rel_rms(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double x = bf16_to_f32(a[i]), y = bf16_to_f32(b[i]);
-    num += (x - y) * (x - y), den += y * y;
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
 // FP8 experts: every expert weight and the experts' inputs are rounded to e4m3 in blocks of 128,
 // a relative error of about 4% per MoE (one FP8 GEMM against bf16: 3.7%, Fp8Test), which the
 // residual stream carries into the later layers' attention inputs, adding up about independently:

@@ -56,15 +56,6 @@ Status run_schedule(Engine& engine, const std::vector<int32_t>& ids,
   return Status::ok();
 }
 
-double rel_rms(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double x = bf16_to_f32(a[i]), y = bf16_to_f32(b[i]);
-    num += (x - y) * (x - y), den += y * y;
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
 struct Case {
   std::string type;
   int64_t head_dim;

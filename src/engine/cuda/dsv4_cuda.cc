@@ -329,17 +329,23 @@ struct Dsv4CudaEngine::Impl {
   }
 };
 
+// A cuBLAS handle on `stream`, with no bf16 reductions inside split-k: every sum stays float32.
+static cublasHandle_t blas_on(cudaStream_t stream) {
+  cublasHandle_t h = nullptr;
+  HETERO_CUBLAS_OK(cublasCreate(&h));
+  HETERO_CUBLAS_OK(cublasSetStream(h, stream));
+  HETERO_CUBLAS_OK(cublasSetMathMode(
+      h, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                   CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  return h;
+}
+
 Dsv4CudaEngine::Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& options)
     : config_(config), options_(options), impl_(std::make_unique<Impl>()) {
   const Dsv4Config& c = config_;
   Impl& m = *impl_;
   HETERO_CUDA_OK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
-  HETERO_CUBLAS_OK(cublasCreate(&m.blas));
-  HETERO_CUBLAS_OK(cublasSetStream(m.blas, m.stream));
-  // No bf16 reductions inside split-k: every sum stays float32.
-  HETERO_CUBLAS_OK(cublasSetMathMode(
-      m.blas, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
-                                        CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  m.blas = blas_on(m.stream);
   HETERO_CUDA_OK(cudaMallocHost(&m.host_offsets, sizeof(int32_t) * (c.n_routed_experts + 1)));
   HETERO_CUDA_OK(cudaMallocHost(&m.host_ptrs, sizeof(void*) * 6 * c.n_routed_experts));
   m.dev_ptrs.alloc(sizeof(void*) * 6 * c.n_routed_experts);
@@ -353,11 +359,7 @@ Dsv4CudaEngine::Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& 
     for (Impl::Lane& lane : m.lanes) {
       HETERO_CUDA_OK(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
       HETERO_CUDA_OK(cudaEventCreateWithFlags(&lane.done, cudaEventDisableTiming));
-      HETERO_CUBLAS_OK(cublasCreate(&lane.blas));
-      HETERO_CUBLAS_OK(cublasSetStream(lane.blas, lane.stream));
-      HETERO_CUBLAS_OK(cublasSetMathMode(
-          lane.blas, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
-                                               CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+      lane.blas = blas_on(lane.stream);
     }
   }
   if (m.fp8) {
