@@ -19,10 +19,12 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "common/bf16.h"
 #include "cuda_test_base.h"
 #include "engine/llama_cpu.h"
+#include "kernels/cuda/device.h"
 #include "llama_test_weights.h"
 
 namespace hetero {
@@ -221,6 +223,39 @@ TEST_F(LlamaCudaEngineTest, ExactArithmeticIsBitIdenticalToCpu) {
 
 // The device tap and the host tap carry the same rows; the device rows are ready in the
 // engine's stream order (copied by work enqueued there, as a consumer must).
+// An engine on the second GPU runs there whichever thread calls it (a new thread starts on
+// device 0, as the service's do), gives the same bits as one on the first (exact arithmetic),
+// and leaves the creating thread's current device alone.
+TEST_F(LlamaCudaEngineTest, RunsOnItsOwnDeviceFromAnyThread) {
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  if (devices < 2) GTEST_SKIP() << "one GPU: no second device to run on";
+  const LlamaWeights w = tiny_llama("qwen3", 64, 31);
+  const LlamaConfig& c = w.config;
+  const std::vector<int32_t> ids = random_ids(150, c.vocab, 8);
+  cuda::LlamaCudaOptions o;
+  o.host_tap = true;
+  o.arith = cuda::LlamaCudaArith::kExact;
+  auto first = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  o.device = 1;
+  auto second = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(second.is_ok()) << second.status().to_string();
+  EXPECT_EQ(cuda::current_device(), 0);
+  Taps want, got;
+  ASSERT_TRUE(run_schedule(**first, ids, {150}, c.layers, c.hidden, &want).is_ok());
+  Status st;
+  std::thread caller([&] {
+    st = run_schedule(**second, ids, {100, 50}, c.layers, c.hidden, &got);
+  });
+  caller.join();
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (int64_t l = 0; l < c.layers; ++l)
+    EXPECT_EQ(got[static_cast<size_t>(l)], want[static_cast<size_t>(l)]) << "layer " << l;
+  o.device = devices;
+  EXPECT_EQ(cuda::LlamaCudaEngine::create(w, o).status().code(), Code::kInvalidArgument);
+}
+
 TEST_F(LlamaCudaEngineTest, DeviceTapMatchesHostTap) {
   const LlamaWeights w = tiny_llama("llama", 64, 3);
   auto gpu = cuda::LlamaCudaEngine::create(w, {cuda::KvDtype::kFp8, true, 0});

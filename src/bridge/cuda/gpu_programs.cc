@@ -33,22 +33,6 @@ const uint16_t* or_null(const DeviceBuffer& b) { return b.bytes() ? b.get<uint16
 
 }  // namespace
 
-DeviceGuard::DeviceGuard(int device) {
-  if (device < 0) return;
-  previous_ = current_device();
-  if (previous_ != device) cudaSetDevice(device);
-}
-
-DeviceGuard::~DeviceGuard() {
-  if (previous_ >= 0 && previous_ != current_device()) cudaSetDevice(previous_);
-}
-
-int current_device() {
-  int d = 0;
-  cudaGetDevice(&d);
-  return d;
-}
-
 // ---- capture ----
 
 GpuCaptureStore::GpuCaptureStore(int slots, int program_device)

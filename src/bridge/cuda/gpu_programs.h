@@ -16,24 +16,10 @@
 #include "bridge/decoder_weights.h"
 #include "bridge/llama_program.h"
 #include "bridge/producer.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/ops.h"
 
 namespace hetero::cuda {
-
-// Makes `device` the calling thread's current CUDA device while the guard lives (negative: no
-// change); the previous one is current again after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device);
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
-// The calling thread's current CUDA device.
-int current_device();
 
 // A ring of device slots. A slot grows to the largest rows it has held (chunk x hidden bf16),
 // so the memory held is slots x the largest chunk's rows: bounded by the chunk size, flat in the

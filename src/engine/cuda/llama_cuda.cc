@@ -8,6 +8,7 @@
 
 #include "common/bf16.h"
 #include "kernels/cpu_ops.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/ops.h"
 
 namespace hetero::cuda {
@@ -91,6 +92,7 @@ LlamaCudaEngine::LlamaCudaEngine(LlamaConfig config, LlamaCudaOptions options)
     : config_(std::move(config)), options_(options), pages_(std::make_unique<Pages>()) {}
 
 LlamaCudaEngine::~LlamaCudaEngine() {
+  DeviceGuard on_engine(options_.device);
   if (stream_) cudaStreamSynchronize(stream_);
   for (void* p : allocations_) cudaFree(p);
   for (KvPageRef* t : pages_->table) cudaFree(t);
@@ -130,9 +132,11 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
         "fp8 weights need the fast arithmetic: the exact path reproduces the decoder's bf16 "
         "weights bit for bit");
   if (fp8) HETERO_RETURN_IF_ERROR(check_fp8_device(options.device));
+  // The engine's memory, stream and handles live on its device; the caller's current device is
+  // left as it was.
+  DeviceGuard on_engine(options.device);
   std::unique_ptr<LlamaCudaEngine> e(new LlamaCudaEngine(c, options));
-  cudaError_t ce = cudaSetDevice(options.device);
-  if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&e->stream_, cudaStreamNonBlocking);
+  cudaError_t ce = cudaStreamCreateWithFlags(&e->stream_, cudaStreamNonBlocking);
   if (ce != cudaSuccess) return cuda_error("creating the compute stream", ce);
   cublasHandle_t h = nullptr;
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return internal_error("cublasCreate failed");
@@ -413,6 +417,8 @@ Status LlamaCudaEngine::linear(const uint16_t* x, int64_t m, const Proj& w, uint
 
 Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
                                       const AttentionInputTap& tap) {
+  // The service calls from its own threads, which start on device 0.
+  DeviceGuard on_engine(options_.device);
   const LlamaConfig& c = config_;
   HETERO_RETURN_IF_ERROR(check_token_ids(ids, c.vocab));
   if (ids.empty()) return Status::ok();
@@ -592,6 +598,7 @@ Status LlamaCudaEngine::synchronize() {
 }
 
 Result<std::vector<float>> LlamaCudaEngine::last_logits() {
+  DeviceGuard on_engine(options_.device);
   const LlamaConfig& c = config_;
   std::vector<float> logits(static_cast<size_t>(c.vocab));
   if (n_cached_ == 0) return logits;
