@@ -109,6 +109,10 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
         "deepseek_v4 on the cuda backend has only fast arithmetic (its caches agree with the "
         "decoder's within a tolerance, not bit for bit); pass --arith fast to accept that, or "
         "use --backend cpu for bit-exact caches");
+  if (backend.device != 0)
+    return invalid_argument(
+        "deepseek_v4 on the cuda backend runs its forward on device 0 only, not " +
+        std::to_string(backend.device) + " (--program-device can put the cache program elsewhere)");
   Dsv4CudaOptions options;
   HETERO_ASSIGN_OR_RETURN(options.weight_dtype, cuda::parse_weight_dtype(backend.weights));
   HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
