@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "bridge/producer.h"
+#include "bridge/wire.h"
 #include "common/bf16.h"
 
 namespace hetero::bench {
@@ -29,6 +31,17 @@ struct Draw {
 struct Spread {
   double median = 0, min = 0, max = 0;
 };
+// A producer's sink for a bench: counts the frames' bytes into *bytes and gives each frame's
+// buffer back to `buffers` at once, as the service does once a frame is sent (a link that never
+// waits).
+inline BridgeProducer::FrameSink counting_sink(double* bytes, FrameBufferPool* buffers) {
+  return [bytes, buffers](std::string f) {
+    *bytes += static_cast<double>(f.size());
+    buffers->give(std::move(f));
+    return true;
+  };
+}
+
 inline Spread spread(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   if (v.empty()) return {};

@@ -270,13 +270,7 @@ int main(int argc, char** argv) {
         std::unique_ptr<BridgeProducer> producer;
         if (on)
           producer = std::make_unique<BridgeProducer>(
-              &program,
-              [&bytes, &frame_buffers](std::string f) {
-                bytes += static_cast<double>(f.size());
-                frame_buffers.give(std::move(f));
-                return true;
-              },
-              4, &capture, &frame_buffers);
+              &program, bench::counting_sink(&bytes, &frame_buffers), 4, &capture, &frame_buffers);
         const AttentionInputTap bridge_tap = on ? producer->tap() : AttentionInputTap();
         std::vector<double> ms(static_cast<size_t>(layers), 0.0);
         double total = 0;

@@ -314,14 +314,9 @@ int main(int argc, char** argv) {
         double bytes = 0;
         std::unique_ptr<BridgeProducer> producer;
         if (on)
-          producer = std::make_unique<BridgeProducer>(
-              run_program,
-              [&bytes, &frame_buffers](std::string f) {
-                bytes += static_cast<double>(f.size());
-                frame_buffers.give(std::move(f));
-                return true;
-              },
-              4, &capture, &frame_buffers);
+          producer = std::make_unique<BridgeProducer>(run_program,
+                                                      bench::counting_sink(&bytes, &frame_buffers),
+                                                      4, &capture, &frame_buffers);
         const AttentionInputTap tap = on ? producer->tap() : AttentionInputTap();
         cudaDeviceSynchronize();
         const double s0 = bench::now_s();

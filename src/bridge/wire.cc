@@ -33,6 +33,14 @@ void prefer_huge_pages(const char* p, size_t bytes) {
 #endif
 }
 
+// An empty buffer with room for `bytes`, huge pages asked for.
+std::string fresh_buffer(size_t bytes) {
+  std::string buf;
+  buf.reserve(bytes);
+  prefer_huge_pages(buf.data(), buf.capacity());
+  return buf;
+}
+
 // The frame's fixed prefix: magic, header length, payload length.
 void append_prefix(std::string* out, size_t header_bytes, uint64_t payload_bytes) {
   out->append(kMagic, 4);
@@ -102,10 +110,7 @@ std::string FrameBufferPool::take(size_t bytes) {
       return buf;
     }
   }
-  std::string buf;
-  buf.reserve(bytes);
-  prefer_huge_pages(buf.data(), buf.capacity());
-  return buf;
+  return fresh_buffer(bytes);
 }
 
 void FrameBufferPool::give(std::string buf) {
@@ -143,12 +148,7 @@ SegmentFrameWriter::SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> 
   uint64_t pb = 0;
   for (const ArraySpec& a : specs_) pb += a.nbytes();
   const size_t bytes = kPrefixBytes + h.size() + pb + 8;
-  if (buffers) {
-    out_ = buffers->take(bytes);
-  } else {
-    out_.reserve(bytes);
-    prefer_huge_pages(out_.data(), out_.capacity());
-  }
+  out_ = buffers ? buffers->take(bytes) : fresh_buffer(bytes);
   append_prefix(&out_, h.size(), pb);
   out_ += h;
   sum_.update(h.data(), h.size());
@@ -221,9 +221,7 @@ void FrameParser::feed(const char* data, size_t n) {
         pb <= static_cast<uint64_t>(max_payload_)) {
       const size_t total = std::max<size_t>(kPrefixBytes + hb + pb + 8, have + n);
       if (buf_.capacity() - pos_ < total) {
-        std::string grown;
-        grown.reserve(total);
-        prefer_huge_pages(grown.data(), grown.capacity());
+        std::string grown = fresh_buffer(total);
         grown.append(buf_, pos_, have);  // drops what earlier frames left
         buf_ = std::move(grown);
         pos_ = 0;
