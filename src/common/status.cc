@@ -19,6 +19,8 @@ const char* code_name(Code code) {
       return "unavailable";
     case Code::kDeadlineExceeded:
       return "deadline_exceeded";
+    case Code::kResourceExhausted:
+      return "resource_exhausted";
     case Code::kInternal:
       return "internal";
   }

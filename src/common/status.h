@@ -18,6 +18,7 @@ enum class Code : int {
   kDataLoss,            // checksum mismatch, truncated segment
   kUnavailable,         // peer gone; transient, may be retried
   kDeadlineExceeded,    // stall past a deadline; transient
+  kResourceExhausted,   // out of memory (host or device) for this request; nothing else broken
   kInternal,
 };
 
@@ -49,6 +50,7 @@ inline Status failed_precondition(std::string m) {
 }
 inline Status data_loss(std::string m) { return {Code::kDataLoss, std::move(m)}; }
 inline Status unavailable(std::string m) { return {Code::kUnavailable, std::move(m)}; }
+inline Status resource_exhausted(std::string m) { return {Code::kResourceExhausted, std::move(m)}; }
 inline Status internal_error(std::string m) { return {Code::kInternal, std::move(m)}; }
 
 // A value or the Status that explains why there is none.

@@ -17,9 +17,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   httplib::Client cli(host, port);
   cli.set_connection_timeout(std::chrono::milliseconds(std::min<int64_t>(stall_ms, 5000)));
   cli.set_read_timeout(std::chrono::milliseconds(stall_ms));
-  nlohmann::json body = {{"ids", req.ids}, {"fingerprint", req.fingerprint}};
-  if (req.chunk_tokens > 0) body["chunk"] = req.chunk_tokens;
-  if (!req.decoder_calls.empty()) body["decoder_calls"] = req.decoder_calls;
+  const nlohmann::json body = prefill_request_json(req);
 
   FrameParser parser(int64_t{8} << 30);
   auto last_byte = std::chrono::steady_clock::now();

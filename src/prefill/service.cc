@@ -78,56 +78,6 @@ Result<FaultSpec> parse_fault(const std::string& text) {
   return invalid_argument("--fault kind '" + f.kind + "' is unknown");
 }
 
-Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
-                                             const DecoderCacheLayout& layout, int64_t max_tokens) {
-  json j = json::parse(body, nullptr, false);
-  if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
-  if (!j.is_object()) return invalid_argument("request body must be a JSON object");
-  PrefillRequest r;
-  if (!j.contains("ids") || !j["ids"].is_array())
-    return invalid_argument("'ids' must be an array of token ids");
-  if (j["ids"].empty()) return invalid_argument("'ids' is empty: nothing to prefill");
-  if (static_cast<int64_t>(j["ids"].size()) > max_tokens)
-    return invalid_argument("'ids' has " + std::to_string(j["ids"].size()) +
-                            " tokens, more than the limit " + std::to_string(max_tokens));
-  for (size_t i = 0; i < j["ids"].size(); ++i) {
-    const json& v = j["ids"][i];
-    if (!v.is_number_integer())
-      return invalid_argument("ids[" + std::to_string(i) + "] is not an integer");
-    const int64_t id = v.get<int64_t>();
-    if (id < 0 || id >= vocab)
-      return invalid_argument("ids[" + std::to_string(i) + "] = " + std::to_string(id) +
-                              " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
-    r.ids.push_back(static_cast<int32_t>(id));
-  }
-  if (!j.contains("fingerprint") || !j["fingerprint"].is_string())
-    return invalid_argument("'fingerprint' (the decoder's) is required");
-  r.fingerprint = j["fingerprint"].get<std::string>();
-  if (r.fingerprint != layout.fingerprint)
-    return failed_precondition("fingerprint mismatch: the decoder has " + r.fingerprint +
-                               ", this prefill host's export has " + layout.fingerprint);
-  if (j.contains("chunk")) {
-    if (!j["chunk"].is_number_integer() || j["chunk"].get<int64_t>() <= 0)
-      return invalid_argument("'chunk' must be a positive integer");
-    r.chunk_tokens = j["chunk"].get<int64_t>();
-  }
-  if (j.contains("decoder_calls")) {
-    const json& c = j["decoder_calls"];
-    int64_t total = 0;
-    if (!c.is_array()) return invalid_argument("'decoder_calls' must be an array of lengths");
-    for (const json& v : c) {
-      if (!v.is_number_integer() || v.get<int64_t>() <= 0)
-        return invalid_argument("'decoder_calls' entries must be positive integers");
-      r.decoder_calls.push_back(v.get<int64_t>());
-      total += r.decoder_calls.back();
-    }
-    if (total != static_cast<int64_t>(r.ids.size()))
-      return invalid_argument("'decoder_calls' cover " + std::to_string(total) +
-                              " tokens, 'ids' has " + std::to_string(r.ids.size()));
-  }
-  return r;
-}
-
 Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLayout& layout) {
   auto mismatch = [&](const char* what, int64_t m, int64_t e) {
     return failed_precondition(std::string("decoder-weights export does not match the model: ") +

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bridge/decoder_weights.h"
+#include "bridge/prefill_request.h"
 #include "bridge/producer.h"
 #include "engine/llama_cpu.h"
 
@@ -21,15 +22,6 @@ class Server;
 }
 
 namespace hetero {
-
-struct PrefillRequest {
-  std::vector<int32_t> ids;
-  std::string fingerprint;   // the decoder's, as the caller knows it
-  int64_t chunk_tokens = 0;  // 0: the service default
-  // deepseek_v4 (required there): the decoder's own call schedule for these ids, on which its
-  // cache depends.
-  std::vector<int64_t> decoder_calls;
-};
 
 // A prefill engine of any family, as the service drives it.
 class PrefillEngine {
@@ -82,9 +74,6 @@ struct FaultSpec {
 };
 Result<FaultSpec> parse_fault(const std::string& text);
 
-// Parses and validates a /v1/prefill body against the model and export (without running it).
-Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
-                                             const DecoderCacheLayout& layout, int64_t max_tokens);
 // The export must describe this model: same layer count, hidden size, kv heads and head dim.
 // A mismatch would make the program read tap rows with the wrong width; it is refused here.
 Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLayout& layout);

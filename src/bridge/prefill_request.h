@@ -1,0 +1,34 @@
+// The request contract between the two hosts: what the decode side asks the prefill host for
+// (POST /v1/prefill), and how that body is written and checked. Both hosts include this file;
+// neither includes the other's code.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bridge/decoder_weights.h"
+#include "common/status.h"
+
+namespace hetero {
+
+struct PrefillRequest {
+  std::vector<int32_t> ids;
+  std::string fingerprint;   // the decoder's, as the caller knows it
+  int64_t chunk_tokens = 0;  // 0: the prefill host's default
+  // deepseek_v4 (required there): the decoder's own call schedule for these ids, on which its
+  // cache depends.
+  std::vector<int64_t> decoder_calls;
+};
+
+// The body the decode side sends.
+nlohmann::json prefill_request_json(const PrefillRequest& req);
+
+// Parses and validates a /v1/prefill body against the prefill host's model and export:
+// ids in [0, vocab), at most max_tokens of them, the caller's fingerprint equal to the export's
+// (else kFailedPrecondition naming both), decoder_calls covering the ids exactly.
+Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
+                                             const DecoderCacheLayout& layout, int64_t max_tokens);
+
+}  // namespace hetero
