@@ -46,7 +46,10 @@ def fresh_prompt(n_words: int, rng: random.Random) -> str:
 
 
 def stream(url: str, prompt: str, mode: str, max_tokens: int) -> dict:
+    # The stream's header verdict is a prediction; the confirmed one (the decoder's own
+    # cached_tokens) comes in the usage event the front adds it to when usage is asked for.
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "stream": True,
+                       "stream_options": {"include_usage": True},
                        "max_tokens": max_tokens, "temperature": 0.0}).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={
         "Content-Type": "application/json", "X-PD-Bridge-Mode": mode})
@@ -55,10 +58,15 @@ def stream(url: str, prompt: str, mode: str, max_tokens: int) -> dict:
     chunks = 0
     with urllib.request.urlopen(req, timeout=3600) as resp:
         verdict = json.loads(resp.headers.get("X-PD-Bridge", "{}"))
+        verdict["verdict"] = f"unconfirmed: {verdict.get('verdict')} (no usage event)"
         for line in resp:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
-            delta = json.loads(line[6:])["choices"][0].get("delta", {})
+            event = json.loads(line[6:])
+            if not event.get("choices"):
+                verdict = event.get("x_pd_bridge", verdict)
+                continue
+            delta = event["choices"][0].get("delta", {})
             if delta.get("content"):
                 now = time.perf_counter()
                 first = first or now

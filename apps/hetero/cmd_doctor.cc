@@ -15,13 +15,12 @@ namespace hetero {
 using nlohmann::json;
 
 Options doctor_options() {
-  return Options("doctor", "Check every link of a running stack (hetero up).",
-                 {
-                     {"port", "HETERO_FRONT_PORT", "8012", "front door port"},
-                     {"decoder-port", "HETERO_DECODER_PORT", "8011", "decoder port"},
-                     {"prefill-port", "HETERO_PREFILL_PORT", "8010", "prefill host port"},
-                     {"bridge-words", "", "400", "words in the bridged probe prompt"},
-                 });
+  const Options front = front_options();  // the stack's addresses: the front door's own rows
+  std::vector<OptionSpec> rows;
+  for (const char* name : {"port", "decoder-host", "decoder-port", "prefill-host", "prefill-port"})
+    rows.push_back(front.spec(name));
+  rows.push_back({"bridge-words", "", "400", "words in the bridged probe prompt"});
+  return Options("doctor", "Check every link of a running stack (hetero up).", std::move(rows));
 }
 
 namespace {
@@ -56,19 +55,20 @@ int cmd_doctor(int argc, char** argv) {
   for (const Status& st : {port_r.status(), dport_r.status(), pport_r.status(), words_r.status()})
     if (!st.is_ok()) return std::fprintf(stderr, "doctor: %s\n", st.message().c_str()), 2;
   const int port = static_cast<int>(port_r.value()), dport = static_cast<int>(dport_r.value());
+  const std::string dhost = opts.get("decoder-host"), phost = opts.get("prefill-host");
   const int pport = static_cast<int>(pport_r.value()), words = static_cast<int>(words_r.value());
   Checks c;
 
   auto front = http_json("127.0.0.1", port, "/health", json(), 5000);
   c.report(front.is_ok() && front->status == 200, "front door :" + std::to_string(port),
            front.is_ok() ? front->body.dump() : front.status().message());
-  auto info = http_json_ok("127.0.0.1", dport, "/hetero/info", json(), 5000);
+  auto info = http_json_ok(dhost, dport, "/hetero/info", json(), 5000);
   c.report(info.is_ok(), "decoder seam :" + std::to_string(dport),
            info.is_ok() ? "model " + info->value("model", "?") : info.status().message());
   if (info.is_ok())
     c.report(info->contains("versions"), "decoder versions",
              info->value("versions", json()).dump());
-  auto prefill = http_json_ok("127.0.0.1", pport, "/health", json(), 5000);
+  auto prefill = http_json_ok(phost, pport, "/health", json(), 5000);
   c.report(prefill.is_ok(), "prefill host :" + std::to_string(pport),
            prefill.is_ok() ? prefill->dump() : prefill.status().message());
   if (info.is_ok() && prefill.is_ok()) {

@@ -16,9 +16,10 @@
 #include "commands.h"
 #include "common/log.h"
 #include "common/safetensors.h"
+#include "decode/prefill_client.h"
 #include "engine/dsv4_cpu.h"
 #include "model/dsv4.h"
-#include "prefill/families.h"
+#include "prefill/backend_options.h"
 #include "prefill/service.h"
 
 namespace hetero {
@@ -137,54 +138,39 @@ int parse_options(Options& opts, int argc, char** argv) {
 }
 
 Options prefill_options() {
-  return Options(
-      "prefill",
-      "The prefill engine (CPU or CUDA backend): chunked prefill with the attention-input tap "
-      "feeding the decoder-cache program; segments stream back while it runs.",
-      {
-          {"model", "HETERO_MODEL", "", "HF checkpoint directory of the model to prefill"},
-          {"weights", "HETERO_DECODER_WEIGHTS", "",
-           "decoder-weights export (python -m hetero_mlx export)"},
-          {"host", "HETERO_PREFILL_HOST", "127.0.0.1", "address to listen on"},
-          {"port", "HETERO_PREFILL_PORT", "8010", "port to listen on (0: any free port)"},
-          {"chunk", "HETERO_PREFILL_CHUNK", "512",
-           "prefill chunk size in tokens (deepseek_v4 serving runs the decoder's own call schedule "
-           "instead; offline without --weights: also a list a,b,c, the last "
-           "repeated)"},
-          {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "2097152", "longest accepted prompt"},
-          {"backend", "HETERO_PREFILL_BACKEND", "cpu",
-           "cpu, or cuda (the GPU engine with the cache program on a side stream)"},
-          {"arith", "HETERO_PREFILL_ARITH", "exact",
-           "cuda, llama: exact (the decoder's arithmetic on CUDA cores: bit-exact caches, the "
-           "decoder's own answers) or fast (tensor cores, FP8 paged cache: caches within a "
-           "tolerance, answers not guaranteed; docs/design/prefill-cuda.md)"},
-          {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8",
-           "cuda, fast: the engine's cache, fp8 or bf16"},
-          {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
-           "cuda, fast: the large weights on the GPU, bf16 or fp8 (e4m3, a scale per 128x128 "
-           "block, quantized at load; llama: every projection, deepseek_v4: the experts)"},
-          {"device", "HETERO_PREFILL_DEVICE", "0", "cuda: which GPU"},
-          {"program-device", "HETERO_PREFILL_PROGRAM_DEVICE", "-1",
-           "cuda: the GPU the cache program runs on (-1: the engine's); another GPU keeps its work "
-           "off the engine's"},
-          {"gemm", "HETERO_PREFILL_GEMM", "ordered",
-           "ordered: the decoder's GEMM order (bit-exact attention inputs); blas: OpenBLAS"},
-          {"quant-arith", "HETERO_PREFILL_QUANT_ARITH", "mlx-cpu",
-           "deepseek_v4, offline: how FP8/FP4 projections are computed. mlx-cpu: as the native "
-           "decoder (mxfp8/mxfp4 on MLX's CPU backend, bf16 sums; bf16 ape); dequant: "
-           "dequantized bf16 weights, float32 sums (a decoder on a dense bf16 conversion)"},
-          {"fault", "HETERO_PREFILL_FAULT", "",
-           "fault injection for tests: exit-after:N, stall-after:N, truncate-after:N, corrupt:N, "
-           "gap:N, wrong-t"},
-          {"ids-file", "", "", "offline: JSON array of token ids to prefill instead of serving"},
-          {"fingerprint", "", "",
-           "offline: the decoder fingerprint to require (default: export's)"},
-          {"decoder-calls", "", "",
-           "offline, deepseek_v4 (required): the decoder's call lengths a,b,c for the ids"},
-          {"out", "", "",
-           "offline: where to write the assembled cache (safetensors); for deepseek_v4 a "
-           "directory for the attention inputs"},
-      });
+  std::vector<OptionSpec> rows = {
+      {"model", "HETERO_PREFILL_MODEL", "", "HF checkpoint directory of the model to prefill"},
+      {"weights", "HETERO_DECODER_WEIGHTS", "",
+       "decoder-weights export (python -m hetero_mlx export)"},
+      {"host", "HETERO_PREFILL_LISTEN_HOST", "127.0.0.1", "address to listen on"},
+      {"port", "HETERO_PREFILL_PORT", "8010", "port to listen on (0: any free port)"},
+      {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "2097152", "longest accepted prompt"},
+      {"quant-arith",
+       "HETERO_PREFILL_QUANT_ARITH",
+       "mlx-cpu",
+       "deepseek_v4, offline: how FP8/FP4 projections are computed. mlx-cpu: as the native "
+       "decoder (mxfp8/mxfp4 on MLX's CPU backend, bf16 sums; bf16 ape); dequant: "
+       "dequantized bf16 weights, float32 sums (a decoder on a dense bf16 conversion)",
+       false,
+       {"mlx-cpu", "dequant"}},
+      {"fault", "HETERO_PREFILL_FAULT", "",
+       "fault injection for tests: exit-after:N, stall-after:N, truncate-after:N, corrupt:N, "
+       "gap:N, wrong-t"},
+      {"ids-file", "", "", "offline: JSON array of token ids to prefill instead of serving"},
+      {"fingerprint", "", "", "offline: the decoder fingerprint to require (default: export's)"},
+      {"decoder-calls", "", "",
+       "offline, deepseek_v4 (required): the decoder's call lengths a,b,c for the ids"},
+      {"out", "", "",
+       "offline: where to write the assembled cache (safetensors); for deepseek_v4 without "
+       "--weights a directory for the attention inputs (--chunk may then be a list a,b,c, the "
+       "last repeated)"},
+  };
+  for (OptionSpec& s : prefill_backend_specs()) rows.push_back(std::move(s));
+  return Options("prefill",
+                 "The prefill engine (CPU or CUDA backend): chunked prefill with the "
+                 "attention-input tap feeding the decoder-cache program; segments stream back "
+                 "while it runs.",
+                 std::move(rows));
 }
 
 int cmd_prefill(int argc, char** argv) {
@@ -200,28 +186,19 @@ int cmd_prefill(int argc, char** argv) {
     return 2;
   }
   log_line("prefill", "options " + opts.effective().dump());
-  auto device = opts.get_int("device");
-  if (!device.is_ok()) return std::fprintf(stderr, "prefill: --device must be an integer\n"), 2;
-  auto program_device = opts.get_int("program-device");
-  if (!program_device.is_ok())
-    return std::fprintf(stderr, "prefill: --program-device must be an integer\n"), 2;
-  PrefillBackend backend{opts.get("backend"),
-                         opts.get("gemm"),
-                         opts.get("kv-dtype"),
-                         opts.get("arith"),
-                         static_cast<int>(device.value()),
-                         opts.get("weight-dtype"),
-                         static_cast<int>(program_device.value())};
+  auto parsed = prefill_backend_from(opts);
+  if (!parsed.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", parsed.status().message().c_str()), 2;
+  const PrefillBackend& backend = parsed->backend;
   auto stack = load_prefill_stack(opts.get("model"), opts.get("weights"), backend);
   if (!stack.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", stack.status().to_string().c_str()), 1;
   const DecoderCacheLayout layout = stack->layout;
-  auto chunk = opts.get_int("chunk");
+  const int64_t chunk = parsed->chunk_tokens;
   auto max_tokens = opts.get_int("max-tokens");
-  if (!chunk.is_ok() || chunk.value() <= 0 || !max_tokens.is_ok())
-    return std::fprintf(stderr, "prefill: --chunk and --max-tokens must be positive integers\n"), 2;
-  PrefillService service(stack->engine.get(), layout, stack->programs, chunk.value(),
-                         max_tokens.value());
+  if (!max_tokens.is_ok() || max_tokens.value() <= 0)
+    return std::fprintf(stderr, "prefill: --max-tokens must be a positive integer\n"), 2;
+  PrefillService service(stack->engine.get(), layout, stack->programs, chunk, max_tokens.value());
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   service.set_capture(stack->capture);
   service.set_arith(stack->arith);
@@ -238,7 +215,7 @@ int cmd_prefill(int argc, char** argv) {
     nlohmann::json body = {
         {"ids", ids},
         {"fingerprint", opts.has("fingerprint") ? opts.get("fingerprint") : layout.fingerprint},
-        {"chunk", chunk.value()}};
+        {"chunk", chunk}};
     if (opts.has("decoder-calls"))
       body["decoder_calls"] =
           nlohmann::json::parse("[" + opts.get("decoder-calls") + "]", nullptr, false);
@@ -246,25 +223,15 @@ int cmd_prefill(int argc, char** argv) {
         parse_prefill_request(body.dump(), stack->engine->vocab(), layout, max_tokens.value());
     if (!req.is_ok())
       return std::fprintf(stderr, "prefill: %s\n", req.status().to_string().c_str()), 2;
-    // The same path as over HTTP, minus the socket: frames are parsed and verified.
+    // The same path as over HTTP, minus the socket: the decode side's receiver verifies every
+    // frame into the family's assembler.
     const int64_t T = static_cast<int64_t>(req->ids.size());
     auto assembler = make_assembler(layout, T);
-    FrameParser parser(int64_t{8} << 30);
-    Status st;
-    service.run(req.value(), [&](std::string f) {
-      parser.feed(f.data(), f.size());
-      auto fr = parser.next();
-      if (!fr.is_ok() || !fr.value())
-        return (st = fr.is_ok() ? data_loss("partial frame") : fr.status()), false;
-      if (fr.value()->header.value("kind", "") == "manifest") {
-        auto m = decode_manifest(*fr.value());
-        st = m.is_ok() ? assembler->finish(m.value()) : m.status();
-        return st.is_ok();
-      }
-      auto seg = decode_segment(*fr.value());
-      st = seg.is_ok() ? assembler->accept(seg.value()) : seg.status();
-      return st.is_ok();
-    });
+    StreamReceiver receiver(assembler.get());
+    service.run(req.value(), [&](std::string f) { return receiver.feed(f.data(), f.size()); });
+    Status st = receiver.status();
+    if (st.is_ok() && !receiver.have_manifest())
+      st = data_loss("the stream ended without a manifest");
     if (!st.is_ok()) return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
     if (opts.has("out")) {
       std::map<std::string, std::string> meta;

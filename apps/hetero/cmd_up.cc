@@ -9,38 +9,30 @@
 #include "commands.h"
 #include "common/log.h"
 #include "front/front.h"
+#include "prefill/backend_options.h"
 #include "stack.h"
 
 namespace hetero {
 namespace fs = std::filesystem;
 
 Options up_options() {
-  return Options(
-      "up", "Start prefill host, decoder (with seam) and front door on one model.",
-      {
-          {"model", "HETERO_MODEL", "models/smollm2-135m-instruct",
-           "the decoder's checkpoint directory"},
-          {"prefill-model", "HETERO_PREFILL_MODEL", "",
-           "the prefill host's checkpoint (default: --model; deepseek_v4: the official FP8 "
-           "layout)"},
-          {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
-          {"work-dir", "HETERO_WORK_DIR", "out/up", "logs, decoder weights and the store"},
-          {"port", "HETERO_FRONT_PORT", "8012", "front door port"},
-          {"decoder-port", "HETERO_DECODER_PORT", "8011", "decoder port"},
-          {"prefill-port", "HETERO_PREFILL_PORT", "8010", "prefill host port"},
-          {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
-          {"prefill-backend", "HETERO_PREFILL_BACKEND", "cpu",
-           "the prefill's backend: cpu or cuda"},
-          {"prefill-arith", "HETERO_PREFILL_ARITH", "exact",
-           "cuda, llama: exact (bit-exact caches) or fast (tensor cores; within a tolerance)"},
-          {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
-          {"program-device", "HETERO_PREFILL_PROGRAM_DEVICE", "-1",
-           "cuda: the GPU the cache program runs on (-1: the prefill engine's)"},
-          {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
-           "cuda, fast: the large weights, bf16 or fp8 (block-scaled; llama: the projections, "
-           "deepseek_v4: the experts)"},
-          {"exit-when-ready", "", "", "start, print the endpoint, then stop (for tests)", true},
-      });
+  std::vector<OptionSpec> rows = {
+      {"model", "HETERO_MODEL", "models/smollm2-135m-instruct",
+       "the decoder's checkpoint directory"},
+      {"prefill-model", "HETERO_PREFILL_MODEL", "",
+       "the prefill host's checkpoint (default: --model; deepseek_v4: the official FP8 layout)"},
+      {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
+      {"work-dir", "HETERO_WORK_DIR", "out/up", "logs, decoder weights and the store"},
+      {"exit-when-ready", "", "", "start, print the endpoint, then stop (for tests)", true},
+  };
+  // The three ports: the front door's own rows (one default each).
+  const Options front = front_options();
+  for (const char* name : {"port", "decoder-port", "prefill-port"})
+    rows.push_back(front.spec(name));
+  // The prefill host's backend: the same rows `hetero prefill` reads, handed on as flags.
+  for (OptionSpec& s : prefill_backend_specs()) rows.push_back(std::move(s));
+  return Options("up", "Start prefill host, decoder (with seam) and front door on one model.",
+                 std::move(rows));
 }
 
 int cmd_up(int argc, char** argv) {
@@ -60,6 +52,8 @@ int cmd_up(int argc, char** argv) {
        pport = opts.get_int("prefill-port");
   if (!port.is_ok() || !dport.is_ok() || !pport.is_ok())
     return std::fprintf(stderr, "up: ports must be integers\n"), 2;
+  if (auto backend = prefill_backend_from(opts); !backend.is_ok())
+    return std::fprintf(stderr, "up: %s\n", backend.status().message().c_str()), 2;
 
   std::printf("exporting decoder weights...\n");
   std::fflush(stdout);
@@ -74,28 +68,16 @@ int cmd_up(int argc, char** argv) {
                                 (work / "store").string(), dlog);
       !st.is_ok())
     return std::fprintf(stderr, "up: decoder: %s\n", st.message().c_str()), 1;
-  if (Status st = prefill.start({(fs::path(repo_root()) / "build" / "hetero").string(),
-                                 "prefill",
-                                 "--model",
-                                 prefill_model,
-                                 "--weights",
-                                 weights,
-                                 "--port",
-                                 std::to_string(pport.value()),
-                                 "--chunk",
-                                 opts.get("chunk"),
-                                 "--backend",
-                                 opts.get("prefill-backend"),
-                                 "--arith",
-                                 opts.get("prefill-arith"),
-                                 "--kv-dtype",
-                                 opts.get("kv-dtype"),
-                                 "--weight-dtype",
-                                 opts.get("weight-dtype"),
-                                 "--program-device",
-                                 opts.get("program-device")},
-                                {}, plog);
-      !st.is_ok())
+  std::vector<std::string> prefill_argv = {(fs::path(repo_root()) / "build" / "hetero").string(),
+                                           "prefill",
+                                           "--model",
+                                           prefill_model,
+                                           "--weights",
+                                           weights,
+                                           "--port",
+                                           std::to_string(pport.value())};
+  for (std::string& f : prefill_backend_flags(opts)) prefill_argv.push_back(std::move(f));
+  if (Status st = prefill.start(prefill_argv, {}, plog); !st.is_ok())
     return std::fprintf(stderr, "up: prefill: %s\n", st.message().c_str()), 1;
   std::printf("starting decoder (log %s) and prefill host (log %s)...\n", dlog.c_str(),
               plog.c_str());

@@ -1,10 +1,12 @@
 // `hetero verify`: one bridge for a prompt, checked against the decoder natively on the same
-// ids. Starts the decoder with its seam (unless --decoder-port names a running one) and an
-// in-process prefill host, then:
+// ids. Starts the decoder with its seam and store (unless --attach-decoder-port names a running
+// one) and an in-process prefill host with any backend `hetero prefill` takes, then:
 //   1. ids = the decoder's own tokenization; B = T - 1 (the decoder keeps >= 1 token)
 //   2. native: cold request (greedy, K tokens); the decoder's own cache for ids[:B] is dumped
-//   3. bridge: prefill ids[:B] over POST /v1/prefill, verify, store, mount ids[:B]
-//   4. the mounted cache is dumped; the same request again, from the mounted prefix
+//   3. bridge: run_bridge (decode/bridge.h), the same function the front door calls: prefill
+//      ids[:B] over POST /v1/prefill, verify, store, mount ids[:B], check
+//   4. the mounted cache is dumped; the same request again, from the mounted prefix, and its
+//      verdict confirmed by the decoder's usage as the front door confirms it
 // and compares every array, the continuation and the decoder's own token accounting.
 // Prints one JSON object; exit 0 only when all of it passes.
 #include <chrono>
@@ -15,14 +17,12 @@
 #include <sstream>
 #include <thread>
 
-#include "bridge/assembler.h"
 #include "commands.h"
 #include "common/compare.h"
-#include "common/http_json.h"
 #include "common/process.h"
 #include "common/safetensors.h"
-#include "prefill/client.h"
-#include "prefill/families.h"
+#include "decode/bridge.h"
+#include "prefill/backend_options.h"
 #include "prefill/service.h"
 #include "stack.h"
 
@@ -31,40 +31,32 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 Options verify_options() {
-  return Options(
-      "verify",
-      "One bridge vs the decoder natively on the same ids: every cache array, the greedy "
-      "continuation and the decoder's own count of prompt tokens processed.",
-      {
-          {"model", "HETERO_MODEL", "models/smollm2-135m-instruct",
-           "the decoder's checkpoint directory"},
-          {"prefill-model", "", "",
-           "the prefill host's checkpoint (default: --model; deepseek_v4: the official FP8 "
-           "layout the decoder's variant was converted from)"},
-          {"weights", "HETERO_DECODER_WEIGHTS", "",
-           "decoder-weights export (default: exported "
-           "into the work dir from the decoder)"},
-          {"prompt-file", "", "",
-           "plain text (one user message) or a JSON chat/completion request"},
-          {"chunk", "HETERO_PREFILL_CHUNK", "512", "prefill chunk size in tokens"},
-          {"prefill-backend", "HETERO_PREFILL_BACKEND", "cpu",
-           "the prefill's backend: cpu or cuda"},
-          {"prefill-arith", "HETERO_PREFILL_ARITH", "exact",
-           "cuda, llama: exact (the decoder's arithmetic: bit-exact) or fast (tensor cores: "
-           "needs --max-ulp/--min-cosine and --reason)"},
-          {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's cache"},
-          {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
-           "cuda, fast: the large weights, bf16 or fp8 (block-scaled; llama: the projections, "
-           "deepseek_v4: the experts)"},
-          {"max-tokens", "", "64", "greedy tokens to compare"},
-          {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
-          {"decoder-port", "HETERO_DECODER_PORT", "0", "use a running decoder seam (0: start one)"},
-          {"work-dir", "", "", "where logs, dumps and the store go (default: a temp dir)"},
-          {"max-ulp", "", "0", "allowed bf16 ULP distance of the cache arrays (0: bit-exact)"},
-          {"min-cosine", "", "-2", "cosine floor of the cache arrays (-2: off)"},
-          {"reason", "", "", "why a tolerance looser than bit-exact is allowed (required then)"},
-          {"timeout-ms", "", "1800000", "deadline for each decoder or prefill call"},
-      });
+  std::vector<OptionSpec> rows = {
+      {"model", "HETERO_MODEL", "models/smollm2-135m-instruct",
+       "the decoder's checkpoint directory"},
+      {"prefill-model", "", "",
+       "the prefill host's checkpoint (default: --model; deepseek_v4: the official FP8 "
+       "layout the decoder's variant was converted from)"},
+      {"weights", "HETERO_DECODER_WEIGHTS", "",
+       "decoder-weights export (default: exported into the work dir from the decoder)"},
+      {"prompt-file", "", "", "plain text (one user message) or a JSON chat/completion request"},
+      {"max-tokens", "", "64", "greedy tokens to compare"},
+      {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
+      {"attach-decoder-port", "", "0",
+       "use the decoder seam already running on this port (0: start one); its prompt cache is "
+       "cleared"},
+      {"work-dir", "", "", "where logs, dumps and the store go (default: a temp dir)"},
+      {"max-ulp", "", "0", "allowed bf16 ULP distance of the cache arrays (0: bit-exact)"},
+      {"min-cosine", "", "-2", "cosine floor of the cache arrays (-2: off)"},
+      {"reason", "", "", "why a tolerance looser than bit-exact is allowed (required then)"},
+      {"timeout-ms", "", "1800000", "deadline for each decoder or prefill call"},
+  };
+  // The in-process prefill host takes every backend option `hetero prefill` does.
+  for (OptionSpec& s : prefill_backend_specs()) rows.push_back(std::move(s));
+  return Options("verify",
+                 "One bridge vs the decoder natively on the same ids: every cache array, the "
+                 "greedy continuation and the decoder's own count of prompt tokens processed.",
+                 std::move(rows));
 }
 
 namespace {
@@ -142,17 +134,18 @@ int cmd_verify(int argc, char** argv) {
   if (int rc = parse_options(opts, argc, argv); rc >= 0) return rc;
   if (!opts.has("prompt-file"))
     return std::fprintf(stderr, "verify: --prompt-file is required\n"), 2;
-  auto chunk = opts.get_int("chunk");
   auto max_new = opts.get_int("max-tokens");
   auto max_ulp = opts.get_int("max-ulp");
   auto min_cos = opts.get_double("min-cosine");
   auto timeout = opts.get_int("timeout-ms");
-  auto dport = opts.get_int("decoder-port");
-  for (const Status& s : {chunk.status(), max_new.status(), max_ulp.status(), min_cos.status(),
-                          timeout.status(), dport.status()})
+  auto dport = opts.get_int("attach-decoder-port");
+  auto parsed = prefill_backend_from(opts);
+  for (const Status& s : {max_new.status(), max_ulp.status(), min_cos.status(), timeout.status(),
+                          dport.status(), parsed.status()})
     if (!s.is_ok()) return fail("options", s);
-  if (chunk.value() <= 0 || max_new.value() <= 0)
-    return fail("options", invalid_argument("--chunk and --max-tokens must be positive"));
+  if (max_new.value() <= 0)
+    return fail("options", invalid_argument("--max-tokens must be positive"));
+  const PrefillBackend& backend = parsed->backend;
   const int64_t tmo = timeout.value();
   const std::string model = resolve_path(opts.get("model"));
   if (!fs::exists(fs::path(model) / "config.json"))
@@ -168,21 +161,28 @@ int cmd_verify(int argc, char** argv) {
   fs::create_directories(work);
   const std::string python = resolve_path(opts.get("python"));
 
-  // The decoder, with its seam.
+  // The decoder, with its seam and a store, as `hetero up` starts it.
   ChildProcess decoder;
   int port = static_cast<int>(dport.value());
+  const bool attached = port != 0;
   const std::string log = work + "/decoder.log";
-  if (port == 0) {
+  if (!attached) {
     port = free_port();
-    if (Status st = start_decoder(&decoder, python, model, port, "", log); !st.is_ok())
+    fs::create_directories(work + "/store");
+    if (Status st = start_decoder(&decoder, python, model, port, work + "/store", log); !st.is_ok())
       return fail("decoder", st);
   }
-  if (Status st = wait_http_ok(port, "/hetero/info", port == dport.value() ? nullptr : &decoder,
-                               300000, log);
+  if (Status st = wait_http_ok(port, "/hetero/info", attached ? nullptr : &decoder, 300000, log);
       !st.is_ok())
     return fail("decoder", st);
-  auto info = http_json_ok("127.0.0.1", port, "/hetero/info", json(), tmo);
+  const SeamClient seam("127.0.0.1", port, tmo);
+  auto info = seam.info();
   if (!info.is_ok()) return fail("decoder info", info.status());
+  if (!info->contains("store") || !(*info)["store"].is_string())
+    return fail("decoder", failed_precondition("the decoder seam on port " + std::to_string(port) +
+                                               " has no store to mount from (start it with "
+                                               "--store)"));
+  const std::string store = (*info)["store"].get<std::string>();
 
   // The decoder's exported weights for the cache program.
   std::string weights_dir = resolve_path(opts.get("weights"));
@@ -194,14 +194,9 @@ int cmd_verify(int argc, char** argv) {
   }
   const std::string prefill_model =
       opts.has("prefill-model") ? resolve_path(opts.get("prefill-model")) : model;
-  PrefillBackend backend;
-  backend.name = opts.get("prefill-backend");
-  backend.arith = opts.get("prefill-arith");
-  backend.kv_dtype = opts.get("kv-dtype");
-  backend.weights = opts.get("weight-dtype");
   auto stack = load_prefill_stack(prefill_model, weights_dir, backend);
   if (!stack.is_ok()) return fail("prefill host", stack.status());
-  PrefillService service(stack->engine.get(), stack->layout, stack->programs, chunk.value(),
+  PrefillService service(stack->engine.get(), stack->layout, stack->programs, parsed->chunk_tokens,
                          int64_t{1} << 21);
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   service.set_capture(stack->capture);
@@ -212,7 +207,7 @@ int cmd_verify(int argc, char** argv) {
   // A decoder that requires the exact served name in requests says so in its info.
   if (info.value().contains("forward_model") && info.value()["forward_model"].is_string())
     request["model"] = info.value()["forward_model"];
-  auto tok = http_json_ok("127.0.0.1", port, "/hetero/tokenize", request, tmo);
+  auto tok = seam.call("/hetero/tokenize", request);
   if (!tok.is_ok()) return fail("tokenize", tok.status());
   std::vector<int32_t> ids = tok.value()["ids"].get<std::vector<int32_t>>();
   const int64_t T = static_cast<int64_t>(ids.size());
@@ -220,45 +215,41 @@ int cmd_verify(int argc, char** argv) {
     return fail("tokenize", invalid_argument("the prompt has " + std::to_string(T) +
                                              " token(s); a bridge needs at least 2"));
   const int64_t B = T - 1;
-  std::vector<int32_t> prefix(ids.begin(), ids.begin() + B);
 
   // Native leg: cold.
-  if (auto c = http_json_ok("127.0.0.1", port, "/hetero/clear", json::object(), tmo); !c.is_ok())
+  if (auto c = seam.call("/hetero/clear", json::object()); !c.is_ok())
     return fail("clear", c.status());
   auto native = ask(port, endpoint, request, max_new.value(), tmo);
   if (!native.is_ok()) return fail("native request", native.status());
   const std::string native_dump = work + "/native.safetensors";
-  auto nd = http_json_ok("127.0.0.1", port, "/hetero/cache",
-                         {{"ids", ids}, {"B", B}, {"out", native_dump}}, tmo);
+  auto nd = seam.call("/hetero/cache", {{"ids", ids}, {"B", B}, {"out", native_dump}});
   if (!nd.is_ok()) return fail("native cache dump", nd.status());
-  if (auto c = http_json_ok("127.0.0.1", port, "/hetero/clear", json::object(), tmo); !c.is_ok())
+  if (auto c = seam.call("/hetero/clear", json::object()); !c.is_ok())
     return fail("clear", c.status());
 
-  // Bridged leg.
+  // Bridged leg: the decode side's own bridge, as the front door runs it.
+  BridgeParams params;
+  params.prefill_port = service.bound_port();
+  params.store_dir = store;
+  params.chunk_tokens = parsed->chunk_tokens;
+  params.partial_min_fraction = 1.0;  // verify checks whole prefixes only
+  params.stall_ms = params.deadline_ms = tmo;
+  BridgeOutcome bridged_leg = run_bridge(seam, info.value(), ids, /*decoder_cached=*/0, params);
+  const FetchResult& fetched = bridged_leg.fetch;
+  if (bridged_leg.verdict.kind != VerdictKind::kComplete)
+    return fail("bridge", data_loss(bridged_leg.verdict.label()));
   auto layout_or = layout_from_json(info.value());
   if (!layout_or.is_ok()) return fail("decoder info", layout_or.status());
   const DecoderCacheLayout layout = layout_or.value();
-  auto assembler = make_assembler(layout, B);
-  PrefillRequest preq{prefix, layout.fingerprint, chunk.value(),
-                      decoder_calls_from_info(info.value(), B)};
-  FetchResult fetched =
-      fetch_prefill("127.0.0.1", service.bound_port(), preq, assembler.get(), tmo, tmo);
-  if (!fetched.status.is_ok()) return fail("bridge", fetched.status);
-  if (!assembler->can_mount(B))
-    return fail("bridge", data_loss("the verified rows cannot be mounted as a " +
-                                    std::to_string(B) + "-token prefix"));
-  auto entry = write_store_entry(work + "/store", layout, ids, B, B, assembler->arrays(B),
-                                 assembler->entry_extra());
-  if (!entry.is_ok()) return fail("store", entry.status());
-  auto mounted =
-      http_json_ok("127.0.0.1", port, "/hetero/mount", {{"entry", entry->path}, {"ids", ids}}, tmo);
-  if (!mounted.is_ok()) return fail("mount", mounted.status());
   const std::string mounted_dump = work + "/mounted.safetensors";
-  auto md = http_json_ok("127.0.0.1", port, "/hetero/cache",
-                         {{"ids", ids}, {"B", B}, {"out", mounted_dump}}, tmo);
+  auto md = seam.call("/hetero/cache", {{"ids", ids}, {"B", B}, {"out", mounted_dump}});
   if (!md.is_ok()) return fail("mounted cache dump", md.status());
   auto bridged = ask(port, endpoint, request, max_new.value(), tmo);
+  seam.unpin(bridged_leg.pin);
   if (!bridged.is_ok()) return fail("bridged request", bridged.status());
+  const Verdict verdict =
+      confirm_verdict(bridged_leg.verdict, {bridged->cached_tokens >= 0, bridged->cached_tokens,
+                                            "the decoder's reply carried no cached_tokens"});
 
   // Compare: every array, the continuation, the accounting.
   auto want = read_safetensors(native_dump);
@@ -318,6 +309,8 @@ int cmd_verify(int argc, char** argv) {
   if (!same_tokens || !same_text)
     failures.push_back("continuation differs at token " + std::to_string(diverge));
   const int64_t processed = bridged->prompt_tokens - bridged->cached_tokens;
+  if (verdict.kind != VerdictKind::kComplete)
+    failures.push_back("confirmed verdict: " + verdict.label());
   if (bridged->cached_tokens != B || processed != T - B)
     failures.push_back("decoder reports cached_tokens=" + std::to_string(bridged->cached_tokens) +
                        ", expected B=" + std::to_string(B));
@@ -333,12 +326,15 @@ int cmd_verify(int argc, char** argv) {
        {{"name", backend.name},
         {"arith", backend.name == "cuda" ? backend.arith : "ordered"},
         {"kv_dtype", backend.name == "cuda" && backend.arith == "fast" ? backend.kv_dtype : "-"},
-        {"weights", backend.name == "cuda" && backend.arith == "fast" ? backend.weights : "-"}}},
+        {"weights", backend.name == "cuda" && backend.arith == "fast" ? backend.weights : "-"},
+        {"device", backend.name == "cuda" ? backend.device : -1},
+        {"program_device", backend.name == "cuda" ? backend.program_device : -1}}},
       {"family", layout.family},
       {"fingerprint", layout.fingerprint},
       {"T", T},
       {"B", B},
-      {"chunk", chunk.value()},
+      {"chunk", parsed->chunk_tokens},
+      {"verdict", verdict.to_json()},
       {"arrays",
        {{"count", static_cast<int64_t>(want->tensors.size())},
         {"bit_exact", exact},

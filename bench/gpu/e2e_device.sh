@@ -19,7 +19,7 @@
 #          [--repeat 1] [--max-tokens 32] [--verify N] [--verify-tokens 32]
 #          [--verify-timeout 600] [--bench-timeout 1800] [--out DIR] [--no-bench]
 #          [--rev REV (the carried build/hetero's revision; recorded with every result)]
-#          [--verify-args "extra verify flags, e.g. --prefill-arith fast --min-cosine 0.99 ..."]
+#          [--verify-args "extra verify flags, e.g. --arith fast --min-cosine 0.99 ..."]
 # device tool: run(command="bench/gpu/e2e_device.sh --sizes 512,1024",
 #                   carry=[".devkit", "build/hetero"], kind="nvidia-h200")
 set -uo pipefail
@@ -180,9 +180,9 @@ done
 step 30 ./build/hetero --help 2>/dev/null || die "build/hetero does not start"
 
 HAS_BACKEND_FLAG=0
-./build/hetero verify --help 2>&1 | grep -q -- '--prefill-backend' && HAS_BACKEND_FLAG=1
+./build/hetero verify --help 2>&1 | grep -q -- '--backend' && HAS_BACKEND_FLAG=1
 if ((!HAS_BACKEND_FLAG)) && [[ $BACKEND != cpu ]]; then
-  die "this build/hetero has no --prefill-backend; only --backend cpu runs with it"
+  die "this build/hetero has no --backend; only --backend cpu runs with it"
 fi
 export HETERO_PREFILL_BACKEND=$BACKEND  # read by hetero up / prefill once they know it
 export PYTHONUNBUFFERED=1
@@ -201,7 +201,7 @@ for ((i = 0; i < VERIFY_N && i < ${#PROMPTS[@]}; i++)); do
   rm -rf "$wd"
   args=(verify --model "$MODEL" --python "$PY" --prompt-file "$prompt"
         --max-tokens "$VERIFY_TOKENS" --work-dir "$wd" "${weights[@]}")
-  ((HAS_BACKEND_FLAG)) && args+=(--prefill-backend "$BACKEND")
+  ((HAS_BACKEND_FLAG)) && args+=(--backend "$BACKEND")
   args+=("${VERIFY_EXTRA[@]}")
   echo "== hetero ${args[*]}"
   step "$VERIFY_TIMEOUT" ./build/hetero "${args[@]}" >"$wd.json"

@@ -20,6 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8011)
     serve.add_argument("--prefill-step-size", type=int, help="mlx-lm default when omitted")
     serve.add_argument("--store", type=Path, help="decoder store root; mounts only inside it")
+    serve.add_argument(
+        "--test-faults", action="store_true", help="enable POST /hetero/fault (tests only)"
+    )
 
     export = sub.add_parser("export", help="decoder weights + decoder.json for the prefill host")
     export.add_argument("--model", required=True)
@@ -124,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "serve":
         from .serve import serve
 
-        serve(_mlx_argv(args, extra), args.store)
+        serve(_mlx_argv(args, extra), args.store, args.test_faults)
     elif args.command == "export":
         from .export import export
 

@@ -1,4 +1,5 @@
-"""mlx-lm's LRUPromptCache with one lock, so seam handlers can share it with the generator.
+"""mlx-lm's LRUPromptCache with one lock, so seam handlers can share it with the generator,
+and with the seam's pins (pins.py) honoured at the generator's lookups.
 
 The server's generation thread is the cache's only user in stock mlx-lm, so the class has
 no locking. The seam reads and inserts from HTTP handler threads; every public method here
@@ -8,14 +9,20 @@ MLX streams belong to the thread that made them: a lazy array built on the gener
 thread cannot be evaluated on a handler thread ("There is no Stream(cpu, 0) in current
 thread"). mlx-lm inserts caches that are still lazy (BatchKVCache.extract), so insert_cache
 evaluates them first, on the inserting thread; every cached array is then readable anywhere.
+
+fetch_nearest_cache is the generator's lookup for a request: a pinned prefix of those tokens is
+put back if it was evicted, and its pin released. The seam's own reads (cache dumps) use
+peek_nearest_cache, which leaves pins alone.
 """
 
 import threading
-from typing import Any, List
+from typing import Any, List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
+
+from .pins import Pins
 
 
 def _materialize(prompt_cache: List[Any]) -> None:
@@ -24,9 +31,10 @@ def _materialize(prompt_cache: List[Any]) -> None:
 
 
 class LockedPromptCache(LRUPromptCache):
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, pins: Optional[Pins] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.lock = threading.RLock()
+        self.pins = pins if pins is not None else Pins()
 
     def __len__(self) -> int:
         with self.lock:
@@ -38,6 +46,21 @@ class LockedPromptCache(LRUPromptCache):
             return super().nbytes
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        with self.lock:
+            fault = self.pins.take_fault()
+            if fault:  # a test's eviction, right before the lookup (pins.py)
+                super().trim_to(n_sequences=0)
+                if fault == "drop-mount":
+                    self.pins.clear()
+            for pin in self.pins.take_matching(tokens):
+                pinned_model, cache = pin.payload
+                if self._trie.search(pinned_model, list(pin.prefix)).exact is None:
+                    # Evicted since the mount: put it back (already materialized).
+                    super().insert_cache(pinned_model, list(pin.prefix), cache, cache_type="user")
+            return super().fetch_nearest_cache(model, tokens)
+
+    def peek_nearest_cache(self, model: Any, tokens: List[int]):
+        """fetch_nearest_cache for the seam's own reads: pins stay as they are."""
         with self.lock:
             return super().fetch_nearest_cache(model, tokens)
 

@@ -7,9 +7,11 @@ nothing a client sends can raise out of a handler.
   POST /hetero/tokenize       OpenAI chat or completions body -> {"ids", "n", "segments"}
   GET  /hetero/info           model layout, fingerprint, versions, prompt-cache stats
   POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
-  POST /hetero/mount          {"entry", "ids"} -> {"mounted": B}
+  POST /hetero/mount          {"entry", "ids"} -> {"mounted": B, "pin"} (pins.py)
+  POST /hetero/unpin          {"pin"} -> {"released": bool}
   POST /hetero/cache          {"ids", "B", "out"} -> {"B", "path"} (truth dump, read-only)
-  POST /hetero/clear          -> {"cleared": number of entries dropped}
+  POST /hetero/clear          -> {"cleared": number of entries dropped} (and every pin)
+  POST /hetero/fault          {"kind"} -> {"armed"} (serve --test-faults only; pins.py)
 """
 
 import io
@@ -27,6 +29,7 @@ from mlx_lm.server import APIHandler, ModelProvider
 from . import STORE_FORMAT
 from .errors import SeamError, bad_request
 from .llama import build_cache, cache_arrays
+from .pins import unpin_request
 from .prompt_cache import LockedPromptCache
 from .store import dump_request, entry_path, read_entry, request_ids
 
@@ -168,6 +171,8 @@ class SeamHandler(APIHandler):
             "/hetero/mount": SeamHandler._mount,
             "/hetero/cache": SeamHandler._cache_dump,
             "/hetero/clear": SeamHandler._clear,
+            "/hetero/unpin": SeamHandler._unpin,
+            "/hetero/fault": SeamHandler._fault,
         }
         self._dispatch(routes, has_body=True)
 
@@ -286,9 +291,18 @@ class SeamHandler(APIHandler):
         # Built and evaluated outside the lock: only the insert touches shared state.
         cache = build_cache(self.seam.provider.model, entry.arrays, entry.n_tokens)
         prefix = list(ids[: entry.n_tokens])
-        self.seam.prompt_cache.insert_cache(self.seam.model_key, prefix, cache, cache_type="user")
-        log.info("mounted %d tokens from %s", entry.n_tokens, body["entry"])
-        return {"mounted": entry.n_tokens}
+        prompt_cache = self.seam.prompt_cache
+        with prompt_cache.lock:  # no lookup between the insert and the pin
+            prompt_cache.insert_cache(self.seam.model_key, prefix, cache, cache_type="user")
+            pin = prompt_cache.pins.add(prefix, (self.seam.model_key, cache))
+        log.info("mounted %d tokens from %s (pin %s)", entry.n_tokens, body["entry"], pin)
+        return {"mounted": entry.n_tokens, "pin": pin}
+
+    def _unpin(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
+        return unpin_request(self.seam.prompt_cache.pins, body)
+
+    def _fault(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
+        return self.seam.prompt_cache.pins.arm(body)
 
     def _cache_dump(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
         ids = request_ids(body, self.seam.desc["vocab_size"])
@@ -305,7 +319,7 @@ class SeamHandler(APIHandler):
         """
         cache_obj = self.seam.prompt_cache
         with cache_obj.lock:
-            cache, rest = cache_obj.fetch_nearest_cache(self.seam.model_key, prefix + [0])
+            cache, rest = cache_obj.peek_nearest_cache(self.seam.model_key, prefix + [0])
             covered = len(prefix) + 1 - len(rest)
             if cache is None or covered < len(prefix):
                 raise SeamError(
@@ -318,4 +332,5 @@ class SeamHandler(APIHandler):
         with cache.lock:
             n = len(cache)
             cache.trim_to(n_sequences=0)
+            cache.pins.clear()
         return {"cleared": n}

@@ -27,6 +27,7 @@ import mlx_lm.server as mlx_server
 from mlx_lm.server import ModelProvider, ResponseGenerator
 
 from .llama import describe
+from .pins import Pins
 from .prompt_cache import LockedPromptCache
 from .seam import Seam, SeamHandler, run_capturing
 
@@ -75,17 +76,19 @@ def _model_type(argv: List[str]) -> Optional[str]:
         return None
 
 
-def serve(argv: List[str], store: Optional[Path]) -> None:
-    """Runs the server until interrupted; argv is the decoder server's options."""
+def serve(argv: List[str], store: Optional[Path], test_faults: bool = False) -> None:
+    """Runs the server until interrupted; argv is the decoder server's options. test_faults
+    enables POST /hetero/fault (pins.py), for the front door's tests only."""
     if _model_type(argv) in VLM_MODEL_TYPES:
         from .vlm_serve import serve as serve_vlm
 
-        return serve_vlm(argv, store)
+        return serve_vlm(argv, store, test_faults)
     provider = mlx_provider(argv)
     log.info("mlx-lm options: %s", vars(provider.cli_args))
     group = mx.distributed.init()
     loaded = _signal_when_loaded(provider)
-    prompt_cache = LockedPromptCache(provider.cli_args.prompt_cache_size)
+    pins = Pins(faults_enabled=test_faults)
+    prompt_cache = LockedPromptCache(provider.cli_args.prompt_cache_size, pins=pins)
     generator = ResponseGenerator(provider, prompt_cache)
     _wait_for_model(provider, generator, loaded)
     if group.rank() != 0:

@@ -21,9 +21,16 @@ Construction, in order:
   POST /hetero/tokenize       OpenAI chat body -> {"ids", "n", "segments"} (mlx-vlm's own path)
   GET  /hetero/info           model layout, fingerprint, versions, prefix-cache state
   POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
-  POST /hetero/mount          {"entry", "ids"} -> {"mounted": B}
+  POST /hetero/mount          {"entry", "ids"} -> {"mounted": B, "pin"} (pins.py)
+  POST /hetero/unpin          {"pin"} -> {"released": bool}
   POST /hetero/cache          {"ids", "B", "out"} -> {"B", "path", "window_idx"} (truth dump)
-  POST /hetero/clear          -> {"cleared": number of checkpoints dropped}
+  POST /hetero/clear          -> {"cleared": number of checkpoints dropped} (and every pin)
+  POST /hetero/fault          {"kind"} -> {"armed"} (serve --test-faults only; pins.py)
+
+Pins: the generator's own lookup (APCManager.lookup_exact_cache, called per request) is wrapped
+on the manager instance so that a pinned checkpoint evicted since its mount is stored again
+before the lookup; APC may still decline it for memory, which the front door's confirmation
+against the decoder's usage catches.
 """
 
 import asyncio
@@ -53,6 +60,7 @@ from mlx_vlm.version import __version__ as mlx_vlm_version
 
 from . import STORE_FORMAT, dsv4
 from .errors import SeamError, bad_request, conflict
+from .pins import Pins, unpin_request
 from .seam import parse_body, run_capturing
 from .store import Layout, dump_request, entry_path, read_entry, request_ids
 
@@ -184,9 +192,10 @@ def _check_chat_body(body: Dict[str, Any], model: str) -> None:
 class VlmSeam:
     """What the seam endpoints share: mlx-vlm's runtime, its prefix cache and the family."""
 
-    def __init__(self, model_path: str, store: Optional[Path]):
+    def __init__(self, model_path: str, store: Optional[Path], test_faults: bool = False):
         self.model_path = model_path
         self.store = store
+        self.pins = Pins(faults_enabled=test_faults)
         self.runtime = _server_module("runtime").runtime
         self.generator: Any = None
         self.manager: Any = None
@@ -226,6 +235,7 @@ class VlmSeam:
             processor=generator.processor,
         )
         self.media_ids = vlm_apc.multimodal_token_ids_from_config(lm.config)
+        self._honour_pins(manager)
         log.info(
             "seam: %s fingerprint %s, store %s, APC checkpoints %d (interval %d, guard %d)",
             self.desc["family"],
@@ -235,6 +245,30 @@ class VlmSeam:
             manager.checkpoint_interval_tokens,
             manager.exact_cache_guard_tokens,
         )
+
+    def _honour_pins(self, manager: Any) -> None:
+        """Wraps the manager's lookup (on this instance only) so pins hold until it runs."""
+        lookup = manager.lookup_exact_cache
+
+        def lookup_with_pins(token_ids: Any, *args: Any, **kwargs: Any):
+            fault = self.pins.take_fault()
+            if fault:  # a test's eviction, right before the lookup (pins.py)
+                manager.clear()
+                if fault == "drop-mount":
+                    self.pins.clear()
+            for pin in self.pins.take_matching([int(t) for t in token_ids]):
+                with manager.lock:
+                    held = any(
+                        e.token_ids == pin.prefix and e.extra_hash == self.extra_hash
+                        for e in manager._exact_cache.values()
+                    )
+                if not held:  # evicted since the mount: store it again (APC keeps a copy)
+                    manager.store_exact_cache(
+                        list(pin.prefix), pin.payload, extra_hash=self.extra_hash
+                    )
+            return lookup(token_ids, *args, **kwargs)
+
+        manager.lookup_exact_cache = lookup_with_pins
 
     def _live(self) -> Any:
         """The generator the seam attached to, while it is still the one serving."""
@@ -390,8 +424,9 @@ class VlmSeam:
                 f"mlx-vlm's prefix cache did not keep the entry (budget {manager.memory_max_bytes} "
                 "bytes; APC_MEMORY_MAX_GB raises it)",
             )
-        log.info("mounted %d tokens from %s", n, body["entry"])
-        return {"mounted": n}
+        pin = self.pins.add(ids[:n], cache)
+        log.info("mounted %d tokens from %s (pin %s)", n, body["entry"], pin)
+        return {"mounted": n, "pin": pin}
 
     def cache_dump(self, body: Dict[str, Any]) -> Dict[str, Any]:
         """The server's own checkpoint for exactly ids[:B], as store arrays (the truth for tests).
@@ -426,6 +461,7 @@ class VlmSeam:
         with manager.lock:
             n = len(manager._exact_cache)
             manager.clear()
+        self.pins.clear()
         return {"cleared": n}
 
 
@@ -491,6 +527,8 @@ def _install_routes(app: Any, seam: VlmSeam) -> None:
         ("mount", seam.mount),
         ("cache", seam.cache_dump),
         ("clear", lambda body: seam.clear()),
+        ("unpin", lambda body: unpin_request(seam.pins, body)),
+        ("fault", seam.pins.arm),
     ):
         app.add_api_route(PREFIX + name, route(threaded(fn), True), methods=["POST"])
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
@@ -518,7 +556,7 @@ def _model_arg(argv: List[str]) -> str:
     raise SystemExit("hetero_mlx: serve needs --model")
 
 
-def serve(argv: List[str], store: Optional[Path]) -> None:
+def serve(argv: List[str], store: Optional[Path], test_faults: bool = False) -> None:
     """Runs mlx-vlm's server with the seam until interrupted; argv is mlx-vlm server options."""
     import uvicorn
 
@@ -535,7 +573,7 @@ def serve(argv: List[str], store: Optional[Path]) -> None:
     compaction = _server_module("compaction")
     compaction.compact_response_context = _compaction_aware(compaction.compact_response_context)
 
-    seam = VlmSeam(_model_arg(argv), store)
+    seam = VlmSeam(_model_arg(argv), store, test_faults)
     app = app_module.app
     startup = app.router.lifespan_context
 

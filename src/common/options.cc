@@ -1,9 +1,21 @@
 // Option table parsing: see options.h.
 #include "common/options.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 namespace hetero {
+namespace {
+
+// "a, b or c"
+std::string choices_text(const OptionSpec& s) {
+  std::string out;
+  for (size_t i = 0; i < s.choices.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == s.choices.size() ? " or " : ", ") + s.choices[i];
+  return out;
+}
+
+}  // namespace
 
 Options::Options(std::string command, std::string summary, std::vector<OptionSpec> specs)
     : command_(std::move(command)), summary_(std::move(summary)), specs_(std::move(specs)) {
@@ -19,6 +31,12 @@ const OptionSpec* Options::find(const std::string& name) const {
   for (auto& s : specs_)
     if (s.name == name) return &s;
   return nullptr;
+}
+
+const OptionSpec& Options::spec(const std::string& name) const {
+  const OptionSpec* s = find(name);
+  HETERO_CHECK(s != nullptr);  // a row that is not in the table is a bug
+  return *s;
 }
 
 Status Options::parse(int argc, char** argv) {
@@ -49,6 +67,14 @@ Status Options::parse(int argc, char** argv) {
       }
     }
     values_[name] = value;
+  }
+  for (const auto& s : specs_) {
+    if (s.choices.empty() || !has(s.name)) continue;
+    const std::string v = get(s.name);
+    if (std::find(s.choices.begin(), s.choices.end(), v) == s.choices.end())
+      return invalid_argument(command_ + ": --" + s.name + " must be " + choices_text(s) +
+                              ", got '" + v + "'" +
+                              (s.env.empty() ? "" : " (flag or " + s.env + ")"));
   }
   return Status::ok();
 }
@@ -99,6 +125,7 @@ std::string Options::help_text() const {
     std::string left = "  --" + s.name + (s.is_bool ? "" : " V");
     if (left.size() < 26) left.resize(26, ' ');
     out += left + " " + s.help;
+    if (!s.choices.empty()) out += " {" + choices_text(s) + "}";
     if (!s.default_value.empty()) out += " [default: " + s.default_value + "]";
     if (!s.env.empty()) out += " [env: " + s.env + "]";
     out += "\n";
@@ -111,7 +138,8 @@ std::string Options::markdown_table() const {
                     "\n\n| flag | env | default | meaning |\n|---|---|---|---|\n";
   for (auto& s : specs_)
     out += "| `--" + s.name + "` | " + (s.env.empty() ? "" : "`" + s.env + "`") + " | " +
-           (s.default_value.empty() ? "" : "`" + s.default_value + "`") + " | " + s.help + " |\n";
+           (s.default_value.empty() ? "" : "`" + s.default_value + "`") + " | " + s.help +
+           (s.choices.empty() ? "" : " (" + choices_text(s) + ")") + " |\n";
   return out + "\n";
 }
 

@@ -19,12 +19,15 @@ struct OptionSpec {
   std::string default_value;  // as text; "" means unset
   std::string help;
   bool is_bool = false;  // a bare --flag means "true"
+  // The allowed values (empty: any); a flag or environment value outside them fails parse().
+  std::vector<std::string> choices = {};
 };
 
 class Options {
  public:
   Options(std::string command, std::string summary, std::vector<OptionSpec> specs);
-  // Parses argv (after the subcommand). Unknown flags and missing values are errors.
+  // Parses argv (after the subcommand). Unknown flags, missing values and values outside an
+  // option's choices (from a flag or the environment) are errors.
   Status parse(int argc, char** argv);
   bool help_requested() const { return help_; }
   std::string help_text() const;
@@ -37,6 +40,10 @@ class Options {
   bool get_bool(const std::string& name) const;
   nlohmann::json effective() const;  // the configuration in force, to log once
   const std::vector<std::string>& positional() const { return positional_; }
+  const std::string& command() const { return command_; }
+  const std::vector<OptionSpec>& specs() const { return specs_; }
+  // The row for `name`, to share it with another command's table (one default, one help).
+  const OptionSpec& spec(const std::string& name) const;
 
  private:
   const OptionSpec* find(const std::string& name) const;

@@ -3,14 +3,14 @@
 
 #include <httplib.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <string_view>
 
-#include "bridge/assembler.h"
 #include "common/http_json.h"
 #include "common/log.h"
-#include "prefill/client.h"
+#include "front/sse_relay.h"
 
 namespace hetero {
 using nlohmann::json;
@@ -42,6 +42,11 @@ std::string validate_request(const json& body, bool chat) {
   }
   if (body.contains("model") && !body["model"].is_string()) return "'model' must be a string";
   if (body.contains("stream") && !body["stream"].is_boolean()) return "'stream' must be a boolean";
+  if (body.contains("stream_options") && !body["stream_options"].is_object())
+    return "'stream_options' must be an object";
+  if (body.contains("stream_options") && body["stream_options"].contains("include_usage") &&
+      !body["stream_options"]["include_usage"].is_boolean())
+    return "'stream_options.include_usage' must be a boolean";
   if (body.contains("max_tokens") &&
       (!body["max_tokens"].is_number_integer() || body["max_tokens"].get<int64_t>() < 1))
     return "'max_tokens' must be a positive integer";
@@ -49,6 +54,12 @@ std::string validate_request(const json& body, bool chat) {
     if (body.contains(f) && !body[f].is_number())
       return std::string("'") + f + "' must be a number";
   return "";
+}
+
+std::string canonical(const std::string& dir) {
+  std::error_code ec;
+  auto p = std::filesystem::weakly_canonical(dir, ec);
+  return ec ? dir : p.string();
 }
 
 }  // namespace
@@ -77,7 +88,9 @@ Options front_options() {
            "bridge deadline: added per prompt token"},
           {"stall-ms", "HETERO_STALL_MS", "30000",
            "no bytes from the prefill host this long: stall"},
-          {"threads", "HETERO_FRONT_THREADS", "32", "HTTP worker threads"},
+          {"decoder-timeout-ms", "HETERO_DECODER_TIMEOUT_MS", "1800000",
+           "longest wait for one decoder reply"},
+          {"threads", "HETERO_FRONT_THREADS", "32", "HTTP worker threads (at least 2)"},
       });
 }
 
@@ -95,95 +108,77 @@ Result<FrontConfig> front_config(const Options& opts) {
   for (IntField f : {IntField{"port", &port},
                      {"decoder-port", &dport},
                      {"prefill-port", &pport},
-                     {"bridge-min-tokens", &c.bridge_min_tokens},
-                     {"bridge-min-tail", &c.bridge_min_tail},
+                     {"bridge-min-tokens", &c.route.min_tokens},
+                     {"bridge-min-tail", &c.route.min_tail},
                      {"deadline-base-ms", &c.deadline_base_ms},
                      {"deadline-per-token-ms", &c.deadline_per_token_ms},
                      {"stall-ms", &c.stall_ms},
+                     {"decoder-timeout-ms", &c.decoder_timeout_ms},
                      {"threads", &threads}}) {
     auto v = opts.get_int(f.name);
     if (!v.is_ok()) return v.status();
     if (v.value() < 0) return invalid_argument(std::string("--") + f.name + " must be >= 0");
     *f.out = v.value();
   }
+  for (int64_t p : {port, dport, pport})
+    if (p > 65535) return invalid_argument("ports must be in [0, 65535]");
   c.port = static_cast<int>(port), c.decoder_port = static_cast<int>(dport);
-  c.prefill_port = static_cast<int>(pport),
-  c.threads = static_cast<int>(std::max<int64_t>(threads, 2));
+  c.prefill_port = static_cast<int>(pport);
+  c.threads = static_cast<int>(std::clamp<int64_t>(threads, 2, 1024));
   auto frac = opts.get_double("partial-min-fraction");
   if (!frac.is_ok()) return frac.status();
+  if (frac.value() < 0 || frac.value() > 1)
+    return invalid_argument("--partial-min-fraction must be in [0, 1]");
   c.partial_min_fraction = frac.value();
   return c;
 }
 
-FrontServer::FrontServer(FrontConfig config) : cfg_(std::move(config)) {}
+FrontServer::FrontServer(FrontConfig config)
+    : cfg_(std::move(config)), seam_(cfg_.decoder_host, cfg_.decoder_port, 60000) {}
 FrontServer::~FrontServer() { stop(); }
 
-Verdict FrontServer::bridge(const std::vector<int32_t>& ids, const json& info) {
+Status FrontServer::check_pairing() const {
+  auto info = seam_.info();
+  auto health =
+      http_json_ok(cfg_.prefill_host, cfg_.prefill_port, "/health", json(), /*timeout_ms=*/5000);
+  if (!info.is_ok() || !health.is_ok()) {
+    // Either may start later; then each request finds out (the prefill host refuses another
+    // decoder's fingerprint with 409, and the front falls back natively).
+    log_line("front", "pairing not checked at start: " +
+                          (info.is_ok() ? health.status().message() : info.status().message()));
+    return Status::ok();
+  }
+  const std::string dfp = info->value("fingerprint", ""), pfp = health->value("fingerprint", "");
+  if (dfp != pfp)
+    return failed_precondition(
+        "the prefill host does not compute this decoder's cache: the decoder (" +
+        info->value("model", std::string("?")) + ", " + cfg_.decoder_host + ":" +
+        std::to_string(cfg_.decoder_port) + ") has fingerprint " + dfp + ", the prefill host (" +
+        cfg_.prefill_host + ":" + std::to_string(cfg_.prefill_port) + ") " + pfp);
+  if (info->contains("store") && (*info)["store"].is_string() &&
+      canonical((*info)["store"].get<std::string>()) != canonical(cfg_.store_dir))
+    return failed_precondition("--store " + cfg_.store_dir + " is not the decoder seam's store " +
+                               (*info)["store"].get<std::string>() +
+                               "; the seam mounts only entries inside its own store");
+  return Status::ok();
+}
+
+BridgeOutcome FrontServer::bridge(const std::vector<int32_t>& ids, const json& info,
+                                  int64_t decoder_cached) {
   const auto t_wait = Clock::now();
   std::lock_guard<std::mutex> lock(bridge_mu_);
-  Verdict v;
-  v.t = static_cast<int64_t>(ids.size());
-  v.timings_ms["bridge_queue"] = ms_since(t_wait);
-  auto layout_or = layout_from_json(info);
-  if (!layout_or.is_ok())
-    return Verdict::declined("decoder info incomplete: " + layout_or.status().message());
-  const DecoderCacheLayout& layout = layout_or.value();
-  const int64_t want = v.t - 1;  // the decoder keeps at least one token to process
-  auto assembler = make_assembler(layout, want);
-  PrefillRequest preq{std::vector<int32_t>(ids.begin(), ids.begin() + want), layout.fingerprint, 0,
-                      decoder_calls_from_info(info, want)};
-  const int64_t deadline = cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * v.t;
-  FetchResult f = fetch_prefill(cfg_.prefill_host, cfg_.prefill_port, preq, assembler.get(),
-                                cfg_.stall_ms, deadline);
-  v.bytes = f.bytes;
-  v.timings_ms["prefill"] = f.total_ms;
-  if (f.first_segment_ms >= 0) v.timings_ms["first_segment"] = f.first_segment_ms;
-  if (f.last_segment_ms >= 0) v.timings_ms["last_segment"] = f.last_segment_ms;
-  v.timings_ms["verify"] = f.verify_ms;
-  v.arith = f.arith;
-  const int64_t covered = assembler->covered_tokens();
-  if (f.status.is_ok() && assembler->can_mount(want)) {
-    v.kind = VerdictKind::kComplete;
-    v.b = want;
-  } else if (f.status.is_ok()) {
-    return Verdict::declined("the verified rows cannot be mounted as a " + std::to_string(want) +
-                             "-token prefix");
-  } else if (f.salvageable && assembler->can_mount(covered) &&
-             covered >= cfg_.partial_min_fraction * static_cast<double>(want)) {
-    v.kind = VerdictKind::kPartial;  // salvage the longest verified contiguous prefix
-    v.b = covered;
-    v.reason = f.status.message();
-  } else {
-    const bool family_no_partial = covered >= 1 && !assembler->can_mount(covered);
-    Verdict d = Verdict::declined(
-        f.status.message() + " (verified " + std::to_string(covered) + "/" + std::to_string(want) +
-        " rows" +
-        (family_no_partial ? "; a " + layout.family + " prefix cannot be mounted partially" : "") +
-        ")");
-    d.t = v.t, d.bytes = v.bytes, d.timings_ms = v.timings_ms;
-    return d;
-  }
-  const auto t_store = Clock::now();
-  auto entry = write_store_entry(cfg_.store_dir, layout, ids, v.b, want, assembler->arrays(v.b),
-                                 assembler->entry_extra());
-  v.timings_ms["store"] = ms_since(t_store);
-  if (!entry.is_ok()) {
-    Verdict d = Verdict::declined("store failed: " + entry.status().message());
-    d.t = v.t, d.bytes = v.bytes, d.timings_ms = v.timings_ms;
-    return d;
-  }
-  const auto t_mount = Clock::now();
-  auto m = http_json_ok(cfg_.decoder_host, cfg_.decoder_port, "/hetero/mount",
-                        {{"entry", entry->path}, {"ids", ids}}, cfg_.decoder_timeout_ms);
-  v.timings_ms["mount"] = ms_since(t_mount);
-  std::error_code ec;
-  std::filesystem::remove_all(entry->path, ec);  // the decoder holds its own copy now
-  if (!m.is_ok()) {
-    Verdict d = Verdict::declined("mount failed: " + m.status().message());
-    d.t = v.t, d.bytes = v.bytes, d.timings_ms = v.timings_ms;
-    return d;
-  }
-  return v;
+  const double queued_ms = ms_since(t_wait);
+  BridgeParams p;
+  p.prefill_host = cfg_.prefill_host;
+  p.prefill_port = cfg_.prefill_port;
+  p.store_dir = cfg_.store_dir;
+  p.partial_min_fraction = cfg_.partial_min_fraction;
+  p.stall_ms = cfg_.stall_ms;
+  p.deadline_ms =
+      cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * static_cast<int64_t>(ids.size());
+  BridgeOutcome out = run_bridge(seam_, info, ids, decoder_cached, p);
+  out.verdict.timings_ms["bridge_queue"] = queued_ms;
+  return out;
 }
 
 void FrontServer::handle_completion(const httplib::Request& req, httplib::Response& res,
@@ -211,8 +206,11 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   const bool chat = path == "/v1/chat/completions";
   if (std::string why = validate_request(body, chat); !why.empty())
     return fail(400, "invalid_request_error", "invalid_field", why);
+  auto mode = parse_bridge_mode(req.get_header_value("X-PD-Bridge-Mode"));
+  if (!mode.is_ok())
+    return fail(400, "invalid_request_error", "invalid_header", mode.status().message());
 
-  auto info = http_json_ok(cfg_.decoder_host, cfg_.decoder_port, "/hetero/info", json(), 10000);
+  auto info = seam_.info();
   if (!info.is_ok())
     return fail(503, "server_error", "decoder_unavailable", info.status().message());
   if (body.contains("model")) {
@@ -233,11 +231,10 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     body["model"] = info.value()["forward_model"];
   else if (body.contains("model"))
     body["model"] = "default_model";
-  const std::string forward_body = body.dump();
 
   // 1. The decoder's own ids.
   const auto t_tok = Clock::now();
-  auto tok = http_json(cfg_.decoder_host, cfg_.decoder_port, "/hetero/tokenize", body, 60000);
+  auto tok = seam_.tokenize(body);
   if (!tok.is_ok()) return fail(503, "server_error", "decoder_unavailable", tok.status().message());
   if (tok->status != 200) {
     const json& e = tok->body.contains("error") ? tok->body["error"] : tok->body;
@@ -258,118 +255,124 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
                 "the prompt has " + std::to_string(T) + " tokens; the context window is " +
                     std::to_string(ctx));
 
-  // 2. Route.
-  const std::string mode = req.get_header_value("X-PD-Bridge-Mode");
-  if (mode == "native") {
-    v = Verdict::skipped("native requested");
-  } else if (T < 2 || (mode != "bridge" && T < cfg_.bridge_min_tokens)) {
-    v = Verdict::skipped("short (T=" + std::to_string(T) + " < " +
-                         std::to_string(cfg_.bridge_min_tokens) + ")");
-  } else {
-    auto cp = http_json_ok(cfg_.decoder_host, cfg_.decoder_port, "/hetero/cached_prefix",
-                           {{"ids", ids}}, 10000);
-    const int64_t cached = cp.is_ok() ? cp.value().value("cached_tokens", int64_t{0}) : 0;
-    if (!cp.is_ok()) {
-      v = Verdict::declined("cached prefix unknown: " + cp.status().message());
-    } else if (mode != "bridge" && T - cached < cfg_.bridge_min_tail) {
-      v = Verdict::skipped("warm (" + std::to_string(cached) + " of " + std::to_string(T) +
-                           " cached)");
-    } else {
-      v = bridge(ids, info.value());
-      if (v.kind == VerdictKind::kComplete || v.kind == VerdictKind::kPartial) {
-        // Trust, but check: the decoder must now see the mounted prefix.
-        auto after = http_json_ok(cfg_.decoder_host, cfg_.decoder_port, "/hetero/cached_prefix",
-                                  {{"ids", ids}}, 10000);
-        const int64_t now = after.is_ok() ? after.value().value("cached_tokens", int64_t{0}) : -1;
-        if (now < v.b) {
-          Verdict d = Verdict::declined("mounted " + std::to_string(v.b) +
-                                        " rows but the decoder would reuse " + std::to_string(now));
-          d.bytes = v.bytes, d.timings_ms = v.timings_ms;
-          v = d;
-        }
-      }
-    }
+  // 2. Route; for a cold long prompt, the bridge (mounted and pinned when it worked).
+  Route route =
+      route_request(T, mode.value(), cfg_.route, [&] { return seam_.cached_prefix(ids); });
+  std::string pin;
+  v = route.verdict;
+  if (route.bridge) {
+    BridgeOutcome b = bridge(ids, info.value(), route.cached);
+    v = std::move(b.verdict);
+    pin = std::move(b.pin);
   }
   v.t = T;
   v.timings_ms["tokenize"] = tokenize_ms;
 
-  // 3. The original request, to the decoder; its answer relayed.
+  // 3. The original request, to the decoder; its answer relayed and the verdict confirmed by
+  // its own count of cached prompt tokens.
   const bool stream = body.value("stream", false);
   if (!stream) {
     httplib::Client cli(cfg_.decoder_host, cfg_.decoder_port);
     cli.set_read_timeout(std::chrono::milliseconds(cfg_.decoder_timeout_ms));
     const auto t_dec = Clock::now();
-    auto r = cli.Post(path.c_str(), forward_body, "application/json");
+    auto r = cli.Post(path.c_str(), body.dump(), "application/json");
     v.timings_ms["decoder"] = ms_since(t_dec);
-    if (!r) return fail(503, "server_error", "decoder_unavailable", httplib::to_string(r.error()));
-    json out = json::parse(r->body, nullptr, false);
-    if (!out.is_discarded() && out.contains("usage") && out["usage"].is_object() &&
-        (v.kind == VerdictKind::kComplete || v.kind == VerdictKind::kPartial)) {
-      const int64_t reused = out["usage"]
-                                 .value("prompt_tokens_details", json::object())
-                                 .value("cached_tokens", int64_t{-1});
-      if (reused < v.b) {  // a bridged number is never reported for a native run
-        Verdict d = Verdict::declined("decoder reused " + std::to_string(reused) + " of " +
-                                      std::to_string(v.b) + " mounted tokens");
-        d.t = v.t, d.bytes = v.bytes, d.timings_ms = v.timings_ms;
-        v = d;
-      }
+    seam_.unpin(pin);
+    if (!r) {
+      v = confirm_verdict(v, {false, -1, "the decoder did not answer"});
+      return fail(503, "server_error", "decoder_unavailable", httplib::to_string(r.error()));
     }
-    res.set_content(r->body, r->get_header_value("Content-Type").empty()
-                                 ? "application/json"
-                                 : r->get_header_value("Content-Type"));
+    DecoderUsage usage = usage_from_reply(json::parse(r->body, nullptr, false));
+    if (r->status != 200)
+      usage = {false, -1, "the decoder answered HTTP " + std::to_string(r->status)};
+    v = confirm_verdict(v, usage);
+    const std::string type = r->get_header_value("Content-Type");
+    res.set_content(r->body, type.empty() ? "application/json" : type);
     return finish(r->status);
   }
 
-  // Streaming: relay every byte as it arrives, unbuffered.
-  res.set_header("X-PD-Bridge", v.header_value());
+  // Streaming: the decoder's usage is asked for whatever the client asked; the relay passes
+  // events on as they complete and takes the usage event out unless the client wanted it.
+  const bool client_wants_usage = body.contains("stream_options") &&
+                                  body["stream_options"].value("include_usage", false) == true;
+  body["stream_options"]["include_usage"] = true;
+  res.set_header("X-PD-Bridge", v.header_value());  // the prediction: "confirmed": false
   res.set_header("Cache-Control", "no-cache");
-  metrics_.record(v, 200);
-  log_line("front", "POST " + path + " stream " + v.header_value());
+  log_line("front", "POST " + path + " stream started " + v.header_value());
+
+  // What the stream's end (or a client gone before it began) must settle exactly once.
+  struct StreamEnd {
+    StreamEnd(FrontMetrics* m, SeamClient s, std::string pin_, std::string path_,
+              Clock::time_point t)
+        : metrics(m), seam(std::move(s)), pin(std::move(pin_)), path(std::move(path_)), t0(t) {}
+    FrontMetrics* metrics;
+    SeamClient seam;
+    std::string pin, path;
+    Clock::time_point t0;
+    std::atomic<bool> done{false};
+    void settle(const Verdict& confirmed) {
+      if (done.exchange(true)) return;
+      seam.unpin(pin);
+      metrics->record(confirmed, 200);
+      metrics->inflight(-1);
+      log_line("front", "POST " + path + " stream status=200 " + confirmed.header_value() +
+                            " total_ms=" + std::to_string(ms_since(t0)));
+    }
+  };
+  auto end = std::make_shared<StreamEnd>(&metrics_, seam_, pin, path, t0);
+  auto relay = std::make_shared<SseUsageRelay>(v, client_wants_usage);
   auto cfg = cfg_;
-  auto body_copy = std::make_shared<std::string>(forward_body);
-  FrontMetrics* metrics = &metrics_;
-  res.set_chunked_content_provider("text/event-stream", [cfg, body_copy, path, metrics](
-                                                            size_t, httplib::DataSink& sink) {
-    httplib::Client cli(cfg.decoder_host, cfg.decoder_port);
-    cli.set_read_timeout(std::chrono::milliseconds(cfg.decoder_timeout_ms));
-    httplib::Request dreq;
-    dreq.method = "POST";
-    dreq.path = path;
-    dreq.body = *body_copy;
-    dreq.set_header("Content-Type", "application/json");
-    bool client_gone = false;
-    const auto t_send = Clock::now();
-    double first_ms = -1;
-    dreq.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
-      // SSE keep-alive comments precede the first token; time the first data event.
-      if (first_ms < 0 && std::string_view(data, n).find("data:") != std::string_view::npos)
-        first_ms = ms_since(t_send);
-      if (!sink.write(data, n)) return (client_gone = true), false;
-      return true;
-    };
-    auto r = cli.send(dreq);
-    if (first_ms >= 0) {
-      metrics->record_stage("decoder_first_token", first_ms);
-      log_line("front", "POST " + path +
-                            " stream decoder_first_token_ms=" + std::to_string(first_ms) +
-                            " decoder_total_ms=" + std::to_string(ms_since(t_send)));
-    }
-    if (!r && !client_gone) {
-      const std::string ev =
-          "data: " +
-          error_json("server_error", "decoder_unavailable", httplib::to_string(r.error())).dump() +
-          "\n\n";
-      sink.write(ev.data(), ev.size());
-    }
-    metrics->inflight(-1);
-    if (!client_gone) sink.done();
-    return !client_gone;
-  });
+  auto forward = std::make_shared<std::string>(body.dump());
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [cfg, forward, path, relay, end](size_t, httplib::DataSink& sink) {
+        httplib::Client cli(cfg.decoder_host, cfg.decoder_port);
+        cli.set_read_timeout(std::chrono::milliseconds(cfg.decoder_timeout_ms));
+        httplib::Request dreq;
+        dreq.method = "POST";
+        dreq.path = path;
+        dreq.body = *forward;
+        dreq.set_header("Content-Type", "application/json");
+        bool client_gone = false;
+        const auto t_send = Clock::now();
+        double first_ms = -1;
+        std::string out;
+        dreq.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+          // SSE keep-alive comments precede the first token; time the first data event.
+          if (first_ms < 0 && std::string_view(data, n).find("data:") != std::string_view::npos)
+            first_ms = ms_since(t_send);
+          out.clear();
+          relay->feed(std::string_view(data, n), &out);
+          if (!out.empty() && !sink.write(out.data(), out.size()))
+            return (client_gone = true), false;
+          return true;
+        };
+        auto r = cli.send(dreq);
+        if (first_ms >= 0) end->metrics->record_stage("decoder_first_token", first_ms);
+        std::string rest = relay->flush();
+        if (!client_gone && !rest.empty()) sink.write(rest.data(), rest.size());
+        if (!r && !client_gone) {
+          const std::string ev =
+              "data: " +
+              error_json("server_error", "decoder_unavailable", httplib::to_string(r.error()))
+                  .dump() +
+              "\n\n";
+          sink.write(ev.data(), ev.size());
+        }
+        end->settle(relay->confirmed(client_gone ? "the client left before the decoder's usage"
+                                     : !r        ? "the decoder's stream broke before its usage"
+                                                 : "the decoder's stream carried no usage"));
+        if (!client_gone) sink.done();
+        return !client_gone;
+      },
+      [relay, end](bool) {
+        end->settle(relay->confirmed("the client left before the stream began"));
+      });
 }
 
 Status FrontServer::start() {
   if (cfg_.store_dir.empty()) return invalid_argument("--store is required (the seam's --store)");
+  HETERO_RETURN_IF_ERROR(check_pairing());
   server_ = std::make_unique<httplib::Server>();
   const int threads = cfg_.threads;
   server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
@@ -380,7 +383,7 @@ Status FrontServer::start() {
     });
   }
   server_->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-    auto info = http_json_ok(cfg_.decoder_host, cfg_.decoder_port, "/hetero/info", json(), 10000);
+    auto info = seam_.info();
     if (!info.is_ok()) {
       res.status = 503;
       res.set_content(
@@ -396,7 +399,7 @@ Status FrontServer::start() {
     res.set_content(j.dump(), "application/json");
   });
   server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    auto d = http_json("127.0.0.1", cfg_.decoder_port, "/hetero/info", json(), 3000);
+    auto d = http_json(cfg_.decoder_host, cfg_.decoder_port, "/hetero/info", json(), 3000);
     auto p = http_json(cfg_.prefill_host, cfg_.prefill_port, "/health", json(), 3000);
     const bool dok = d.is_ok() && d->status == 200, pok = p.is_ok() && p->status == 200;
     json j = {{"status", dok ? "ok" : "degraded"},

@@ -10,7 +10,7 @@ void FrontMetrics::record(const Verdict& v, int http_status) {
   ++requests_by_kind_[v.kind_name()];
   ++responses_by_status_[http_status];
   bytes_ += v.bytes;
-  if (v.kind == VerdictKind::kComplete || v.kind == VerdictKind::kPartial) bridged_tokens_ += v.b;
+  if (v.bridged()) bridged_tokens_ += v.b;
   for (const auto& [stage, ms] : v.timings_ms) {
     stage_ms_sum_[stage] += ms;
     ++stage_count_[stage];
@@ -33,7 +33,7 @@ std::string FrontMetrics::render() const {
   std::ostringstream o;
   o << "# HELP hetero_requests_total Front-door responses by bridge verdict.\n"
     << "# TYPE hetero_requests_total counter\n";
-  for (const char* k : {"complete", "partial", "skipped", "declined"}) {
+  for (const char* k : {"complete", "partial", "skipped", "declined", "unconfirmed"}) {
     auto it = requests_by_kind_.find(k);
     o << "hetero_requests_total{verdict=\"" << k << "\"} "
       << (it == requests_by_kind_.end() ? 0 : it->second) << "\n";

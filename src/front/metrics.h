@@ -1,5 +1,5 @@
-// Prometheus metrics of the front door: requests by verdict kind, bytes bridged, stage time
-// sums and counts. Thread-safe; rendered as text exposition format on GET /metrics.
+// Prometheus metrics of the front door: requests by confirmed verdict kind, bytes bridged, stage
+// time sums and counts. Thread-safe; rendered as text exposition format on GET /metrics.
 #pragma once
 
 #include <cstdint>
@@ -7,7 +7,7 @@
 #include <mutex>
 #include <string>
 
-#include "front/verdict.h"
+#include "decode/verdict.h"
 
 namespace hetero {
 

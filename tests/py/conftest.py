@@ -35,3 +35,21 @@ def tokenizer_dir() -> Path:
     if not (Path(path) / "tokenizer.json").exists():
         pytest.skip(f"HETERO_TOKENIZER={path} has no tokenizer.json")
     return Path(path)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With HETERO_NO_SKIPS=1 (`make test` sets it) a skipped test fails the run: a test the
+    suite is meant to run that skips (a missing model, binary or variable) would otherwise pass
+    silently."""
+    if os.environ.get("HETERO_NO_SKIPS") != "1":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter else []
+    if not skipped:
+        return
+    reporter.write_line(f"HETERO_NO_SKIPS=1: {len(skipped)} test(s) skipped; failing the run:",
+                        red=True)
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        reporter.write_line(f"  {report.nodeid}: {reason}", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -16,186 +16,17 @@ models/smollm2-135m-instruct; skips with a reason when one is missing.
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
-
-requests = pytest.importorskip("requests")
-openai = pytest.importorskip("openai")
-
-ROOT = Path(__file__).resolve().parents[2]
-HETERO = Path(os.environ.get("HETERO_BIN", ROOT / "build" / "hetero"))
-TINY = Path(os.environ.get("HETERO_TEST_MODEL", ROOT / "models" / "tiny-llama"))
-REAL = Path(os.environ.get("HETERO_MODEL", ROOT / "models" / "smollm2-135m-instruct"))
-PY = sys.executable
-ENV = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-
-# The tiny front bridges prompts of >= 64 tokens (the chat template alone is ~30).
-MIN_TOKENS = 64
-CHUNK = 16  # fault prefill hosts: several segments for a ~150-token prompt
-MODEL_NAME = "default_model"  # mlx-lm's name for the model it was started with
-
-
-def need(path: Path, what: str) -> None:
-    if not path.exists():
-        pytest.skip(f"{what} missing at {path} (run: make model tiny build)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------- processes
-
-
-class Proc:
-    """One real process with its log file; stopped by pid (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, name: str, argv: List[str], log_dir: Path, port: int, health: str):
-        self.name, self.port, self.health = name, port, health
-        self.log_path = log_dir / f"{name}-{port}.log"
-        self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen([str(a) for a in argv], cwd=ROOT, env=ENV,
-                                      stdout=self._log, stderr=subprocess.STDOUT)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 120.0) -> "Proc":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if requests.get(f"http://127.0.0.1:{self.port}{self.health}", timeout=2).ok:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        pytest.fail(f"{self.name} not healthy within {timeout}s:\n{self.log()[-3000:]}")
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=10)
-        self._log.close()
-
-
-def export_weights(model: Path, out: Path) -> Path:
-    subprocess.run([PY, "-m", "hetero_mlx", "export", "--model", str(model), "--out", str(out)],
-                   check=True, env=ENV, capture_output=True, cwd=ROOT)
-    return out
-
-
-class Stack:
-    """A decoder (shared), prefill hosts and fronts started on demand, stopped at the end."""
-
-    def __init__(self, model: Path, tmp: Path):
-        self.model, self.tmp = model, tmp
-        self.store = tmp / "store"
-        self.store.mkdir()
-        self.weights = export_weights(model, tmp / "weights")
-        self.procs: List[Proc] = []
-        self._cache: Dict[tuple, Proc] = {}
-        self.decoder = self._start("decoder", [PY, "-m", "hetero_mlx", "serve", "--model", model,
-                                               "--store", self.store], "/hetero/info", 300)
-        self.info = requests.get(self.url(self.decoder.port, "/hetero/info"), timeout=10).json()
-
-    def _start(self, name: str, argv: List, health: str, timeout: float = 60) -> Proc:
-        port = free_port()
-        p = Proc(name, argv + ["--port", port], self.tmp, port, health)
-        self.procs.append(p)
-        return p.wait_ready(timeout)
-
-    @staticmethod
-    def url(port: int, path: str) -> str:
-        return f"http://127.0.0.1:{port}{path}"
-
-    def prefill(self, fault: str = "", chunk: int = CHUNK, model: Optional[Path] = None,
-                weights: Optional[Path] = None, fresh: bool = False) -> Proc:
-        """A prefill host; reused per (fault, chunk, model) unless fresh (faults that kill it)."""
-        key = ("prefill", fault, chunk, str(model), str(weights))
-        if not fresh and key in self._cache and self._cache[key].popen.poll() is None:
-            return self._cache[key]
-        argv = [HETERO, "prefill", "--model", model or self.model, "--weights",
-                weights or self.weights, "--chunk", chunk]
-        if fault:
-            argv += ["--fault", fault]
-        p = self._start("prefill", argv, "/health")
-        self._cache[key] = p
-        return p
-
-    def front(self, prefill_port: int, **opts) -> Proc:
-        """A front door on the shared decoder; reused per (prefill port, options)."""
-        opts = {"bridge-min-tokens": MIN_TOKENS, "bridge-min-tail": MIN_TOKENS, **opts}
-        key = ("front", prefill_port, tuple(sorted(opts.items())))
-        if key in self._cache and self._cache[key].popen.poll() is None:
-            return self._cache[key]
-        argv = [HETERO, "front", "--decoder-port", self.decoder.port, "--prefill-port",
-                prefill_port, "--store", self.store]
-        for k, v in opts.items():
-            argv += [f"--{k}", v]
-        p = self._start("front", argv, "/health")
-        self._cache[key] = p
-        return p
-
-    def clear(self) -> None:
-        r = requests.post(self.url(self.decoder.port, "/hetero/clear"), json={}, timeout=30)
-        assert r.status_code == 200, r.text
-
-    def cached(self, ids: List[int]) -> int:
-        r = requests.post(self.url(self.decoder.port, "/hetero/cached_prefix"), json={"ids": ids},
-                          timeout=30)
-        assert r.status_code == 200, r.text
-        return r.json()["cached_tokens"]
-
-    def native(self, body: dict, path: str = "/v1/chat/completions") -> dict:
-        """The decoder's own answer to body, computed cold; leaves the prompt cache empty."""
-        ids = requests.post(self.url(self.decoder.port, "/hetero/tokenize"), json=body,
-                            timeout=60).json()["ids"]
-        self.clear()
-        r = requests.post(self.url(self.decoder.port, path), json=body, timeout=600)
-        assert r.status_code == 200, r.text
-        # mlx-lm stores prompt + completion in its prompt cache after the reply has gone out
-        # (and the prompt's segments before it): wait for that last insert, then clear, or the
-        # front would find this prompt warm. An entry longer than the prompt is the last one:
-        # ids plus one probe token then reuse all of ids (two probes, in case one is the first
-        # generated token).
-        deadline = time.monotonic() + 60
-        while max(self.cached(ids + [0]), self.cached(ids + [1])) < len(ids):
-            assert time.monotonic() < deadline, "the decoder never cached the native request"
-            time.sleep(0.02)
-        self.clear()
-        assert self.cached(ids) == 0
-        return r.json()
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+from frontstack import (CHUNK, ENV, HETERO, MIN_TOKENS, MODEL_NAME, PY, REAL, ROOT, TINY, Proc,
+                        Stack, answer, cached_tokens, chat, export_weights, free_port, metrics,
+                        need, openai_chat, post_front, requests, text, verdict_of)
 
 
 @pytest.fixture(scope="module")
@@ -213,80 +44,6 @@ def tiny(tmp_path_factory):
 def main_front(tiny) -> Proc:
     """The healthy front: prefill host without faults, chunk 64."""
     return tiny.front(tiny.prefill(chunk=64).port)
-
-
-# ---------------------------------------------------------------- requests and prompts
-
-WORDS = ("river copper lantern orbit meadow cipher harbor velvet glacier summit ember quartz "
-         "tundra falcon prism willow canyon beacon marble thistle cobalt saffron harvest "
-         "anchor pepper violin crater ribbon walnut signal dune").split()
-
-
-def text(tag: str, words: int) -> str:
-    """Distinct, deterministic filler: a tag then seeded random words (cold for the decoder)."""
-    rng = random.Random(tag)
-    return tag + ": " + " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def chat(content: str, max_tokens: int = 16, **extra) -> dict:
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0.0}
-    body.update(extra)
-    return body
-
-
-def answer(reply: dict) -> str:
-    choice = reply["choices"][0]
-    return choice["message"]["content"] if "message" in choice else choice["text"]
-
-
-def verdict_of(headers) -> dict:
-    raw = headers.get("X-PD-Bridge")
-    assert raw, f"no X-PD-Bridge header in {dict(headers)}"
-    v = json.loads(raw)
-    assert {"verdict", "B", "T", "bytes", "timings_ms"} <= set(v), v
-    return v
-
-
-def post_front(front: Proc, body, path: str = "/v1/chat/completions", mode: str = "",
-               timeout: float = 600):
-    headers = {"Content-Type": "application/json"}
-    if mode:
-        headers["X-PD-Bridge-Mode"] = mode
-    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return requests.post(Stack.url(front.port, path), data=data, headers=headers, timeout=timeout)
-
-
-def cached_tokens(reply: dict) -> int:
-    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def metrics(front: Proc) -> Dict[str, float]:
-    out = {}
-    for line in requests.get(Stack.url(front.port, "/metrics"), timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def client(front: Proc) -> "openai.OpenAI":
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{front.port}/v1", api_key="unused",
-                         max_retries=0, timeout=600)
-
-
-def openai_chat(front: Proc, body: dict, stream: bool):
-    """(answer text, verdict, usage or None) through the official client."""
-    kwargs = dict(body)
-    c = client(front)
-    if not stream:
-        raw = c.chat.completions.with_raw_response.create(**kwargs)
-        comp = raw.parse()
-        return comp.choices[0].message.content, verdict_of(raw.headers), comp.usage
-    with c.chat.completions.with_streaming_response.create(stream=True, **kwargs) as resp:
-        v = verdict_of(resp.headers)
-        parts = [ch.choices[0].delta.content or "" for ch in resp.parse() if ch.choices]
-    return "".join(parts), v, None
 
 
 # ---------------------------------------------------------------- 1. the openai client
@@ -316,20 +73,6 @@ def test_openai_client_bridged_prompt_gets_native_answer(tiny, main_front, strea
     if not stream:
         assert usage.prompt_tokens == T
         assert usage.prompt_tokens_details.cached_tokens == T - 1
-
-
-def test_model_id_from_v1_models_is_served(tiny, main_front) -> None:
-    # Regression: the id /v1/models lists was forwarded as is; mlx-lm then tried to fetch a
-    # model of that name from a hub and dropped its own, breaking every later request.
-    listed = requests.get(Stack.url(main_front.port, "/v1/models"), timeout=30).json()
-    name = listed["data"][0]["id"]
-    body = chat("Say hello.", max_tokens=8)
-    native = tiny.native(body)
-    reply = post_front(main_front, dict(body, model=name))
-    assert reply.status_code == 200, reply.text
-    assert answer(reply.json()) == answer(native)
-    again = post_front(main_front, body)  # the decoder still serves afterwards
-    assert again.status_code == 200 and answer(again.json()) == answer(native)
 
 
 def test_completions_endpoint_bridged(tiny, main_front) -> None:
@@ -479,18 +222,37 @@ def other_prefill(tiny, tmp_path_factory) -> Proc:
                     str(tmp / "model"), "--seed", "1", "--hidden", "128"],
                    check=True, env=ENV, capture_output=True, cwd=ROOT)
     weights = export_weights(tmp / "model", tmp / "weights")
-    return tiny.prefill(model=tmp / "model", weights=weights)
+    p = tiny.prefill(model=tmp / "model", weights=weights)
+    p.model_dir, p.weights_dir = tmp / "model", weights
+    return p
 
 
-def test_fingerprint_mismatch_is_declined_naming_both(tiny, other_prefill) -> None:
+def test_front_refuses_to_start_on_another_models_prefill_host(tiny, other_prefill) -> None:
     theirs = requests.get(Stack.url(other_prefill.port, "/health"), timeout=10).json()
     ours = tiny.info["fingerprint"]
     assert theirs["fingerprint"] != ours
-    front = tiny.front(other_prefill.port)
-    health = requests.get(Stack.url(front.port, "/health"), timeout=10).json()
-    assert health["fingerprints_agree"] is False, health
-    v, reply, _ = run_fault(tiny, front, "fault-fingerprint")
-    assert_declined(v, reply, "409", ours, theirs["fingerprint"])
+    r = subprocess.run([HETERO, "front", "--port", "0", "--decoder-port", str(tiny.decoder.port),
+                        "--prefill-port", str(other_prefill.port), "--store", str(tiny.store)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=ENV)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert ours in r.stderr and theirs["fingerprint"] in r.stderr, r.stderr
+
+
+def test_fingerprint_mismatch_after_start_is_declined_naming_both(tiny, other_prefill) -> None:
+    # The front checks the pairing when both hosts answer at its start; a prefill host that
+    # comes up later is checked per request: the host refuses (409) and the answer is native.
+    port = free_port()
+    front = tiny.front(port)  # nothing listens there yet: the pairing cannot be checked
+    late = tiny.prefill(model=other_prefill.model_dir, weights=other_prefill.weights_dir,
+                        port=port)
+    try:
+        theirs = requests.get(Stack.url(late.port, "/health"), timeout=10).json()["fingerprint"]
+        health = requests.get(Stack.url(front.port, "/health"), timeout=10).json()
+        assert health["fingerprints_agree"] is False, health
+        v, reply, _ = run_fault(tiny, front, "fault-fingerprint")
+        assert_declined(v, reply, "409", tiny.info["fingerprint"], theirs)
+    finally:
+        late.stop()
 
 
 # ---------------------------------------------------------------- 4. concurrency
@@ -758,15 +520,22 @@ def test_real_model_long_prompt_bridged(real) -> None:
 
 
 def test_model_id_from_v1_models_is_served(tiny, main_front) -> None:
-    """A client that lists /v1/models and uses that id must be served, and the stack must keep
-    serving afterwards. (Runs last: when it fails it may leave the decoder unloaded, so the
-    finalizer reloads it with a direct default-model request.)"""
+    """Regression: the id /v1/models lists was forwarded as is; mlx-lm then tried to fetch a
+    model of that name from a hub and dropped its own, breaking every later request. A client
+    that lists /v1/models and uses that id gets the decoder's own answer, and the stack keeps
+    serving. (Runs last: when it fails it may leave the decoder unloaded, so the finalizer
+    reloads it with a direct default-model request.)"""
     model_id = requests.get(Stack.url(main_front.port, "/v1/models"), timeout=10).json()
     model_id = model_id["data"][0]["id"]
+    body = chat("Say hello.", max_tokens=8)
+    native = tiny.native(body)
     try:
-        r = post_front(main_front, chat("hi", 4, model=model_id))
-        after = post_front(main_front, chat("hi", 4))
-        assert (r.status_code, after.status_code) == (200, 200), (model_id, r.text, after.text)
+        r = post_front(main_front, dict(body, model=model_id))
+        assert r.status_code == 200, (model_id, r.text)
+        assert answer(r.json()) == answer(native)
+        after = post_front(main_front, body)  # the decoder still serves afterwards
+        assert after.status_code == 200, after.text
+        assert answer(after.json()) == answer(native)
     finally:
         requests.post(Stack.url(tiny.decoder.port, "/v1/chat/completions"),
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},

@@ -34,4 +34,25 @@ TEST(Options, UnknownAndMissingValuesAreErrors) {
   EXPECT_FALSE(o3.get_int("chunk").is_ok());
 }
 
+TEST(Options, ChoicesAreCheckedAtParseTimeFromFlagsAndEnv) {
+  auto make = [] {
+    return Options("t", "test",
+                   {{"backend", "HETERO_TEST_BACKEND", "cpu", "b", false, {"cpu", "cuda"}}});
+  };
+  Options ok = make();
+  const char* cuda[] = {"--backend", "cuda"};
+  ASSERT_TRUE(ok.parse(2, const_cast<char**>(cuda)).is_ok());
+  EXPECT_EQ(ok.get("backend"), "cuda");
+  Options bad = make();
+  const char* gpu[] = {"--backend=gpu"};
+  Status st = bad.parse(1, const_cast<char**>(gpu));
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("must be cpu or cuda, got 'gpu'"), std::string::npos) << st.message();
+  setenv("HETERO_TEST_BACKEND", "tpu", 1);
+  Options env = make();
+  EXPECT_FALSE(env.parse(0, nullptr).is_ok());
+  unsetenv("HETERO_TEST_BACKEND");
+  EXPECT_NE(make().help_text().find("{cpu or cuda}"), std::string::npos);
+}
+
 }  // namespace hetero

@@ -1,0 +1,101 @@
+// The decode side of one bridged request: see bridge.h.
+#include "decode/bridge.h"
+
+#include <chrono>
+#include <filesystem>
+
+#include "bridge/assembler.h"
+
+namespace hetero {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
+                         const std::vector<int32_t>& ids, int64_t decoder_cached,
+                         const BridgeParams& p) {
+  BridgeOutcome out;
+  Verdict& v = out.verdict;
+  v.t = static_cast<int64_t>(ids.size());
+  auto layout_or = layout_from_json(info);
+  if (!layout_or.is_ok())
+    return (v = v.declined_from("decoder info incomplete: " + layout_or.status().message())), out;
+  if (v.t < 2) return (v = v.declined_from("a bridge needs at least 2 prompt tokens")), out;
+  const DecoderCacheLayout& layout = layout_or.value();
+  const int64_t want = v.t - 1;  // the decoder keeps at least one token to process
+
+  auto assembler = make_assembler(layout, want);
+  const PrefillRequest req{std::vector<int32_t>(ids.begin(), ids.begin() + want),
+                           layout.fingerprint, p.chunk_tokens, decoder_calls_from_info(info, want)};
+  out.fetch =
+      fetch_prefill(p.prefill_host, p.prefill_port, req, assembler.get(), p.stall_ms, p.deadline_ms);
+  const FetchResult& f = out.fetch;
+  v.bytes = f.bytes;
+  v.timings_ms["prefill"] = f.total_ms;
+  if (f.first_segment_ms >= 0) v.timings_ms["first_segment"] = f.first_segment_ms;
+  if (f.last_segment_ms >= 0) v.timings_ms["last_segment"] = f.last_segment_ms;
+  v.timings_ms["verify"] = f.verify_ms;
+  v.arith = f.arith;
+
+  const int64_t covered = assembler->covered_tokens();
+  if (f.status.is_ok()) {
+    if (!assembler->can_mount(want))
+      return (v = v.declined_from("the verified rows cannot be mounted as a " +
+                                  std::to_string(want) + "-token prefix")),
+             out;
+    v.kind = VerdictKind::kComplete;
+    v.b = want;
+  } else if (f.salvageable && assembler->can_mount(covered) &&
+             covered >= p.partial_min_fraction * static_cast<double>(want) &&
+             covered > decoder_cached) {
+    v.kind = VerdictKind::kPartial;  // the longest verified contiguous prefix
+    v.b = covered;
+    v.reason = f.status.message();
+  } else {
+    std::string why = f.status.message() + " (verified " + std::to_string(covered) + "/" +
+                      std::to_string(want) + " rows";
+    if (covered >= 1 && !assembler->can_mount(covered))
+      why += "; a " + layout.family + " prefix cannot be mounted partially";
+    else if (f.salvageable && covered >= 1 && covered <= decoder_cached)
+      why += "; the decoder already holds " + std::to_string(decoder_cached);
+    return (v = v.declined_from(why + ")")), out;
+  }
+
+  const auto t_store = Clock::now();
+  auto entry = write_store_entry(p.store_dir, layout, ids, v.b, want, assembler->arrays(v.b),
+                                 assembler->entry_extra());
+  v.timings_ms["store"] = ms_since(t_store);
+  if (!entry.is_ok()) return (v = v.declined_from("store failed: " + entry.status().message())), out;
+  out.entry_path = entry->path;
+
+  const auto t_mount = Clock::now();
+  auto m = seam.mount(entry->path, ids);
+  v.timings_ms["mount"] = ms_since(t_mount);
+  if (!p.keep_entry) {
+    std::error_code ec;
+    std::filesystem::remove_all(entry->path, ec);  // the decoder holds its own copy now
+    out.entry_path.clear();
+  }
+  if (!m.is_ok()) return (v = v.declined_from("mount failed: " + m.status().message())), out;
+  if (m->contains("pin") && (*m)["pin"].is_string()) out.pin = (*m)["pin"].get<std::string>();
+
+  // Trust, but check: the decoder must now see the mounted prefix.
+  auto now = seam.cached_prefix(ids);
+  if (!now.is_ok() || now.value() < v.b) {
+    seam.unpin(out.pin);
+    out.pin.clear();
+    return (v = v.declined_from(
+                "mounted " + std::to_string(v.b) + " rows but the decoder would reuse " +
+                (now.is_ok() ? std::to_string(now.value()) : now.status().message()))),
+           out;
+  }
+  return out;
+}
+
+}  // namespace hetero

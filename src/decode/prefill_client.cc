@@ -1,0 +1,145 @@
+// The prefill stream's receiving end: see prefill_client.h.
+#include "decode/prefill_client.h"
+
+#include <httplib.h>
+
+#include <nlohmann/json.hpp>
+
+namespace hetero {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// The largest frame the parser buffers. A segment of a 1B model at an 8K-token chunk is
+// ~270 MB; this bounds what a peer can make us hold for one frame.
+constexpr int64_t kMaxFrameBytes = int64_t{8} << 30;
+
+Code code_for_http(int status) {
+  if (status == 409) return Code::kFailedPrecondition;
+  if (status == 507) return Code::kResourceExhausted;
+  if (status >= 500) return Code::kInternal;
+  return Code::kInvalidArgument;
+}
+
+}  // namespace
+
+StreamReceiver::StreamReceiver(Assembler* assembler)
+    : assembler_(assembler), parser_(kMaxFrameBytes) {}
+
+bool StreamReceiver::feed(const char* data, size_t n) {
+  if (!status_.is_ok() || have_manifest_) return false;
+  const auto t = Clock::now();
+  parser_.feed(data, n);
+  const bool go_on = consume_frames();
+  verify_ms_ += ms_since(t);
+  return go_on;
+}
+
+bool StreamReceiver::consume_frames() {
+  while (true) {
+    auto f = parser_.next();
+    if (!f.is_ok()) return (status_ = f.status()), false;
+    if (!f.value().has_value()) return true;
+    Frame& frame = *f.value();
+    if (frame.header.value("kind", "") == "manifest") {
+      auto m = decode_manifest(frame);
+      status_ = m.is_ok() ? assembler_->finish(m.value()) : m.status();
+      have_manifest_ = m.is_ok();
+      if (m.is_ok()) arith_ = m->arith;
+      // An honest "ended early" keeps the prefix; a manifest that disagrees voids it all.
+      if (m.is_ok() && !status_.is_ok() && status_.code() != Code::kUnavailable)
+        salvageable_ = false;
+      return false;
+    }
+    auto s = decode_segment(std::move(frame));  // views into the frame: no second copy
+    if (!s.is_ok()) return (status_ = s.status()), false;
+    Status a = assembler_->accept(s.value());
+    if (!a.is_ok()) {
+      if (a.code() == Code::kFailedPrecondition) salvageable_ = false;  // another model's
+      return (status_ = a), false;
+    }
+    if (first_segment_ms_ < 0) first_segment_ms_ = ms_since(t0_);
+    last_segment_ms_ = ms_since(t0_);
+  }
+}
+
+FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
+                          Assembler* assembler, int64_t stall_ms, int64_t deadline_ms) {
+  const auto t0 = Clock::now();
+  FetchResult out;
+  httplib::Client cli(host, port);
+  cli.set_connection_timeout(std::chrono::milliseconds(std::min<int64_t>(stall_ms, 5000)));
+  cli.set_read_timeout(std::chrono::milliseconds(stall_ms));
+
+  StreamReceiver receiver(assembler);
+  auto last_byte = Clock::now();
+  Status deadline_status;
+  int http_status = 0;
+  std::string error_text;
+  httplib::Request r;
+  r.method = "POST";
+  r.path = "/v1/prefill";
+  r.body = prefill_request_json(req).dump();
+  r.set_header("Content-Type", "application/json");
+  r.response_handler = [&](const httplib::Response& res) {
+    http_status = res.status;
+    return true;
+  };
+  r.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    out.bytes += static_cast<int64_t>(n);
+    last_byte = Clock::now();
+    if (http_status != 200) {
+      if (error_text.size() < (1 << 16)) error_text.append(data, n);  // an error body, bounded
+      return true;
+    }
+    if (ms_since(t0) > static_cast<double>(deadline_ms)) {
+      deadline_status = Status(Code::kDeadlineExceeded, "prefill passed its deadline of " +
+                                                            std::to_string(deadline_ms) + " ms");
+      return false;
+    }
+    receiver.feed(data, n);
+    return receiver.status().is_ok();  // after a good manifest: read on to the end
+  };
+  auto res = cli.send(r);
+  out.total_ms = ms_since(t0);
+  out.verify_ms = receiver.verify_ms();
+  out.first_segment_ms = receiver.first_segment_ms();
+  out.last_segment_ms = receiver.last_segment_ms();
+  out.salvageable = receiver.salvageable();
+  out.have_manifest = receiver.have_manifest();
+  out.arith = receiver.arith();
+  if (!deadline_status.is_ok()) {
+    out.status = deadline_status;
+  } else if (!receiver.status().is_ok()) {
+    out.status = receiver.status();
+  } else if (receiver.have_manifest()) {
+    out.status = Status::ok();
+  } else if (!res && res.error() == httplib::Error::Read && out.bytes > 0) {
+    const double quiet_ms = ms_since(last_byte);
+    out.status = quiet_ms >= static_cast<double>(stall_ms)
+                     ? Status(Code::kDeadlineExceeded, "prefill host stalled (no bytes for " +
+                                                           std::to_string(stall_ms) + " ms)")
+                     : unavailable("prefill host closed the stream mid-way (process gone?)");
+  } else if (!res) {
+    out.status = unavailable("prefill host " + host + ":" + std::to_string(port) + ": " +
+                             httplib::to_string(res.error()));
+  } else if (http_status != 200) {
+    auto j = nlohmann::json::parse(error_text, nullptr, false);
+    std::string msg = error_text;
+    if (j.is_object() && j.contains("error") && j["error"].is_object() &&
+        j["error"].contains("message") && j["error"]["message"].is_string())
+      msg = j["error"]["message"].get<std::string>();
+    out.status = Status(code_for_http(http_status),
+                        "prefill host refused (HTTP " + std::to_string(http_status) + "): " + msg);
+  } else {
+    out.status = data_loss("stream ended without a manifest after " +
+                           std::to_string(assembler->covered_tokens()) + " verified rows");
+  }
+  return out;
+}
+
+}  // namespace hetero

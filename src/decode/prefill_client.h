@@ -1,0 +1,63 @@
+// The decode side's receiving end of a prefill stream: POST /v1/prefill to the prefill host, and
+// every byte that comes back verified into an Assembler as it arrives (frames, checksums,
+// order, the closing manifest). StreamReceiver is the verification alone, for any byte source:
+// the HTTP client below, and `hetero prefill --ids-file`, which runs the service in-process.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "bridge/assembler.h"
+#include "bridge/prefill_request.h"
+#include "bridge/wire.h"
+
+namespace hetero {
+
+// Feeds a segment stream's bytes through the frame parser into an assembler. Not thread-safe.
+class StreamReceiver {
+ public:
+  explicit StreamReceiver(Assembler* assembler);
+  // Parses and verifies what the bytes complete. Returns false once the stream must stop:
+  // an error (status() says which) or the manifest (status() ok when it agreed).
+  bool feed(const char* data, size_t n);
+  const Status& status() const { return status_; }
+  bool have_manifest() const { return have_manifest_; }
+  // False when the stream contradicted itself or the request (fingerprint, family, a manifest
+  // that disagrees with what arrived): then no row of it is trusted, verified or not. True for
+  // breaks that leave the verified prefix sound (killed, truncated, stalled, corrupt, gap).
+  bool salvageable() const { return salvageable_; }
+  const std::string& arith() const { return arith_; }  // the manifest's word on the arithmetic
+  double first_segment_ms() const { return first_segment_ms_; }
+  double last_segment_ms() const { return last_segment_ms_; }
+  double verify_ms() const { return verify_ms_; }  // time spent parsing and verifying
+
+ private:
+  bool consume_frames();
+  Assembler* assembler_;
+  FrameParser parser_;
+  Status status_;
+  bool have_manifest_ = false, salvageable_ = true;
+  std::string arith_;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+  double first_segment_ms_ = -1, last_segment_ms_ = -1, verify_ms_ = 0;
+};
+
+struct FetchResult {
+  Status status;      // ok only when the manifest arrived complete and agreed
+  int64_t bytes = 0;  // bytes received on the wire
+  double first_segment_ms = -1, last_segment_ms = -1, total_ms = 0;
+  double verify_ms = 0;
+  bool salvageable = true;  // StreamReceiver::salvageable
+  bool have_manifest = false;
+  std::string arith;
+};
+
+// stall_ms: longest silence tolerated between bytes; deadline_ms: the whole stream's budget.
+// Both end the stream with kDeadlineExceeded; rows verified so far stay in the assembler.
+// The prefill host's refusals keep their meaning: 409 (fingerprint) is kFailedPrecondition,
+// 507 (out of memory) kResourceExhausted, other 4xx kInvalidArgument, 5xx kInternal.
+FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
+                          Assembler* assembler, int64_t stall_ms, int64_t deadline_ms);
+
+}  // namespace hetero

@@ -1,0 +1,26 @@
+// The decoder seam client: see seam_client.h.
+#include "decode/seam_client.h"
+
+namespace hetero {
+
+Result<HttpJsonReply> SeamClient::tokenize(const nlohmann::json& request) const {
+  return http_json(host_, port_, "/hetero/tokenize", request, timeout_ms_);
+}
+
+Result<int64_t> SeamClient::cached_prefix(const std::vector<int32_t>& ids) const {
+  HETERO_ASSIGN_OR_RETURN(nlohmann::json r, call("/hetero/cached_prefix", {{"ids", ids}}));
+  if (!r.contains("cached_tokens") || !r["cached_tokens"].is_number_integer())
+    return data_loss("/hetero/cached_prefix answered without an integer cached_tokens");
+  return r["cached_tokens"].get<int64_t>();
+}
+
+Result<nlohmann::json> SeamClient::mount(const std::string& entry,
+                                         const std::vector<int32_t>& ids) const {
+  return call("/hetero/mount", {{"entry", entry}, {"ids", ids}});
+}
+
+void SeamClient::unpin(const std::string& pin) const {
+  if (!pin.empty()) (void)call("/hetero/unpin", {{"pin", pin}});
+}
+
+}  // namespace hetero

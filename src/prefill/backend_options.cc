@@ -1,0 +1,65 @@
+// The prefill backend's option spec: see backend_options.h.
+#include "prefill/backend_options.h"
+
+namespace hetero {
+
+std::vector<OptionSpec> prefill_backend_specs() {
+  return {
+      {"backend", "HETERO_PREFILL_BACKEND", "cpu",
+       "where the forward runs (cuda: the GPU engine, the cache program on a side stream)", false,
+       {"cpu", "cuda"}},
+      {"arith", "HETERO_PREFILL_ARITH", "exact",
+       "cuda: exact (llama: the decoder's arithmetic on CUDA cores: bit-exact caches, the "
+       "decoder's own answers) or fast (tensor cores, FP8 paged cache: caches within a "
+       "tolerance, answers not guaranteed; deepseek_v4 needs fast; docs/design/prefill-cuda.md)",
+       false,
+       {"exact", "fast"}},
+      {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's own cache dtype", false,
+       {"fp8", "bf16"}},
+      {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
+       "cuda, fast: the large weights on the GPU (fp8: e4m3, a scale per 128x128 block, "
+       "quantized at load; llama: every projection, deepseek_v4: the experts)",
+       false,
+       {"bf16", "fp8"}},
+      {"gemm", "HETERO_PREFILL_GEMM", "ordered",
+       "cpu, llama: the decoder's GEMM order (ordered: bit-exact attention inputs) or OpenBLAS's "
+       "(blas)",
+       false,
+       {"ordered", "blas"}},
+      {"device", "HETERO_PREFILL_DEVICE", "0", "cuda: the GPU the forward runs on"},
+      {"program-device", "HETERO_PREFILL_PROGRAM_DEVICE", "-1",
+       "cuda: the GPU the cache program runs on (-1: the forward's); another GPU keeps its work "
+       "off the forward's"},
+      {"chunk", "HETERO_PREFILL_CHUNK", "512",
+       "prefill chunk size in tokens (deepseek_v4 runs the decoder's own call schedule)"},
+  };
+}
+
+Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
+  PrefillBackendOptions o;
+  PrefillBackend& b = o.backend;
+  b.name = opts.get("backend");
+  b.arith = opts.get("arith");
+  b.kv_dtype = opts.get("kv-dtype");
+  b.weights = opts.get("weight-dtype");
+  b.gemm = opts.get("gemm");
+  HETERO_ASSIGN_OR_RETURN(int64_t device, opts.get_int("device"));
+  HETERO_ASSIGN_OR_RETURN(int64_t program_device, opts.get_int("program-device"));
+  HETERO_ASSIGN_OR_RETURN(o.chunk_tokens, opts.get_int("chunk"));
+  if (device < 0 || device > 1024) return invalid_argument("--device must be a GPU index");
+  if (program_device < -1 || program_device > 1024)
+    return invalid_argument("--program-device must be a GPU index or -1");
+  if (o.chunk_tokens <= 0) return invalid_argument("--chunk must be a positive integer");
+  b.device = static_cast<int>(device);
+  b.program_device = static_cast<int>(program_device);
+  return o;
+}
+
+std::vector<std::string> prefill_backend_flags(const Options& opts) {
+  std::vector<std::string> flags;
+  for (const OptionSpec& s : prefill_backend_specs())
+    flags.insert(flags.end(), {"--" + s.name, opts.get(s.name)});
+  return flags;
+}
+
+}  // namespace hetero
