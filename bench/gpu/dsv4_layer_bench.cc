@@ -28,7 +28,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -254,18 +253,23 @@ int main(int argc, char** argv) {
       bool manifest_complete = true;
       auto phases_before = engine->phase_ms();
       // As the served stack holds it: one for every request.
-      cuda::GpuCaptureStore capture(4, program_device);
+      auto made_capture = cuda::GpuCaptureStore::create(4, program_device);
+      if (!made_capture.is_ok())
+        return std::fprintf(stderr, "%s\n", made_capture.status().to_string().c_str()), 1;
+      cuda::GpuCaptureStore& capture = **made_capture;
       // Frames reuse buffers given back once "sent" (here: counted), as the service's do.
       FrameBufferPool frame_buffers(3);
       for (int run = 0; run < warmup + repeats; ++run) {
         if (run == warmup) phases_before = engine->phase_ms();  // warm-up runs not counted
         engine->reset();
-        std::optional<cuda::Dsv4GpuSegmentProgram> program_on;
-        {  // on the program's GPU
+        auto program_on = [&] {  // on the program's GPU
           cuda::DeviceGuard on_program(program_device);
-          program_on.emplace(&decoder, decoder_gpu->get(), dsv4_server_calls(T, 2048));
-        }
-        cuda::Dsv4GpuSegmentProgram& program = *program_on;
+          return cuda::Dsv4GpuSegmentProgram::create(&decoder, decoder_gpu->get(),
+                                                     dsv4_server_calls(T, 2048));
+        }();
+        if (!program_on.is_ok())
+          return std::fprintf(stderr, "%s\n", program_on.status().to_string().c_str()), 1;
+        cuda::Dsv4GpuSegmentProgram& program = **program_on;
         double bytes = 0;
         std::unique_ptr<BridgeProducer> producer;
         if (on)

@@ -16,6 +16,7 @@ namespace {
 Status check_device(int device) {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) cudaGetLastError();  // reported here, not again by a later check
   if (e != cudaSuccess || n == 0)
     return unavailable(std::string("the cuda backend needs a CUDA device; none is usable here (") +
                        cudaGetErrorString(e) + ")");
@@ -44,13 +45,14 @@ struct GpuOwned {
 
 // The stack's parts every family shares; the family adds its programs and chunk plan.
 template <class Engine, class Weights, class GpuWeights>
-std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>> gpu_stack(
+Result<std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>>> gpu_stack(
     std::string family, std::string arith, std::unique_ptr<Engine> engine, Weights weights,
     std::unique_ptr<GpuWeights> gpu_weights, const PrefillBackend& backend) {
   auto owned = std::make_shared<GpuOwned<Engine, Weights, GpuWeights>>();
   {
     cuda::DeviceGuard on_engine(backend.device);
-    owned->capture = std::make_unique<cuda::GpuCaptureStore>(4, backend.program_device);
+    HETERO_ASSIGN_OR_RETURN(owned->capture,
+                            cuda::GpuCaptureStore::create(4, backend.program_device));
   }
   owned->engine = std::move(engine);
   owned->weights = std::move(weights);
@@ -62,7 +64,7 @@ std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>> 
   s.layout = owned->weights.layout;
   s.capture = owned->capture.get();
   s.owned = owned;
-  return {std::move(s), owned};
+  return std::pair{std::move(s), owned};
 }
 
 }  // namespace
@@ -83,9 +85,12 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, on_program_device(backend, [&] {
                             return cuda::upload_llama_weights(weights);
                           }));
-  auto [s, owned] = gpu_stack(
-      std::string("llama"), std::string(arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast"),
-      std::move(engine), std::move(weights), std::move(gpu_weights), backend);
+  HETERO_ASSIGN_OR_RETURN(
+      auto stack,
+      gpu_stack(std::string("llama"),
+                std::string(arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast"),
+                std::move(engine), std::move(weights), std::move(gpu_weights), backend));
+  auto& [s, owned] = stack;
   const cuda::LlamaGpuWeights* gw = owned->gpu_weights.get();
   // One set of page-locked blocks for every request: pinning hundreds of MB per request would
   // cost more than the segment's copies.
@@ -93,8 +98,8 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   s.programs = [gw, pool,
                 backend](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
     return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
-      return std::unique_ptr<SegmentProgram>(
-          std::make_unique<cuda::LlamaGpuSegmentProgram>(gw, pool));
+      HETERO_ASSIGN_OR_RETURN(auto program, cuda::LlamaGpuSegmentProgram::create(gw, pool));
+      return std::unique_ptr<SegmentProgram>(std::move(program));
     });
   };
   return std::move(s);
@@ -121,16 +126,19 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, on_program_device(backend, [&] {
                             return cuda::upload_dsv4_weights(weights);
                           }));
-  auto [s, owned] = gpu_stack(std::string("deepseek_v4"), std::string("fast"), std::move(engine),
-                              std::move(weights), std::move(gpu_weights), backend);
+  HETERO_ASSIGN_OR_RETURN(
+      auto stack, gpu_stack(std::string("deepseek_v4"), std::string("fast"), std::move(engine),
+                            std::move(weights), std::move(gpu_weights), backend));
+  auto& [s, owned] = stack;
   const Dsv4DecoderWeights* w = &owned->weights;
   const cuda::Dsv4GpuWeights* gw = owned->gpu_weights.get();
   s.programs = [w, gw,
                 backend](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
     HETERO_RETURN_IF_ERROR(require_decoder_calls(req));
     return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
-      return std::unique_ptr<SegmentProgram>(
-          std::make_unique<cuda::Dsv4GpuSegmentProgram>(w, gw, req.decoder_calls));
+      HETERO_ASSIGN_OR_RETURN(auto program,
+                              cuda::Dsv4GpuSegmentProgram::create(w, gw, req.decoder_calls));
+      return std::unique_ptr<SegmentProgram>(std::move(program));
     });
   };
   s.chunk_plan = [](const PrefillRequest& req, int64_t) { return req.decoder_calls; };
