@@ -301,7 +301,7 @@ int main(int argc, char** argv) {
       // Frames reuse buffers given back once "sent" (here: counted), as the service's do.
       FrameBufferPool frame_buffers(3);
       for (int r = 0; r < a.warmup + a.repeat; ++r) {
-        (*engine)->reset();
+        if (!(*engine)->reset().is_ok()) return 1;
         Result<std::unique_ptr<cuda::LlamaGpuSegmentProgram>> program_on = not_found("none yet");
         std::optional<NullGpuProgram> null_on;
         {  // on the program's GPU (its stream, its scratch)
