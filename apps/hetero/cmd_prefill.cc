@@ -167,6 +167,11 @@ Options prefill_options() {
           {"program-device", "HETERO_PREFILL_PROGRAM_DEVICE", "-1",
            "cuda: the GPU the cache program runs on (-1: the engine's); another GPU keeps its work "
            "off the engine's"},
+          {"device-memory-budget-mb", "HETERO_PREFILL_DEVICE_MEMORY_BUDGET_MB", "0",
+           "cuda: device memory the engine may hold (weights, cache, scratch), in MiB (0: the "
+           "whole "
+           "device); a request that would pass it is refused before its response starts (HTTP "
+           "507)"},
           {"gemm", "HETERO_PREFILL_GEMM", "ordered",
            "ordered: the decoder's GEMM order (bit-exact attention inputs); blas: OpenBLAS"},
           {"quant-arith", "HETERO_PREFILL_QUANT_ARITH", "mlx-cpu",
@@ -205,6 +210,9 @@ int cmd_prefill(int argc, char** argv) {
   auto program_device = opts.get_int("program-device");
   if (!program_device.is_ok())
     return std::fprintf(stderr, "prefill: --program-device must be an integer\n"), 2;
+  auto budget_mb = opts.get_int("device-memory-budget-mb");
+  if (!budget_mb.is_ok() || budget_mb.value() < 0)
+    return std::fprintf(stderr, "prefill: --device-memory-budget-mb must be an integer >= 0\n"), 2;
   PrefillBackend backend{opts.get("backend"),
                          opts.get("gemm"),
                          opts.get("kv-dtype"),
@@ -212,6 +220,7 @@ int cmd_prefill(int argc, char** argv) {
                          static_cast<int>(device.value()),
                          opts.get("weight-dtype"),
                          static_cast<int>(program_device.value())};
+  backend.device_memory_budget_bytes = budget_mb.value() << 20;
   auto stack = load_prefill_stack(opts.get("model"), opts.get("weights"), backend);
   if (!stack.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", stack.status().to_string().c_str()), 1;

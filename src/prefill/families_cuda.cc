@@ -79,9 +79,9 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(LlamaConfig config, load_llama_config(model_dir));
   HETERO_RETURN_IF_ERROR(check_export_matches_model(config, weights.layout));
-  HETERO_ASSIGN_OR_RETURN(
-      auto engine,
-      cuda::LlamaCudaEngine::load(model_dir, {kv, /*host_tap=*/false, backend.device, arith, wdt}));
+  cuda::LlamaCudaOptions options{kv, /*host_tap=*/false, backend.device, arith, wdt};
+  options.device_memory_budget_bytes = backend.device_memory_budget_bytes;
+  HETERO_ASSIGN_OR_RETURN(auto engine, cuda::LlamaCudaEngine::load(model_dir, options));
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, on_program_device(backend, [&] {
                             return cuda::upload_llama_weights(weights);
                           }));
@@ -120,6 +120,7 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
         std::to_string(backend.device) + " (--program-device can put the cache program elsewhere)");
   Dsv4CudaOptions options;
   HETERO_ASSIGN_OR_RETURN(options.weight_dtype, cuda::parse_weight_dtype(backend.weights));
+  options.device_memory_budget_bytes = backend.device_memory_budget_bytes;
   HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CudaEngine::load(model_dir, options));
   HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
