@@ -1,6 +1,7 @@
 # DeepSeek-V4 on the GPU: the forward's sources join hetero_engine_cuda; its tests join
 # hetero_gpu_tests; its layer benchmark is its own executable.
 target_sources(hetero_engine_cuda PRIVATE src/engine/cuda/dsv4_cuda.cc
+                                          src/engine/cuda/dsv4_cuda_layers.cc
                                           src/kernels/cuda/dsv4_fwd_ops.cu
                                           src/kernels/cuda/dsv4_fwd_attention.cu)
 target_sources(hetero_gpu_tests PRIVATE tests/gpu/dsv4_cuda_test.cc)

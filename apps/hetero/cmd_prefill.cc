@@ -155,7 +155,7 @@ Options prefill_options() {
        {"mlx-cpu", "dequant"}},
       {"fault", "HETERO_PREFILL_FAULT", "",
        "fault injection for tests: exit-after:N, stall-after:N, truncate-after:N, corrupt:N, "
-       "gap:N, wrong-t"},
+       "gap:N, wrong-t, refuse-memory"},
       {"ids-file", "", "", "offline: JSON array of token ids to prefill instead of serving"},
       {"fingerprint", "", "", "offline: the decoder fingerprint to require (default: export's)"},
       {"decoder-calls", "", "",

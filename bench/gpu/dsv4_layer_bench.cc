@@ -28,7 +28,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -110,7 +109,9 @@ bool refcheck() {
   Dsv4CpuEngine cpu(w, cpu_opts);
   Dsv4CudaOptions gpu_opts;
   gpu_opts.host_tap = true;
-  Dsv4CudaEngine gpu(w, gpu_opts);
+  auto made = Dsv4CudaEngine::create(w, gpu_opts);
+  if (!made.is_ok()) return std::fprintf(stderr, "%s\n", made.status().to_string().c_str()), false;
+  Dsv4CudaEngine& gpu = **made;
   std::mt19937 rng(3);
   std::vector<int32_t> ids(300);
   for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
@@ -222,7 +223,9 @@ int main(int argc, char** argv) {
   const Dsv4Config c = flash_config(layers);
   if (Status ok = Dsv4CudaEngine::check_options(c, opts); !ok.is_ok())
     return std::fprintf(stderr, "%s\n", ok.to_string().c_str()), 2;
-  auto engine = Dsv4CudaEngine::random(c, 1234, opts);
+  auto made = Dsv4CudaEngine::random(c, 1234, opts);
+  if (!made.is_ok()) return std::fprintf(stderr, "%s\n", made.status().to_string().c_str()), 1;
+  std::unique_ptr<Dsv4CudaEngine> engine = std::move(made.value());
   if (!engine->set_full_forward(true).is_ok()) return 1;
   auto st = static_cast<cudaStream_t>(engine->stream());
   std::vector<cudaEvent_t> ev(static_cast<size_t>(layers + 1));
@@ -254,18 +257,23 @@ int main(int argc, char** argv) {
       bool manifest_complete = true;
       auto phases_before = engine->phase_ms();
       // As the served stack holds it: one for every request.
-      cuda::GpuCaptureStore capture(4, program_device);
+      auto made_capture = cuda::GpuCaptureStore::create(4, program_device);
+      if (!made_capture.is_ok())
+        return std::fprintf(stderr, "%s\n", made_capture.status().to_string().c_str()), 1;
+      cuda::GpuCaptureStore& capture = **made_capture;
       // Frames reuse buffers given back once "sent" (here: counted), as the service's do.
       FrameBufferPool frame_buffers(3);
       for (int run = 0; run < warmup + repeats; ++run) {
         if (run == warmup) phases_before = engine->phase_ms();  // warm-up runs not counted
-        engine->reset();
-        std::optional<cuda::Dsv4GpuSegmentProgram> program_on;
-        {  // on the program's GPU
+        if (!engine->reset().is_ok()) return 1;
+        auto program_on = [&] {  // on the program's GPU
           cuda::DeviceGuard on_program(program_device);
-          program_on.emplace(&decoder, decoder_gpu->get(), dsv4_server_calls(T, 2048));
-        }
-        cuda::Dsv4GpuSegmentProgram& program = *program_on;
+          return cuda::Dsv4GpuSegmentProgram::create(&decoder, decoder_gpu->get(),
+                                                     dsv4_server_calls(T, 2048));
+        }();
+        if (!program_on.is_ok())
+          return std::fprintf(stderr, "%s\n", program_on.status().to_string().c_str()), 1;
+        cuda::Dsv4GpuSegmentProgram& program = **program_on;
         double bytes = 0;
         std::unique_ptr<BridgeProducer> producer;
         if (on)

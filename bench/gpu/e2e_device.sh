@@ -122,7 +122,6 @@ echo "== wheels -> $SITE"
 step 300 python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
   --no-cache-dir --upgrade --target "$SITE" .devkit/whl/*.whl || die "wheel install"
 
-BASE_LD=${LD_LIBRARY_PATH:-}
 # The decoder's interpreter: the machine's python3 plus the carried wheels. hetero sets its
 # children's PYTHONPATH to python/ (the seam), so the site dir is appended here, not replaced.
 cat >"$PY" <<EOF
@@ -139,44 +138,12 @@ print(f"mlx {mx.__version__} on {mx.default_device()}, mlx-lm {mlx_lm.__version_
       f"transformers {transformers.__version__}, numpy {numpy.__version__}; "
       f"1024^3 matmul {ms:.1f} ms, sum {float(b.sum()):.3f}")' || die "mlx does not run here"
 
-# Only libraries the machine lacks are unpacked, so the path shadows none of its own: the
-# decoder and everything else inherit it unharmed (bench/cold.py starts hetero up itself).
+# Only libraries the machine lacks are unpacked (bench/gpu/devkit_libs.sh).
 echo "== libraries the machine lacks -> $LIB"
-export LD_LIBRARY_PATH=$LIB${BASE_LD:+:$BASE_LD}
 bins=(build/hetero)
 [[ -x build/hetero_gpu_tests ]] && bins+=(build/hetero_gpu_tests)
-for _ in 1 2 3 4 5; do  # unpacking one library can reveal what it needs in turn
-  missing=$(for b in "${bins[@]}"; do ldd "$b"; done | awk '/not found/ {print $1}' | sort -u)
-  [[ -z $missing ]] && break
-  added=0
-  for name in $missing; do
-    if [[ -f .devkit/lib/$name ]]; then
-      cp .devkit/lib/"$name" "$LIB/$name" && added=1
-    elif [[ -f .devkit/lib/$name.xz ]]; then
-      python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' \
-        ".devkit/lib/$name.xz" "$LIB/$name" && added=1
-    elif [[ $name == libcu* || $name == libnv* ]]; then
-      # The CUDA toolkit's own copies (cuBLAS for the CUDA backend): the machine's, never carried.
-      for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
-               $(python3 -c 'import glob, site
-print(" ".join(sorted(glob.glob(site.getsitepackages()[0] + "/nvidia/*/lib"))))' 2>/dev/null); do
-        if [[ -e $d/$name && :$LD_LIBRARY_PATH: != *:$d:* ]]; then
-          export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$d
-          added=1
-          break
-        fi
-      done
-    fi
-  done
-  ((added)) || break
-done
-echo "unpacked: $(find "$LIB" -mindepth 1 -printf "%f ")"
-for b in "${bins[@]}"; do
-  if ldd "$b" | grep 'not found'; then
-    [[ $b == build/hetero ]] && die "$b still lacks the libraries above"
-    echo "e2e: $b lacks the libraries above; its tests are not run here"
-  fi
-done
+source bench/gpu/devkit_libs.sh
+devkit_libs "$LIB" "${bins[@]}" || die "build/hetero still lacks libraries"
 step 30 ./build/hetero --help 2>/dev/null || die "build/hetero does not start"
 
 HAS_BACKEND_FLAG=0

@@ -129,7 +129,8 @@ double prefill_flops(const LlamaConfig& c, int64_t T) {
 // "tap": the capture's copies and the producer's hand-offs, no program work.
 class NullGpuProgram : public SegmentProgram {
  public:
-  explicit NullGpuProgram(const DecoderCacheLayout& layout) : layout_(layout) {}
+  NullGpuProgram(const DecoderCacheLayout& layout, cuda::Stream stream)
+      : layout_(layout), stream_(std::move(stream)) {}
   const DecoderCacheLayout& layout() const override { return layout_; }
   Status run(int64_t, int64_t, int64_t, const uint16_t*, std::vector<WireArray>*) override {
     return Status::ok();
@@ -138,7 +139,7 @@ class NullGpuProgram : public SegmentProgram {
 
  private:
   DecoderCacheLayout layout_;
-  cuda::SideStream stream_;
+  cuda::Stream stream_;
 };
 
 // "program": the llama program's work and device-to-host copies, its arrays dropped before the
@@ -292,20 +293,28 @@ int main(int argc, char** argv) {
       double wire_bytes = 0, capture_bytes = 0, staging_bytes = 0;
       bool complete = true;
       // As the served stack holds them: one capture and one page-locked pool for every request.
-      cuda::GpuCaptureStore capture(4, a.program_device);
+      auto made_capture = cuda::GpuCaptureStore::create(4, a.program_device);
+      if (!made_capture.is_ok())
+        return std::fprintf(stderr, "%s\n", made_capture.status().to_string().c_str()), 1;
+      cuda::GpuCaptureStore& capture = **made_capture;
       auto pool = cuda::make_pinned_pool();
       // Frames reuse buffers given back once "sent" (here: counted), as the service's do.
       FrameBufferPool frame_buffers(3);
       for (int r = 0; r < a.warmup + a.repeat; ++r) {
-        (*engine)->reset();
-        std::optional<cuda::LlamaGpuSegmentProgram> program_on;
+        if (!(*engine)->reset().is_ok()) return 1;
+        Result<std::unique_ptr<cuda::LlamaGpuSegmentProgram>> program_on = not_found("none yet");
         std::optional<NullGpuProgram> null_on;
         {  // on the program's GPU (its stream, its scratch)
           cuda::DeviceGuard on_program(a.program_device);
-          program_on.emplace(gw->get(), pool);
-          null_on.emplace(dw.layout);
+          program_on = cuda::LlamaGpuSegmentProgram::create(gw->get(), pool);
+          auto null_stream = cuda::Stream::create();
+          if (!null_stream.is_ok())
+            return std::fprintf(stderr, "%s\n", null_stream.status().to_string().c_str()), 1;
+          null_on.emplace(dw.layout, std::move(null_stream.value()));
         }
-        cuda::LlamaGpuSegmentProgram& program = *program_on;
+        if (!program_on.is_ok())
+          return std::fprintf(stderr, "%s\n", program_on.status().to_string().c_str()), 1;
+        cuda::LlamaGpuSegmentProgram& program = **program_on;
         NullGpuProgram& null_program = *null_on;
         ArraysDropped dropped(&program);
         SegmentProgram* run_program = mode == "tap" ? static_cast<SegmentProgram*>(&null_program)

@@ -111,9 +111,10 @@ void BridgeProducer::run() {
         segments_.push(std::move(open));
       }
     }
-    const uint16_t* x = w->slot >= 0 ? capture_->ready(w->slot, stream) : w->x.data();
+    Result<const uint16_t*> x =
+        w->slot >= 0 ? capture_->ready(w->slot, stream) : Result<const uint16_t*>(w->x.data());
     auto& layer_arrays = p.arrays[static_cast<size_t>(w->layer)];
-    Status st = program_->run(w->layer, w->pos0, w->n, x, &layer_arrays);
+    Status st = x.is_ok() ? program_->run(w->layer, w->pos0, w->n, *x, &layer_arrays) : x.status();
     if (w->slot >= 0) capture_->release(w->slot, stream);
     if (st.is_ok() && p.by_layer) {
       EncodeItem layer{EncodeItem::Kind::kLayer, {}, w->layer, {}};

@@ -75,8 +75,9 @@ class CaptureStore {
   // Copies e's device rows into a free slot (waiting for one if none is), ordered after the
   // engine's work on e.stream; returns the slot.
   virtual Result<int> capture(const TapEvent& e) = 0;
-  // The slot's rows, once `stream` has been made to wait for their copy.
-  virtual const uint16_t* ready(int slot, void* stream) = 0;
+  // The slot's rows, once `stream` has been made to wait for their copy (a device error if it
+  // cannot be).
+  virtual Result<const uint16_t*> ready(int slot, void* stream) = 0;
   // The program has enqueued every read of the slot on `stream` (null: it has finished them):
   // the slot can take new rows once those reads are done.
   virtual void release(int slot, void* stream) = 0;

@@ -33,8 +33,8 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   auto assembler = make_assembler(layout, want);
   const PrefillRequest req{std::vector<int32_t>(ids.begin(), ids.begin() + want),
                            layout.fingerprint, p.chunk_tokens, decoder_calls_from_info(info, want)};
-  out.fetch =
-      fetch_prefill(p.prefill_host, p.prefill_port, req, assembler.get(), p.stall_ms, p.deadline_ms);
+  out.fetch = fetch_prefill(p.prefill_host, p.prefill_port, req, assembler.get(), p.stall_ms,
+                            p.deadline_ms);
   const FetchResult& f = out.fetch;
   v.bytes = f.bytes;
   v.timings_ms["prefill"] = f.total_ms;
@@ -71,7 +71,8 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   auto entry = write_store_entry(p.store_dir, layout, ids, v.b, want, assembler->arrays(v.b),
                                  assembler->entry_extra());
   v.timings_ms["store"] = ms_since(t_store);
-  if (!entry.is_ok()) return (v = v.declined_from("store failed: " + entry.status().message())), out;
+  if (!entry.is_ok())
+    return (v = v.declined_from("store failed: " + entry.status().message())), out;
   out.entry_path = entry->path;
 
   const auto t_mount = Clock::now();

@@ -35,8 +35,8 @@ struct BridgeParams {
 };
 
 struct BridgeOutcome {
-  Verdict verdict;  // complete, partial or declined; not yet confirmed by the decoder
-  std::string pin;  // the seam's pin on the mounted entry ("" when nothing was mounted)
+  Verdict verdict;         // complete, partial or declined; not yet confirmed by the decoder
+  std::string pin;         // the seam's pin on the mounted entry ("" when nothing was mounted)
   std::string entry_path;  // the store entry (kept only with keep_entry)
   FetchResult fetch;
 };

@@ -34,8 +34,8 @@ bool is_usage_event(const nlohmann::json& j) {
 void SseUsageRelay::feed(std::string_view data, std::string* out) {
   pending_.append(data);
   size_t done = 0;
-  for (size_t end; (end = event_end(std::string_view(pending_).substr(done))) !=
-                   std::string_view::npos;
+  for (size_t end;
+       (end = event_end(std::string_view(pending_).substr(done))) != std::string_view::npos;
        done += end)
     relay_event(std::string_view(pending_).substr(done, end), out);
   pending_.erase(0, done);
@@ -50,8 +50,7 @@ void SseUsageRelay::relay_event(std::string_view event, std::string* out) {
   usage_ = usage_from_reply(j);
   if (!client_wants_usage_) return;  // the front asked for it, not the client
   j["x_pd_bridge"] = confirmed("").to_json();
-  out->append("data: " + j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
-              "\n\n");
+  out->append("data: " + j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n\n");
 }
 
 std::string SseUsageRelay::flush() {

@@ -5,23 +5,36 @@ namespace hetero {
 
 std::vector<OptionSpec> prefill_backend_specs() {
   return {
-      {"backend", "HETERO_PREFILL_BACKEND", "cpu",
-       "where the forward runs (cuda: the GPU engine, the cache program on a side stream)", false,
+      {"backend",
+       "HETERO_PREFILL_BACKEND",
+       "cpu",
+       "where the forward runs (cuda: the GPU engine, the cache program on a side stream)",
+       false,
        {"cpu", "cuda"}},
-      {"arith", "HETERO_PREFILL_ARITH", "exact",
+      {"arith",
+       "HETERO_PREFILL_ARITH",
+       "exact",
        "cuda: exact (llama: the decoder's arithmetic on CUDA cores: bit-exact caches, the "
        "decoder's own answers) or fast (tensor cores, FP8 paged cache: caches within a "
        "tolerance, answers not guaranteed; deepseek_v4 needs fast; docs/design/prefill-cuda.md)",
        false,
        {"exact", "fast"}},
-      {"kv-dtype", "HETERO_PREFILL_KV_DTYPE", "fp8", "cuda, fast: the engine's own cache dtype", false,
+      {"kv-dtype",
+       "HETERO_PREFILL_KV_DTYPE",
+       "fp8",
+       "cuda, fast: the engine's own cache dtype",
+       false,
        {"fp8", "bf16"}},
-      {"weight-dtype", "HETERO_PREFILL_WEIGHT_DTYPE", "bf16",
+      {"weight-dtype",
+       "HETERO_PREFILL_WEIGHT_DTYPE",
+       "bf16",
        "cuda, fast: the large weights on the GPU (fp8: e4m3, a scale per 128x128 block, "
        "quantized at load; llama: every projection, deepseek_v4: the experts)",
        false,
        {"bf16", "fp8"}},
-      {"gemm", "HETERO_PREFILL_GEMM", "ordered",
+      {"gemm",
+       "HETERO_PREFILL_GEMM",
+       "ordered",
        "cpu, llama: the decoder's GEMM order (ordered: bit-exact attention inputs) or OpenBLAS's "
        "(blas)",
        false,
@@ -30,6 +43,9 @@ std::vector<OptionSpec> prefill_backend_specs() {
       {"program-device", "HETERO_PREFILL_PROGRAM_DEVICE", "-1",
        "cuda: the GPU the cache program runs on (-1: the forward's); another GPU keeps its work "
        "off the forward's"},
+      {"device-memory-budget-mb", "HETERO_PREFILL_DEVICE_MEMORY_BUDGET_MB", "0",
+       "cuda: device memory the engine may hold (weights, cache, scratch) in MiB (0: the whole "
+       "device); a request that would pass it is refused before its response starts (HTTP 507)"},
       {"chunk", "HETERO_PREFILL_CHUNK", "512",
        "prefill chunk size in tokens (deepseek_v4 runs the decoder's own call schedule)"},
   };
@@ -46,6 +62,10 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
   HETERO_ASSIGN_OR_RETURN(int64_t device, opts.get_int("device"));
   HETERO_ASSIGN_OR_RETURN(int64_t program_device, opts.get_int("program-device"));
   HETERO_ASSIGN_OR_RETURN(o.chunk_tokens, opts.get_int("chunk"));
+  HETERO_ASSIGN_OR_RETURN(int64_t budget_mb, opts.get_int("device-memory-budget-mb"));
+  if (budget_mb < 0 || budget_mb > (int64_t{1} << 40))
+    return invalid_argument("--device-memory-budget-mb must be >= 0");
+  b.device_memory_budget_bytes = budget_mb << 20;
   if (device < 0 || device > 1024) return invalid_argument("--device must be a GPU index");
   if (program_device < -1 || program_device > 1024)
     return invalid_argument("--program-device must be a GPU index or -1");

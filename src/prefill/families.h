@@ -39,6 +39,10 @@ struct PrefillBackend {
   // cuda: the GPU the cache program runs on (-1: the engine's). Another GPU than the engine's
   // keeps the program's work off the engine's SMs; the tap's rows cross peer to peer.
   int program_device = -1;
+  // cuda: device memory the engine may hold (weights, cache, scratch), in bytes; 0: no budget
+  // beyond the device. A request that would pass it is refused before its response starts
+  // (PrefillEngine::reserve), as one that does not fit on the device is.
+  int64_t device_memory_budget_bytes = 0;
 };
 
 // Whether this build has the CUDA backend.

@@ -16,6 +16,7 @@ namespace {
 Status check_device(int device) {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) cudaGetLastError();  // reported here, not again by a later check
   if (e != cudaSuccess || n == 0)
     return unavailable(std::string("the cuda backend needs a CUDA device; none is usable here (") +
                        cudaGetErrorString(e) + ")");
@@ -44,13 +45,14 @@ struct GpuOwned {
 
 // The stack's parts every family shares; the family adds its programs and chunk plan.
 template <class Engine, class Weights, class GpuWeights>
-std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>> gpu_stack(
+Result<std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>>> gpu_stack(
     std::string family, std::string arith, std::unique_ptr<Engine> engine, Weights weights,
     std::unique_ptr<GpuWeights> gpu_weights, const PrefillBackend& backend) {
   auto owned = std::make_shared<GpuOwned<Engine, Weights, GpuWeights>>();
   {
     cuda::DeviceGuard on_engine(backend.device);
-    owned->capture = std::make_unique<cuda::GpuCaptureStore>(4, backend.program_device);
+    HETERO_ASSIGN_OR_RETURN(owned->capture,
+                            cuda::GpuCaptureStore::create(4, backend.program_device));
   }
   owned->engine = std::move(engine);
   owned->weights = std::move(weights);
@@ -62,7 +64,7 @@ std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeights>>> 
   s.layout = owned->weights.layout;
   s.capture = owned->capture.get();
   s.owned = owned;
-  return {std::move(s), owned};
+  return std::pair{std::move(s), owned};
 }
 
 }  // namespace
@@ -77,15 +79,18 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(LlamaConfig config, load_llama_config(model_dir));
   HETERO_RETURN_IF_ERROR(check_export_matches_model(config, weights.layout));
-  HETERO_ASSIGN_OR_RETURN(
-      auto engine,
-      cuda::LlamaCudaEngine::load(model_dir, {kv, /*host_tap=*/false, backend.device, arith, wdt}));
+  cuda::LlamaCudaOptions options{kv, /*host_tap=*/false, backend.device, arith, wdt};
+  options.device_memory_budget_bytes = backend.device_memory_budget_bytes;
+  HETERO_ASSIGN_OR_RETURN(auto engine, cuda::LlamaCudaEngine::load(model_dir, options));
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, on_program_device(backend, [&] {
                             return cuda::upload_llama_weights(weights);
                           }));
-  auto [s, owned] = gpu_stack(
-      std::string("llama"), std::string(arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast"),
-      std::move(engine), std::move(weights), std::move(gpu_weights), backend);
+  HETERO_ASSIGN_OR_RETURN(
+      auto stack,
+      gpu_stack(std::string("llama"),
+                std::string(arith == cuda::LlamaCudaArith::kExact ? "exact" : "fast"),
+                std::move(engine), std::move(weights), std::move(gpu_weights), backend));
+  auto& [s, owned] = stack;
   const cuda::LlamaGpuWeights* gw = owned->gpu_weights.get();
   // One set of page-locked blocks for every request: pinning hundreds of MB per request would
   // cost more than the segment's copies.
@@ -93,8 +98,8 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   s.programs = [gw, pool,
                 backend](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
     return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
-      return std::unique_ptr<SegmentProgram>(
-          std::make_unique<cuda::LlamaGpuSegmentProgram>(gw, pool));
+      HETERO_ASSIGN_OR_RETURN(auto program, cuda::LlamaGpuSegmentProgram::create(gw, pool));
+      return std::unique_ptr<SegmentProgram>(std::move(program));
     });
   };
   return std::move(s);
@@ -115,22 +120,26 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
         std::to_string(backend.device) + " (--program-device can put the cache program elsewhere)");
   Dsv4CudaOptions options;
   HETERO_ASSIGN_OR_RETURN(options.weight_dtype, cuda::parse_weight_dtype(backend.weights));
+  options.device_memory_budget_bytes = backend.device_memory_budget_bytes;
   HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CudaEngine::load(model_dir, options));
   HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, on_program_device(backend, [&] {
                             return cuda::upload_dsv4_weights(weights);
                           }));
-  auto [s, owned] = gpu_stack(std::string("deepseek_v4"), std::string("fast"), std::move(engine),
-                              std::move(weights), std::move(gpu_weights), backend);
+  HETERO_ASSIGN_OR_RETURN(
+      auto stack, gpu_stack(std::string("deepseek_v4"), std::string("fast"), std::move(engine),
+                            std::move(weights), std::move(gpu_weights), backend));
+  auto& [s, owned] = stack;
   const Dsv4DecoderWeights* w = &owned->weights;
   const cuda::Dsv4GpuWeights* gw = owned->gpu_weights.get();
   s.programs = [w, gw,
                 backend](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
     HETERO_RETURN_IF_ERROR(require_decoder_calls(req));
     return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
-      return std::unique_ptr<SegmentProgram>(
-          std::make_unique<cuda::Dsv4GpuSegmentProgram>(w, gw, req.decoder_calls));
+      HETERO_ASSIGN_OR_RETURN(auto program,
+                              cuda::Dsv4GpuSegmentProgram::create(w, gw, req.decoder_calls));
+      return std::unique_ptr<SegmentProgram>(std::move(program));
     });
   };
   s.chunk_plan = [](const PrefillRequest& req, int64_t) { return req.decoder_calls; };

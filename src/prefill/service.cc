@@ -4,6 +4,7 @@
 #include <httplib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
@@ -34,6 +35,10 @@ int http_status_for(const Status& s) {
       return 404;
     case Code::kFailedPrecondition:
       return 409;
+    case Code::kResourceExhausted:  // Insufficient Storage: the request's memory does not fit
+      return 507;
+    case Code::kUnavailable:
+      return 503;
     default:
       return 500;
   }
@@ -68,7 +73,7 @@ Result<FaultSpec> parse_fault(const std::string& text) {
   if (text.empty()) return f;
   const auto colon = text.find(':');
   f.kind = text.substr(0, colon);
-  if (f.kind == "wrong-t" && colon == std::string::npos) return f;
+  if ((f.kind == "wrong-t" || f.kind == "refuse-memory") && colon == std::string::npos) return f;
   if (colon == std::string::npos) return invalid_argument("--fault '" + text + "' needs ':N'");
   char* end = nullptr;
   f.n = std::strtoll(text.c_str() + colon + 1, &end, 10);
@@ -104,8 +109,68 @@ PrefillService::PrefillService(PrefillEngine* engine, DecoderCacheLayout layout,
 
 PrefillService::~PrefillService() { stop(); }
 
+bool PrefillService::take_slot() {
+  std::unique_lock<std::mutex> lock(slot_mu_);
+  slot_free_.wait(lock, [this] { return !busy_ || stopping_->load(); });
+  if (busy_) return false;  // stopping, and another request holds the slot
+  busy_ = true;
+  return true;
+}
+
+void PrefillService::give_slot() {
+  {
+    std::lock_guard<std::mutex> lock(slot_mu_);
+    busy_ = false;
+  }
+  slot_free_.notify_one();
+}
+
+std::vector<int64_t> PrefillService::plan_for(const PrefillRequest& req) const {
+  const int64_t T = static_cast<int64_t>(req.ids.size());
+  const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
+  if (chunk_plan_) return chunk_plan_(req, chunk);
+  std::vector<int64_t> plan;
+  for (int64_t p = 0; p < T; p += chunk) plan.push_back(std::min(chunk, T - p));
+  return plan;
+}
+
+Status PrefillService::admit(const PrefillRequest& req, const std::vector<int64_t>& plan) {
+  HETERO_RETURN_IF_ERROR(engine_->reset());
+  if (fault_.kind == "refuse-memory")  // as an engine out of memory refuses (tests)
+    return resource_exhausted("injected fault refuse-memory: out of device memory for " +
+                              std::to_string(req.ids.size()) + " tokens");
+  const int64_t longest = plan.empty() ? 0 : *std::max_element(plan.begin(), plan.end());
+  const Status st = engine_->reserve(static_cast<int64_t>(req.ids.size()), longest);
+  if (!st.is_ok())
+    log_line("prefill", "refused a request of " + std::to_string(req.ids.size()) +
+                            " tokens: " + st.to_string());
+  return st;
+}
+
 Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink) {
-  std::lock_guard<std::mutex> lock(run_mu_);
+  Manifest m;
+  m.fingerprint = layout_.fingerprint;
+  m.requested_tokens = static_cast<int64_t>(req.ids.size());
+  m.arith = arith_;
+  if (!take_slot()) {
+    m.reason = "the prefill host is stopping";
+    sink(encode_manifest(m));
+    return m;
+  }
+  const std::vector<int64_t> plan = plan_for(req);
+  const Status admitted = admit(req, plan);
+  if (admitted.is_ok()) {
+    m = run_admitted(req, plan, sink);
+  } else {
+    m.reason = "the engine refused the request: " + admitted.to_string();
+    sink(encode_manifest(m));
+  }
+  give_slot();
+  return m;
+}
+
+Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vector<int64_t>& plan,
+                                      const BridgeProducer::FrameSink& sink) {
   const int64_t T = static_cast<int64_t>(req.ids.size());
   auto program = programs_(req);
   if (!program.is_ok()) {
@@ -117,17 +182,9 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
     sink(encode_manifest(m));
     return m;
   }
-  engine_->reset();
   BridgeProducer producer(program.value().get(), sink, 4,
                           program.value()->device_stream() ? capture_ : nullptr, buffers_.get());
   producer.set_arith(arith_);
-  const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
-  std::vector<int64_t> plan;
-  if (chunk_plan_) {
-    plan = chunk_plan_(req, chunk);
-  } else {
-    for (int64_t p = 0; p < T; p += chunk) plan.push_back(std::min(chunk, T - p));
-  }
   Status st;
   int64_t p = 0;
   for (int64_t n : plan) {
@@ -137,6 +194,7 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
     p += n;
   }
   if (st.is_ok()) st = engine_->finish();
+  if (!st.is_ok()) log_line("prefill", "a prefill failed: " + st.to_string());
   return producer.finish(T, st);
 }
 
@@ -156,15 +214,32 @@ Status PrefillService::start(const std::string& host, int port) {
       res.set_content(error_body(parsed.status()), "application/json");
       return;
     }
-    // The prefill runs on its own thread; this handler thread writes frames as they come.
+    auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
+    // Admission, before any byte of the response: this request's turn, then its memory. A
+    // refusal answers with an error body and gives the turn to the next request.
+    if (!take_slot()) {
+      const Status stopping = unavailable("the prefill host is stopping");
+      res.status = http_status_for(stopping);
+      res.set_content(error_body(stopping), "application/json");
+      return;
+    }
+    auto plan = std::make_shared<std::vector<int64_t>>(plan_for(*request));
+    if (Status admitted = admit(*request, *plan); !admitted.is_ok()) {
+      give_slot();
+      res.status = http_status_for(admitted);
+      res.set_content(error_body(admitted), "application/json");
+      return;
+    }
+    // The prefill runs on its own thread, which gives the turn back when it ends; this handler
+    // thread writes frames as they come.
     auto frames = std::make_shared<BoundedQueue<std::string>>(4);
     auto cancelled = std::make_shared<std::atomic<bool>>(false);
-    auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
     auto buffers = buffers_;
-    auto worker = std::make_shared<std::thread>([this, frames, cancelled, request] {
-      run(*request, [frames, cancelled](std::string f) {
+    auto worker = std::make_shared<std::thread>([this, frames, cancelled, request, plan] {
+      run_admitted(*request, *plan, [frames, cancelled](std::string f) {
         return !cancelled->load() && frames->push(std::move(f));
       });
+      give_slot();
       frames->close();
     });
     const FaultSpec fault = fault_;
@@ -215,7 +290,11 @@ Status PrefillService::start(const std::string& host, int port) {
 }
 
 void PrefillService::stop() {
-  stopping_->store(true);
+  {
+    std::lock_guard<std::mutex> lock(slot_mu_);  // a waiter sees the flag once it wakes
+    stopping_->store(true);
+  }
+  slot_free_.notify_all();
   if (server_) server_->stop();
   if (thread_.joinable()) thread_.join();
 }

@@ -2,14 +2,19 @@
 // prefill with the attention-input tap feeding the bridge producer, and streams the segments
 // back (chunked transfer encoding) while the prefill runs, closed by a manifest.
 // GET /health reports the model and the decoder fingerprint the export carries.
-// One prefill runs at a time; later requests wait their turn.
+// One prefill runs at a time; later requests wait their turn. A request is admitted before any
+// byte of its response: the engine takes the request's memory (PrefillEngine::reserve) or the
+// request is refused with an error body (HTTP 507 for kResourceExhausted), and the host serves
+// the next one. A failure after admission ends the stream with a manifest that says why.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bridge/decoder_weights.h"
@@ -23,11 +28,20 @@ class Server;
 
 namespace hetero {
 
-// A prefill engine of any family, as the service drives it.
+// A prefill engine of any family, as the service drives it. Every failure is a Status; after a
+// failed call the engine serves the next request, which starts with reset().
 class PrefillEngine {
  public:
   virtual ~PrefillEngine() = default;
-  virtual void reset() = 0;
+  // Forgets the previous sequence (a GPU engine first waits for its device: its errors).
+  virtual Status reset() = 0;
+  // Takes, before the first chunk, the memory a sequence of `tokens` tokens run in chunks of at
+  // most `max_chunk_tokens` needs: kResourceExhausted, its message saying the bytes asked and
+  // free, when it does not fit. Default: nothing to take.
+  virtual Status reserve(int64_t tokens, int64_t max_chunk_tokens) {
+    (void)tokens, (void)max_chunk_tokens;
+    return Status::ok();
+  }
   virtual Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) = 0;
   virtual int64_t vocab() const = 0;
   // Waits for work the engine enqueued asynchronously (a GPU engine) and reports its errors.
@@ -38,7 +52,20 @@ template <class Engine>
 class EngineAdapter : public PrefillEngine {
  public:
   explicit EngineAdapter(Engine* engine) : engine_(engine) {}
-  void reset() override { engine_->reset(); }
+  Status reset() override {
+    if constexpr (std::is_same_v<decltype(engine_->reset()), Status>) {
+      return engine_->reset();
+    } else {
+      engine_->reset();
+      return Status::ok();
+    }
+  }
+  Status reserve(int64_t tokens, int64_t max_chunk_tokens) override {
+    if constexpr (requires(Engine & e) { e.reserve(tokens, max_chunk_tokens); })
+      return engine_->reserve(tokens, max_chunk_tokens);
+    else
+      return Status::ok();
+  }
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) override {
     return engine_->prefill_chunk(ids, tap);
   }
@@ -67,7 +94,8 @@ using ProgramFactory =
 // applied as frames leave): "exit-after:N" (the process dies after N segments), "stall-after:N"
 // (silence after N segments), "truncate-after:N" (the response ends after N segments, no
 // manifest), "corrupt:N" (a payload byte of segment N flipped), "gap:N" (segment N never
-// sent), "wrong-t" (the manifest claims another T). Empty: none.
+// sent), "wrong-t" (the manifest claims another T), "refuse-memory" (every request refused at
+// admission as an engine out of memory refuses it: HTTP 507). Empty: none.
 struct FaultSpec {
   std::string kind;
   int64_t n = 0;
@@ -90,7 +118,9 @@ class PrefillService {
   // What every manifest says of the rows' arithmetic (PrefillStack::arith).
   void set_arith(std::string arith) { arith_ = std::move(arith); }
 
-  // Runs one prefill (the engine is reset first) and emits frames to sink, manifest last.
+  // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
+  // engine and reserves the request's memory (a refusal is a manifest whose reason says why),
+  // then runs the chunks.
   Manifest run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink);
 
   // Serves HTTP until stop(). port 0 picks a free port; bound_port() says which.
@@ -111,7 +141,20 @@ class PrefillService {
   int64_t default_chunk_, max_tokens_;
   FaultSpec fault_;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);
-  std::mutex run_mu_;  // one prefill at a time
+
+  // One prefill at a time: a request holds the slot from its admission (on the HTTP handler's
+  // thread) to the end of its prefill (on its worker thread), so a slot is a flag, not a lock.
+  bool take_slot();  // false: the service is stopping
+  void give_slot();
+  std::vector<int64_t> plan_for(const PrefillRequest& req) const;
+  // With the slot: the engine reset and the request's memory reserved, or why not.
+  Status admit(const PrefillRequest& req, const std::vector<int64_t>& plan);
+  // With the slot, after admit(): the chunks, frames to sink, manifest last.
+  Manifest run_admitted(const PrefillRequest& req, const std::vector<int64_t>& plan,
+                        const BridgeProducer::FrameSink& sink);
+  std::mutex slot_mu_;
+  std::condition_variable slot_free_;
+  bool busy_ = false;
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;
   int port_ = 0;

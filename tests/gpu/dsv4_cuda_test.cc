@@ -51,7 +51,9 @@ void expect_close(const Dsv4Config& c, const Dsv4Weights& w, const Dsv4Tolerance
   Dsv4CudaOptions gpu_opts;
   gpu_opts.host_tap = true;
   gpu_opts.online_softmax_attention = online_softmax;
-  Dsv4CudaEngine gpu(w, gpu_opts);
+  auto gpu_made = Dsv4CudaEngine::create(w, gpu_opts);
+  ASSERT_TRUE(gpu_made.is_ok()) << gpu_made.status().to_string();
+  Dsv4CudaEngine& gpu = **gpu_made;
 
   const int64_t T = 300;
   const std::vector<int32_t> ids = random_ids(T, c.vocab, 3);
@@ -131,10 +133,14 @@ TEST_F(Dsv4CudaEngineTest, Fp8ExpertsStayCloseToCpuDequant) {
   Dsv4CpuEngine cpu(w, cpu_opts);
   Dsv4CudaOptions o;
   o.host_tap = true;
-  Dsv4CudaEngine bf16(w, o);
+  auto bf16_made = Dsv4CudaEngine::create(w, o);
+  ASSERT_TRUE(bf16_made.is_ok()) << bf16_made.status().to_string();
+  Dsv4CudaEngine& bf16 = **bf16_made;
   o.weight_dtype = cuda::WeightDtype::kFp8;
   ASSERT_TRUE(Dsv4CudaEngine::check_options(c, o).is_ok());
-  Dsv4CudaEngine fp8(w, o);
+  auto fp8_made = Dsv4CudaEngine::create(w, o);
+  ASSERT_TRUE(fp8_made.is_ok()) << fp8_made.status().to_string();
+  Dsv4CudaEngine& fp8 = **fp8_made;
 
   const int64_t E = c.n_routed_experts, I = c.moe_inter, H = c.hidden;
   const int64_t S = c.moe_inter * c.n_shared_experts;
@@ -188,10 +194,14 @@ TEST_F(Dsv4CudaEngineTest, ExpertStreamsGiveTheSameBits) {
     o.host_tap = true;
     o.weight_dtype = dtype;
     o.expert_streams = 1;
-    Dsv4CudaEngine one(w, o);
+    auto one_made = Dsv4CudaEngine::create(w, o);
+    ASSERT_TRUE(one_made.is_ok()) << one_made.status().to_string();
+    Dsv4CudaEngine& one = **one_made;
     o.expert_streams = 3;
     ASSERT_TRUE(Dsv4CudaEngine::check_options(c, o).is_ok());
-    Dsv4CudaEngine three(w, o);
+    auto three_made = Dsv4CudaEngine::create(w, o);
+    ASSERT_TRUE(three_made.is_ok()) << three_made.status().to_string();
+    Dsv4CudaEngine& three = **three_made;
     for (const std::vector<int64_t>& schedule :
          std::vector<std::vector<int64_t>>{{T}, {9, 1, 90, 3, 97}}) {
       Status st;
@@ -233,7 +243,9 @@ TEST_F(Dsv4CudaEngineTest, DeviceTapHoldsTheHostCopy) {
   const Dsv4Weights w = random_dsv4_model(c, 5);
   Dsv4CudaOptions opts;
   opts.host_tap = true;
-  Dsv4CudaEngine gpu(w, opts);
+  auto gpu_made = Dsv4CudaEngine::create(w, opts);
+  ASSERT_TRUE(gpu_made.is_ok()) << gpu_made.status().to_string();
+  Dsv4CudaEngine& gpu = **gpu_made;
   const std::vector<int32_t> ids = random_ids(40, c.vocab, 9);
   int64_t taps = 0;
   auto tap = [&](const TapEvent& ev) {

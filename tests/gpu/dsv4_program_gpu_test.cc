@@ -29,17 +29,11 @@ using cuda::Dsv4GpuWeights;
 class Dsv4GpuProgram : public CudaDeviceTest {};
 
 // A non-blocking stream, destroyed with the object: the program's side stream.
-class Stream {
- public:
-  Stream() { EXPECT_EQ(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), cudaSuccess); }
-  ~Stream() { cudaStreamDestroy(s_); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return s_; }
-
- private:
-  cudaStream_t s_ = nullptr;
-};
+cuda::Stream new_stream() {
+  auto s = cuda::Stream::create();
+  EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+  return s.is_ok() ? std::move(s.value()) : cuda::Stream();
+}
 
 // Each layer's attention input, on the host and (for feed_device) on the device.
 struct Inputs {
@@ -52,7 +46,7 @@ Inputs make_inputs(const Dsv4DecoderWeights& w, int64_t T, uint32_t seed) {
   for (int64_t l = 0; l < w.layout.layers; ++l) {
     in.host.push_back(random_dsv4_x(T, w.layout.hidden, seed + static_cast<uint32_t>(l)));
     cuda::DeviceBuffer d;
-    EXPECT_TRUE(d.allocate(in.host.back().size() * 2, nullptr, false).is_ok());
+    EXPECT_TRUE(d.allocate(in.host.back().size() * 2, "a test input").is_ok());
     EXPECT_EQ(cudaMemcpy(d.get(), in.host.back().data(), in.host.back().size() * 2,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
@@ -181,7 +175,7 @@ std::vector<WeightsCase> weight_cases() {
 }
 
 TEST_F(Dsv4GpuProgram, SameArraysAsTheCpuProgram) {
-  Stream stream;
+  cuda::Stream stream = new_stream();
   for (const WeightsCase& wc : weight_cases()) {
     const Dsv4DecoderWeights w = random_dsv4_weights(wc.shape);
     auto gw = cuda::upload_dsv4_weights(w);
@@ -220,7 +214,7 @@ TEST_F(Dsv4GpuProgram, TwoRequestsShareTheWeights) {
   ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();
   const int64_t T = 777;
   const Inputs a = make_inputs(w, T, 100), b = make_inputs(w, T, 200);
-  Stream sa, sb;
+  cuda::Stream sa = new_stream(), sb = new_stream();
   std::thread ta([&] {
     run_both(w, **gw, dsv4_server_calls(T, 256), a, {fixed_chunks(T, 100), true}, sa.get(), "a");
   });
@@ -236,7 +230,7 @@ TEST_F(Dsv4GpuProgram, RefusesOutOfOrderRowsAndEarlyFinish) {
   const Dsv4DecoderWeights w = random_dsv4_weights();
   auto gw = cuda::upload_dsv4_weights(w);
   ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();
-  Stream stream;
+  cuda::Stream stream = new_stream();
   const int64_t T = 40;
   const auto x = random_dsv4_x(T, w.layout.hidden, 1);
   Dsv4GpuCacheProgram gpu(gw->get(), {T}, stream.get());

@@ -8,7 +8,6 @@
 
 #include <cstring>
 #include <map>
-#include <optional>
 
 #include "bridge/llama_program.h"
 #include "bridge/producer.h"
@@ -31,13 +30,14 @@ TEST_F(GpuProgramsTest, LlamaProgramBitIdenticalToCpu) {
     const LlamaDecoderWeights d = export_of(w);
     auto gw = cuda::upload_llama_weights(d);
     ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();
-    cuda::SideStream stream;
-    cuda::LlamaGpuCacheProgram gpu(gw->get(), stream.get());
+    auto stream = cuda::Stream::create();
+    ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
+    cuda::LlamaGpuCacheProgram gpu(gw->get(), stream->get());
     LlamaCacheProgram cpu(&d);
     const int64_t n = 77, pos0 = 1000, H = w.config.hidden;
     const std::vector<uint16_t> x = random_bf16(static_cast<size_t>(n * H), 1.f, 5);
     cuda::DeviceBuffer xd;
-    ASSERT_TRUE(xd.allocate(x.size() * 2, nullptr, false).is_ok());
+    ASSERT_TRUE(xd.allocate(x.size() * 2, "a test input").is_ok());
     cudaMemcpy(xd.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice);
     for (int64_t l = 0; l < w.config.layers; ++l) {
       auto got = gpu.run_device(l, pos0, n, xd.get<uint16_t>());
@@ -95,13 +95,15 @@ void expect_cpu_programs_segments(int program_device) {
   auto engine = cuda::LlamaCudaEngine::create(w, {cuda::KvDtype::kFp8, /*host_tap=*/true, 0});
   ASSERT_TRUE(engine.is_ok());
   constexpr int kSlots = 2;
-  cuda::GpuCaptureStore capture(kSlots, program_device);
-  std::optional<cuda::LlamaGpuSegmentProgram> on_program;
-  {
+  auto made = cuda::GpuCaptureStore::create(kSlots, program_device);
+  ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+  cuda::GpuCaptureStore& capture = **made;
+  auto on_program = [&] {
     cuda::DeviceGuard guard(program_device);
-    on_program.emplace(gw->get());
-  }
-  cuda::LlamaGpuSegmentProgram& gpu_program = *on_program;
+    return cuda::LlamaGpuSegmentProgram::create(gw->get());
+  }();
+  ASSERT_TRUE(on_program.is_ok()) << on_program.status().to_string();
+  cuda::LlamaGpuSegmentProgram& gpu_program = **on_program;
   // The program's rows and stream are on its GPU.
   cudaPointerAttributes where{};
   ASSERT_EQ(cudaPointerGetAttributes(&where, (*gw)->layers[0].wk_t.get<float>()), cudaSuccess);
@@ -164,10 +166,12 @@ TEST_F(GpuProgramsTest, GpuProgramWithoutDeviceRowsFailsTheManifest) {
   const LlamaDecoderWeights d = export_of(w);
   auto gw = cuda::upload_llama_weights(d);
   ASSERT_TRUE(gw.is_ok());
-  cuda::GpuCaptureStore capture(2);
-  cuda::LlamaGpuSegmentProgram program(gw->get());
+  auto capture = cuda::GpuCaptureStore::create(2);
+  ASSERT_TRUE(capture.is_ok());
+  auto program = cuda::LlamaGpuSegmentProgram::create(gw->get());
+  ASSERT_TRUE(program.is_ok());
   Received got;
-  BridgeProducer producer(&program, collect(&got), 4, &capture);
+  BridgeProducer producer(program->get(), collect(&got), 4, capture->get());
   std::vector<uint16_t> x(static_cast<size_t>(4 * w.config.hidden));
   producer.tap()(TapEvent{0, 0, 4, w.config.hidden, x.data()});
   const Manifest m = producer.finish(4, Status::ok());

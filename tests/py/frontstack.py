@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 
@@ -188,6 +189,18 @@ class Stack:
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()
+
+
+@contextmanager
+def running_stack(model: Path, tmp: Path, what: str) -> Iterator[Stack]:
+    """A Stack on `model` (skipping when the binary or the model is missing), stopped after."""
+    need(HETERO, "hetero binary")
+    need(model / "config.json", what)
+    stack = Stack(model, tmp)
+    try:
+        yield stack
+    finally:
+        stack.stop()
 
 
 # ---------------------------------------------------------------- requests and prompts

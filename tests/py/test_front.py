@@ -26,18 +26,13 @@ from typing import Dict, List
 import pytest
 from frontstack import (CHUNK, ENV, HETERO, MIN_TOKENS, MODEL_NAME, PY, REAL, ROOT, TINY, Proc,
                         Stack, answer, cached_tokens, chat, export_weights, free_port, metrics,
-                        need, openai_chat, post_front, requests, text, verdict_of)
+                        need, openai_chat, post_front, requests, running_stack, text, verdict_of)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    need(HETERO, "hetero binary")
-    need(TINY / "config.json", "tiny test model")
-    stack = Stack(TINY, tmp_path_factory.mktemp("tiny"))
-    try:
+    with running_stack(TINY, tmp_path_factory.mktemp("tiny"), "tiny test model") as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +199,21 @@ def test_fault_wrong_t_is_declined(tiny) -> None:
     front = tiny.front(tiny.prefill("wrong-t").port)
     v, reply, _ = run_fault(tiny, front, "fault-wrong-t")
     assert_declined(v, reply, "T=")
+
+
+def test_prefill_host_out_of_memory_falls_back_with_the_reason(tiny) -> None:
+    # The prefill host refuses a request its memory cannot take (HTTP 507, JSON) before any
+    # byte streams; the front answers natively and says why. The host keeps serving.
+    prefill = tiny.prefill("refuse-memory")
+    r = requests.post(Stack.url(prefill.port, "/v1/prefill"),
+                      json={"ids": [1, 2, 3], "fingerprint": tiny.info["fingerprint"]}, timeout=30)
+    assert r.status_code == 507, r.text
+    assert r.json()["error"]["code"] == "resource_exhausted", r.text
+    front = tiny.front(prefill.port)
+    for tag in ("fault-oom-1", "fault-oom-2"):
+        v, reply, _ = run_fault(tiny, front, tag)
+        assert_declined(v, reply, "HTTP 507", "out of device memory")
+    assert prefill.popen.poll() is None
 
 
 def test_prefill_host_down(tiny) -> None:
@@ -473,16 +483,11 @@ def test_doctor_all_green_then_sigint_stops_up(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    need(HETERO, "hetero binary")
-    need(REAL / "config.json", "SmolLM2-135M-Instruct")
-    stack = Stack(REAL, tmp_path_factory.mktemp("real"))
-    try:
+    with running_stack(REAL, tmp_path_factory.mktemp("real"), "SmolLM2-135M-Instruct") as stack:
         # The chat template alone is ~30 tokens: a greeting stays short, a question bridges.
         front = stack.front(stack.prefill(chunk=32).port,
                             **{"bridge-min-tokens": 40, "bridge-min-tail": 40})
         yield stack, front
-    finally:
-        stack.stop()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

@@ -138,7 +138,8 @@ def mount_native_prefix(server, body, tmp_path, name):
 
     ok(server, "/hetero/clear")
     assert ok(server, "/hetero/cached_prefix", {"ids": ids})["cached_tokens"] == 0
-    assert ok(server, "/hetero/mount", {"entry": entry, "ids": ids}) == {"mounted": n}
+    mounted = ok(server, "/hetero/mount", {"entry": entry, "ids": ids})
+    assert mounted["mounted"] == n and isinstance(mounted["pin"], str) and mounted["pin"]
     assert ok(server, "/hetero/cached_prefix", {"ids": ids})["cached_tokens"] == n
     return ids, n, truth, native
 

@@ -16,21 +16,16 @@ import json
 from typing import List, Tuple
 
 import pytest
-from frontstack import (CHUNK, HETERO, MIN_TOKENS, TINY, Proc, Stack, answer, cached_tokens, chat,
-                        metrics, need, post_front, requests, text, verdict_of)
+from frontstack import (CHUNK, MIN_TOKENS, TINY, Proc, Stack, answer, cached_tokens, chat, metrics,
+                        post_front, requests, running_stack, text, verdict_of)
 
 KIND = 'hetero_requests_total{verdict="%s"}'
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    need(HETERO, "hetero binary")
-    need(TINY / "config.json", "tiny test model")
-    stack = Stack(TINY, tmp_path_factory.mktemp("verdicts"))
-    try:
+    with running_stack(TINY, tmp_path_factory.mktemp("verdicts"), "tiny test model") as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")

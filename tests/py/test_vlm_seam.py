@@ -206,7 +206,8 @@ def test_mount_is_reused_and_answers_as_native(server, text, tmp_path):
         entry = write_entry(server, f"mount-{len(ids)}-{n}", ids, n, truth, window_idx)
         ok(server, "/hetero/clear")
         assert ok(server, "/hetero/cached_prefix", {"ids": ids})["cached_tokens"] == 0
-        assert ok(server, "/hetero/mount", {"entry": entry, "ids": ids}) == {"mounted": n}
+        mounted = ok(server, "/hetero/mount", {"entry": entry, "ids": ids})
+        assert mounted["mounted"] == n and isinstance(mounted["pin"], str) and mounted["pin"]
         assert ok(server, "/hetero/cached_prefix", {"ids": ids})["cached_tokens"] == n
 
         # The mounted objects hold exactly the arrays mounted (bit-exact: nothing is computed).

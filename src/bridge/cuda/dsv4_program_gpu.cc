@@ -15,59 +15,16 @@
 
 namespace hetero::cuda {
 
-// ----------------------------------------------------------------------------- DeviceBuffer
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  if (this != &o) {
-    reset();
-    p_ = std::exchange(o.p_, nullptr);
-    bytes_ = std::exchange(o.bytes_, 0);
-    stream_ = o.stream_;
-    stream_ordered_ = o.stream_ordered_;
-  }
-  return *this;
-}
-
-Status DeviceBuffer::allocate(size_t bytes, cudaStream_t stream, bool stream_ordered) {
-  reset();
-  if (bytes == 0) return Status::ok();
-  const cudaError_t e =
-      stream_ordered ? cudaMallocAsync(&p_, bytes, stream) : cudaMalloc(&p_, bytes);
-  if (e != cudaSuccess) {
-    p_ = nullptr;
-    cudaGetLastError();  // an allocation failure is not sticky; clear it for later checks
-    const std::string what = std::to_string(bytes) + " bytes: " + cudaGetErrorString(e);
-    return e == cudaErrorMemoryAllocation ? unavailable("out of device memory for " + what)
-                                          : internal_error("device allocation of " + what);
-  }
-  bytes_ = bytes;
-  stream_ = stream;
-  stream_ordered_ = stream_ordered;
-  return Status::ok();
-}
-
-void DeviceBuffer::reset() {
-  if (p_) {
-    if (stream_ordered_)
-      cudaFreeAsync(p_, stream_);
-    else
-      cudaFree(p_);
-  }
-  p_ = nullptr;
-  bytes_ = 0;
-}
-
 // ----------------------------------------------------------------------------- weights
 
 namespace {
 
 template <typename T>
 Status upload(const T* host, size_t count, DeviceBuffer* out, size_t* total) {
-  HETERO_RETURN_IF_ERROR(out->allocate(count * sizeof(T), nullptr, false));
+  HETERO_RETURN_IF_ERROR(out->allocate(count * sizeof(T), "the decoder's weights"));
   if (count == 0) return Status::ok();
-  const cudaError_t e = cudaMemcpy(out->get(), host, count * sizeof(T), cudaMemcpyHostToDevice);
-  if (e != cudaSuccess)
-    return internal_error(std::string("weight upload: ") + cudaGetErrorString(e));
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(out->get(), host, count * sizeof(T), cudaMemcpyHostToDevice));
   *total += count * sizeof(T);
   return Status::ok();
 }
@@ -164,12 +121,6 @@ Dsv4GpuCacheProgram::Dsv4GpuCacheProgram(const Dsv4GpuWeights* weights,
 // Frees are stream-ordered: they run after every op this program enqueued.
 Dsv4GpuCacheProgram::~Dsv4GpuCacheProgram() = default;
 
-Status Dsv4GpuCacheProgram::device_status(const char* what) const {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return internal_error(std::string(what) + ": " + cudaGetErrorString(e));
-  return Status::ok();
-}
-
 size_t Dsv4GpuCacheProgram::device_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t total = 0;
@@ -199,31 +150,35 @@ Status Dsv4GpuCacheProgram::prepare(const Dsv4GpuLayer& L, LayerState& s) {
       }
     }
     const auto u = [](int64_t v) { return static_cast<size_t>(v); };
+    const char* scratch = "the cache program's scratch";
     if (dense) {
-      HETERO_RETURN_IF_ERROR(xf_.allocate(u(rows * H) * 4, stream_, true));
-      HETERO_RETURN_IF_ERROR(acc_.allocate(u(rows * max_n) * 4, stream_, true));
-      HETERO_RETURN_IF_ERROR(fma_.allocate(4 * sizeof(int), stream_, true));
+      HETERO_RETURN_IF_ERROR(xf_.allocate_async(u(rows * H) * 4, stream_, scratch));
+      HETERO_RETURN_IF_ERROR(acc_.allocate_async(u(rows * max_n) * 4, stream_, scratch));
+      HETERO_RETURN_IF_ERROR(fma_.allocate_async(4 * sizeof(int), stream_, scratch));
     }
-    HETERO_RETURN_IF_ERROR(work_kv_.allocate(u(work) * 2, stream_, true));
-    HETERO_RETURN_IF_ERROR(work_gate_.allocate(u(work) * 2, stream_, true));
+    HETERO_RETURN_IF_ERROR(work_kv_.allocate_async(u(work) * 2, stream_, scratch));
+    HETERO_RETURN_IF_ERROR(work_gate_.allocate_async(u(work) * 2, stream_, scratch));
     // A block of m rows completes at most m/4 + 2 windows (the carry holds < 2r rows).
-    HETERO_RETURN_IF_ERROR(pooled_.allocate(u((rows / 4 + 2) * max_hd) * 2, stream_, true));
-    const auto upload_flags = [&](const std::vector<uint8_t>& host, DeviceBuffer* dev) {
-      HETERO_RETURN_IF_ERROR(dev->allocate(host.size(), stream_, true));
+    HETERO_RETURN_IF_ERROR(
+        pooled_.allocate_async(u((rows / 4 + 2) * max_hd) * 2, stream_, scratch));
+    const auto upload_flags = [&](const std::vector<uint8_t>& host, DeviceBuffer* dev) -> Status {
+      HETERO_RETURN_IF_ERROR(dev->allocate_async(host.size(), stream_, "the call schedule"));
       if (!host.empty())
-        cudaMemcpyAsync(dev->get(), host.data(), host.size(), cudaMemcpyHostToDevice, stream_);
+        HETERO_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(dev->get(), host.data(), host.size(), cudaMemcpyHostToDevice, stream_));
       return Status::ok();
     };
     HETERO_RETURN_IF_ERROR(upload_flags(sched_.flags4, &flags4_dev_));
     HETERO_RETURN_IF_ERROR(upload_flags(sched_.flags128, &flags128_dev_));
     scratch_ready_ = true;
   }
-  HETERO_RETURN_IF_ERROR(s.window_rows.allocate(
-      static_cast<size_t>((sched_.tokens - sched_.window_first) * hd) * 2, stream_, true));
-  const auto carry = [&](const Dsv4GpuCompressor& c, PoolState* p) {
+  HETERO_RETURN_IF_ERROR(s.window_rows.allocate_async(
+      static_cast<size_t>((sched_.tokens - sched_.window_first) * hd) * 2, stream_,
+      "the window rows"));
+  const auto carry = [&](const Dsv4GpuCompressor& c, PoolState* p) -> Status {
     const auto bytes = static_cast<size_t>(2 * c.ratio * c.out_dim) * 2;
-    HETERO_RETURN_IF_ERROR(p->carry_kv.allocate(bytes, stream_, true));
-    HETERO_RETURN_IF_ERROR(p->carry_gate.allocate(bytes, stream_, true));
+    HETERO_RETURN_IF_ERROR(p->carry_kv.allocate_async(bytes, stream_, "a compressor's carry"));
+    HETERO_RETURN_IF_ERROR(p->carry_gate.allocate_async(bytes, stream_, "a compressor's carry"));
     // Pooled rows are appended while copies into them are in flight: never reallocate.
     p->pooled.reserve(static_cast<size_t>(sched_.tokens / c.ratio * c.head_dim));
     return Status::ok();
@@ -231,17 +186,19 @@ Status Dsv4GpuCacheProgram::prepare(const Dsv4GpuLayer& L, LayerState& s) {
   if (L.ratio > 0) HETERO_RETURN_IF_ERROR(carry(L.pool, &s.pool));
   if (L.has_index) HETERO_RETURN_IF_ERROR(carry(L.index, &s.index));
   s.allocated = true;
-  return device_status("program state");
+  HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::ok();
 }
 
-void Dsv4GpuCacheProgram::apply(const Dsv4GpuLinear& l, const uint16_t* x, const float* xf,
-                                int64_t m, uint16_t* out) {
+Status Dsv4GpuCacheProgram::apply(const Dsv4GpuLinear& l, const uint16_t* x, const float* xf,
+                                  int64_t m, uint16_t* out) {
   switch (l.mode) {
     case DecoderLinear::Mode::kDense:
       // The CPU's linear_decoder_order: a zeroed f32 accumulator, ascending-k sums, one rounding
       // (as FMAs where every product is exact: the same bits).
       exact_products_flag(x, m * l.k, l.range, fma_.get<int>(), fma_.get<int>() + 3, stream_);
-      cudaMemsetAsync(acc_.get(), 0, static_cast<size_t>(m * l.n) * 4, stream_);
+      HETERO_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(acc_.get(), 0, static_cast<size_t>(m * l.n) * 4, stream_));
       gemm_ordered(xf, m, l.k, l.wt.get<float>(), l.n, acc_.get<float>(), stream_,
                    fma_.get<int>() + 3);
       round_linear_output(acc_.get<float>(), m, l.n, nullptr, out, stream_);
@@ -255,10 +212,11 @@ void Dsv4GpuCacheProgram::apply(const Dsv4GpuLinear& l, const uint16_t* x, const
                               l.biases.get<float>(), l.n, l.group, out, stream_);
       break;
   }
+  return Status::ok();
 }
 
-void Dsv4GpuCacheProgram::feed_pool(const Dsv4GpuCompressor& c, PoolState& s, int64_t pos0,
-                                    int64_t m, const uint16_t* x, const float* xf) {
+Status Dsv4GpuCacheProgram::feed_pool(const Dsv4GpuCompressor& c, PoolState& s, int64_t pos0,
+                                      int64_t m, const uint16_t* x, const float* xf) {
   const int64_t D = c.out_dim, hd = c.head_dim, r = c.ratio;
   const auto row_bytes = static_cast<size_t>(D) * 2;
   uint16_t* kv = work_kv_.get<uint16_t>();
@@ -267,11 +225,13 @@ void Dsv4GpuCacheProgram::feed_pool(const Dsv4GpuCompressor& c, PoolState& s, in
   const int64_t carried = pos0 - s.carry_base;
   if (carried > 0) {
     const auto bytes = static_cast<size_t>(carried) * row_bytes;
-    cudaMemcpyAsync(kv, s.carry_kv.get(), bytes, cudaMemcpyDeviceToDevice, stream_);
-    cudaMemcpyAsync(gate, s.carry_gate.get(), bytes, cudaMemcpyDeviceToDevice, stream_);
+    HETERO_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(kv, s.carry_kv.get(), bytes, cudaMemcpyDeviceToDevice, stream_));
+    HETERO_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(gate, s.carry_gate.get(), bytes, cudaMemcpyDeviceToDevice, stream_));
   }
-  apply(c.wkv, x, xf, m, kv + carried * D);
-  apply(c.wgate, x, xf, m, gate + carried * D);
+  HETERO_RETURN_IF_ERROR(apply(c.wkv, x, xf, m, kv + carried * D));
+  HETERO_RETURN_IF_ERROR(apply(c.wgate, x, xf, m, gate + carried * D));
   const int64_t fed = pos0 + m, done = fed / r, j0 = s.pooled_rows, windows = done - j0;
   if (windows > 0) {
     const uint16_t* kw = kv + (j0 * r - s.carry_base) * D;
@@ -289,8 +249,9 @@ void Dsv4GpuCacheProgram::feed_pool(const Dsv4GpuCompressor& c, PoolState& s, in
     dsv4_rope(out, windows, 1, hd, j0, w_->freqs_compressed.get<float>(), w_->rope_pairs_compressed,
               static_cast<int>(r), false, stream_);
     s.pooled.resize(static_cast<size_t>(done * hd));  // within the reserved capacity
-    cudaMemcpyAsync(s.pooled.data() + j0 * hd, out, static_cast<size_t>(windows * hd) * 2,
-                    cudaMemcpyDeviceToHost, stream_);
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.pooled.data() + j0 * hd, out,
+                                                static_cast<size_t>(windows * hd) * 2,
+                                                cudaMemcpyDeviceToHost, stream_));
     s.pooled_rows = done;
   }
   // The new carry: the last complete window (the next one's overlap lane) and the incomplete one.
@@ -300,10 +261,13 @@ void Dsv4GpuCacheProgram::feed_pool(const Dsv4GpuCompressor& c, PoolState& s, in
   if (keep > 0) {
     const int64_t at = keep_from - s.carry_base;
     const auto bytes = static_cast<size_t>(keep) * row_bytes;
-    cudaMemcpyAsync(s.carry_kv.get(), kv + at * D, bytes, cudaMemcpyDeviceToDevice, stream_);
-    cudaMemcpyAsync(s.carry_gate.get(), gate + at * D, bytes, cudaMemcpyDeviceToDevice, stream_);
+    HETERO_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(s.carry_kv.get(), kv + at * D, bytes, cudaMemcpyDeviceToDevice, stream_));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.carry_gate.get(), gate + at * D, bytes,
+                                                cudaMemcpyDeviceToDevice, stream_));
   }
   s.carry_base = keep_from;
+  return Status::ok();
 }
 
 Status Dsv4GpuCacheProgram::feed_block(const Dsv4GpuLayer& L, LayerState& s, int64_t pos0,
@@ -320,15 +284,17 @@ Status Dsv4GpuCacheProgram::feed_block(const Dsv4GpuLayer& L, LayerState& s, int
   if (window) {
     const int64_t mw = pos0 + m - from;
     uint16_t* dst = s.window_rows.get<uint16_t>() + (from - sched_.window_first) * hd;
-    apply(L.wkv, x + (from - pos0) * H, xf ? xf + (from - xf_first) * H : nullptr, mw, dst);
+    HETERO_RETURN_IF_ERROR(
+        apply(L.wkv, x + (from - pos0) * H, xf ? xf + (from - xf_first) * H : nullptr, mw, dst));
     rms_norm(dst, mw, hd, L.kv_norm.get<uint16_t>(), w_->eps, dst, stream_);
     const bool local = L.ratio == 0;
     dsv4_rope(dst, mw, 1, hd, from, (local ? w_->freqs_local : w_->freqs_compressed).get<float>(),
               local ? w_->rope_pairs_local : w_->rope_pairs_compressed, 1, false, stream_);
   }
-  if (L.ratio > 0) feed_pool(L.pool, s.pool, pos0, m, x, xf);
-  if (L.has_index) feed_pool(L.index, s.index, pos0, m, x, xf);
-  return device_status("feed");
+  if (L.ratio > 0) HETERO_RETURN_IF_ERROR(feed_pool(L.pool, s.pool, pos0, m, x, xf));
+  if (L.has_index) HETERO_RETURN_IF_ERROR(feed_pool(L.index, s.index, pos0, m, x, xf));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());  // the kernels' launches
+  return Status::ok();
 }
 
 Status Dsv4GpuCacheProgram::feed(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
@@ -351,8 +317,9 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
   const int64_t H = w_->layout.hidden;
   if (!s.allocated) HETERO_RETURN_IF_ERROR(prepare(L, s));
   if (!on_device && x_dev_.bytes() == 0)
-    HETERO_RETURN_IF_ERROR(x_dev_.allocate(
-        static_cast<size_t>(std::min(block_rows_, sched_.tokens) * H) * 2, stream_, true));
+    HETERO_RETURN_IF_ERROR(
+        x_dev_.allocate_async(static_cast<size_t>(std::min(block_rows_, sched_.tokens) * H) * 2,
+                              stream_, "the attention input's staging"));
   Dsv4NewRows rows;
   rows.first = s.pool.pooled_rows;
   for (int64_t p = pos0; p < pos0 + n; p += block_rows_) {
@@ -360,14 +327,13 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
     const uint16_t* xb = x + (p - pos0) * H;
     if (!on_device) {
       // Stream-ordered: the copy waits for the previous block's reads of the staging buffer.
-      cudaMemcpyAsync(x_dev_.get(), xb, static_cast<size_t>(m * H) * 2, cudaMemcpyHostToDevice,
-                      stream_);
+      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_dev_.get(), xb, static_cast<size_t>(m * H) * 2,
+                                                  cudaMemcpyHostToDevice, stream_));
       xb = x_dev_.get<uint16_t>();
     }
     HETERO_RETURN_IF_ERROR(feed_block(L, s, p, m, xb));
   }
-  const cudaError_t e = cudaStreamSynchronize(stream_);
-  if (e != cudaSuccess) return internal_error(std::string("feed: ") + cudaGetErrorString(e));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   rows.count = s.pool.pooled_rows - rows.first;
   const auto hd = static_cast<std::ptrdiff_t>(w_->layout.head_dim);
   if (rows.count > 0) {
@@ -382,24 +348,25 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
   return Status::ok();
 }
 
-Dsv4PoolArrays Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c,
-                                                const PoolState& s) const {
+Status Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c, const PoolState& s,
+                                        Dsv4PoolArrays* a) const {
   const int64_t D = c.out_dim, r = c.ratio, rem = sched_.tokens % r;
-  Dsv4PoolArrays a;
-  a.buf_kv = Tensor(DType::kBF16, {1, rem, D});
-  a.buf_gate = Tensor(DType::kBF16, {1, rem, D});
+  a->buf_kv = Tensor(DType::kBF16, {1, rem, D});
+  a->buf_gate = Tensor(DType::kBF16, {1, rem, D});
   if (rem > 0) {
     // The incomplete window is the end of the carry.
     const int64_t at = (sched_.tokens - rem - s.carry_base) * D;
     const auto bytes = static_cast<size_t>(rem * D) * 2;
-    cudaMemcpyAsync(a.buf_kv.bytes.data(), s.carry_kv.get<uint16_t>() + at, bytes,
-                    cudaMemcpyDeviceToHost, stream_);
-    cudaMemcpyAsync(a.buf_gate.bytes.data(), s.carry_gate.get<uint16_t>() + at, bytes,
-                    cudaMemcpyDeviceToHost, stream_);
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a->buf_kv.bytes.data(),
+                                                s.carry_kv.get<uint16_t>() + at, bytes,
+                                                cudaMemcpyDeviceToHost, stream_));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a->buf_gate.bytes.data(),
+                                                s.carry_gate.get<uint16_t>() + at, bytes,
+                                                cudaMemcpyDeviceToHost, stream_));
   }
-  a.pooled = Tensor(DType::kBF16, {1, s.pooled_rows, c.head_dim});
-  if (!s.pooled.empty()) std::memcpy(a.pooled.bytes.data(), s.pooled.data(), s.pooled.size() * 2);
-  return a;
+  a->pooled = Tensor(DType::kBF16, {1, s.pooled_rows, c.head_dim});
+  if (!s.pooled.empty()) std::memcpy(a->pooled.bytes.data(), s.pooled.data(), s.pooled.size() * 2);
+  return Status::ok();
 }
 
 Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::finish_layer(int64_t layer) {
@@ -426,14 +393,14 @@ Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::finish_layer(int64_t layer) {
     }
     int64_t j = i + 1;
     while (j < S && sched_.window.slot_pos[static_cast<size_t>(j)] == p + (j - i)) ++j;
-    cudaMemcpyAsync(dst + i * hd, s.window_rows.get<uint16_t>() + (p - sched_.window_first) * hd,
-                    static_cast<size_t>((j - i) * hd) * 2, cudaMemcpyDeviceToHost, stream_);
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        dst + i * hd, s.window_rows.get<uint16_t>() + (p - sched_.window_first) * hd,
+        static_cast<size_t>((j - i) * hd) * 2, cudaMemcpyDeviceToHost, stream_));
     i = j;
   }
-  if (L.ratio > 0) a.pool = pool_arrays(L.pool, s.pool);
-  if (L.has_index) a.index = pool_arrays(L.index, s.index);
-  const cudaError_t e = cudaStreamSynchronize(stream_);
-  if (e != cudaSuccess) return internal_error(std::string("finish: ") + cudaGetErrorString(e));
+  if (L.ratio > 0) HETERO_RETURN_IF_ERROR(pool_arrays(L.pool, s.pool, &a.pool));
+  if (L.has_index) HETERO_RETURN_IF_ERROR(pool_arrays(L.index, s.index, &a.index));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   // The layer's device state is no longer needed; its pooled rows live on in `a`.
   s.window_rows.reset();
   for (PoolState* p : {&s.pool, &s.index}) {

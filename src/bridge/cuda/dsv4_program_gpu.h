@@ -25,35 +25,9 @@
 #include "bridge/dsv4_program.h"
 #include "common/status.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/resource.h"
 
 namespace hetero::cuda {
-
-// Device memory owned by the object. With a stream it is stream-ordered (cudaMallocAsync /
-// cudaFreeAsync on that stream, which must outlive the buffer); without, plain cudaMalloc.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() { reset(); }
-  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  // Frees what is held, then takes `bytes`; unavailable (transient) when the device is full.
-  Status allocate(size_t bytes, cudaStream_t stream, bool stream_ordered);
-  void reset();
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(p_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-  cudaStream_t stream_ = nullptr;
-  bool stream_ordered_ = false;
-};
 
 // A DecoderLinear on the device: dense wt f32 [k, n], or q f32 [n, k] with scales (and biases)
 // f32 [n, k/group] — the same arrays as the host's.
@@ -92,7 +66,7 @@ struct Dsv4GpuWeights {
 };
 
 // Copies w to the current device (synchronously, plain cudaMalloc). Out of device memory is
-// unavailable; the host weights may be freed afterwards.
+// kResourceExhausted; the host weights may be freed afterwards.
 Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWeights& w);
 
 class Dsv4GpuCacheProgram {
@@ -147,11 +121,11 @@ class Dsv4GpuCacheProgram {
   Status prepare(const Dsv4GpuLayer& L, LayerState& s);
   Status feed_block(const Dsv4GpuLayer& L, LayerState& s, int64_t pos0, int64_t m,
                     const uint16_t* x);
-  void apply(const Dsv4GpuLinear& l, const uint16_t* x, const float* xf, int64_t m, uint16_t* out);
-  void feed_pool(const Dsv4GpuCompressor& c, PoolState& s, int64_t pos0, int64_t m,
-                 const uint16_t* x, const float* xf);
-  Dsv4PoolArrays pool_arrays(const Dsv4GpuCompressor& c, const PoolState& s) const;
-  Status device_status(const char* what) const;
+  Status apply(const Dsv4GpuLinear& l, const uint16_t* x, const float* xf, int64_t m,
+               uint16_t* out);
+  Status feed_pool(const Dsv4GpuCompressor& c, PoolState& s, int64_t pos0, int64_t m,
+                   const uint16_t* x, const float* xf);
+  Status pool_arrays(const Dsv4GpuCompressor& c, const PoolState& s, Dsv4PoolArrays* a) const;
 
   const Dsv4GpuWeights* w_;
   cudaStream_t stream_;

@@ -9,19 +9,12 @@
 namespace hetero::cuda {
 namespace {
 
-Status cuda_status(const char* what, cudaError_t e) {
-  if (e == cudaSuccess) return Status::ok();
-  return e == cudaErrorMemoryAllocation
-             ? unavailable(std::string(what) + ": out of device memory")
-             : internal_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
 Status upload(const void* src, size_t bytes, DeviceBuffer* dst, size_t* total) {
   if (bytes == 0) return Status::ok();
-  HETERO_RETURN_IF_ERROR(dst->allocate(bytes, nullptr, false));
+  HETERO_RETURN_IF_ERROR(dst->allocate(bytes, "the decoder's weights"));
   *total += bytes;
-  return cuda_status("uploading the decoder's weights",
-                     cudaMemcpy(dst->get(), src, bytes, cudaMemcpyHostToDevice));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst->get(), src, bytes, cudaMemcpyHostToDevice));
+  return Status::ok();
 }
 
 Status upload_tensor(const Tensor& t, DeviceBuffer* dst, size_t* total) {
@@ -38,30 +31,35 @@ const uint16_t* or_null(const DeviceBuffer& b) { return b.bytes() ? b.get<uint16
 GpuCaptureStore::GpuCaptureStore(int slots, int program_device)
     : slots_(static_cast<size_t>(slots)),
       engine_device_(current_device()),
-      program_device_(program_device < 0 ? current_device() : program_device) {
-  if (program_device_ != engine_device_) {
+      program_device_(program_device < 0 ? current_device() : program_device) {}
+
+Result<std::unique_ptr<GpuCaptureStore>> GpuCaptureStore::create(int slots, int program_device) {
+  std::unique_ptr<GpuCaptureStore> g(new GpuCaptureStore(slots, program_device));
+  if (g->program_device_ != g->engine_device_) {
     // The tap's copies write into the program's GPU from the engine's: peer access where the
     // GPUs have it (else the driver stages the copy through the host, slower but correct).
     int can = 0;
-    cudaDeviceCanAccessPeer(&can, engine_device_, program_device_);
-    if (can && cudaDeviceEnablePeerAccess(program_device_, 0) != cudaSuccess)
-      cudaGetLastError();  // already enabled: not an error for the copies
+    HETERO_CUDA_RETURN_IF_ERROR(
+        cudaDeviceCanAccessPeer(&can, g->engine_device_, g->program_device_));
+    const cudaError_t e = can ? cudaDeviceEnablePeerAccess(g->program_device_, 0) : cudaSuccess;
+    // Already enabled (by another store) is not an error for the copies.
+    if (e != cudaErrorPeerAccessAlreadyEnabled)
+      HETERO_CUDA_RETURN_IF_ERROR(e);
+    else
+      cudaGetLastError();
   }
-  for (Slot& s : slots_) {
-    cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming);  // on the engine's stream
-    DeviceGuard on_program(program_device_);
-    cudaEventCreateWithFlags(&s.read, cudaEventDisableTiming);  // on the program's
+  for (Slot& s : g->slots_) {
+    HETERO_ASSIGN_OR_RETURN(s.copied, Event::create());  // on the engine's stream
+    DeviceGuard on_program(g->program_device_);
+    HETERO_ASSIGN_OR_RETURN(s.read, Event::create());  // on the program's
   }
+  return g;
 }
 
 GpuCaptureStore::~GpuCaptureStore() {
-  for (Slot& s : slots_) {
-    for (cudaEvent_t e : {s.copied, s.read}) {
-      if (!e) continue;
-      cudaEventSynchronize(e);
-      cudaEventDestroy(e);
-    }
-  }
+  for (Slot& s : slots_)
+    for (const Event* e : {&s.copied, &s.read})
+      if (*e) cudaEventSynchronize(e->get());
 }
 
 Result<int> GpuCaptureStore::capture(const TapEvent& e) {
@@ -77,38 +75,41 @@ Result<int> GpuCaptureStore::capture(const TapEvent& e) {
     }
     slots_[static_cast<size_t>(slot)].busy = true;
   }
-  Slot& s = slots_[static_cast<size_t>(slot)];
-  if (s.rows.bytes() < bytes) {
-    // Growing frees the old rows: their reader must be done with them first.
-    if (s.read_pending) cudaEventSynchronize(s.read);
-    s.read_pending = false;
-    DeviceGuard on_program(program_device_);
-    const Status st = s.rows.allocate(bytes, nullptr, false);
-    if (!st.is_ok()) {
-      release(slot, nullptr);
-      return st;
-    }
-  }
-  const auto stream = static_cast<cudaStream_t>(e.stream);
-  cudaError_t ce = cudaSuccess;
-  if (s.read_pending) ce = cudaStreamWaitEvent(stream, s.read, 0);  // the previous rows' reader
-  if (ce == cudaSuccess)
-    ce = program_device_ == engine_device_
-             ? cudaMemcpyAsync(s.rows.get(), e.x_device, bytes, cudaMemcpyDeviceToDevice, stream)
-             : cudaMemcpyPeerAsync(s.rows.get(), program_device_, e.x_device, engine_device_, bytes,
-                                   stream);
-  if (ce == cudaSuccess) ce = cudaEventRecord(s.copied, stream);
-  if (ce != cudaSuccess) {
+  const Status st = fill(slots_[static_cast<size_t>(slot)], e, bytes);
+  if (!st.is_ok()) {
     release(slot, nullptr);
-    return cuda_status("capturing the attention input", ce);
+    return st;
   }
   return slot;
 }
 
-const uint16_t* GpuCaptureStore::ready(int slot, void* stream) {
+// Copies e's rows into the slot on the engine's stream, after the slot's previous reader.
+Status GpuCaptureStore::fill(Slot& s, const TapEvent& e, size_t bytes) {
+  if (s.rows.bytes() < bytes) {
+    // Growing frees the old rows: their reader must be done with them first.
+    if (s.read_pending) HETERO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.read.get()));
+    s.read_pending = false;
+    DeviceGuard on_program(program_device_);
+    HETERO_RETURN_IF_ERROR(s.rows.allocate(bytes, "the attention input's capture slot"));
+  }
+  const auto stream = static_cast<cudaStream_t>(e.stream);
+  if (s.read_pending)  // the previous rows' reader
+    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, s.read.get(), 0));
+  if (program_device_ == engine_device_)
+    HETERO_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(s.rows.get(), e.x_device, bytes, cudaMemcpyDeviceToDevice, stream));
+  else
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyPeerAsync(s.rows.get(), program_device_, e.x_device,
+                                                    engine_device_, bytes, stream));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied.get(), stream));
+  return Status::ok();
+}
+
+Result<const uint16_t*> GpuCaptureStore::ready(int slot, void* stream) {
   Slot& s = slots_[static_cast<size_t>(slot)];
-  cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), s.copied, 0);
-  return s.rows.get<uint16_t>();
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), s.copied.get(), 0));
+  return s.rows.get<const uint16_t>();
 }
 
 void GpuCaptureStore::release(int slot, void* stream) {
@@ -118,8 +119,10 @@ void GpuCaptureStore::release(int slot, void* stream) {
     s.read_pending = false;
     if (stream != nullptr) {
       const auto st = static_cast<cudaStream_t>(stream);
-      s.read_pending = cudaEventRecord(s.read, st) == cudaSuccess;
-      if (!s.read_pending) cudaStreamSynchronize(st);  // no event: wait for the reads here
+      s.read_pending = cudaEventRecord(s.read.get(), st) == cudaSuccess;
+      // No event: wait for the reads here. If that fails too the device is lost, and the next
+      // capture's copy into the slot reports it.
+      if (!s.read_pending) cudaGetLastError(), cudaStreamSynchronize(st);
     }
     s.busy = false;
   }
@@ -158,10 +161,7 @@ Result<std::unique_ptr<LlamaGpuWeights>> upload_llama_weights(const LlamaDecoder
 LlamaGpuCacheProgram::LlamaGpuCacheProgram(const LlamaGpuWeights* weights, cudaStream_t stream)
     : w_(weights), stream_(stream) {}
 
-LlamaGpuCacheProgram::~LlamaGpuCacheProgram() {
-  cudaStreamSynchronize(stream_);
-  if (pinned_) cudaFreeHost(pinned_);
-}
+LlamaGpuCacheProgram::~LlamaGpuCacheProgram() { cudaStreamSynchronize(stream_); }
 
 size_t LlamaGpuCacheProgram::device_bytes() const {
   return xf_.bytes() + acc_.bytes() + k_.bytes() + v_.bytes() + kt_.bytes() + vt_.bytes() +
@@ -177,12 +177,14 @@ Status LlamaGpuCacheProgram::enqueue(int64_t layer, int64_t pos0, int64_t n, con
   const size_t rows_bytes = static_cast<size_t>(n * kvd) * 2;
   if (n > rows_) {
     // The buffers are reused layer after layer in the stream's order; growing frees them.
-    cudaStreamSynchronize(stream_);
-    HETERO_RETURN_IF_ERROR(xf_.allocate(static_cast<size_t>(n * H) * 4, nullptr, false));
-    HETERO_RETURN_IF_ERROR(acc_.allocate(static_cast<size_t>(n * kvd) * 4, nullptr, false));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    const char* scratch = "the llama cache program's scratch";
+    rows_ = 0;  // until every buffer holds n rows
+    HETERO_RETURN_IF_ERROR(xf_.allocate(static_cast<size_t>(n * H) * 4, scratch));
+    HETERO_RETURN_IF_ERROR(acc_.allocate(static_cast<size_t>(n * kvd) * 4, scratch));
     for (DeviceBuffer* b : {&k_, &v_, &kt_, &vt_})
-      HETERO_RETURN_IF_ERROR(b->allocate(rows_bytes, nullptr, false));
-    if (!flags_.bytes()) HETERO_RETURN_IF_ERROR(flags_.allocate(5 * sizeof(int), nullptr, false));
+      HETERO_RETURN_IF_ERROR(b->allocate(rows_bytes, scratch));
+    if (!flags_.bytes()) HETERO_RETURN_IF_ERROR(flags_.allocate(5 * sizeof(int), scratch));
     rows_ = n;
   }
   int* stats = flags_.get<int>();
@@ -194,13 +196,15 @@ Status LlamaGpuCacheProgram::enqueue(int64_t layer, int64_t pos0, int64_t n, con
   exact_products_flag(x, n * H, L.wv_range, stats, fma_v, stream_);
   bf16_to_f32(x, n * H, xf_.get<float>(), stream_);
   auto project = [&](const DeviceBuffer& wt, const DeviceBuffer& bias, const int* fma,
-                     DeviceBuffer& out) {
-    cudaMemsetAsync(acc_.get(), 0, static_cast<size_t>(n * kvd) * 4, stream_);
+                     DeviceBuffer& out) -> Status {
+    HETERO_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(acc_.get(), 0, static_cast<size_t>(n * kvd) * 4, stream_));
     gemm_ordered(xf_.get<float>(), n, H, wt.get<float>(), kvd, acc_.get<float>(), stream_, fma);
     round_linear_output(acc_.get<float>(), n, kvd, or_null(bias), out.get<uint16_t>(), stream_);
+    return Status::ok();
   };
-  project(L.wk_t, L.bk, fma_k, k_);
-  project(L.wv_t, L.bv, fma_v, v_);
+  HETERO_RETURN_IF_ERROR(project(L.wk_t, L.bk, fma_k, k_));
+  HETERO_RETURN_IF_ERROR(project(L.wv_t, L.bv, fma_v, v_));
   if (L.k_norm.bytes())
     rms_norm(k_.get<uint16_t>(), n * kvh, hd, L.k_norm.get<uint16_t>(), w_->eps, k_.get<uint16_t>(),
              stream_);
@@ -208,9 +212,12 @@ Status LlamaGpuCacheProgram::enqueue(int64_t layer, int64_t pos0, int64_t n, con
   // The decoder's layout on the device, then straight into the caller's page-locked memory.
   heads_major(k_.get<uint16_t>(), n, kvh, hd, kt_.get<uint16_t>(), stream_);
   heads_major(v_.get<uint16_t>(), n, kvh, hd, vt_.get<uint16_t>(), stream_);
-  cudaMemcpyAsync(keys_host, kt_.get(), rows_bytes, cudaMemcpyDeviceToHost, stream_);
-  cudaMemcpyAsync(values_host, vt_.get(), rows_bytes, cudaMemcpyDeviceToHost, stream_);
-  return cuda_status("the llama cache program", cudaGetLastError());
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(keys_host, kt_.get(), rows_bytes, cudaMemcpyDeviceToHost, stream_));
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(values_host, vt_.get(), rows_bytes, cudaMemcpyDeviceToHost, stream_));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());  // the kernels' launches
+  return Status::ok();
 }
 
 Result<KvRows> LlamaGpuCacheProgram::run_device(int64_t layer, int64_t pos0, int64_t n,
@@ -218,18 +225,17 @@ Result<KvRows> LlamaGpuCacheProgram::run_device(int64_t layer, int64_t pos0, int
   const int64_t kvh = w_->layout.kv_heads, hd = w_->layout.head_dim;
   const size_t rows_bytes = static_cast<size_t>(n * kvh * hd) * 2;
   if (n > pinned_rows_) {
-    cudaStreamSynchronize(stream_);
-    if (pinned_) cudaFreeHost(pinned_);
-    pinned_ = nullptr;
-    HETERO_RETURN_IF_ERROR(cuda_status(
-        "page-locked staging", cudaMallocHost(reinterpret_cast<void**>(&pinned_), 2 * rows_bytes)));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    pinned_rows_ = 0;
+    HETERO_RETURN_IF_ERROR(pinned_.allocate(2 * rows_bytes, "the llama cache program's staging"));
     pinned_rows_ = n;
   }
-  uint16_t* values = pinned_ + rows_bytes / 2;
-  HETERO_RETURN_IF_ERROR(enqueue(layer, pos0, n, x, pinned_, values));
-  HETERO_RETURN_IF_ERROR(cuda_status("the llama cache program", cudaStreamSynchronize(stream_)));
+  uint16_t* keys = pinned_.get<uint16_t>();
+  uint16_t* values = keys + rows_bytes / 2;
+  HETERO_RETURN_IF_ERROR(enqueue(layer, pos0, n, x, keys, values));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   KvRows r{Tensor(DType::kBF16, {kvh, n, hd}), Tensor(DType::kBF16, {kvh, n, hd})};
-  std::memcpy(r.keys.bytes.data(), pinned_, rows_bytes);
+  std::memcpy(r.keys.bytes.data(), keys, rows_bytes);
   std::memcpy(r.values.bytes.data(), values, rows_bytes);
   return r;
 }
@@ -243,51 +249,36 @@ std::shared_ptr<PinnedPool> make_pinned_pool() {
 }
 
 PinnedPool::~PinnedPool() {
-  for (Block* b : free_) {
-    cudaEventSynchronize(b->landed);
-    cudaEventDestroy(b->landed);
-    for (cudaEvent_t e : b->layer_landed)
-      if (e) cudaEventDestroy(e);
-    cudaFreeHost(b->data);
-    delete b;
-  }
+  for (const std::unique_ptr<Block>& b : free_)
+    if (b->landed) cudaEventSynchronize(b->landed.get());  // the last copies into it
 }
 
 Result<std::shared_ptr<PinnedPool::Block>> PinnedPool::take(size_t bytes) {
-  Block* b = nullptr;
+  std::unique_ptr<Block> b;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!free_.empty()) b = free_.back(), free_.pop_back();
+    if (!free_.empty()) b = std::move(free_.back()), free_.pop_back();
   }
   if (!b) {
-    b = new Block;
-    if (cudaEventCreateWithFlags(&b->landed, cudaEventDisableTiming) != cudaSuccess) {
-      delete b;
-      return internal_error("creating an event for page-locked staging");
-    }
+    b = std::make_unique<Block>();
+    HETERO_ASSIGN_OR_RETURN(b->landed, Event::create());
   }
-  if (b->bytes < bytes) {
-    if (b->data) cudaEventSynchronize(b->landed), cudaFreeHost(b->data);
+  if (b->memory.bytes() < bytes) {
+    if (b->memory.bytes()) HETERO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(b->landed.get()));
+    const size_t before = b->memory.bytes();
+    const Status st = b->memory.allocate(bytes, "a segment's page-locked staging");
     std::lock_guard<std::mutex> lock(mu_);
-    held_ -= b->bytes;
-    b->data = nullptr, b->bytes = 0;
-    if (cudaMallocHost(reinterpret_cast<void**>(&b->data), bytes) != cudaSuccess) {
-      cudaEventDestroy(b->landed);
-      delete b;
-      return unavailable("out of page-locked host memory for a segment of " +
-                         std::to_string(bytes) + " bytes");
-    }
-    b->bytes = bytes;
-    held_ += bytes;
+    held_ = held_ - before + b->memory.bytes();
+    HETERO_RETURN_IF_ERROR(st);
   }
   // The deleter keeps the pool alive until the block is back.
   std::shared_ptr<PinnedPool> self = self_.lock();
-  return std::shared_ptr<Block>(b, [self](Block* x) { self->give_back(x); });
+  return std::shared_ptr<Block>(b.release(), [self](Block* x) { self->give_back(x); });
 }
 
 void PinnedPool::give_back(Block* b) {
   std::lock_guard<std::mutex> lock(mu_);
-  free_.push_back(b);
+  free_.emplace_back(b);
 }
 
 size_t PinnedPool::host_bytes() const {
@@ -295,12 +286,11 @@ size_t PinnedPool::host_bytes() const {
   return held_;
 }
 
-SideStream::SideStream() { cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking); }
-SideStream::~SideStream() {
-  if (s_) {
-    cudaStreamSynchronize(s_);
-    cudaStreamDestroy(s_);
-  }
+Result<std::unique_ptr<LlamaGpuSegmentProgram>> LlamaGpuSegmentProgram::create(
+    const LlamaGpuWeights* weights, std::shared_ptr<PinnedPool> pool) {
+  HETERO_ASSIGN_OR_RETURN(Stream stream, Stream::create());
+  return std::unique_ptr<LlamaGpuSegmentProgram>(
+      new LlamaGpuSegmentProgram(weights, std::move(stream), std::move(pool)));
 }
 
 Status LlamaGpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
@@ -319,21 +309,19 @@ Status LlamaGpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const
     }
     block = it->second;
   }
-  auto* keys = reinterpret_cast<uint16_t*>(block->data) + 2 * layer * rows;
+  auto* keys = reinterpret_cast<uint16_t*>(block->data()) + 2 * layer * rows;
   uint16_t* values = keys + rows;
   HETERO_RETURN_IF_ERROR(program_.enqueue(layer, pos0, n, x, keys, values));
   // Only this thread records into the block's events, and the encoder waits on a layer's event
   // only after this call has returned (the producer hands the layer over afterwards).
   if (block->layer_landed.size() < static_cast<size_t>(L.layers))
-    block->layer_landed.resize(static_cast<size_t>(L.layers), nullptr);
-  cudaEvent_t& layer_event = block->layer_landed[static_cast<size_t>(layer)];
-  if (!layer_event)
-    HETERO_RETURN_IF_ERROR(cuda_status(
-        "the llama cache program", cudaEventCreateWithFlags(&layer_event, cudaEventDisableTiming)));
-  HETERO_RETURN_IF_ERROR(
-      cuda_status("the llama cache program", cudaEventRecord(layer_event, stream_.get())));
-  HETERO_RETURN_IF_ERROR(
-      cuda_status("the llama cache program", cudaEventRecord(block->landed, stream_.get())));
+    block->layer_landed.resize(static_cast<size_t>(L.layers));
+  Event& layer_event = block->layer_landed[static_cast<size_t>(layer)];
+  if (!layer_event) {
+    HETERO_ASSIGN_OR_RETURN(layer_event, Event::create());
+  }
+  HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_event.get(), stream_.get()));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(block->landed.get(), stream_.get()));
   for (int which = 0; which < 2; ++which) {
     WireArray a;
     a.name = "layers." + std::to_string(layer) + (which ? ".values" : ".keys");
@@ -359,8 +347,9 @@ Status LlamaGpuSegmentProgram::layer_ready(int64_t layer, int64_t pos0, int64_t 
       !block->layer_landed[static_cast<size_t>(layer)])
     return internal_error("no rows in flight for layer " + std::to_string(layer) + " at " +
                           std::to_string(pos0));
-  return cuda_status("the llama cache program",
-                     cudaEventSynchronize(block->layer_landed[static_cast<size_t>(layer)]));
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cudaEventSynchronize(block->layer_landed[static_cast<size_t>(layer)].get()));
+  return Status::ok();
 }
 
 Status LlamaGpuSegmentProgram::segment_ready(int64_t pos0, int64_t n) {
@@ -373,10 +362,19 @@ Status LlamaGpuSegmentProgram::segment_ready(int64_t pos0, int64_t n) {
     block = std::move(it->second);
     filling_.erase(it);
   }
-  return cuda_status("the llama cache program", cudaEventSynchronize(block->landed));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(block->landed.get()));
+  return Status::ok();
 }
 
 // ---- deepseek_v4 ----
+
+Result<std::unique_ptr<Dsv4GpuSegmentProgram>> Dsv4GpuSegmentProgram::create(
+    const Dsv4DecoderWeights* host, const Dsv4GpuWeights* weights,
+    const std::vector<int64_t>& decoder_calls) {
+  HETERO_ASSIGN_OR_RETURN(Stream stream, Stream::create());
+  return std::unique_ptr<Dsv4GpuSegmentProgram>(
+      new Dsv4GpuSegmentProgram(host, weights, decoder_calls, std::move(stream)));
+}
 
 Status Dsv4GpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                   std::vector<WireArray>* arrays) {

@@ -18,6 +18,7 @@
 #include "bridge/producer.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/resource.h"
 
 namespace hetero::cuda {
 
@@ -33,13 +34,17 @@ namespace hetero::cuda {
 // engine's SMs. Construct the store with the engine's device current.
 class GpuCaptureStore : public CaptureStore {
  public:
-  explicit GpuCaptureStore(int slots = 4, int program_device = -1);
+  // A store of `slots` slots (their events created, no rows yet); fails where the events cannot
+  // be made.
+  static Result<std::unique_ptr<GpuCaptureStore>> create(int slots = 4, int program_device = -1);
   ~GpuCaptureStore() override;
   GpuCaptureStore(const GpuCaptureStore&) = delete;
   GpuCaptureStore& operator=(const GpuCaptureStore&) = delete;
 
+  // Out of device memory for a slot's rows is kResourceExhausted; any failure gives the slot
+  // back.
   Result<int> capture(const TapEvent& e) override;
-  const uint16_t* ready(int slot, void* stream) override;
+  Result<const uint16_t*> ready(int slot, void* stream) override;
   void release(int slot, void* stream) override;
   // Device bytes held by the slots now (the most the capture has held).
   size_t device_bytes() const;
@@ -47,10 +52,12 @@ class GpuCaptureStore : public CaptureStore {
  private:
   struct Slot {
     DeviceBuffer rows;
-    cudaEvent_t copied = nullptr;  // the tap's copy into rows, on the engine's stream
-    cudaEvent_t read = nullptr;    // the program's last reads of rows, on its stream
+    Event copied;  // the tap's copy into rows, on the engine's stream
+    Event read;    // the program's last reads of rows, on its stream
     bool busy = false, read_pending = false;
   };
+  GpuCaptureStore(int slots, int program_device);
+  Status fill(Slot& s, const TapEvent& e, size_t bytes);
   std::vector<Slot> slots_;
   int engine_device_ = 0, program_device_ = 0;
   mutable std::mutex mu_;
@@ -95,23 +102,9 @@ class LlamaGpuCacheProgram {
   cudaStream_t stream_;
   DeviceBuffer xf_, acc_, k_, v_, kt_, vt_, flags_;
   int64_t rows_ = 0;
-  uint16_t* pinned_ = nullptr;  // run_device's page-locked staging (k then v)
+  PinnedBuffer pinned_;  // run_device's page-locked staging (k then v)
   int64_t pinned_rows_ = 0;
   std::mutex mu_;
-};
-
-// A side stream owned by a program wrapper (non-blocking, so it never orders against the
-// engine's stream except through events).
-class SideStream {
- public:
-  SideStream();
-  ~SideStream();
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-  cudaStream_t get() const { return s_; }
-
- private:
-  cudaStream_t s_ = nullptr;
 };
 
 // Page-locked host blocks, reused: a GPU program's rows land in one straight from the device and
@@ -121,20 +114,21 @@ class SideStream {
 class PinnedPool {
  public:
   struct Block {
-    uint8_t* data = nullptr;
-    size_t bytes = 0;
-    cudaEvent_t landed = nullptr;           // recorded after each copy into the block
-    std::vector<cudaEvent_t> layer_landed;  // per layer: after that layer's copies
+    PinnedBuffer memory;
+    Event landed;                     // recorded after each copy into the block
+    std::vector<Event> layer_landed;  // per layer: after that layer's copies
+    uint8_t* data() const { return memory.get<uint8_t>(); }
   };
   ~PinnedPool();
-  // A block of at least `bytes` (grows, or allocates, page-locked memory).
+  // A block of at least `bytes` (grows, or allocates, page-locked memory; out of it is
+  // kResourceExhausted).
   Result<std::shared_ptr<Block>> take(size_t bytes);
   size_t host_bytes() const;  // page-locked bytes held, free or out
 
  private:
   void give_back(Block* b);
   mutable std::mutex mu_;
-  std::vector<Block*> free_;
+  std::vector<std::unique_ptr<Block>> free_;
   size_t held_ = 0;
   std::weak_ptr<PinnedPool> self_;
   friend std::shared_ptr<PinnedPool> make_pinned_pool();
@@ -147,11 +141,10 @@ std::shared_ptr<PinnedPool> make_pinned_pool();
 class LlamaGpuSegmentProgram : public SegmentProgram {
  public:
   // pool: page-locked blocks shared with other requests' programs (null: its own). The program
-  // runs on the device current at construction (weights must be there), whichever thread
-  // calls it; a pool serves programs of one device (its events are that device's).
-  explicit LlamaGpuSegmentProgram(const LlamaGpuWeights* weights,
-                                  std::shared_ptr<PinnedPool> pool = nullptr)
-      : program_(weights, stream_.get()), pool_(pool ? std::move(pool) : make_pinned_pool()) {}
+  // runs on the device current at creation (weights must be there), whichever thread calls it;
+  // a pool serves programs of one device (its events are that device's).
+  static Result<std::unique_ptr<LlamaGpuSegmentProgram>> create(
+      const LlamaGpuWeights* weights, std::shared_ptr<PinnedPool> pool = nullptr);
   const DecoderCacheLayout& layout() const override { return program_.layout(); }
   Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
              std::vector<WireArray>* arrays) override;
@@ -166,8 +159,13 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
   size_t host_staging_bytes() const { return pool_->host_bytes(); }
 
  private:
+  LlamaGpuSegmentProgram(const LlamaGpuWeights* weights, Stream stream,
+                         std::shared_ptr<PinnedPool> pool)
+      : stream_(std::move(stream)),
+        program_(weights, stream_.get()),
+        pool_(pool ? std::move(pool) : make_pinned_pool()) {}
   int device_ = current_device();
-  SideStream stream_;
+  Stream stream_;  // non-blocking: it orders against the engine's only through events
   LlamaGpuCacheProgram program_;
   std::shared_ptr<PinnedPool> pool_;
   std::shared_ptr<PinnedPool::Block> block_of(int64_t pos0);
@@ -178,10 +176,10 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
 class Dsv4GpuSegmentProgram : public SegmentProgram {
  public:
   // host: the export (for names and widths); weights: its device copy, on the device current at
-  // construction, where the program runs whichever thread calls it.
-  Dsv4GpuSegmentProgram(const Dsv4DecoderWeights* host, const Dsv4GpuWeights* weights,
-                        const std::vector<int64_t>& decoder_calls)
-      : host_(host), program_(weights, decoder_calls, stream_.get()) {}
+  // creation, where the program runs whichever thread calls it.
+  static Result<std::unique_ptr<Dsv4GpuSegmentProgram>> create(
+      const Dsv4DecoderWeights* host, const Dsv4GpuWeights* weights,
+      const std::vector<int64_t>& decoder_calls);
   const DecoderCacheLayout& layout() const override { return host_->layout; }
   Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
              std::vector<WireArray>* arrays) override;
@@ -189,9 +187,12 @@ class Dsv4GpuSegmentProgram : public SegmentProgram {
   void* device_stream() const override { return stream_.get(); }
 
  private:
+  Dsv4GpuSegmentProgram(const Dsv4DecoderWeights* host, const Dsv4GpuWeights* weights,
+                        const std::vector<int64_t>& decoder_calls, Stream stream)
+      : host_(host), stream_(std::move(stream)), program_(weights, decoder_calls, stream_.get()) {}
   const Dsv4DecoderWeights* host_;
   int device_ = current_device();
-  SideStream stream_;
+  Stream stream_;
   Dsv4GpuCacheProgram program_;
 };
 

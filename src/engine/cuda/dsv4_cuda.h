@@ -11,10 +11,14 @@
 // `dequant` arithmetic, the dense decoder this engine computes).
 //
 // Memory: the weights are uploaded once; activations are sized by the largest chunk seen; the
-// per-layer state lives on the device. Work is enqueued on one compute stream owned by the
-// engine; the host waits only for the per-expert row counts of each MoE layer (cuBLAS needs them)
-// and, with host_tap, for the tap's copy. Thread-safety: one engine serves one sequence at a
-// time, from one host thread.
+// per-layer state lives on the device. reserve() takes a request's memory up front (admission);
+// every allocation counts against device_memory_budget_bytes when one is set. Work is enqueued on
+// one compute stream owned by the engine; the host waits only for the per-expert row counts of
+// each MoE layer (cuBLAS needs them) and, with host_tap, for the tap's copy.
+// Errors: every CUDA failure is a Status (out of device memory, or past the budget:
+// kResourceExhausted with the bytes asked and free); nothing aborts. After a failed chunk the
+// sequence is lost; reset() makes the engine usable again. Thread-safety: one engine serves one
+// sequence at a time, from one host thread at a time.
 #pragma once
 
 #include <cstdint>
@@ -58,19 +62,24 @@ struct Dsv4CudaOptions {
   // faster end to end than 1 with bf16 experts and 8% with FP8 ones (H200, 4 Flash layers, 8K to
   // 128K tokens; bench/gpu/dsv4_layer_bench --expert-streams).
   int expert_streams = 4;
+  // Device memory the engine's allocations (weights, state, scratch) may hold, in bytes; 0: no
+  // budget beyond the device. An allocation past it fails as a cudaMalloc out of memory does.
+  int64_t device_memory_budget_bytes = 0;
 };
 
 class Dsv4CudaEngine {
  public:
+  // Each fails (a Status, nothing aborts) without a device, on options or shapes the kernels
+  // cannot run (check_options), or when the weights do not fit (kResourceExhausted).
   static Result<std::unique_ptr<Dsv4CudaEngine>> load(const std::string& model_dir,
                                                       const Dsv4CudaOptions& options = {});
-  explicit Dsv4CudaEngine(const Dsv4Weights& weights, const Dsv4CudaOptions& options = {});
+  static Result<std::unique_ptr<Dsv4CudaEngine>> create(const Dsv4Weights& weights,
+                                                        const Dsv4CudaOptions& options = {});
   // Weights drawn on the device from a seed (for benchmarks at full layer shapes, where building
   // them on the host would take longer than the measurement): matrices ~ N(0, 1/in), norms ~ 1.
-  static std::unique_ptr<Dsv4CudaEngine> random(const Dsv4Config& config, uint64_t seed,
-                                                const Dsv4CudaOptions& options = {});
-  // Whether this device and model can run with these options (load() checks it; the
-  // constructors assume it).
+  static Result<std::unique_ptr<Dsv4CudaEngine>> random(const Dsv4Config& config, uint64_t seed,
+                                                        const Dsv4CudaOptions& options = {});
+  // Whether this device and model can run with these options and shapes.
   static Status check_options(const Dsv4Config& config, const Dsv4CudaOptions& options);
   ~Dsv4CudaEngine();
   Dsv4CudaEngine(const Dsv4CudaEngine&) = delete;
@@ -78,8 +87,14 @@ class Dsv4CudaEngine {
 
   const Dsv4Config& config() const { return config_; }
   const Dsv4CudaOptions& options() const { return options_; }
-  // Forgets the sequence.
-  void reset();
+  // Forgets the sequence (once the device has finished its work; its errors are returned).
+  Status reset();
+  // Starts a sequence (reset()) and takes the memory one of `tokens` tokens run in chunks of at
+  // most `max_chunk_tokens` needs (compressed rows, indexer and chunk scratch), so that its
+  // chunks allocate nothing. kResourceExhausted (the bytes asked and free) when it does not fit
+  // on the device or in the budget: the engine then holds no more than after reset(), and serves
+  // the next request. failed_precondition for a prompt the indexer kernel cannot select over.
+  Status reserve(int64_t tokens, int64_t max_chunk_tokens);
   int64_t cached_tokens() const { return n_cached_; }
   // As Dsv4CpuEngine::set_full_forward.
   Status set_full_forward(bool on);
@@ -94,11 +109,18 @@ class Dsv4CudaEngine {
   std::vector<std::pair<std::string, double>> phase_ms() const;
   // Bytes of device memory the weights take.
   int64_t weight_bytes() const { return weight_bytes_; }
+  // Bytes of device memory the engine holds now (what counts against the budget).
+  int64_t device_bytes() const;
 
-  struct Impl;  // device weights, state and scratch (dsv4_cuda.cc)
+  struct Impl;  // device weights, state and scratch (dsv4_cuda_impl.h)
 
  private:
   Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& options);
+  Status init();  // streams, handles and the weights' buffers
+  Status upload(const Dsv4Weights& weights);
+  Status fill_random(uint64_t seed);
+  Status size_scratch(int64_t n);
+  void release_sequence_memory();
 
   Dsv4Config config_;
   Dsv4CudaOptions options_;

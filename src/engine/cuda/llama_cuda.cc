@@ -3,6 +3,7 @@
 
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -36,8 +37,9 @@ struct LlamaCudaEngine::Pages {
   size_t kv_bytes = 0, scale_bytes = 0;      // per page, per kind (k or v)
   int64_t pages = 0;                         // pages per layer
   size_t slab_bytes = 0;                     // all slabs, all layers
+  std::vector<DeviceBuffer> slabs;           // every layer's, in growth order
   std::vector<std::vector<KvPageRef>> host;  // [layer][page]
-  std::vector<KvPageRef*> table;             // [layer] device copies of host[layer]
+  std::vector<DeviceBuffer> table;           // [layer] device copies of host[layer]
   int64_t table_capacity = 0;
 };
 
@@ -45,35 +47,16 @@ struct LlamaCudaEngine::Pages {
 // the cache as the CPU engine keeps it (token-major bf16 rows per layer), and scratch.
 struct LlamaCudaEngine::Exact {
   struct Layer {
-    float *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr, *gate = nullptr,
-          *up = nullptr, *down = nullptr;
+    const float *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr, *gate = nullptr,
+                *up = nullptr, *down = nullptr;
   };
   std::vector<Layer> layers;
-  std::vector<void*> kv;  // [layer][2]: k then v, each [capacity][kv_heads * head_dim] bf16
+  std::vector<DeviceBuffer> owned;  // the weights above
+  std::vector<DeviceBuffer> kv;     // [layer][2]: k then v, each [capacity][kv_heads * head_dim]
   int64_t capacity = 0;
-  void *xf = nullptr, *acc = nullptr, *scratch = nullptr, *k = nullptr, *v = nullptr,
-       *gate = nullptr, *up = nullptr;
+  DeviceBuffer xf, acc, scratch, k, v, gate, up;
   int64_t rows = 0;
-  size_t scratch_bytes = 0;
-  std::vector<void*> owned;
-  ~Exact() {
-    for (void* p : owned) cudaFree(p);
-    for (void* p : kv) cudaFree(p);
-    for (void* p : {xf, acc, scratch, k, v, gate, up}) cudaFree(p);
-  }
 };
-
-namespace {
-
-cublasHandle_t as_handle(void* p) { return static_cast<cublasHandle_t>(p); }
-
-Status cuda_error(const char* what, cudaError_t e) {
-  if (e == cudaErrorMemoryAllocation)
-    return unavailable(std::string(what) + ": out of device memory");
-  return internal_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-}  // namespace
 
 Result<KvDtype> parse_kv_dtype(const std::string& name) {
   if (name == "fp8") return KvDtype::kFp8;
@@ -89,20 +72,26 @@ Result<LlamaCudaArith> parse_llama_cuda_arith(const std::string& name) {
 }
 
 LlamaCudaEngine::LlamaCudaEngine(LlamaConfig config, LlamaCudaOptions options)
-    : config_(std::move(config)), options_(options), pages_(std::make_unique<Pages>()) {}
+    : config_(std::move(config)),
+      options_(options),
+      budget_(options.device_memory_budget_bytes),
+      pages_(std::make_unique<Pages>()) {}
 
 LlamaCudaEngine::~LlamaCudaEngine() {
   DeviceGuard on_engine(options_.device);
-  if (stream_) cudaStreamSynchronize(stream_);
-  for (void* p : allocations_) cudaFree(p);
-  for (KvPageRef* t : pages_->table) cudaFree(t);
-  for (void* p : {h_, xn_, qkv_, q_, attn_, tmp_, gate_up_, act_, ids_, logits_, act_q_, act_scale_,
-                  staging_})
-    cudaFree(p);
+  if (stream_.get()) cudaStreamSynchronize(stream_.get());
+  // Everything the engine holds is freed here, on its device, before the guard restores the
+  // caller's.
+  for (DeviceBuffer* b : {&h_, &xn_, &qkv_, &q_, &attn_, &tmp_, &gate_up_, &act_, &ids_, &act_q_,
+                          &act_scale_, &logits_, &staging_})
+    b->reset();
+  pinned_x_.reset();
+  pages_.reset();
+  exact_.reset();
+  weights_.clear();
   fp8_.reset();
-  if (pinned_x_) cudaFreeHost(pinned_x_);
-  if (cublas_) cublasDestroy(as_handle(cublas_));
-  if (stream_) cudaStreamDestroy(stream_);
+  cublas_ = BlasHandle();
+  stream_ = Stream();
 }
 
 Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::load(const std::string& model_dir,
@@ -116,12 +105,16 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
   const LlamaConfig& c = weights.config;
   int devices = 0;
   const cudaError_t de = cudaGetDeviceCount(&devices);
-  if (de != cudaSuccess || devices == 0)
+  if (de != cudaSuccess || devices == 0) {
+    cudaGetLastError();
     return unavailable(std::string("no CUDA device for the cuda backend (") +
                        cudaGetErrorString(de) + ")");
+  }
   if (options.device < 0 || options.device >= devices)
     return invalid_argument("CUDA device " + std::to_string(options.device) + " of " +
                             std::to_string(devices));
+  if (options.device_memory_budget_bytes < 0)
+    return invalid_argument("the device-memory budget must be >= 0 bytes");
   if (!attention_paged_supports(static_cast<int>(c.head_dim)))
     return failed_precondition("the cuda backend's attention supports head_dim 64 and 128, not " +
                                std::to_string(c.head_dim));
@@ -136,14 +129,10 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
   // left as it was.
   DeviceGuard on_engine(options.device);
   std::unique_ptr<LlamaCudaEngine> e(new LlamaCudaEngine(c, options));
-  cudaError_t ce = cudaStreamCreateWithFlags(&e->stream_, cudaStreamNonBlocking);
-  if (ce != cudaSuccess) return cuda_error("creating the compute stream", ce);
-  cublasHandle_t h = nullptr;
-  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return internal_error("cublasCreate failed");
-  e->cublas_ = h;
-  cublasSetStream(h, e->stream_);
+  HETERO_ASSIGN_OR_RETURN(e->stream_, Stream::create());
+  HETERO_ASSIGN_OR_RETURN(e->cublas_, BlasHandle::create(e->stream_.get()));
   if (fp8) {
-    HETERO_ASSIGN_OR_RETURN(e->fp8_, Fp8Gemm::create());
+    HETERO_ASSIGN_OR_RETURN(e->fp8_, Fp8Gemm::create(&e->budget_));
   }
   HETERO_RETURN_IF_ERROR(e->upload(weights));
   if (fp8 && !e->layers_.empty()) {
@@ -163,19 +152,18 @@ Status LlamaCudaEngine::upload(const LlamaWeights& w) {
     size_t bytes = 0;
     for (const Tensor* t : parts) bytes += static_cast<size_t>(t->numel()) * 2;
     if (bytes == 0) return Status::ok();
-    void* p = nullptr;
-    const cudaError_t ce = cudaMalloc(&p, bytes);
-    if (ce != cudaSuccess) return cuda_error("uploading the weights", ce);
-    allocations_.push_back(p);
+    DeviceBuffer& b = weights_.emplace_back();
+    HETERO_RETURN_IF_ERROR(b.allocate(bytes, "the weights", &budget_));
     size_t off = 0;
     for (const Tensor* t : parts) {
-      const Tensor b = as_bf16(*t);
-      const size_t nb = static_cast<size_t>(b.numel()) * 2;
-      cudaMemcpy(static_cast<char*>(p) + off, b.data<uint16_t>(), nb, cudaMemcpyHostToDevice);
+      const Tensor h = as_bf16(*t);
+      const size_t nb = static_cast<size_t>(h.numel()) * 2;
+      HETERO_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(b.get<char>() + off, h.data<uint16_t>(), nb, cudaMemcpyHostToDevice));
       off += nb;
     }
     weight_bytes_ += bytes;
-    *out = static_cast<const uint16_t*>(p);
+    *out = b.get<const uint16_t>();
     return Status::ok();
   };
   auto opt = [](const Tensor& t) { return t.numel() > 0 && !t.shape.empty(); };
@@ -204,16 +192,15 @@ Status LlamaCudaEngine::upload(const LlamaWeights& w) {
   }
   if (options_.arith == LlamaCudaArith::kExact) {
     exact_ = std::make_unique<Exact>();
-    auto put_t = [&](const Tensor& t, float** out) -> Status {
+    auto put_t = [&](const Tensor& t, const float** out) -> Status {
       const Tensor b = as_bf16(t);
       const std::vector<float> f = transposed_f32(b.data<uint16_t>(), t.shape[0], t.shape[1]);
-      void* p = nullptr;
-      const cudaError_t ce = cudaMalloc(&p, f.size() * 4);
-      if (ce != cudaSuccess) return cuda_error("uploading the weights", ce);
-      exact_->owned.push_back(p);
-      cudaMemcpy(p, f.data(), f.size() * 4, cudaMemcpyHostToDevice);
+      DeviceBuffer& d = exact_->owned.emplace_back();
+      HETERO_RETURN_IF_ERROR(d.allocate(f.size() * 4, "the weights", &budget_));
+      HETERO_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(d.get(), f.data(), f.size() * 4, cudaMemcpyHostToDevice));
       weight_bytes_ += f.size() * 4;
-      *out = static_cast<float*>(p);
+      *out = d.get<const float>();
       return Status::ok();
     };
     exact_->layers.resize(static_cast<size_t>(c.layers));
@@ -236,13 +223,11 @@ Status LlamaCudaEngine::upload(const LlamaWeights& w) {
   else
     HETERO_RETURN_IF_ERROR(put({&w.lm_head}, &lm_head_));
   if (staging_) {  // the FP8 quantizers have read it
-    const cudaError_t ce = cudaStreamSynchronize(stream_);
-    if (ce != cudaSuccess) return cuda_error("quantizing the weights", ce);
-    cudaFree(staging_);
-    staging_ = nullptr;
-    staging_bytes_ = 0;
+    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+    staging_.reset();
   }
-  return device_status("uploading the weights");
+  HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::ok();
 }
 
 // Row blocks (bf16 [rows, k] each) concatenated into one projection weight [n, k] on the device:
@@ -255,21 +240,18 @@ Status LlamaCudaEngine::upload_projection(std::initializer_list<const Tensor*> p
   const bool fp8 = options_.weight_dtype == WeightDtype::kFp8;
   void* dst = nullptr;
   if (!fp8) {
-    const cudaError_t ce = cudaMalloc(&dst, bf16_bytes);
-    if (ce != cudaSuccess) return cuda_error("uploading the weights", ce);
-    allocations_.push_back(dst);
+    DeviceBuffer& b = weights_.emplace_back();
+    HETERO_RETURN_IF_ERROR(b.allocate(bf16_bytes, "the weights", &budget_));
     weight_bytes_ += bf16_bytes;
-    out->bf16 = static_cast<const uint16_t*>(dst);
+    out->bf16 = b.get<const uint16_t>();
+    dst = b.get();
   } else {
-    if (staging_bytes_ < bf16_bytes) {
-      cudaStreamSynchronize(stream_);  // the quantizer may still read the old one
-      cudaFree(staging_);
-      staging_ = nullptr;
-      const cudaError_t ce = cudaMalloc(&staging_, bf16_bytes);
-      if (ce != cudaSuccess) return cuda_error("staging the weights", ce);
-      staging_bytes_ = bf16_bytes;
+    if (staging_.bytes() < bf16_bytes) {
+      // The quantizer may still read the old one.
+      HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+      HETERO_RETURN_IF_ERROR(staging_.allocate(bf16_bytes, "staging the weights", &budget_));
     }
-    dst = staging_;
+    dst = staging_.get();
   }
   // On the compute stream: ordered before the quantizer below (pageable sources are copied out
   // before the call returns).
@@ -277,44 +259,75 @@ Status LlamaCudaEngine::upload_projection(std::initializer_list<const Tensor*> p
   for (const Tensor* t : parts) {
     const Tensor b = as_bf16(*t);
     const size_t nb = static_cast<size_t>(b.numel()) * 2;
-    cudaMemcpyAsync(static_cast<char*>(dst) + off, b.data<uint16_t>(), nb, cudaMemcpyHostToDevice,
-                    stream_);
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(dst) + off, b.data<uint16_t>(),
+                                                nb, cudaMemcpyHostToDevice, stream_.get()));
     off += nb;
   }
   if (!fp8) return Status::ok();
   Fp8BlockWeight& w = out->fp8;
   w.n = out->n, w.k = out->k;
   const size_t q_bytes = (static_cast<size_t>(w.n * w.k) + 255) / 256 * 256;
-  void* p = nullptr;
-  const cudaError_t ce = cudaMalloc(&p, q_bytes + (w.bytes() - static_cast<size_t>(w.n * w.k)));
-  if (ce != cudaSuccess) return cuda_error("uploading the weights", ce);
-  allocations_.push_back(p);
-  w.q = static_cast<const uint8_t*>(p);
-  w.scale = reinterpret_cast<const float*>(static_cast<char*>(p) + q_bytes);
-  quantize_weight_fp8_block(static_cast<const uint16_t*>(dst), w.n, w.k, static_cast<uint8_t*>(p),
-                            const_cast<float*>(w.scale), stream_);
+  DeviceBuffer& q = weights_.emplace_back();
+  HETERO_RETURN_IF_ERROR(q.allocate(q_bytes + (w.bytes() - static_cast<size_t>(w.n * w.k)),
+                                    "the FP8 weights", &budget_));
+  w.q = q.get<const uint8_t>();
+  w.scale = reinterpret_cast<const float*>(q.get<char>() + q_bytes);
+  quantize_weight_fp8_block(static_cast<const uint16_t*>(dst), w.n, w.k, q.get<uint8_t>(),
+                            const_cast<float*>(w.scale), stream_.get());
   weight_bytes_ += w.bytes();
   return Status::ok();
 }
 
-Status LlamaCudaEngine::device_status(const char* what) const {
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? Status::ok() : cuda_error(what, e);
+Status LlamaCudaEngine::reset() {
+  DeviceGuard on_engine(options_.device);
+  n_cached_ = 0;
+  // A failed chunk may have left work queued: it is done before the next sequence starts.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+  return Status::ok();
 }
 
-void LlamaCudaEngine::reset() { n_cached_ = 0; }
-
 size_t LlamaCudaEngine::cache_bytes() const { return pages_->slab_bytes; }
+
+Status LlamaCudaEngine::reserve(int64_t tokens, int64_t max_chunk_tokens) {
+  DeviceGuard on_engine(options_.device);
+  HETERO_RETURN_IF_ERROR(reset());
+  if (tokens <= 0) return Status::ok();
+  const int64_t chunk = std::clamp<int64_t>(max_chunk_tokens, 1, tokens);
+  auto take = [&]() -> Status {
+    HETERO_RETURN_IF_ERROR(ensure_activations(chunk));
+    const size_t tap_bytes = static_cast<size_t>(chunk * config_.hidden) * 2;
+    if (options_.host_tap && pinned_x_.bytes() < tap_bytes)
+      HETERO_RETURN_IF_ERROR(pinned_x_.allocate(tap_bytes, "the host tap"));
+    if (exact_)  // the scores of the last chunk against every position: at most chunk x tokens
+      return ensure_exact(chunk, tokens, static_cast<size_t>(config_.heads * chunk * tokens) * 4);
+    return ensure_pages(tokens);
+  };
+  const Status st = take();
+  // Refused: hold no more than the weights, so that the refusal leaves the next request its room.
+  if (!st.is_ok()) release_sequence_memory();
+  return st;
+}
+
+void LlamaCudaEngine::release_sequence_memory() {
+  // After a failed reservation, which began with reset(): no queued work reads these.
+  for (DeviceBuffer* b :
+       {&h_, &xn_, &qkv_, &q_, &attn_, &tmp_, &gate_up_, &act_, &ids_, &act_q_, &act_scale_})
+    b->reset();
+  act_rows_ = 0, act_bytes_ = 0;
+  *pages_ = Pages();
+  if (exact_) {
+    Exact& X = *exact_;
+    X.kv.clear(), X.capacity = 0;
+    for (DeviceBuffer* b : {&X.xf, &X.acc, &X.scratch, &X.k, &X.v, &X.gate, &X.up}) b->reset();
+    X.rows = 0;
+  }
+}
 
 Status LlamaCudaEngine::ensure_activations(int64_t n) {
   if (n <= act_rows_) return Status::ok();
   const LlamaConfig& c = config_;
-  cudaStreamSynchronize(stream_);  // the old buffers may still be in use
-  for (void** p :
-       {&h_, &xn_, &qkv_, &q_, &attn_, &tmp_, &gate_up_, &act_, &ids_, &act_q_, &act_scale_}) {
-    cudaFree(*p);
-    *p = nullptr;
-  }
+  // The old buffers may still be in use.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
   const int64_t qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
   // FP8 GEMMs read and write whole groups of 16 rows (fp8_gemm.h): every buffer gets the padded
   // row count, and the FP8 input buffer fits the widest input (k = hidden, qd or inter).
@@ -323,7 +336,7 @@ Status LlamaCudaEngine::ensure_activations(int64_t n) {
   const int64_t widest = std::max({c.hidden, qd, c.intermediate});
   const size_t H = static_cast<size_t>(c.hidden), N = static_cast<size_t>(rows);
   const struct {
-    void** p;
+    DeviceBuffer* b;
     size_t bytes;
   } want[] = {{&h_, N * H * 2},
               {&xn_, N * H * 2},
@@ -336,13 +349,13 @@ Status LlamaCudaEngine::ensure_activations(int64_t n) {
               {&ids_, N * 4},
               {&act_q_, fp8 ? N * static_cast<size_t>(widest) : 0},
               {&act_scale_, fp8 ? N * static_cast<size_t>(fp8_blocks(widest)) * 4 : 0}};
+  // All freed first, so that the new ones may take their room.
+  for (const auto& w : want) w.b->reset();
   act_bytes_ = 0;
   act_rows_ = 0;
-  for (const auto& b : want) {
-    if (b.bytes == 0) continue;
-    const cudaError_t ce = cudaMalloc(b.p, b.bytes);
-    if (ce != cudaSuccess) return cuda_error("allocating activations", ce);
-    act_bytes_ += b.bytes;
+  for (const auto& w : want) {
+    HETERO_RETURN_IF_ERROR(w.b->allocate(w.bytes, "activations", &budget_));
+    act_bytes_ += w.bytes;
   }
   act_rows_ = n;
   return Status::ok();
@@ -350,68 +363,83 @@ Status LlamaCudaEngine::ensure_activations(int64_t n) {
 
 Status LlamaCudaEngine::ensure_pages(int64_t tokens) {
   Pages& P = *pages_;
-  const LlamaConfig& c = config_;
   const int64_t need = (tokens + kKvPageTokens - 1) / kKvPageTokens;
   if (need <= P.pages) return Status::ok();
-  const size_t elt = options_.kv_dtype == KvDtype::kFp8 ? 1 : 2;
-  P.kv_bytes = static_cast<size_t>(c.kv_heads * kKvPageTokens * c.head_dim) * elt;
-  P.scale_bytes =
-      options_.kv_dtype == KvDtype::kFp8 ? static_cast<size_t>(c.kv_heads * kKvPageTokens) * 4 : 0;
-  const size_t page_bytes = 2 * P.kv_bytes + 2 * P.scale_bytes;
-  // Grow by at least the pages held (geometric), at least 16.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));  // page tables are replaced
+  // Grow by at least the pages held (geometric), at least 16; where the device or the budget
+  // cannot hold that, by what is needed.
   const int64_t add = std::max<int64_t>({need - P.pages, P.pages, 16});
-  cudaStreamSynchronize(stream_);  // page tables are replaced below
-  P.host.resize(static_cast<size_t>(c.layers));
-  for (int64_t l = 0; l < c.layers; ++l) {
-    void* slab = nullptr;
-    const cudaError_t ce = cudaMalloc(&slab, page_bytes * static_cast<size_t>(add));
-    if (ce != cudaSuccess) return cuda_error("growing the KV cache", ce);
-    allocations_.push_back(slab);
-    P.slab_bytes += page_bytes * static_cast<size_t>(add);
-    char* base = static_cast<char*>(slab);
+  const Status st = grow_pages(add);
+  if (st.code() != Code::kResourceExhausted || add == need - P.pages) return st;
+  return grow_pages(need - P.pages);
+}
+
+// Adds `add` pages to every layer, or nothing (a failed allocation frees what this call took).
+Status LlamaCudaEngine::grow_pages(int64_t add) {
+  Pages& P = *pages_;
+  const LlamaConfig& c = config_;
+  const size_t elt = options_.kv_dtype == KvDtype::kFp8 ? 1 : 2;
+  const size_t kv_bytes = static_cast<size_t>(c.kv_heads * kKvPageTokens * c.head_dim) * elt;
+  const size_t scale_bytes =
+      options_.kv_dtype == KvDtype::kFp8 ? static_cast<size_t>(c.kv_heads * kKvPageTokens) * 4 : 0;
+  const size_t page_bytes = 2 * kv_bytes + 2 * scale_bytes;
+  const size_t L = static_cast<size_t>(c.layers);
+  std::vector<DeviceBuffer> slabs(L);
+  for (DeviceBuffer& slab : slabs)
+    HETERO_RETURN_IF_ERROR(
+        slab.allocate(page_bytes * static_cast<size_t>(add), "the KV cache", &budget_));
+  const int64_t pages = P.pages + add;
+  std::vector<DeviceBuffer> tables;
+  int64_t capacity = P.table_capacity;
+  if (pages > capacity) {
+    capacity = pages * 2;
+    tables.resize(L);
+    for (DeviceBuffer& t : tables)
+      HETERO_RETURN_IF_ERROR(t.allocate(sizeof(KvPageRef) * static_cast<size_t>(capacity),
+                                        "the KV cache's page tables", &budget_));
+  }
+  // Every allocation succeeded: the cache takes them.
+  P.kv_bytes = kv_bytes, P.scale_bytes = scale_bytes;
+  P.host.resize(L);
+  for (size_t l = 0; l < L; ++l) {
+    char* base = slabs[l].get<char>();
     for (int64_t i = 0; i < add; ++i) {
       char* pg = base + page_bytes * static_cast<size_t>(i);
       KvPageRef r;
       r.k = pg;
-      r.v = pg + P.kv_bytes;
-      if (P.scale_bytes) {
-        r.k_scale = reinterpret_cast<float*>(pg + 2 * P.kv_bytes);
-        r.v_scale = reinterpret_cast<float*>(pg + 2 * P.kv_bytes + P.scale_bytes);
+      r.v = pg + kv_bytes;
+      if (scale_bytes) {
+        r.k_scale = reinterpret_cast<float*>(pg + 2 * kv_bytes);
+        r.v_scale = reinterpret_cast<float*>(pg + 2 * kv_bytes + scale_bytes);
       }
-      P.host[static_cast<size_t>(l)].push_back(r);
+      P.host[l].push_back(r);
     }
+    P.slab_bytes += slabs[l].bytes();
+    P.slabs.push_back(std::move(slabs[l]));
   }
-  P.pages += add;
-  if (P.pages > P.table_capacity) {
-    for (KvPageRef* t : P.table) cudaFree(t);
-    P.table.assign(static_cast<size_t>(c.layers), nullptr);
-    P.table_capacity = P.pages * 2;
-    for (auto& t : P.table) {
-      const cudaError_t ce =
-          cudaMalloc(&t, sizeof(KvPageRef) * static_cast<size_t>(P.table_capacity));
-      if (ce != cudaSuccess) return cuda_error("growing the page tables", ce);
-    }
-  }
-  for (int64_t l = 0; l < c.layers; ++l)
-    cudaMemcpy(P.table[static_cast<size_t>(l)], P.host[static_cast<size_t>(l)].data(),
-               sizeof(KvPageRef) * static_cast<size_t>(P.pages), cudaMemcpyHostToDevice);
-  return device_status("growing the KV cache");
+  if (!tables.empty()) P.table = std::move(tables), P.table_capacity = capacity;
+  P.pages = pages;
+  for (size_t l = 0; l < L; ++l)
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(P.table[l].get(), P.host[l].data(),
+                                           sizeof(KvPageRef) * static_cast<size_t>(P.pages),
+                                           cudaMemcpyHostToDevice));
+  return Status::ok();
 }
 
 // out [m, n] = x [m, k] @ w^T, w [n, k] row-major; bf16 in and out, float32 accumulation. With
 // FP8 weights x is first quantized per token and 128 columns (out then holds padded rows).
 Status LlamaCudaEngine::linear(const uint16_t* x, int64_t m, const Proj& w, uint16_t* out) {
   if (w.bf16 == nullptr) {
-    quantize_act_fp8_group(x, m, w.k, static_cast<uint8_t*>(act_q_),
-                           static_cast<float*>(act_scale_), stream_);
-    return fp8_->run(static_cast<const uint8_t*>(act_q_), static_cast<const float*>(act_scale_), m,
-                     w.fp8, out, stream_);
+    quantize_act_fp8_group(x, m, w.k, act_q_.get<uint8_t>(), act_scale_.get<float>(),
+                           stream_.get());
+    return fp8_->run(act_q_.get<uint8_t>(), act_scale_.get<float>(), m, w.fp8, out, stream_.get());
   }
   const float one = 1.f, zero = 0.f;
-  cublasGemmEx(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.n),
-               static_cast<int>(m), static_cast<int>(w.k), &one, w.bf16, CUDA_R_16BF,
-               static_cast<int>(w.k), x, CUDA_R_16BF, static_cast<int>(w.k), &zero, out,
-               CUDA_R_16BF, static_cast<int>(w.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.n),
+                   static_cast<int>(m), static_cast<int>(w.k), &one, w.bf16, CUDA_R_16BF,
+                   static_cast<int>(w.k), x, CUDA_R_16BF, static_cast<int>(w.k), &zero, out,
+                   CUDA_R_16BF, static_cast<int>(w.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return Status::ok();
 }
 
@@ -425,46 +453,45 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
   const int64_t n = static_cast<int64_t>(ids.size()), pos0 = n_cached_, H = c.hidden;
   const int64_t hd = c.head_dim, I = c.intermediate;
   HETERO_RETURN_IF_ERROR(ensure_activations(n));
-  if (options_.host_tap && pinned_x_bytes_ < static_cast<size_t>(n * H * 2)) {
-    if (pinned_x_) cudaFreeHost(pinned_x_);
-    pinned_x_bytes_ = static_cast<size_t>(n * H * 2);
-    const cudaError_t ce = cudaMallocHost(&pinned_x_, pinned_x_bytes_);
-    if (ce != cudaSuccess) return cuda_error("allocating the host tap buffer", ce);
-  }
+  if (options_.host_tap && pinned_x_.bytes() < static_cast<size_t>(n * H * 2))
+    HETERO_RETURN_IF_ERROR(pinned_x_.allocate(static_cast<size_t>(n * H * 2), "the host tap"));
   if (exact_) return prefill_exact(ids, tap);
   HETERO_RETURN_IF_ERROR(ensure_pages(pos0 + n));
-  auto* h = static_cast<uint16_t*>(h_);
-  auto* xn = static_cast<uint16_t*>(xn_);
-  auto* qkv = static_cast<uint16_t*>(qkv_);
-  auto* q = static_cast<uint16_t*>(q_);
-  auto* attn = static_cast<uint16_t*>(attn_);
-  auto* tmp = static_cast<uint16_t*>(tmp_);
-  auto* gate_up = static_cast<uint16_t*>(gate_up_);
-  auto* act = static_cast<uint16_t*>(act_);
-  cudaMemcpyAsync(ids_, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_);
-  embed_rows(embed_, static_cast<const int32_t*>(ids_), n, H, h, stream_);
+  cudaStream_t st = stream_.get();
+  auto* h = h_.get<uint16_t>();
+  auto* xn = xn_.get<uint16_t>();
+  auto* qkv = qkv_.get<uint16_t>();
+  auto* q = q_.get<uint16_t>();
+  auto* attn = attn_.get<uint16_t>();
+  auto* tmp = tmp_.get<uint16_t>();
+  auto* gate_up = gate_up_.get<uint16_t>();
+  auto* act = act_.get<uint16_t>();
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(ids_.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, st));
+  embed_rows(embed_, ids_.get<const int32_t>(), n, H, h, st);
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  rms_norm_rows(h, n, H, layers_[0].in_norm, eps, xn, stream_);
+  rms_norm_rows(h, n, H, layers_[0].in_norm, eps, xn, st);
   for (int64_t l = 0; l < c.layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     HETERO_RETURN_IF_ERROR(deliver_tap(tap, l, pos0, n, xn));
-    PagedKvView kv{pages_->table[static_cast<size_t>(l)], options_.kv_dtype,
+    PagedKvView kv{pages_->table[static_cast<size_t>(l)].get<KvPageRef>(), options_.kv_dtype,
                    static_cast<int>(c.kv_heads), static_cast<int>(hd)};
     HETERO_RETURN_IF_ERROR(linear(xn, n, L.wqkv, qkv));
     qkv_rope_store(qkv, n, static_cast<int>(c.heads), pos0, static_cast<float>(c.rope_theta),
-                   L.extra, q, kv, stream_);
-    attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, stream_);
+                   L.extra, q, kv, st);
+    attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, st);
     HETERO_RETURN_IF_ERROR(linear(attn, n, L.wo, tmp));
-    add_rms_norm_rows(h, tmp, n, H, L.post_norm, eps, xn, stream_);
+    add_rms_norm_rows(h, tmp, n, H, L.post_norm, eps, xn, st);
     HETERO_RETURN_IF_ERROR(linear(xn, n, L.gate_up, gate_up));
-    silu_mul_halves(gate_up, n, I, act, stream_);
+    silu_mul_halves(gate_up, n, I, act, st);
     HETERO_RETURN_IF_ERROR(linear(act, n, L.down, tmp));
     const uint16_t* next_norm =
         l + 1 < c.layers ? layers_[static_cast<size_t>(l + 1)].in_norm : final_norm_;
-    add_rms_norm_rows(h, tmp, n, H, next_norm, eps, xn, stream_);
+    add_rms_norm_rows(h, tmp, n, H, next_norm, eps, xn, st);
   }
-  HETERO_RETURN_IF_ERROR(device_status("enqueueing the chunk"));
+  // The kernels' launches report here.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   n_cached_ += n;
   last_rows_ = n;
   return Status::ok();
@@ -474,14 +501,62 @@ Status LlamaCudaEngine::deliver_tap(const AttentionInputTap& tap, int64_t layer,
                                     int64_t n, const uint16_t* x) {
   if (!tap) return Status::ok();
   const int64_t H = config_.hidden;
-  TapEvent e{static_cast<int32_t>(layer), pos0, n, H, nullptr, x, stream_};
+  TapEvent e{static_cast<int32_t>(layer), pos0, n, H, nullptr, x, stream_.get()};
   if (options_.host_tap) {
-    cudaMemcpyAsync(pinned_x_, x, static_cast<size_t>(n * H * 2), cudaMemcpyDeviceToHost, stream_);
-    const cudaError_t ce = cudaStreamSynchronize(stream_);
-    if (ce != cudaSuccess) return cuda_error("copying the tap back", ce);
-    e.x_bf16 = static_cast<const uint16_t*>(pinned_x_);
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinned_x_.get(), x, static_cast<size_t>(n * H * 2),
+                                                cudaMemcpyDeviceToHost, stream_.get()));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+    e.x_bf16 = pinned_x_.get<const uint16_t>();
   }
   tap(e);
+  return Status::ok();
+}
+
+// The exact path's buffers for chunks of n rows, a cache of `tokens` rows and scores of
+// scratch_bytes. Each is replaced only when it grows; the cache keeps its rows.
+Status LlamaCudaEngine::ensure_exact(int64_t n, int64_t tokens, size_t scratch_bytes) {
+  const LlamaConfig& c = config_;
+  Exact& X = *exact_;
+  const int64_t H = c.hidden, qd = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
+  const int64_t I = c.intermediate, widest = std::max({H, qd, I});
+  // The work still queued may read the buffers replaced below.
+  if (n > X.rows || scratch_bytes > X.scratch.bytes() || tokens > X.capacity)
+    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+  if (n > X.rows) {
+    const size_t N = static_cast<size_t>(n);
+    X.rows = 0;  // until every buffer holds n rows
+    for (auto [b, bytes] : {std::pair{&X.xf, N * static_cast<size_t>(widest) * 4},
+                            std::pair{&X.acc, N * static_cast<size_t>(widest) * 4},
+                            std::pair{&X.k, N * static_cast<size_t>(kvd) * 2},
+                            std::pair{&X.v, N * static_cast<size_t>(kvd) * 2},
+                            std::pair{&X.gate, N * static_cast<size_t>(I) * 2},
+                            std::pair{&X.up, N * static_cast<size_t>(I) * 2}})
+      HETERO_RETURN_IF_ERROR(b->allocate(bytes, "the exact path's activations", &budget_));
+    X.rows = n;
+  }
+  if (scratch_bytes > X.scratch.bytes())
+    HETERO_RETURN_IF_ERROR(X.scratch.allocate(scratch_bytes, "attention scores", &budget_));
+  if (tokens > X.capacity) {
+    const int64_t exact_cap = (tokens + 255) / 256 * 256;
+    // Doubling where it fits, else what is needed; the rows so far move to the new buffers.
+    for (int64_t cap : {std::max(2 * X.capacity, exact_cap), exact_cap}) {
+      std::vector<DeviceBuffer> grown(static_cast<size_t>(2 * c.layers));
+      Status st;
+      for (DeviceBuffer& b : grown) {
+        st = b.allocate(static_cast<size_t>(cap * kvd) * 2, "the exact path's cache", &budget_);
+        if (!st.is_ok()) break;
+      }
+      if (st.code() == Code::kResourceExhausted && cap != exact_cap) continue;
+      HETERO_RETURN_IF_ERROR(st);
+      for (size_t i = 0; i < X.kv.size(); ++i)
+        HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(grown[i].get(), X.kv[i].get(),
+                                               static_cast<size_t>(n_cached_ * kvd) * 2,
+                                               cudaMemcpyDeviceToDevice));
+      X.kv = std::move(grown);
+      X.capacity = cap;
+      break;
+    }
+  }
   return Status::ok();
 }
 
@@ -492,109 +567,75 @@ Status LlamaCudaEngine::prefill_exact(const std::vector<int32_t>& ids,
   Exact& X = *exact_;
   const int64_t n = static_cast<int64_t>(ids.size()), pos0 = n_cached_, H = c.hidden;
   const int64_t hd = c.head_dim, qd = c.heads * hd, kvd = c.kv_heads * hd, I = c.intermediate;
-  const int64_t widest = std::max({H, qd, I});
-  auto grow = [&](void** p, size_t bytes) -> Status {
-    cudaFree(*p);
-    *p = nullptr;
-    const cudaError_t ce = cudaMalloc(p, bytes);
-    return ce == cudaSuccess ? Status::ok() : cuda_error("allocating the exact path", ce);
-  };
-  const size_t scratch = static_cast<size_t>(c.heads * n * (pos0 + n)) * 4;
-  // Buffers below are replaced only when they grow; the work still queued may read them.
-  if (n > X.rows || scratch > X.scratch_bytes || pos0 + n > X.capacity)
-    cudaStreamSynchronize(stream_);
-  if (n > X.rows) {
-    const size_t N = static_cast<size_t>(n);
-    HETERO_RETURN_IF_ERROR(grow(&X.xf, N * static_cast<size_t>(widest) * 4));
-    HETERO_RETURN_IF_ERROR(grow(&X.acc, N * static_cast<size_t>(std::max({H, qd, I})) * 4));
-    HETERO_RETURN_IF_ERROR(grow(&X.k, N * static_cast<size_t>(kvd) * 2));
-    HETERO_RETURN_IF_ERROR(grow(&X.v, N * static_cast<size_t>(kvd) * 2));
-    HETERO_RETURN_IF_ERROR(grow(&X.gate, N * static_cast<size_t>(I) * 2));
-    HETERO_RETURN_IF_ERROR(grow(&X.up, N * static_cast<size_t>(I) * 2));
-    X.rows = n;
-  }
-  if (scratch > X.scratch_bytes) {
-    HETERO_RETURN_IF_ERROR(grow(&X.scratch, scratch));
-    X.scratch_bytes = scratch;
-  }
-  if (pos0 + n > X.capacity) {
-    const int64_t cap = std::max<int64_t>(2 * X.capacity, ((pos0 + n + 255) / 256) * 256);
-    X.kv.resize(static_cast<size_t>(2 * c.layers), nullptr);
-    for (void*& buf : X.kv) {
-      void* bigger = nullptr;
-      const cudaError_t ce = cudaMalloc(&bigger, static_cast<size_t>(cap * kvd) * 2);
-      if (ce != cudaSuccess) return cuda_error("growing the exact cache", ce);
-      if (buf)
-        cudaMemcpy(bigger, buf, static_cast<size_t>(pos0 * kvd) * 2, cudaMemcpyDeviceToDevice);
-      cudaFree(buf);
-      buf = bigger;
-    }
-    X.capacity = cap;
-  }
-  auto* h = static_cast<uint16_t*>(h_);
-  auto* xn = static_cast<uint16_t*>(xn_);
-  auto* q = static_cast<uint16_t*>(q_);
-  auto* attn = static_cast<uint16_t*>(attn_);
-  auto* tmp = static_cast<uint16_t*>(tmp_);
-  auto* k = static_cast<uint16_t*>(X.k);
-  auto* v = static_cast<uint16_t*>(X.v);
-  auto* gate = static_cast<uint16_t*>(X.gate);
-  auto* up = static_cast<uint16_t*>(X.up);
-  auto* xf = static_cast<float*>(X.xf);
-  auto* acc = static_cast<float*>(X.acc);
+  HETERO_RETURN_IF_ERROR(
+      ensure_exact(n, pos0 + n, static_cast<size_t>(c.heads * n * (pos0 + n)) * 4));
+  cudaStream_t st = stream_.get();
+  auto* h = h_.get<uint16_t>();
+  auto* xn = xn_.get<uint16_t>();
+  auto* q = q_.get<uint16_t>();
+  auto* attn = attn_.get<uint16_t>();
+  auto* tmp = tmp_.get<uint16_t>();
+  auto* k = X.k.get<uint16_t>();
+  auto* v = X.v.get<uint16_t>();
+  auto* gate = X.gate.get<uint16_t>();
+  auto* up = X.up.get<uint16_t>();
+  auto* xf = X.xf.get<float>();
+  auto* acc = X.acc.get<float>();
   // out [n, out_dim] = bf16(x [n, in_dim] @ wt (+ bias)), as linear_decoder_order.
   auto linear = [&](const uint16_t* x, int64_t in_dim, const float* wt, int64_t out_dim,
-                    const uint16_t* bias, uint16_t* out) {
-    bf16_to_f32(x, n * in_dim, xf, stream_);
-    cudaMemsetAsync(acc, 0, static_cast<size_t>(n * out_dim) * 4, stream_);
-    gemm_ordered(xf, n, in_dim, wt, out_dim, acc, stream_);
-    round_linear_output(acc, n, out_dim, bias, out, stream_);
+                    const uint16_t* bias, uint16_t* out) -> Status {
+    bf16_to_f32(x, n * in_dim, xf, st);
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(acc, 0, static_cast<size_t>(n * out_dim) * 4, st));
+    gemm_ordered(xf, n, in_dim, wt, out_dim, acc, st);
+    round_linear_output(acc, n, out_dim, bias, out, st);
+    return Status::ok();
   };
-  cudaMemcpyAsync(ids_, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_);
-  embed_rows(embed_, static_cast<const int32_t*>(ids_), n, H, h, stream_);
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(ids_.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, st));
+  embed_rows(embed_, ids_.get<const int32_t>(), n, H, h, st);
   const float eps = static_cast<float>(c.rms_norm_eps), theta = static_cast<float>(c.rope_theta);
   for (int64_t l = 0; l < c.layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     const Exact::Layer& E = X.layers[static_cast<size_t>(l)];
-    auto* kc = static_cast<uint16_t*>(X.kv[static_cast<size_t>(2 * l)]);
-    auto* vc = static_cast<uint16_t*>(X.kv[static_cast<size_t>(2 * l + 1)]);
-    hetero::cuda::rms_norm(h, n, H, L.in_norm, eps, xn, stream_);
+    auto* kc = X.kv[static_cast<size_t>(2 * l)].get<uint16_t>();
+    auto* vc = X.kv[static_cast<size_t>(2 * l + 1)].get<uint16_t>();
+    hetero::cuda::rms_norm(h, n, H, L.in_norm, eps, xn, st);
     HETERO_RETURN_IF_ERROR(deliver_tap(tap, l, pos0, n, xn));
-    linear(xn, H, E.wq, qd, L.extra.bq, q);
-    linear(xn, H, E.wk, kvd, L.extra.bk, k);
-    linear(xn, H, E.wv, kvd, L.extra.bv, v);
+    HETERO_RETURN_IF_ERROR(linear(xn, H, E.wq, qd, L.extra.bq, q));
+    HETERO_RETURN_IF_ERROR(linear(xn, H, E.wk, kvd, L.extra.bk, k));
+    HETERO_RETURN_IF_ERROR(linear(xn, H, E.wv, kvd, L.extra.bv, v));
     if (L.extra.q_norm) {
-      hetero::cuda::rms_norm(q, n * c.heads, hd, L.extra.q_norm, eps, q, stream_);
-      hetero::cuda::rms_norm(k, n * c.kv_heads, hd, L.extra.k_norm, eps, k, stream_);
+      hetero::cuda::rms_norm(q, n * c.heads, hd, L.extra.q_norm, eps, q, st);
+      hetero::cuda::rms_norm(k, n * c.kv_heads, hd, L.extra.k_norm, eps, k, st);
     }
-    rope_rotate_half(q, n, c.heads, hd, pos0, theta, stream_);
-    rope_rotate_half(k, n, c.kv_heads, hd, pos0, theta, stream_);
-    cudaMemcpyAsync(kc + pos0 * kvd, k, static_cast<size_t>(n * kvd) * 2, cudaMemcpyDeviceToDevice,
-                    stream_);
-    cudaMemcpyAsync(vc + pos0 * kvd, v, static_cast<size_t>(n * kvd) * 2, cudaMemcpyDeviceToDevice,
-                    stream_);
+    rope_rotate_half(q, n, c.heads, hd, pos0, theta, st);
+    rope_rotate_half(k, n, c.kv_heads, hd, pos0, theta, st);
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        kc + pos0 * kvd, k, static_cast<size_t>(n * kvd) * 2, cudaMemcpyDeviceToDevice, st));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        vc + pos0 * kvd, v, static_cast<size_t>(n * kvd) * 2, cudaMemcpyDeviceToDevice, st));
     attention_causal(q, n, c.heads, kc, vc, c.kv_heads, hd, pos0,
-                     1.0f / std::sqrt(static_cast<float>(hd)), static_cast<float*>(X.scratch), attn,
-                     stream_);
-    linear(attn, qd, E.wo, H, nullptr, tmp);
-    add_bf16(h, tmp, n * H, h, stream_);
-    hetero::cuda::rms_norm(h, n, H, L.post_norm, eps, xn, stream_);
-    linear(xn, H, E.gate, I, nullptr, gate);
-    linear(xn, H, E.up, I, nullptr, up);
-    hetero::cuda::silu_mul(gate, up, n * I, gate, stream_);
-    linear(gate, I, E.down, H, nullptr, tmp);
-    add_bf16(h, tmp, n * H, h, stream_);
+                     1.0f / std::sqrt(static_cast<float>(hd)), X.scratch.get<float>(), attn, st);
+    HETERO_RETURN_IF_ERROR(linear(attn, qd, E.wo, H, nullptr, tmp));
+    add_bf16(h, tmp, n * H, h, st);
+    hetero::cuda::rms_norm(h, n, H, L.post_norm, eps, xn, st);
+    HETERO_RETURN_IF_ERROR(linear(xn, H, E.gate, I, nullptr, gate));
+    HETERO_RETURN_IF_ERROR(linear(xn, H, E.up, I, nullptr, up));
+    hetero::cuda::silu_mul(gate, up, n * I, gate, st);
+    HETERO_RETURN_IF_ERROR(linear(gate, I, E.down, H, nullptr, tmp));
+    add_bf16(h, tmp, n * H, h, st);
   }
-  hetero::cuda::rms_norm(h, n, H, final_norm_, eps, xn, stream_);
-  HETERO_RETURN_IF_ERROR(device_status("enqueueing the chunk"));
+  hetero::cuda::rms_norm(h, n, H, final_norm_, eps, xn, st);
+  HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   n_cached_ += n;
   last_rows_ = n;
   return Status::ok();
 }
 
 Status LlamaCudaEngine::synchronize() {
-  const cudaError_t e = cudaStreamSynchronize(stream_);
-  return e == cudaSuccess ? Status::ok() : cuda_error("running the prefill", e);
+  DeviceGuard on_engine(options_.device);
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+  return Status::ok();
 }
 
 Result<std::vector<float>> LlamaCudaEngine::last_logits() {
@@ -602,18 +643,17 @@ Result<std::vector<float>> LlamaCudaEngine::last_logits() {
   const LlamaConfig& c = config_;
   std::vector<float> logits(static_cast<size_t>(c.vocab));
   if (n_cached_ == 0) return logits;
-  if (!logits_) {
-    const cudaError_t ce = cudaMalloc(&logits_, logits.size() * 4);
-    if (ce != cudaSuccess) return cuda_error("allocating logits", ce);
-  }
+  if (!logits_) HETERO_RETURN_IF_ERROR(logits_.allocate(logits.size() * 4, "logits", &budget_));
   // xn holds the final norm of every row of the last chunk.
-  const uint16_t* last = static_cast<const uint16_t*>(xn_) + (last_rows_ - 1) * c.hidden;
+  const uint16_t* last = xn_.get<const uint16_t>() + (last_rows_ - 1) * c.hidden;
   const float one = 1.f, zero = 0.f;
-  cublasGemmEx(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(c.vocab), 1,
-               static_cast<int>(c.hidden), &one, lm_head_, CUDA_R_16BF, static_cast<int>(c.hidden),
-               last, CUDA_R_16BF, static_cast<int>(c.hidden), &zero, logits_, CUDA_R_32F,
-               static_cast<int>(c.vocab), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  cudaMemcpyAsync(logits.data(), logits_, logits.size() * 4, cudaMemcpyDeviceToHost, stream_);
+  HETERO_CUDA_RETURN_IF_ERROR(cublasGemmEx(
+      cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(c.vocab), 1,
+      static_cast<int>(c.hidden), &one, lm_head_, CUDA_R_16BF, static_cast<int>(c.hidden), last,
+      CUDA_R_16BF, static_cast<int>(c.hidden), &zero, logits_.get(), CUDA_R_32F,
+      static_cast<int>(c.vocab), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), logits_.get(), logits.size() * 4,
+                                              cudaMemcpyDeviceToHost, stream_.get()));
   HETERO_RETURN_IF_ERROR(synchronize());
   return logits;
 }

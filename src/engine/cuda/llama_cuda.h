@@ -9,6 +9,12 @@
 // back-pressure). The tap hands x on the device (TapEvent::x_device, ordered on stream()); with
 // host_tap it also copies x back and waits, for tests and the CPU cache programs.
 //
+// Memory: weights uploaded once; the cache pages and the activations grow with the sequences and
+// chunks seen and are kept for the next; reserve() takes a request's memory before its first
+// chunk. Every allocation counts against device_memory_budget_bytes when one is set.
+// Errors: every CUDA failure is a Status, nothing aborts. Out of device memory (or past the
+// budget) is kResourceExhausted with the bytes asked and free, and leaves the engine usable.
+//
 // Results agree with the CPU engine (engine/llama_cpu.h) within a tolerance, not bit for bit:
 // the GEMMs and the attention sum in another order, and an FP8 cache rounds K and V
 // (tests/gpu/llama_cuda_test.cc states and checks the bounds). FP8 weights round every projection
@@ -28,6 +34,7 @@
 #include "engine/tap.h"
 #include "kernels/cuda/fast_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
+#include "kernels/cuda/resource.h"
 #include "model/llama.h"
 
 namespace hetero::cuda {
@@ -54,6 +61,9 @@ struct LlamaCudaOptions {
   int device = 0;
   LlamaCudaArith arith = LlamaCudaArith::kFast;
   WeightDtype weight_dtype = WeightDtype::kBf16;
+  // Device memory the engine's allocations (weights, cache, activations) may hold, in bytes; 0:
+  // no budget beyond the device. An allocation past it fails as a cudaMalloc out of memory does.
+  int64_t device_memory_budget_bytes = 0;
 };
 
 // "fp8" or "bf16".
@@ -64,7 +74,7 @@ Result<LlamaCudaArith> parse_llama_cuda_arith(const std::string& name);
 
 class LlamaCudaEngine {
  public:
-  // Fails (unavailable) without a CUDA device, or when the weights do not fit.
+  // Fails (unavailable) without a CUDA device; kResourceExhausted when the weights do not fit.
   static Result<std::unique_ptr<LlamaCudaEngine>> load(const std::string& model_dir,
                                                        const LlamaCudaOptions& options = {});
   static Result<std::unique_ptr<LlamaCudaEngine>> create(const LlamaWeights& weights,
@@ -75,12 +85,20 @@ class LlamaCudaEngine {
 
   const LlamaConfig& config() const { return config_; }
   const LlamaCudaOptions& options() const { return options_; }
-  cudaStream_t stream() const { return stream_; }
-  // Forgets the sequence; the cache pages stay allocated for the next one.
-  void reset();
+  cudaStream_t stream() const { return stream_.get(); }
+  // Forgets the sequence once the device has finished its work (whose errors it returns); the
+  // cache pages stay allocated for the next one.
+  Status reset();
+  // Starts a sequence (reset()) and takes the memory one of `tokens` tokens run in chunks of at
+  // most `max_chunk_tokens` needs (cache pages, activations, the exact path's scores), so that
+  // its chunks allocate nothing. kResourceExhausted (bytes asked and free) when it does not fit
+  // on the device or in the budget; the engine then holds no more than its weights and serves
+  // the next request.
+  Status reserve(int64_t tokens, int64_t max_chunk_tokens);
   int64_t cached_tokens() const { return n_cached_; }
   // Enqueues the next chunk: ids are positions [cached_tokens(), +ids.size()). Ids outside the
-  // vocabulary are refused before anything changes; out of device memory is unavailable.
+  // vocabulary are refused before anything changes; out of device memory is
+  // kResourceExhausted. After a failed chunk the sequence is lost: reset() before the next.
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap);
   // Waits for the enqueued work; reports any device error.
   Status synchronize();
@@ -92,6 +110,8 @@ class LlamaCudaEngine {
   size_t weight_bytes() const { return weight_bytes_; }
   size_t cache_bytes() const;
   size_t activation_bytes() const { return act_bytes_; }
+  // Everything the engine holds on the device now (what counts against the budget).
+  int64_t device_bytes() const { return budget_.used_bytes(); }
 
  private:
   struct Proj;
@@ -105,18 +125,21 @@ class LlamaCudaEngine {
   Status upload(const LlamaWeights& w);
   Status ensure_activations(int64_t n);
   Status ensure_pages(int64_t tokens);
+  Status grow_pages(int64_t add);
+  Status ensure_exact(int64_t n, int64_t tokens, size_t scratch_bytes);
   Status upload_projection(std::initializer_list<const Tensor*> parts, Proj* out);
   Status linear(const uint16_t* x, int64_t m, const Proj& w, uint16_t* out);
-  Status device_status(const char* what) const;
+  void release_sequence_memory();
 
   LlamaConfig config_;
   LlamaCudaOptions options_;
-  cudaStream_t stream_ = nullptr;
-  void* cublas_ = nullptr;  // cublasHandle_t
+  // Before every buffer: they give their bytes back to it when freed.
+  DeviceMemoryBudget budget_;
+  Stream stream_;
+  BlasHandle cublas_;
   std::unique_ptr<Fp8Gemm> fp8_;
-  void* staging_ = nullptr;  // bf16 projection weights on their way to FP8 (upload only)
-  size_t staging_bytes_ = 0;
-  std::vector<void*> allocations_;
+  DeviceBuffer staging_;  // bf16 projection weights on their way to FP8 (upload only)
+  std::vector<DeviceBuffer> weights_;
   std::vector<Layer> layers_;
   const uint16_t* embed_ = nullptr;
   const uint16_t* lm_head_ = nullptr;
@@ -131,11 +154,10 @@ class LlamaCudaEngine {
   // Activations, sized for the largest chunk so far.
   int64_t act_rows_ = 0;
   size_t act_bytes_ = 0;
-  void *h_ = nullptr, *xn_ = nullptr, *qkv_ = nullptr, *q_ = nullptr, *attn_ = nullptr,
-       *tmp_ = nullptr, *gate_up_ = nullptr, *act_ = nullptr, *ids_ = nullptr;
-  void *act_q_ = nullptr, *act_scale_ = nullptr;  // a GEMM input in FP8 (fp8 weights only)
-  void *logits_ = nullptr, *pinned_x_ = nullptr;
-  size_t pinned_x_bytes_ = 0;
+  DeviceBuffer h_, xn_, qkv_, q_, attn_, tmp_, gate_up_, act_, ids_;
+  DeviceBuffer act_q_, act_scale_;  // a GEMM input in FP8 (fp8 weights only)
+  DeviceBuffer logits_;
+  PinnedBuffer pinned_x_;
 };
 
 }  // namespace hetero::cuda

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <string>
 
 #include "kernels/cuda/dsv4_fwd_common.cuh"
 #include "kernels/cuda/dsv4_fwd_ops.h"
@@ -476,9 +477,37 @@ __global__ void block_means_kernel(const uint16_t* pooled, int64_t nb, int64_t b
 
 }  // namespace
 
+// The keys the selection sorts: every row, or with HISA the block means and the kept blocks' rows.
+static int64_t index_sort_keys(int64_t rows, int64_t block, int64_t keep) {
+  if (block <= 0) return rows;
+  const int64_t nb = rows / block;
+  return std::max<int64_t>(nb, (keep < nb ? keep : nb) * block);
+}
+
+Status check_attention_shapes(int64_t head_dim, int64_t index_heads) {
+  if (head_dim % 64 != 0 || head_dim > 512)
+    return invalid_argument("the CUDA attention takes head_dim a multiple of 64 up to 512, not " +
+                            std::to_string(head_dim));
+  if (index_heads > kIdxMaxHeads)
+    return invalid_argument("the CUDA indexer takes at most " + std::to_string(kIdxMaxHeads) +
+                            " heads, not " + std::to_string(index_heads));
+  return Status::ok();
+}
+
+Status check_index_select(int64_t rows, int64_t block, int64_t keep) {
+  const int64_t keys = index_sort_keys(rows, block, keep);
+  if (pow2_at_least(keys) <= kIdxMaxSort) return Status::ok();
+  return failed_precondition("the CUDA indexer sorts at most " + std::to_string(kIdxMaxSort) +
+                             " keys per query; " + std::to_string(rows) + " compressed rows" +
+                             (block > 0 ? " with HISA blocks of " + std::to_string(block) +
+                                              ", keeping " + std::to_string(keep)
+                                        : std::string(" without HISA")) +
+                             " need " + std::to_string(keys));
+}
+
 void sparse_attention(const SparseAttnParams& p, cudaStream_t stream) {
   if (p.m == 0) return;
-  HETERO_FWD_CHECK(p.head_dim % 64 == 0 && p.head_dim <= 512, "head_dim must be 64..512, /64");
+  HETERO_CHECK(p.head_dim % 64 == 0 && p.head_dim <= 512);
   static bool configured = false;
   if (!configured) {
     cudaFuncSetAttribute(online_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -506,14 +535,13 @@ void sparse_attention(const SparseAttnParams& p, cudaStream_t stream) {
 
 void index_select(const IndexSelectParams& p, uint32_t* topk, cudaStream_t stream) {
   if (p.m == 0) return;
-  HETERO_FWD_CHECK(p.heads <= kIdxMaxHeads, "index heads > 64");
-  int64_t n_sort = p.rows, extra = 0;
+  HETERO_CHECK(p.heads <= kIdxMaxHeads);
+  int64_t extra = 0;
   if (p.block > 0) {
     const int64_t nb = p.rows / p.block;
-    n_sort = std::max<int64_t>(nb, (p.keep < nb ? p.keep : nb) * p.block);
     extra = (p.keep < nb ? p.keep : nb) * 4;
   }
-  HETERO_FWD_CHECK(pow2_at_least(n_sort) <= kIdxMaxSort, "indexer selection too large");
+  HETERO_CHECK(pow2_at_least(index_sort_keys(p.rows, p.block, p.keep)) <= kIdxMaxSort);
   const size_t bytes = size_t(kIdxDim * kIdxMaxHeads + kIdxMaxHeads) * 4 + size_t(kIdxMaxSort) * 8 +
                        size_t(extra) + 16;
   static bool configured = false;

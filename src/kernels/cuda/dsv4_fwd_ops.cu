@@ -3,8 +3,7 @@
 // attention and the indexer are in dsv4_fwd_attention.cu.
 #include <algorithm>
 #include <cfloat>
-#include <cstdio>
-#include <cstdlib>
+#include <string>
 
 #include "kernels/cuda/dsv4_fwd_common.cuh"
 #include "kernels/cuda/dsv4_fwd_ops.h"
@@ -394,6 +393,24 @@ void fill_random_i32(int32_t* x, int64_t n, int32_t modulo, uint64_t seed, cudaS
   if (n > 0) fill_i32_kernel<<<1024, 256, 0, stream>>>(x, n, modulo, seed);
 }
 
+Status check_forward_shapes(int64_t hidden, int64_t hc, int64_t experts, int64_t top_k) {
+  if (hidden % 8 != 0)
+    return invalid_argument("the CUDA forward needs hidden a multiple of 8, not " +
+                            std::to_string(hidden));
+  if ((2 + hc) * hc > kHcMaxMix || hc > 8 || (hc * hidden) % kHcTile != 0)
+    return invalid_argument(
+        "the CUDA hyper-connection kernels take hc_mult <= 4 with hc_mult * "
+        "hidden a multiple of " +
+        std::to_string(kHcTile) + ", not hc_mult " + std::to_string(hc) + ", hidden " +
+        std::to_string(hidden));
+  if (experts > 32 * kRouteMaxPerLane || top_k > kRouteMaxK)
+    return invalid_argument("the CUDA router takes at most " +
+                            std::to_string(32 * kRouteMaxPerLane) + " experts and top-" +
+                            std::to_string(kRouteMaxK) + ", not " + std::to_string(experts) +
+                            " and top-" + std::to_string(top_k));
+  return Status::ok();
+}
+
 void fast_rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
                    uint16_t* out, cudaStream_t stream) {
   if (m > 0) rms_norm_kernel<<<blocks_for(m, 8), 256, 0, stream>>>(x, m, d, w, eps, out);
@@ -401,7 +418,7 @@ void fast_rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, f
 
 void embed_rows(const uint16_t* embed, const int32_t* ids, int64_t n, int64_t hc, int64_t hidden,
                 uint16_t* h, cudaStream_t stream) {
-  HETERO_FWD_CHECK(hidden % 8 == 0, "hidden must be a multiple of 8");
+  HETERO_CHECK(hidden % 8 == 0);
   if (n > 0) embed_kernel<<<static_cast<int>(n), 128, 0, stream>>>(embed, ids, hc, hidden, h);
 }
 
@@ -412,8 +429,8 @@ int64_t hc_mix_floats(int64_t hc) {
 void hc_collapse(const HcParams& p, const uint16_t* h, int64_t n, float* mix_out, uint16_t* x,
                  cudaStream_t stream) {
   if (n == 0) return;
-  HETERO_FWD_CHECK((2 + p.hc) * p.hc <= kHcMaxMix && p.hc <= 8, "hc_mult too large");
-  HETERO_FWD_CHECK((p.hc * p.hidden) % kHcTile == 0, "hc_mult*hidden must divide into tiles");
+  HETERO_CHECK((2 + p.hc) * p.hc <= kHcMaxMix && p.hc <= 8);
+  HETERO_CHECK((p.hc * p.hidden) % kHcTile == 0);
   const int64_t stride = hc_mix_floats(p.hc);
   int64_t splits = kHcSplits;
   while (splits > 1 && (p.hc * p.hidden) % (splits * kHcTile) != 0) splits /= 2;
@@ -445,7 +462,7 @@ void swiglu(const uint16_t* gu, int64_t m, int64_t inter, float limit, uint16_t*
 
 void moe_route(const RouterParams& p, const uint16_t* logits, const int32_t* ids, int64_t n,
                int32_t* inds, float* weights, cudaStream_t stream) {
-  HETERO_FWD_CHECK(p.experts <= 32 * kRouteMaxPerLane && p.top_k <= kRouteMaxK, "router size");
+  HETERO_CHECK(p.experts <= 32 * kRouteMaxPerLane && p.top_k <= kRouteMaxK);
   if (n > 0) route_kernel<<<blocks_for(n, 8), 256, 0, stream>>>(p, logits, ids, n, inds, weights);
 }
 

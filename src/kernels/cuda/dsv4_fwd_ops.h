@@ -11,7 +11,18 @@
 
 #include <cstdint>
 
+#include "common/status.h"
+
 namespace hetero::cuda {
+
+// Whether the forward's kernels take a model of these shapes (hidden size, hyper-connection copies,
+// routed experts and experts per token; the attention's head_dim and the indexer's heads): the
+// engine asks before it runs anything, the launchers assume it (a failing check aborts, a bug).
+Status check_forward_shapes(int64_t hidden, int64_t hc, int64_t experts, int64_t top_k);
+Status check_attention_shapes(int64_t head_dim, int64_t index_heads);
+// Whether index_select takes `rows` compressed rows (HISA blocks of `block` rows keeping `keep`;
+// block 0: no HISA): its per-query sort holds 8192 keys. failed_precondition names the numbers.
+Status check_index_select(int64_t rows, int64_t block, int64_t keep);
 
 // Deterministic pseudo-random fills (a hash of seed and index): normal-ish values of the given
 // scale (the sum of four uniforms), for benchmark weights built on the device.

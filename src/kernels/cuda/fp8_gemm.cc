@@ -28,8 +28,9 @@ namespace {
 
 cublasLtHandle_t as_lt(void* p) { return static_cast<cublasLtHandle_t>(p); }
 
-std::string lt_error(const std::string& what, cublasStatus_t st) {
-  return what + ": " + cublasLtGetStatusName(st) + " (" + cublasLtGetStatusString(st) + ")";
+// A shape or mode cuBLASLt refuses: an expected refusal (failed_precondition), not a device error.
+Status refused(const std::string& what, cublasStatus_t st) {
+  return failed_precondition(what + ": " + cublas_status_name(st));
 }
 
 template <class T>
@@ -52,9 +53,11 @@ const char* weight_dtype_name(WeightDtype dtype) {
 Status check_fp8_device(int device) {
   cudaDeviceProp p{};
   const cudaError_t e = cudaGetDeviceProperties(&p, device);
-  if (e != cudaSuccess)
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // reported here, not again by a later check
     return failed_precondition(std::string("fp8 weights: no CUDA device ") +
                                std::to_string(device) + ": " + cudaGetErrorString(e));
+  }
   if (p.major != 9)
     return failed_precondition(
         "fp8 block-scaled weights need a Hopper GPU (sm_90) for cuBLASLt's block-scaling modes, "
@@ -67,19 +70,15 @@ Fp8Gemm::Fp8Gemm() = default;
 
 Fp8Gemm::~Fp8Gemm() {
   plans_.clear();
-  if (workspace_) cudaFree(workspace_);
   if (lt_) cublasLtDestroy(as_lt(lt_));
 }
 
-Result<std::unique_ptr<Fp8Gemm>> Fp8Gemm::create() {
+Result<std::unique_ptr<Fp8Gemm>> Fp8Gemm::create(DeviceMemoryBudget* budget) {
   std::unique_ptr<Fp8Gemm> g(new Fp8Gemm());
   cublasLtHandle_t h = nullptr;
-  const cublasStatus_t st = cublasLtCreate(&h);
-  if (st != CUBLAS_STATUS_SUCCESS) return unavailable(lt_error("cublasLtCreate", st));
+  HETERO_CUDA_RETURN_IF_ERROR(cublasLtCreate(&h));
   g->lt_ = h;
-  const cudaError_t ce = cudaMalloc(&g->workspace_, kWorkspaceBytes);
-  if (ce != cudaSuccess)
-    return unavailable(std::string("allocating the cuBLASLt workspace: ") + cudaGetErrorString(ce));
+  HETERO_RETURN_IF_ERROR(g->workspace_.allocate(kWorkspaceBytes, "the cuBLASLt workspace", budget));
   return g;
 }
 
@@ -91,14 +90,14 @@ Result<Fp8Gemm::Plan*> Fp8Gemm::plan(int64_t rows, int64_t n, int64_t k) {
                             " n=" + std::to_string(n) + " k=" + std::to_string(k);
   auto fail = [&](const char* step, cublasStatus_t st) -> Status {
     plans_.erase({rows, n, k});
-    return failed_precondition(lt_error(shape + ", " + step, st));
+    return refused(shape + ", " + step, st);
   };
   cublasStatus_t st = cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
   if (st != CUBLAS_STATUS_SUCCESS) return fail("descriptor", st);
   const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
   const int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
   // The heuristic refuses a scale mode without a scale pointer; run() sets the real ones.
-  const void* dummy = workspace_;
+  const void* dummy = workspace_.get();
   for (cublasStatus_t s : {set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T),
                            set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N),
                            set(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, a_mode),
@@ -152,8 +151,12 @@ Status Fp8Gemm::run(const uint8_t* act_q, const float* act_scale, int64_t m,
   const float one = 1.f, zero = 0.f;
   const cublasStatus_t st =
       cublasLtMatmul(as_lt(lt_), p->desc, &one, w.q, p->a, act_q, p->b, &zero, out, p->d, out, p->d,
-                     &p->algo, workspace_, kWorkspaceBytes, stream);
-  if (st != CUBLAS_STATUS_SUCCESS) return failed_precondition(lt_error("cublasLtMatmul (FP8)", st));
+                     &p->algo, workspace_.get(), kWorkspaceBytes, stream);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)
+    return refused("cublasLtMatmul, FP8 block-scaled GEMM m=" + std::to_string(m) +
+                       " n=" + std::to_string(w.n) + " k=" + std::to_string(w.k),
+                   st);
+  HETERO_CUDA_RETURN_IF_ERROR(st);  // a device error, or out of memory
   return Status::ok();
 }
 

@@ -25,6 +25,7 @@
 #include <tuple>
 
 #include "common/status.h"
+#include "kernels/cuda/resource.h"
 
 namespace hetero::cuda {
 
@@ -81,8 +82,9 @@ void quantize_act_fp8_segments(const uint16_t* x, const int32_t* off, const int3
 // cached; the workspace is allocated once. Not thread-safe: one instance per stream user.
 class Fp8Gemm {
  public:
-  // Fails (unavailable) where cuBLASLt cannot be initialized.
-  static Result<std::unique_ptr<Fp8Gemm>> create();
+  // Fails where cuBLASLt cannot be initialized or its workspace does not fit (counted against
+  // budget when given).
+  static Result<std::unique_ptr<Fp8Gemm>> create(DeviceMemoryBudget* budget = nullptr);
   ~Fp8Gemm();
   Fp8Gemm(const Fp8Gemm&) = delete;
   Fp8Gemm& operator=(const Fp8Gemm&) = delete;
@@ -91,7 +93,8 @@ class Fp8Gemm {
   // failed_precondition where cuBLASLt has none (an engine asks at load time).
   Status prepare(int64_t m, int64_t n, int64_t k);
   // act_q / act_scale as quantize_act_fp8_group wrote them for m rows. A shape or mode that
-  // cuBLASLt does not support is failed_precondition, with its status; nothing falls back.
+  // cuBLASLt does not support is failed_precondition, with its status; nothing falls back. A
+  // device failure is kInternal, out of memory kResourceExhausted.
   Status run(const uint8_t* act_q, const float* act_scale, int64_t m, const Fp8BlockWeight& w,
              uint16_t* out, cudaStream_t stream);
 
@@ -103,7 +106,7 @@ class Fp8Gemm {
   Result<Plan*> plan(int64_t m, int64_t n, int64_t k);
 
   void* lt_ = nullptr;  // cublasLtHandle_t
-  void* workspace_ = nullptr;
+  DeviceBuffer workspace_;
   std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<Plan>> plans_;
 };
 

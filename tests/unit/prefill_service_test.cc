@@ -1,0 +1,256 @@
+// The prefill service's admission and failure handling, over HTTP on a free port, with a fake
+// engine that injects the errors a GPU engine reports: a reservation refused for memory is
+// HTTP 507 with a JSON error body before any byte of a stream, a chunk that fails mid-stream ends
+// the stream with a manifest naming the error, and in both cases the next request is served.
+// Regression guard for the CUDA engines' old behaviour (any CUDA error aborted the host).
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bridge/wire.h"
+#include "prefill/service.h"
+
+namespace hetero {
+namespace {
+
+constexpr int64_t kLayers = 2, kHidden = 4, kVocab = 100;
+
+DecoderCacheLayout test_layout() {
+  DecoderCacheLayout l;
+  l.family = "llama", l.fingerprint = "fp-test";
+  l.layers = kLayers, l.hidden = kHidden, l.kv_heads = 1, l.head_dim = 2;
+  return l;
+}
+
+// Each layer's tap rows as one array per segment: layers.{i}.keys [1, n, 2], the first two
+// columns of x.
+class EchoProgram : public SegmentProgram {
+ public:
+  const DecoderCacheLayout& layout() const override { return layout_; }
+  Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+             std::vector<WireArray>* arrays) override {
+    (void)pos0;
+    Tensor t(DType::kBF16, {1, n, 2});
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < 2; ++j) t.data<uint16_t>()[i * 2 + j] = x[i * kHidden + j];
+    arrays->emplace_back("layers." + std::to_string(layer) + ".keys", std::move(t));
+    return Status::ok();
+  }
+
+ private:
+  DecoderCacheLayout layout_ = test_layout();
+};
+
+// An engine whose reserve or whose n-th chunk (from 1, counted per request) fails once with the
+// injected Status; otherwise it taps rows that encode (layer, position).
+class FaultyEngine : public PrefillEngine {
+ public:
+  Status reset() override {
+    ++resets;
+    cached_ = 0, chunk_ = 0;
+    return Status::ok();
+  }
+  Status reserve(int64_t tokens, int64_t max_chunk_tokens) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    reserved_.emplace_back(tokens, max_chunk_tokens);
+    return take(&reserve_fault_);
+  }
+  Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) override {
+    ++chunk_;
+    if (fail_chunk_ == chunk_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      HETERO_RETURN_IF_ERROR(take(&chunk_fault_));
+    }
+    const auto n = static_cast<int64_t>(ids.size());
+    std::vector<uint16_t> x(static_cast<size_t>(n * kHidden));
+    for (int32_t l = 0; l < kLayers; ++l) {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < kHidden; ++j)
+          x[static_cast<size_t>(i * kHidden + j)] = static_cast<uint16_t>(l * 1000 + cached_ + i);
+      tap(TapEvent{l, cached_, n, kHidden, x.data()});
+    }
+    cached_ += n;
+    return Status::ok();
+  }
+  int64_t vocab() const override { return kVocab; }
+
+  void fail_next_reserve(Status st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    reserve_fault_ = std::move(st);
+  }
+  void fail_next_chunk(int64_t n, Status st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_chunk_ = n, chunk_fault_ = std::move(st);
+  }
+
+  // Every reserve() call's (tokens, max_chunk_tokens).
+  std::vector<std::pair<int64_t, int64_t>> reservations() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return reserved_;
+  }
+  std::atomic<int> resets{0};
+
+ private:
+  Status take(std::optional<Status>* fault) {
+    if (!fault->has_value()) return Status::ok();
+    Status st = std::move(**fault);
+    fault->reset();
+    return st;
+  }
+  std::mutex mu_;
+  std::optional<Status> reserve_fault_, chunk_fault_;
+  std::vector<std::pair<int64_t, int64_t>> reserved_;
+  std::atomic<int64_t> fail_chunk_{0};
+  int64_t cached_ = 0, chunk_ = 0;  // the prefill's thread's
+};
+
+const char kOom[] =
+    "out of device memory on GPU 0: asked 12.3 GiB for the KV cache; 4.1 GiB free of 139.8 GiB";
+
+class PrefillServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    service_ = std::make_unique<PrefillService>(
+        &engine_, test_layout(),
+        [](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+          return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>());
+        },
+        /*default_chunk_tokens=*/4, /*max_tokens=*/1000);
+    ASSERT_TRUE(service_->start("127.0.0.1", 0).is_ok());
+  }
+  void TearDown() override { service_->stop(); }
+
+  // POST /v1/prefill for T tokens; a stuck service fails the test instead of hanging it.
+  httplib::Result post(int64_t T) {
+    httplib::Client cli("127.0.0.1", service_->bound_port());
+    cli.set_read_timeout(20, 0);
+    std::vector<int32_t> ids(static_cast<size_t>(T));
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % kVocab);
+    const nlohmann::json body = {{"ids", ids}, {"fingerprint", "fp-test"}};
+    return cli.Post("/v1/prefill", body.dump(), "application/json");
+  }
+
+  FaultyEngine engine_;
+  std::unique_ptr<PrefillService> service_;
+};
+
+// The frames of a stream: the segments' ranges and the closing manifest.
+struct Stream {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  std::optional<Manifest> manifest;
+};
+
+Stream parse_stream(const std::string& body) {
+  Stream s;
+  FrameParser parser(int64_t{1} << 20);
+  parser.feed(body.data(), body.size());
+  for (;;) {
+    auto f = parser.next();
+    EXPECT_TRUE(f.is_ok()) << f.status().to_string();
+    if (!f.is_ok() || !f->has_value()) break;
+    if ((**f).header.value("kind", "") == "manifest") {
+      auto m = decode_manifest(**f);
+      EXPECT_TRUE(m.is_ok()) << m.status().to_string();
+      if (m.is_ok()) s.manifest = m.value();
+      continue;
+    }
+    auto seg = decode_segment(**f);
+    EXPECT_TRUE(seg.is_ok()) << seg.status().to_string();
+    if (seg.is_ok()) s.ranges.emplace_back(seg->pos0, seg->n_tokens);
+  }
+  return s;
+}
+
+void expect_complete(const httplib::Result& res, int64_t T) {
+  ASSERT_TRUE(res) << "no response";
+  EXPECT_EQ(res->status, 200);
+  const Stream s = parse_stream(res->body);
+  ASSERT_TRUE(s.manifest.has_value());
+  EXPECT_TRUE(s.manifest->complete) << s.manifest->reason;
+  EXPECT_EQ(s.manifest->requested_tokens, T);
+  EXPECT_EQ(s.manifest->covered_tokens, T);
+  EXPECT_EQ(static_cast<int64_t>(s.ranges.size()), (T + 3) / 4);  // chunks of 4
+}
+
+TEST_F(PrefillServiceTest, RefusedReservationIs507AndTheNextRequestIsServed) {
+  engine_.fail_next_reserve(resource_exhausted(kOom));
+  const auto refused = post(10);
+  ASSERT_TRUE(refused) << "no response";
+  EXPECT_EQ(refused->status, 507);
+  const auto j = nlohmann::json::parse(refused->body, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << refused->body;
+  EXPECT_EQ(j["error"]["code"], "resource_exhausted");
+  EXPECT_EQ(j["error"]["message"], kOom);
+  // The same request, the fault gone: served whole on the same engine.
+  expect_complete(post(10), 10);
+  const auto reserved = engine_.reservations();
+  ASSERT_EQ(reserved.size(), 2u);
+  // The whole prompt and its longest chunk, as the service plans it (chunks of 4).
+  EXPECT_EQ(reserved[0], (std::pair<int64_t, int64_t>{10, 4}));
+  EXPECT_EQ(engine_.resets.load(), 2);
+}
+
+TEST_F(PrefillServiceTest, OtherReservationErrorsKeepTheirStatus) {
+  engine_.fail_next_reserve(internal_error("cudaStreamSynchronize: an illegal memory access"));
+  const auto refused = post(6);
+  ASSERT_TRUE(refused) << "no response";
+  EXPECT_EQ(refused->status, 500);
+  const auto j = nlohmann::json::parse(refused->body, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << refused->body;
+  EXPECT_EQ(j["error"]["code"], "internal");
+  expect_complete(post(6), 6);
+}
+
+TEST_F(PrefillServiceTest, ChunkFailureEndsTheStreamWithItsReasonAndTheNextRequestIsServed) {
+  engine_.fail_next_chunk(2, resource_exhausted(kOom));
+  const auto failed = post(12);
+  ASSERT_TRUE(failed) << "no response";
+  EXPECT_EQ(failed->status, 200);  // admitted: the stream had started
+  const Stream s = parse_stream(failed->body);
+  ASSERT_TRUE(s.manifest.has_value());
+  EXPECT_FALSE(s.manifest->complete);
+  EXPECT_NE(s.manifest->reason.find("resource_exhausted"), std::string::npos) << s.manifest->reason;
+  EXPECT_NE(s.manifest->reason.find(kOom), std::string::npos) << s.manifest->reason;
+  // The first chunk's rows went out before the failure, and nothing after it.
+  EXPECT_EQ(s.manifest->covered_tokens, 4);
+  EXPECT_EQ(s.ranges, (std::vector<std::pair<int64_t, int64_t>>{{0, 4}}));
+  expect_complete(post(12), 12);
+}
+
+// The offline path (hetero prefill --ids-file, and tests): the same admission, a refusal as the
+// stream's only frame.
+TEST_F(PrefillServiceTest, RunReservesFirstAndEndsWithTheRefusal) {
+  PrefillRequest req;
+  req.ids = {1, 2, 3, 4, 5};
+  req.fingerprint = "fp-test";
+  engine_.fail_next_reserve(resource_exhausted(kOom));
+  std::vector<std::string> frames;
+  const Manifest refused = service_->run(req, [&](std::string f) {
+    frames.push_back(std::move(f));
+    return true;
+  });
+  EXPECT_FALSE(refused.complete);
+  EXPECT_NE(refused.reason.find(kOom), std::string::npos) << refused.reason;
+  ASSERT_EQ(frames.size(), 1u);
+  const Stream s = parse_stream(frames[0]);
+  ASSERT_TRUE(s.manifest.has_value());
+  EXPECT_EQ(s.manifest->reason, refused.reason);
+  frames.clear();
+  const Manifest served = service_->run(req, [&](std::string f) {
+    frames.push_back(std::move(f));
+    return true;
+  });
+  EXPECT_TRUE(served.complete) << served.reason;
+  EXPECT_EQ(served.covered_tokens, 5);
+}
+
+}  // namespace
+}  // namespace hetero
