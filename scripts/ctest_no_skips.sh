@@ -13,12 +13,19 @@ if grep -q '(Skipped)' ctest-unit.log; then
 fi
 if ctest -N -L gpu | grep -q 'Total Tests: [1-9]'; then
   ctest --output-on-failure -L gpu -j1 | tee ctest-gpu.log || rc=1
-  if nvidia-smi -L >/dev/null 2>&1 && grep -q '(Skipped)' ctest-gpu.log; then
-    echo "skipped GPU tests on a machine with a GPU:"
-    grep '(Skipped)' ctest-gpu.log
-    rc=1
-  elif grep -q '(Skipped)' ctest-gpu.log; then
-    echo "GPU tests skipped: no GPU on this machine ($(grep -c '(Skipped)' ctest-gpu.log) tests)"
+  skipped=$(grep -c '(Skipped)' ctest-gpu.log)
+  if ((skipped > 0)); then
+    # On a machine with a GPU, only a test that needs a second one may skip (its reason says
+    # "one GPU:"); every other skip fails the run.
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    if ((gpus == 0)); then
+      echo "GPU tests skipped: no GPU on this machine ($skipped tests)"
+    else
+      other=$(grep -A1 ': Skipped$' Testing/Temporary/LastTest.log | grep -v ': Skipped$' |
+              grep -v '^--$' | grep -vc '^one GPU:')
+      echo "GPU tests skipped on a machine with $gpus GPU(s): $skipped, for another reason: $other"
+      ((other == 0)) || rc=1
+    fi
   fi
 fi
 exit $rc
