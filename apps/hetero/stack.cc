@@ -2,7 +2,9 @@
 #include "stack.h"
 
 #include <chrono>
+#include <deque>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "commands.h"
@@ -21,6 +23,19 @@ std::string seam_pythonpath() {
   return "PYTHONPATH=" + (fs::path(repo_root()) / "python").string();
 }
 
+std::string log_tail(const std::string& log_path, size_t lines) {
+  std::ifstream in(log_path);
+  std::deque<std::string> last;
+  for (std::string line; std::getline(in, line);) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    last.push_back(line.size() > 2000 ? line.substr(0, 2000) + " ..." : line);
+    if (last.size() > lines) last.pop_front();
+  }
+  std::string out;
+  for (const auto& line : last) out += "\n  " + line;
+  return out;
+}
+
 Status start_decoder(ChildProcess* child, const std::string& python, const std::string& model,
                      int port, const std::string& store, const std::string& log_path) {
   std::vector<std::string> argv = {python,    "-m",  "hetero_mlx", "serve",
@@ -37,7 +52,7 @@ Status export_decoder_weights(const std::string& python, const std::string& mode
                      {seam_pythonpath()}, log_path));
   while (exporter.running()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   if (!fs::exists(fs::path(out) / "decoder.json"))
-    return unavailable("decoder-weights export failed; see " + log_path);
+    return unavailable("decoder-weights export failed; see " + log_path + log_tail(log_path, 3));
   return Status::ok();
 }
 
@@ -46,7 +61,7 @@ Status wait_http_ok(int port, const std::string& path, ChildProcess* child, int6
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (std::chrono::steady_clock::now() < deadline) {
     if (child && !child->running())
-      return unavailable("process exited during start; see " + log_path);
+      return unavailable("process exited during start; see " + log_path + log_tail(log_path, 3));
     auto r = http_json("127.0.0.1", port, path, nlohmann::json(), 2000);
     if (r.is_ok() && r->status == 200) return Status::ok();
     std::this_thread::sleep_for(std::chrono::milliseconds(200));

@@ -20,7 +20,11 @@ Status start_decoder(ChildProcess* child, const std::string& python, const std::
 // python -m hetero_mlx export: waits for it and checks decoder.json appeared.
 Status export_decoder_weights(const std::string& python, const std::string& model,
                               const std::string& out, const std::string& log_path);
-// Polls GET path until HTTP 200, the child exits (if given), or timeout.
+// The last `lines` non-empty lines of a log, each on its own indented line (for messages that
+// say why a child failed); "" when there are none.
+std::string log_tail(const std::string& log_path, size_t lines);
+// Polls GET path until HTTP 200, the child exits (if given: the message ends with its log's
+// last lines), or timeout.
 Status wait_http_ok(int port, const std::string& path, ChildProcess* child, int64_t timeout_ms,
                     const std::string& log_path);
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .llama import dtype_name
+from .llama import dtype_name, quantization
 
 FAMILY = "deepseek_v4"
 MODEL_TYPES = ("deepseek_v4",)
@@ -45,10 +45,15 @@ def rope_params(args: Any) -> Dict[str, Any]:
 
 
 def fingerprint(desc: Dict[str, Any]) -> str:
-    """Identity both ends must agree on: every input of the cache program's arithmetic."""
+    """Identity both ends must agree on: every input of the cache program's arithmetic, and the
+    decoder's quantization (mlx-vlm's conversions of one checkpoint, native/ and mxfp4/, compute
+    different caches). As for llama, an unquantized model's fingerprint leaves that key out."""
     keys = ("family", "layers", "hidden", "head_dim", "index_head_dim", "window", "ratios")
     keys += ("rope", "rms_norm_eps")
-    text = json.dumps({k: desc[k] for k in keys}, sort_keys=True, separators=(",", ":"))
+    ident = {k: desc[k] for k in keys}
+    if desc.get("quantization") is not None:
+        ident["quantization"] = desc["quantization"]
+    text = json.dumps(ident, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -77,6 +82,7 @@ def describe(model: nn.Module) -> Dict[str, Any]:
         # The cache's dtype: the window rows come out of kv_norm (a quantized wkv's scales may
         # be uint8, which says nothing about the activations).
         "dtype": dtype_name(attn.kv_norm.weight.dtype),
+        "quantization": quantization(lm),
     }
     desc["fingerprint"] = fingerprint(desc)
     return desc

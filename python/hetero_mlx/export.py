@@ -7,7 +7,9 @@ Writes, into --out:
                        (window and compressor projections, quantized ones as element values +
                        scales, and the decoder's own rope frequencies).
   decoder.json         {"format": "hetero-decoder-weights-v1", "family", "fingerprint",
-                        "layers", ..., "dtype", "versions"}
+                        "layers", ..., "dtype", "quantization" (null: unquantized; see
+                        llama.quantization), "model" (the checkpoint's absolute path, for the
+                        prefill host's messages), "versions"}
 The model is loaded as its server loads it: mlx_lm.utils.load for the llama family,
 mlx_vlm.utils.load_model for deepseek_v4.
 """
@@ -24,11 +26,12 @@ from . import WEIGHTS_FORMAT
 from .llama import describe, kv_weights
 
 
-def sidecar(desc: Dict[str, Any]) -> Dict[str, Any]:
+def sidecar(desc: Dict[str, Any], model_path: str) -> Dict[str, Any]:
     keys = ("family", "model_type", "fingerprint", "layers", "kv_heads", "head_dim", "hidden")
-    keys += ("rms_norm_eps", "rope", "qk_norm", "kv_bias", "dtype")
+    keys += ("rms_norm_eps", "rope", "qk_norm", "kv_bias", "dtype", "quantization")
     meta = {"format": WEIGHTS_FORMAT}
     meta.update({k: desc[k] for k in keys})
+    meta["model"] = str(Path(model_path).resolve())
     meta["versions"] = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
     return meta
 
@@ -56,8 +59,10 @@ def _export_dsv4(model_path: str, out: Path) -> Dict[str, Any]:
     )
     keys = ("family", "model_type", "fingerprint", "layers", "hidden", "head_dim")
     keys += ("index_head_dim", "window", "ratios", "rope", "rms_norm_eps", "dtype", "kv_heads")
+    keys += ("quantization",)
     meta = {"format": WEIGHTS_FORMAT}
     meta.update({k: desc[k] for k in keys})
+    meta["model"] = str(Path(model_path).resolve())
     meta["versions"] = {"mlx": mx.__version__, "mlx_vlm": mlx_vlm.__version__}
     (out / "decoder.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
@@ -73,6 +78,6 @@ def export(model_path: str, out: Path) -> Dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     metadata = {"format": WEIGHTS_FORMAT}
     mx.save_safetensors(str(out / "weights.safetensors"), weights, metadata=metadata)
-    meta = sidecar(desc)
+    meta = sidecar(desc, model_path)
     (out / "decoder.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta

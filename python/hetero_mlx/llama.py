@@ -11,7 +11,8 @@ Cache arrays, in the store and in truth dumps: per layer `layers.{i}.keys` and
 
 import hashlib
 import json
-from typing import Any, Dict, List
+from collections import Counter
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,14 +65,56 @@ def rope_params(rope: nn.Module, args: Any) -> Dict[str, Any]:
     }
 
 
+def _setting(module: nn.Module) -> Dict[str, Any]:
+    return {
+        "mode": str(getattr(module, "mode", "affine")),
+        "bits": int(module.bits),
+        "group_size": int(module.group_size),
+    }
+
+
+def quantization(model: nn.Module) -> Optional[Dict[str, Any]]:
+    """How the loaded model is quantized, read from its modules (what the decoder computes with,
+    whatever its config says; mlx-lm also infers per-layer settings from the weights).
+
+    None when no module is quantized. Otherwise the most common setting {mode, bits,
+    group_size}, `modules` (how many modules are quantized) and `overrides`: module path -> its
+    own setting where it differs, or None for a quantizable module left dense.
+    """
+    settings: Dict[str, Dict[str, Any]] = {}
+    dense: List[str] = []
+    for path, module in model.named_modules():
+        if "scales" in module and hasattr(module, "bits") and hasattr(module, "group_size"):
+            settings[path] = _setting(module)
+        elif hasattr(module, "to_quantized"):
+            dense.append(path)
+    if not settings:
+        return None
+    counts = Counter(json.dumps(s, sort_keys=True) for s in settings.values())
+    # Most common first; ties broken by the setting's text, so the choice is deterministic.
+    common = min(counts, key=lambda text: (-counts[text], text))
+    overrides: Dict[str, Any] = {p: None for p in dense}
+    overrides.update({p: s for p, s in settings.items() if json.dumps(s, sort_keys=True) != common})
+    out = json.loads(common)
+    out["modules"] = len(settings)
+    out["overrides"] = dict(sorted(overrides.items()))
+    return out
+
+
 def fingerprint(desc: Dict[str, Any]) -> str:
     """The model identity both ends must agree on before a bridge-written cache is trusted.
 
     A stale rope factor or a missing k_norm silently corrupts every cached row, so everything
-    the cache program depends on is in here. Used by serve (/hetero/info) and export alike.
+    the cache program depends on is in here, and so is the decoder's quantization: a quantized
+    model and its bf16 original compute different caches. An unquantized model's fingerprint
+    leaves the key out (it is the one it had before quantization was covered). Used by serve
+    (/hetero/info) and export alike.
     """
     keys = ("family", "layers", "kv_heads", "head_dim", "rope", "qk_norm", "kv_bias")
-    text = json.dumps({k: desc[k] for k in keys}, sort_keys=True, separators=(",", ":"))
+    ident = {k: desc[k] for k in keys}
+    if desc.get("quantization") is not None:
+        ident["quantization"] = desc["quantization"]
+    text = json.dumps(ident, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -103,6 +146,7 @@ def describe(model: nn.Module) -> Dict[str, Any]:
         "qk_norm": "k_norm" in attn,
         "kv_bias": "bias" in attn.k_proj,
         "dtype": dtype_name(_weight_dtype(attn.k_proj)),
+        "quantization": quantization(model),
     }
     desc["fingerprint"] = fingerprint(desc)
     return desc

@@ -234,7 +234,7 @@ class SeamHandler(APIHandler):
             raise SeamError(503, "no_model", "the decoder has no model loaded")
         desc, cache = self.seam.desc, self.seam.prompt_cache
         keys = ("family", "model_type", "fingerprint", "layers", "kv_heads", "head_dim")
-        keys += ("hidden", "vocab_size", "dtype", "rope", "qk_norm", "kv_bias")
+        keys += ("hidden", "vocab_size", "dtype", "rope", "qk_norm", "kv_bias", "quantization")
         info = {k: desc[k] for k in keys}
         info.update(
             model=self.seam.provider.cli_args.model,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
@@ -38,6 +39,7 @@ Result<DecoderCacheLayout> layout_from_json(const json& j) {
     l.kv_heads = j.at("kv_heads").get<int64_t>();
     l.head_dim = j.at("head_dim").get<int64_t>();
     l.hidden = j.at("hidden").get<int64_t>();
+    l.quantization = j.value("quantization", json());
     if (l.family == "deepseek_v4") {
       l.ratios = j.at("ratios").get<std::vector<int64_t>>();
       l.index_head_dim = j.at("index_head_dim").get<int64_t>();
@@ -50,6 +52,35 @@ Result<DecoderCacheLayout> layout_from_json(const json& j) {
     return invalid_argument(std::string("decoder layout: ") + e.what());
   }
   return l;
+}
+
+std::string describe_quantization(const json& q) {
+  if (!q.is_object()) return "unquantized";
+  auto setting = [](const json& s) {
+    if (!s.is_object()) return std::string("dense");
+    return std::to_string(s.value("bits", 0)) + "-bit " + s.value("mode", std::string("affine")) +
+           ", group " + std::to_string(s.value("group_size", 0));
+  };
+  const std::string common = setting(q);
+  const json overrides = q.value("overrides", json::object());
+  if (!overrides.is_object() || overrides.empty()) return common;
+  // Modules per setting: the common one holds every quantized module no override names.
+  std::map<std::string, int64_t> others;
+  int64_t dense = 0, quantized_overrides = 0;
+  for (const auto& [path, s] : overrides.items()) {
+    if (!s.is_object()) {
+      ++dense;
+    } else {
+      ++others[setting(s)];
+      ++quantized_overrides;
+    }
+  }
+  std::string out = common + " (" +
+                    std::to_string(q.value("modules", int64_t{0}) - quantized_overrides) +
+                    " modules)";
+  for (const auto& [text, n] : others) out += "; " + text + " (" + std::to_string(n) + " modules)";
+  if (dense > 0) out += "; " + std::to_string(dense) + " quantizable modules dense";
+  return out;
 }
 
 std::vector<int64_t> decoder_calls_from_info(const json& info, int64_t n) {
@@ -107,6 +138,7 @@ Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
     d.layout.kv_heads = j.at("kv_heads").get<int64_t>();
     d.layout.head_dim = j.at("head_dim").get<int64_t>();
     d.layout.hidden = j.at("hidden").get<int64_t>();
+    d.layout.quantization = j.value("quantization", json());
     d.rms_norm_eps = j.at("rms_norm_eps").get<double>();
     const json& r = j.at("rope");
     d.rope_base = r.at("base").get<double>();

@@ -23,10 +23,20 @@ struct DecoderCacheLayout {
   // deepseek_v4 only: per-layer compress ratio (0, 4, 128), the indexer's head dim, the window.
   std::vector<int64_t> ratios;
   int64_t index_head_dim = 0, window = 0;
+  // How the decoder's modules are quantized, as the seam reads them from the loaded model
+  // (python/hetero_mlx/llama.py `quantization`): null when none is, else the most common
+  // {mode, bits, group_size}, the count of quantized `modules` and per-module `overrides`.
+  // Part of the fingerprint.
+  nlohmann::json quantization;
 };
 
 // The layout from the seam's /hetero/info (or an export's decoder.json): the fields above.
 Result<DecoderCacheLayout> layout_from_json(const nlohmann::json& j);
+
+// A quantization (as in DecoderCacheLayout) for people: "unquantized", "4-bit affine, group 64",
+// or with overrides "8-bit mxfp8, group 32 (50 modules); 4-bit mxfp4, group 32 (18 modules);
+// 16 quantizable modules dense".
+std::string describe_quantization(const nlohmann::json& q);
 
 struct LlamaProgramLayer {
   std::vector<float> wk_t, wv_t;  // float32 [hidden, kv_heads*head_dim] (transposed)

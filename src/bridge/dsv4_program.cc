@@ -206,6 +206,7 @@ Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir) {
     d.layout.kv_heads = 1;
     d.layout.head_dim = j.at("head_dim").get<int64_t>();
     d.layout.hidden = j.at("hidden").get<int64_t>();
+    d.layout.quantization = j.value("quantization", json());
     d.index_head_dim = j.at("index_head_dim").get<int64_t>();
     d.window = j.at("window").get<int64_t>();
     d.rms_norm_eps = j.at("rms_norm_eps").get<double>();

@@ -12,7 +12,7 @@ namespace hetero {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-Result<SafetensorsFile> read_safetensors(const std::string& path) {
+Result<SafetensorsFile> read_safetensors(const std::string& path, const TensorFilter& keep) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return not_found("cannot open " + path);
   in.seekg(0, std::ios::end);
@@ -52,6 +52,7 @@ Result<SafetensorsFile> read_safetensors(const std::string& path) {
     if (begin < 0 || end < begin || end > data_bytes || end - begin != want)
       return data_loss(path + ": tensor '" + name + "' offsets [" + std::to_string(begin) + "," +
                        std::to_string(end) + ") do not match shape " + t.shape_string());
+    if (keep && !keep(name)) continue;
     t.bytes.resize(static_cast<size_t>(want));
     in.seekg(data_start + begin);
     if (want > 0 && !in.read(reinterpret_cast<char*>(t.bytes.data()), want))
@@ -61,7 +62,7 @@ Result<SafetensorsFile> read_safetensors(const std::string& path) {
   return out;
 }
 
-Result<TensorMap> read_checkpoint_tensors(const std::string& dir) {
+Result<TensorMap> read_checkpoint_tensors(const std::string& dir, const TensorFilter& keep) {
   std::vector<std::string> files;
   if (fs::exists(fs::path(dir) / "model.safetensors")) {
     files.push_back((fs::path(dir) / "model.safetensors").string());
@@ -75,7 +76,7 @@ Result<TensorMap> read_checkpoint_tensors(const std::string& dir) {
   if (files.empty()) return not_found("no .safetensors files in " + dir);
   TensorMap all;
   for (auto& f : files) {
-    auto r = read_safetensors(f);
+    auto r = read_safetensors(f, keep);
     if (!r.is_ok()) return r.status();
     for (auto& [k, v] : r->tensors) all.emplace(k, std::move(v));
   }

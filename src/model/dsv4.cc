@@ -5,6 +5,7 @@
 // tensor's name.
 #include "model/dsv4.h"
 
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -319,6 +320,11 @@ std::string normalize_key(std::string k) {
   return k;
 }
 
+// Names only mlx-vlm's converted layout has (stacked experts, hyper-connection modules).
+bool is_mlx_layout_name(const std::string& k) {
+  return k.find("switch_mlp") != std::string::npos || k.find("_hc.fn") != std::string::npos;
+}
+
 // The layout mlx-vlm's converter writes (language_model.model.layers.N.attn_hc.fn, stacked
 // switch_mlp experts, 3-D wo_a, ...) folded back onto the official names; dense only.
 Status fold_mlx_layout(TensorMap& t) {
@@ -375,6 +381,17 @@ class Loader {
     for (auto& [k, v] : all) t_.emplace(normalize_key(k), std::move(v));
   }
   bool has(const std::string& name) const { return t_.count(name) > 0; }
+
+  // How the checkpoint stores base + suffix, for messages.
+  std::string storage(const std::string& base, const char* suffix = ".weight") const {
+    auto it = t_.find(base + suffix);
+    if (it == t_.end()) return "absent";
+    std::string name = dtype_name(it->second.dtype);
+    for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (!t_.count(base + ".scale")) return name;
+    if (it->second.dtype == DType::kF8E4M3) return "fp8 e4m3, 128x128 block scales";
+    return "fp4 e2m1 (" + name + " pairs), per-32 scales";
+  }
 
   // A matrix or vector as bf16; FP8/FP4 storage is dequantized with its `.scale` sibling.
   Status bf16(const std::string& base, std::vector<int64_t> shape, Tensor* out,
@@ -567,9 +584,7 @@ Result<Dsv4Weights> load_dsv4_weights(const std::string& model_dir) {
   HETERO_ASSIGN_OR_RETURN(w.config, load_dsv4_config(model_dir));
   HETERO_ASSIGN_OR_RETURN(TensorMap all, read_checkpoint_tensors(model_dir));
   bool mlx_layout = false;
-  for (auto& [k, v] : all)
-    mlx_layout = mlx_layout || k.find("switch_mlp") != std::string::npos ||
-                 k.find("_hc.fn") != std::string::npos;
+  for (auto& [k, v] : all) mlx_layout = mlx_layout || is_mlx_layout_name(k);
   if (mlx_layout) HETERO_RETURN_IF_ERROR(fold_mlx_layout(all));
   Loader ld(std::move(all));
   const Dsv4Config& c = w.config;
@@ -581,6 +596,57 @@ Result<Dsv4Weights> load_dsv4_weights(const std::string& model_dir) {
   for (int64_t i = 0; i < c.layers; ++i)
     HETERO_RETURN_IF_ERROR(load_layer(ld, c, i, &w.layers[static_cast<size_t>(i)]));
   return w;
+}
+
+Result<Dsv4CacheTensors> load_dsv4_cache_tensors(const std::string& model_dir) {
+  HETERO_ASSIGN_OR_RETURN(Dsv4Config c, load_dsv4_config(model_dir));
+  bool mlx_layout = false;
+  auto keep = [&mlx_layout](const std::string& name) {
+    mlx_layout = mlx_layout || is_mlx_layout_name(name);
+    std::string k = name.rfind("language_model.", 0) == 0 ? name.substr(15) : name;
+    k = normalize_key(k);
+    if (k.rfind("layers.", 0) != 0) return false;
+    const size_t attn = k.find(".attn.");
+    if (attn == std::string::npos) return false;
+    const std::string rest = k.substr(attn + 6);
+    for (const char* part : {"wkv.", "kv_norm.", "compressor.", "indexer.compressor."})
+      if (rest.rfind(part, 0) == 0) return true;
+    return false;
+  };
+  HETERO_ASSIGN_OR_RETURN(TensorMap all, read_checkpoint_tensors(model_dir, keep));
+  if (mlx_layout) HETERO_RETURN_IF_ERROR(fold_mlx_layout(all));
+  Loader ld(std::move(all));
+  Dsv4CacheTensors out;
+  auto matrix = [&](const std::string& base, std::vector<int64_t> shape) -> Status {
+    out.storage[base + ".weight"] = ld.storage(base);
+    Tensor t;
+    HETERO_RETURN_IF_ERROR(ld.bf16(base, std::move(shape), &t));
+    out.tensors[base + ".weight"] = std::move(t);
+    return Status::ok();
+  };
+  auto compressor = [&](const std::string& p, int64_t ratio, int64_t hd) -> Status {
+    const int64_t width = ratio == 4 ? 2 * hd : hd;
+    HETERO_RETURN_IF_ERROR(matrix(p + "wkv", {width, c.hidden}));
+    HETERO_RETURN_IF_ERROR(matrix(p + "wgate", {width, c.hidden}));
+    HETERO_RETURN_IF_ERROR(matrix(p + "norm", {hd}));
+    out.storage[p + "ape"] = ld.storage(p + "ape", "");
+    std::vector<float> ape;
+    HETERO_RETURN_IF_ERROR(ld.f32(p + "ape", {ratio, width}, &ape));
+    Tensor t(DType::kF32, {ratio, width});
+    std::memcpy(t.bytes.data(), ape.data(), ape.size() * sizeof(float));
+    out.tensors[p + "ape"] = std::move(t);
+    return Status::ok();
+  };
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string a = "layers." + std::to_string(i) + ".attn.";
+    const int32_t ratio = c.compress_ratios[static_cast<size_t>(i)];
+    HETERO_RETURN_IF_ERROR(matrix(a + "wkv", {c.head_dim, c.hidden}));
+    HETERO_RETURN_IF_ERROR(matrix(a + "kv_norm", {c.head_dim}));
+    if (ratio > 0) HETERO_RETURN_IF_ERROR(compressor(a + "compressor.", ratio, c.head_dim));
+    if (ratio == 4)
+      HETERO_RETURN_IF_ERROR(compressor(a + "indexer.compressor.", 4, c.index_head_dim));
+  }
+  return out;
 }
 
 }  // namespace hetero

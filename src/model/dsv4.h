@@ -10,9 +10,11 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "common/safetensors.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/dsv4_ops.h"
@@ -124,6 +126,19 @@ struct Dsv4Weights {
 // arithmetic profile needs every one).
 Status check_mx_forms(const Dsv4Weights& w);
 Result<Dsv4Weights> load_dsv4_weights(const std::string& model_dir);
+
+// The tensors of a checkpoint that the decoder's export also carries (the cache program's
+// weights; python/hetero_mlx/dsv4.py `cache_weights`): per layer attn.wkv.weight and
+// attn.kv_norm.weight, and each compressor's wkv.weight, wgate.weight, norm.weight and ape
+// (attn.compressor.*, attn.indexer.compressor.*), under the official names, loaded as
+// load_dsv4_weights loads them: matrices and norms bf16 (FP8/FP4 dequantized, exactly), ape as
+// stored widened to F32. No other tensor is read. `storage` says how the checkpoint stores each
+// ("bf16", "f32", "fp8 e4m3, 128x128 block scales", ...).
+struct Dsv4CacheTensors {
+  TensorMap tensors;
+  std::map<std::string, std::string> storage;
+};
+Result<Dsv4CacheTensors> load_dsv4_cache_tensors(const std::string& model_dir);
 
 // Dequantization of the checkpoint formats, exposed for tests.
 // FP8: w [rows, cols] e4m3, scale [ceil(rows/block), ceil(cols/block)] UE8M0 (or f32).

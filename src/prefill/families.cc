@@ -6,6 +6,7 @@
 #include "bridge/dsv4_stream.h"
 #include "engine/dsv4_cpu.h"
 #include "engine/llama_cpu.h"
+#include "prefill/pairing.h"
 
 namespace hetero {
 namespace {
@@ -154,13 +155,21 @@ Result<PrefillStack> load_prefill_stack(const std::string& model_dir,
   if (dsv4 && decoder_family(weights_dir) != "deepseek_v4")
     return failed_precondition("the model is deepseek_v4 but the decoder export in " + weights_dir +
                                " is family '" + decoder_family(weights_dir) + "'");
+  auto load = [&]() -> Result<PrefillStack> {
 #ifdef HETERO_WITH_CUDA
-  if (backend.name == "cuda")
-    return dsv4 ? load_dsv4_cuda(model_dir, weights_dir, backend)
-                : load_llama_cuda(model_dir, weights_dir, backend);
+    if (backend.name == "cuda")
+      return dsv4 ? load_dsv4_cuda(model_dir, weights_dir, backend)
+                  : load_llama_cuda(model_dir, weights_dir, backend);
 #endif
-  if (dsv4) return load_dsv4(model_dir, weights_dir);
-  return load_llama(model_dir, weights_dir, backend.gemm);
+    if (dsv4) return load_dsv4(model_dir, weights_dir);
+    return load_llama(model_dir, weights_dir, backend.gemm);
+  };
+  HETERO_ASSIGN_OR_RETURN(PrefillStack stack, load());
+  // Every backend's stack, once its own checks passed (layout, rope): the checkpoint must hold
+  // the decoder's weights, or no cache it makes is the decoder's (pairing.h).
+  HETERO_RETURN_IF_ERROR(
+      check_checkpoint_holds_decoder_weights(stack.family, model_dir, weights_dir));
+  return stack;
 }
 
 }  // namespace hetero

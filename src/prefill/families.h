@@ -48,13 +48,15 @@ struct PrefillBackend {
 // Whether this build has the CUDA backend.
 bool cuda_backend_built();
 
+// The family's stack on the backend, then, for every backend, the check that model_dir holds the
+// decoder's weights (prefill/pairing.h): refused with kFailedPrecondition naming both sides.
 Result<PrefillStack> load_prefill_stack(const std::string& model_dir,
                                         const std::string& weights_dir,
                                         const PrefillBackend& backend = {});
 
 #ifdef HETERO_WITH_CUDA
 // The CUDA backend's stacks (families_cuda.cc): the GPU engine, and the cache program on the GPU
-// behind a device capture.
+// behind a device capture. Reached through load_prefill_stack, which adds the pairing check.
 Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::string& weights_dir,
                                      const PrefillBackend& backend);
 Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::string& weights_dir,

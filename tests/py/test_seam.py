@@ -91,6 +91,7 @@ def test_info_describes_the_loaded_model(server):
     assert desc["layers"] > 0 and desc["kv_heads"] > 0 and desc["head_dim"] > 0
     assert desc["prefill_step_size"] == 2048  # mlx-lm's own default survives
     assert set(desc["versions"]) == {"mlx", "mlx_lm"}
+    assert desc["quantization"] is None  # a bf16 model; quantized ones: test_pairing.py
 
 
 def test_tokenize_completion_is_what_the_server_processes(server):
