@@ -25,8 +25,6 @@
 namespace hetero {
 namespace {
 
-volatile std::sig_atomic_t g_stop = 0;
-
 // "N" (chunks of N) or "a,b,c" (then c repeated) as the chunk sizes covering T tokens.
 Result<std::vector<int64_t>> chunk_schedule(const std::string& spec, int64_t T) {
   std::vector<int64_t> sizes;
@@ -113,29 +111,6 @@ int run_dsv4_offline(const Options& opts) {
 }
 
 }  // namespace
-
-void install_stop_handlers() {
-  std::signal(SIGINT, [](int) { g_stop = 1; });
-  std::signal(SIGTERM, [](int) { g_stop = 1; });
-}
-
-void wait_for_signal() {
-  install_stop_handlers();
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-}
-
-int parse_options(Options& opts, int argc, char** argv) {
-  Status st = opts.parse(argc, argv);
-  if (opts.help_requested()) {
-    std::fputs(opts.help_text().c_str(), stdout);
-    return 0;
-  }
-  if (!st.is_ok()) {
-    std::fprintf(stderr, "%s\n", st.message().c_str());
-    return 2;
-  }
-  return -1;
-}
 
 Options prefill_options() {
   std::vector<OptionSpec> rows = {

@@ -9,17 +9,6 @@
 
 #include "commands.h"
 
-namespace hetero {
-
-std::string repo_root() {
-  std::error_code ec;
-  auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) return ".";
-  return exe.parent_path().parent_path().string();
-}
-
-}  // namespace hetero
-
 namespace {
 
 struct Subcommand {
