@@ -1,6 +1,8 @@
 // The prefill request contract: see prefill_request.h.
 #include "bridge/prefill_request.h"
 
+#include "common/json_text.h"
+
 namespace hetero {
 using nlohmann::json;
 
@@ -13,8 +15,10 @@ json prefill_request_json(const PrefillRequest& req) {
 
 Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
                                              const DecoderCacheLayout& layout, int64_t max_tokens) {
-  json j = json::parse(body, nullptr, false);
-  if (j.is_discarded()) return invalid_argument("request body is not valid JSON");
+  auto parsed = parse_untrusted_json(body);
+  if (!parsed.is_ok())
+    return invalid_argument("request body: " + parsed.status().message());
+  json& j = parsed.value();
   if (!j.is_object()) return invalid_argument("request body must be a JSON object");
   PrefillRequest r;
   if (!j.contains("ids") || !j["ids"].is_array())

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/hash.h"
+#include "common/json_text.h"
 
 namespace hetero {
 using nlohmann::json;
@@ -255,11 +256,13 @@ Result<std::optional<Frame>> FrameParser::next() {
   if (checksum64(p + kPrefixBytes, hb + pb) != sum)
     return failed_ = data_loss("frame checksum mismatch (corrupted segment)");
   Frame f;
-  f.header = json::parse(p + kPrefixBytes, p + kPrefixBytes + hb, nullptr, false);
+  auto header = parse_untrusted_json(std::string_view(p + kPrefixBytes, hb));
+  f.header = header.is_ok() ? std::move(header.value()) : json(json::value_t::discarded);
   if (f.header.is_discarded() || !f.header.is_object())
     return failed_ = data_loss("frame header is not a JSON object");
-  if (f.header.value("v", 0) != kWireVersion)
-    return failed_ = data_loss("unsupported wire version " + f.header.value("v", json()).dump());
+  const json& version = f.header.contains("v") ? f.header["v"] : json();
+  if (!version.is_number_integer() || version.get<int64_t>() != kWireVersion)
+    return failed_ = data_loss("unsupported wire version " + version.dump());
   f.payload_size = pb;
   if (pos_ == 0 && avail == total) {  // the buffer holds exactly this frame: hand it over
     f.buffer = std::move(buf_);
@@ -294,16 +297,19 @@ Result<Segment> decode_segment_with(const Frame& f, Take take) {
       WireArray w;
       w.name = a.at("name").get<std::string>();
       HETERO_ASSIGN_OR_RETURN(w.tensor.dtype, dtype_from_name(a.at("dtype").get<std::string>()));
+      // Every size from the header is checked without overflow against the payload that
+      // arrived: a hostile header cannot make a bound wrap around.
+      const std::string_view payload = f.payload();
+      const int64_t payload_bytes = static_cast<int64_t>(payload.size());
+      int64_t want = dtype_size(w.tensor.dtype);
       for (const auto& d : a.at("shape")) {
         const int64_t v = d.get<int64_t>();
-        if (v < 0 || v > (int64_t{1} << 32))
-          return data_loss("array '" + w.name + "' has a bad dim");
+        if (v < 0 || __builtin_mul_overflow(want, v, &want) || want > payload_bytes)
+          return data_loss("array '" + w.name + "' has a bad dim or does not fit the payload");
         w.tensor.shape.push_back(v);
       }
       const int64_t off = a.at("offset").get<int64_t>(), bytes = a.at("bytes").get<int64_t>();
-      const std::string_view payload = f.payload();
-      if (bytes != w.tensor.numel() * dtype_size(w.tensor.dtype) || off < 0 ||
-          off + bytes > static_cast<int64_t>(payload.size()))
+      if (bytes != want || off < 0 || off > payload_bytes || bytes > payload_bytes - off)
         return data_loss("array '" + w.name + "' does not fit its shape or the payload");
       take(&w, payload.data() + off, static_cast<size_t>(bytes));
       s.arrays.push_back(std::move(w));

@@ -3,6 +3,8 @@
 
 #include <httplib.h>
 
+#include "common/json_text.h"
+
 namespace hetero {
 
 Result<HttpJsonReply> http_json(const std::string& host, int port, const std::string& path,
@@ -24,10 +26,11 @@ Result<HttpJsonReply> http_json(const std::string& host, int port, const std::st
   }
   HttpJsonReply r;
   r.status = res->status;
-  r.body = nlohmann::json::parse(res->body, nullptr, false);
-  if (r.body.is_discarded())
-    return data_loss(where + " answered HTTP " + std::to_string(res->status) +
-                     " with non-JSON: " + res->body.substr(0, 200));
+  auto parsed = parse_untrusted_json(res->body);
+  if (!parsed.is_ok())
+    return data_loss(where + " answered HTTP " + std::to_string(res->status) + " with " +
+                     parsed.status().message() + ": " + res->body.substr(0, 200));
+  r.body = std::move(parsed.value());
   return r;
 }
 

@@ -5,6 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
+
 namespace hetero {
 namespace {
 
@@ -33,8 +35,14 @@ StreamReceiver::StreamReceiver(Assembler* assembler)
 bool StreamReceiver::feed(const char* data, size_t n) {
   if (!status_.is_ok() || have_manifest_) return false;
   const auto t = Clock::now();
-  parser_.feed(data, n);
-  const bool go_on = consume_frames();
+  bool go_on = false;
+  try {
+    parser_.feed(data, n);
+    go_on = consume_frames();
+  } catch (const std::exception& e) {  // a frame no check foresaw: nothing of it is trusted
+    status_ = data_loss(std::string("malformed stream: ") + e.what());
+    salvageable_ = false;
+  }
   verify_ms_ += ms_since(t);
   return go_on;
 }
@@ -128,11 +136,11 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
     out.status = unavailable("prefill host " + host + ":" + std::to_string(port) + ": " +
                              httplib::to_string(res.error()));
   } else if (http_status != 200) {
-    auto j = nlohmann::json::parse(error_text, nullptr, false);
-    std::string msg = error_text;
-    if (j.is_object() && j.contains("error") && j["error"].is_object() &&
-        j["error"].contains("message") && j["error"]["message"].is_string())
-      msg = j["error"]["message"].get<std::string>();
+    auto j = parse_untrusted_json(error_text);
+    std::string msg = error_text.substr(0, 1000);
+    if (j.is_ok() && j->is_object() && j->contains("error") && (*j)["error"].is_object() &&
+        (*j)["error"].contains("message") && (*j)["error"]["message"].is_string())
+      msg = (*j)["error"]["message"].get<std::string>();
     out.status = Status(code_for_http(http_status),
                         "prefill host refused (HTTP " + std::to_string(http_status) + "): " + msg);
   } else {

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "common/http_json.h"
+#include "common/json_text.h"
 #include "common/log.h"
 #include "front/sse_relay.h"
 
@@ -91,6 +92,8 @@ Options front_options() {
           {"decoder-timeout-ms", "HETERO_DECODER_TIMEOUT_MS", "1800000",
            "longest wait for one decoder reply"},
           {"threads", "HETERO_FRONT_THREADS", "32", "HTTP worker threads (at least 2)"},
+          {"max-body-mb", "HETERO_FRONT_MAX_BODY_MB", "64",
+           "largest request body accepted, in MiB (a 2M-token prompt is ~10 MiB of text)"},
       });
 }
 
@@ -104,7 +107,7 @@ Result<FrontConfig> front_config(const Options& opts) {
     const char* name;
     int64_t* out;
   };
-  int64_t port = 0, dport = 0, pport = 0, threads = 0;
+  int64_t port = 0, dport = 0, pport = 0, threads = 0, max_body_mb = 0;
   for (IntField f : {IntField{"port", &port},
                      {"decoder-port", &dport},
                      {"prefill-port", &pport},
@@ -114,7 +117,8 @@ Result<FrontConfig> front_config(const Options& opts) {
                      {"deadline-per-token-ms", &c.deadline_per_token_ms},
                      {"stall-ms", &c.stall_ms},
                      {"decoder-timeout-ms", &c.decoder_timeout_ms},
-                     {"threads", &threads}}) {
+                     {"threads", &threads},
+                     {"max-body-mb", &max_body_mb}}) {
     auto v = opts.get_int(f.name);
     if (!v.is_ok()) return v.status();
     if (v.value() < 0) return invalid_argument(std::string("--") + f.name + " must be >= 0");
@@ -125,6 +129,9 @@ Result<FrontConfig> front_config(const Options& opts) {
   c.port = static_cast<int>(port), c.decoder_port = static_cast<int>(dport);
   c.prefill_port = static_cast<int>(pport);
   c.threads = static_cast<int>(std::clamp<int64_t>(threads, 2, 1024));
+  if (max_body_mb < 1 || max_body_mb > 65536)
+    return invalid_argument("--max-body-mb must be in [1, 65536]");
+  c.max_body_bytes = max_body_mb << 20;
   auto frac = opts.get_double("partial-min-fraction");
   if (!frac.is_ok()) return frac.status();
   if (frac.value() < 0 || frac.value() > 1)
@@ -200,9 +207,11 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     finish(status);
   };
 
-  json body = json::parse(req.body, nullptr, false);
-  if (body.is_discarded())
-    return fail(400, "invalid_request_error", "invalid_json", "request body is not valid JSON");
+  auto parsed = parse_untrusted_json(req.body);
+  if (!parsed.is_ok())
+    return fail(400, "invalid_request_error", "invalid_json",
+                "request body: " + parsed.status().message());
+  json body = std::move(parsed.value());
   const bool chat = path == "/v1/chat/completions";
   if (std::string why = validate_request(body, chat); !why.empty())
     return fail(400, "invalid_request_error", "invalid_field", why);
@@ -282,7 +291,8 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
       v = confirm_verdict(v, {false, -1, "the decoder did not answer"});
       return fail(503, "server_error", "decoder_unavailable", httplib::to_string(r.error()));
     }
-    DecoderUsage usage = usage_from_reply(json::parse(r->body, nullptr, false));
+    auto reply = parse_untrusted_json(r->body);
+    DecoderUsage usage = usage_from_reply(reply.is_ok() ? reply.value() : json());
     if (r->status != 200)
       usage = {false, -1, "the decoder answered HTTP " + std::to_string(r->status)};
     v = confirm_verdict(v, usage);
@@ -352,11 +362,14 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
         std::string rest = relay->flush();
         if (!client_gone && !rest.empty()) sink.write(rest.data(), rest.size());
         if (!r && !client_gone) {
+          // The decoder died or stalled mid-stream: say so in the stream and end it as an
+          // OpenAI stream ends, so a client never hangs on a silent close.
           const std::string ev =
               "data: " +
-              error_json("server_error", "decoder_unavailable", httplib::to_string(r.error()))
+              error_json("server_error", "decoder_unavailable",
+                         "the decoder's stream broke: " + httplib::to_string(r.error()))
                   .dump() +
-              "\n\n";
+              "\n\ndata: [DONE]\n\n";
           sink.write(ev.data(), ev.size());
         }
         end->settle(relay->confirmed(client_gone ? "the client left before the decoder's usage"
@@ -419,17 +432,39 @@ Status FrontServer::start() {
     if (!res.has_header("X-PD-Bridge"))
       res.set_header("X-PD-Bridge", Verdict::skipped("not a completion").header_value());
   });
-  server_->set_error_handler([](const httplib::Request&, httplib::Response& res) {
+  // Limits before parsing: the body's size (cpp-httplib refuses a larger one with 413 before
+  // reading it), its nesting (parse_untrusted_json).
+  server_->set_payload_max_length(static_cast<size_t>(cfg_.max_body_bytes));
+  const int64_t max_body_mb = cfg_.max_body_bytes >> 20;
+  server_->set_error_handler([max_body_mb](const httplib::Request&, httplib::Response& res) {
     if (!res.body.empty()) return;
     const bool too_large = res.status == 413;
     res.set_content(
         error_json("invalid_request_error", too_large ? "payload_too_large" : "not_found",
-                   too_large ? "request body too large for its content type; send "
-                               "Content-Type: application/json"
+                   too_large ? "request body larger than this front door takes (" +
+                                   std::to_string(max_body_mb) + " MiB, --max-body-mb)"
                              : "no route; see /v1/chat/completions, /v1/completions, /v1/models")
             .dump(),
         "application/json");
   });
+  // A handler that throws is a bug: the client gets a JSON 500 without internal text, the log
+  // gets the text, and the front door keeps serving.
+  server_->set_exception_handler(
+      [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        log_line("front", "internal error in " + req.method + " " + req.path + ": " + what);
+        res.status = 500;
+        res.set_content(
+            error_json("server_error", "internal_error", "internal error; see the front's log")
+                .dump(),
+            "application/json");
+      });
   if (cfg_.port == 0) {
     port_ = server_->bind_to_any_port(cfg_.host.c_str());
     if (port_ < 0) return unavailable("cannot bind " + cfg_.host);

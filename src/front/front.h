@@ -50,6 +50,7 @@ struct FrontConfig {
   int64_t stall_ms = 0;  // no bytes from the prefill host for this long: stalled
   int64_t decoder_timeout_ms = 0;
   int threads = 0;
+  int64_t max_body_bytes = 0;  // larger request bodies get 413 before they are read
 };
 
 Options front_options();

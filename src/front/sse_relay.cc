@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
+
 namespace hetero {
 namespace {
 
@@ -21,7 +23,8 @@ nlohmann::json event_json(std::string_view event) {
   start += 5;
   const size_t end = event.find_first_of("\r\n", start);
   const std::string_view payload = event.substr(start, end - start);
-  return nlohmann::json::parse(payload, nullptr, false);
+  auto j = parse_untrusted_json(payload);
+  return j.is_ok() ? std::move(j.value()) : nlohmann::json(nlohmann::json::value_t::discarded);
 }
 
 bool is_usage_event(const nlohmann::json& j) {

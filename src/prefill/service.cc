@@ -200,6 +200,30 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
 
 Status PrefillService::start(const std::string& host, int port) {
   server_ = std::make_unique<httplib::Server>();
+  // A body larger than the longest accepted request could be (max_tokens ids of at most ten
+  // digits, the decoder's schedule beside them) is refused with 413 before it is read.
+  server_->set_payload_max_length(static_cast<size_t>(4096 + 24 * max_tokens_));
+  server_->set_error_handler([](const httplib::Request&, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    const Status st = res.status == 413 ? invalid_argument("request body too large")
+                                        : not_found("no route; see POST /v1/prefill, GET /health");
+    res.set_content(error_body(st), "application/json");
+  });
+  // A handler that throws is a bug: a JSON 500 without internal text; the log gets the text.
+  server_->set_exception_handler(
+      [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        log_line("prefill", "internal error in " + req.method + " " + req.path + ": " + what);
+        res.status = 500;
+        res.set_content(error_body(internal_error("internal error; see the prefill host's log")),
+                        "application/json");
+      });
   server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     json j = {{"status", "ok"},
               {"family", layout_.family},

@@ -5,7 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <functional>
 #include <memory>
+
+#include "common/hash.h"
 
 namespace hetero {
 
@@ -209,4 +213,64 @@ TEST(Wire, GarbageIsNotAStream) {
   EXPECT_FALSE(p.next().is_ok());
 }
 
+}  // namespace hetero
+
+namespace hetero {
+namespace {
+
+// A segment frame whose header `edit` changed, with a checksum that matches again: what a
+// hostile or broken prefill host could send (the checksum is no MAC).
+std::string forged(const std::function<void(nlohmann::json&)>& edit) {
+  const std::string good = encode_segment(make_segment(0, 0, 3, 1, 2, 4));
+  uint32_t hb;
+  uint64_t pb;
+  std::memcpy(&hb, good.data() + 4, 4);
+  std::memcpy(&pb, good.data() + 8, 8);
+  nlohmann::json h = nlohmann::json::parse(good.substr(16, hb));
+  edit(h);
+  const std::string header = h.dump(), payload = good.substr(16 + hb, pb);
+  std::string out = good.substr(0, 4);
+  const uint32_t nhb = static_cast<uint32_t>(header.size());
+  out.append(reinterpret_cast<const char*>(&nhb), 4);
+  out.append(reinterpret_cast<const char*>(&pb), 8);
+  out += header + payload;
+  const uint64_t sum = checksum64(out.data() + 16, header.size() + payload.size());
+  out.append(reinterpret_cast<const char*>(&sum), 8);
+  return out;
+}
+
+Status decode_forged(const std::string& bytes) {
+  FrameParser p(1 << 20);
+  p.feed(bytes.data(), bytes.size());
+  auto f = p.next();
+  if (!f.is_ok()) return f.status();
+  if (!f.value()) return data_loss("no frame");
+  return decode_segment(*f.value()).status();
+}
+
+TEST(Wire, HostileHeadersAreRefusedNeverTrusted) {
+  // Regression (hardening issue): an offset near INT64_MAX made offset + bytes wrap negative
+  // and pass the bounds check; a non-integer version threw out of the parser.
+  const std::vector<std::pair<std::string, std::function<void(nlohmann::json&)>>> cases = {
+      {"offset wraps", [](auto& h) { h["arrays"][0]["offset"] = INT64_MAX - 4; }},
+      {"negative offset", [](auto& h) { h["arrays"][0]["offset"] = -8; }},
+      {"dims overflow",
+       [](auto& h) {
+         h["arrays"][0]["shape"] = {1LL << 31, 1LL << 31, 1LL << 31};
+       }},
+      {"bytes lie", [](auto& h) { h["arrays"][0]["bytes"] = 1LL << 62; }},
+      {"version a string", [](auto& h) { h["v"] = "1"; }},
+      {"arrays not a list", [](auto& h) { h["arrays"] = 7; }},
+      {"seq a string", [](auto& h) { h["seq"] = "zero"; }},
+      {"shape of strings", [](auto& h) { h["arrays"][0]["shape"] = {"a"}; }},
+  };
+  for (const auto& [what, edit] : cases) {
+    const Status st = decode_forged(forged(edit));
+    EXPECT_FALSE(st.is_ok()) << what;
+    EXPECT_EQ(st.code(), Code::kDataLoss) << what << ": " << st.to_string();
+  }
+  EXPECT_TRUE(decode_forged(forged([](auto&) {})).is_ok());  // the forging itself is sound
+}
+
+}  // namespace
 }  // namespace hetero
