@@ -16,8 +16,7 @@ json prefill_request_json(const PrefillRequest& req) {
 Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
                                              const DecoderCacheLayout& layout, int64_t max_tokens) {
   auto parsed = parse_untrusted_json(body);
-  if (!parsed.is_ok())
-    return invalid_argument("request body: " + parsed.status().message());
+  if (!parsed.is_ok()) return invalid_argument("request body: " + parsed.status().message());
   json& j = parsed.value();
   if (!j.is_object()) return invalid_argument("request body must be a JSON object");
   PrefillRequest r;
