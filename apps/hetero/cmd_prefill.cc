@@ -119,7 +119,9 @@ Options prefill_options() {
        "decoder-weights export (python -m hetero_mlx export)"},
       {"host", "HETERO_PREFILL_LISTEN_HOST", "127.0.0.1", "address to listen on"},
       {"port", "HETERO_PREFILL_PORT", "8010", "port to listen on (0: any free port)"},
-      {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "2097152", "longest accepted prompt"},
+      {"max-tokens", "HETERO_PREFILL_MAX_TOKENS", "0",
+       "longest accepted prompt (0: what the machine holds: 2097152, or for the CPU llama "
+       "engine half the host's available memory's worth of its cache)"},
       {"quant-arith",
        "HETERO_PREFILL_QUANT_ARITH",
        "mlx-cpu",
@@ -171,8 +173,12 @@ int cmd_prefill(int argc, char** argv) {
   const DecoderCacheLayout layout = stack->layout;
   const int64_t chunk = parsed->chunk_tokens;
   auto max_tokens = opts.get_int("max-tokens");
-  if (!max_tokens.is_ok() || max_tokens.value() <= 0)
-    return std::fprintf(stderr, "prefill: --max-tokens must be a positive integer\n"), 2;
+  if (!max_tokens.is_ok() || max_tokens.value() < 0)
+    return std::fprintf(stderr, "prefill: --max-tokens must be an integer >= 0\n"), 2;
+  if (max_tokens.value() == 0) {
+    max_tokens = machine_max_tokens(stack.value(), backend);
+    log_line("prefill", "longest prompt: " + std::to_string(max_tokens.value()) + " tokens");
+  }
   PrefillService service(stack->engine.get(), layout, stack->programs, chunk, max_tokens.value());
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   service.set_capture(stack->capture);

@@ -197,7 +197,7 @@ int cmd_verify(int argc, char** argv) {
   auto stack = load_prefill_stack(prefill_model, weights_dir, backend);
   if (!stack.is_ok()) return fail("prefill host", stack.status());
   PrefillService service(stack->engine.get(), stack->layout, stack->programs, parsed->chunk_tokens,
-                         int64_t{1} << 21);
+                         machine_max_tokens(stack.value(), backend));
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   service.set_capture(stack->capture);
   service.set_arith(stack->arith);

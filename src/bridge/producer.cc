@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <cstring>
+#include <new>
 
 namespace hetero {
 
@@ -97,59 +98,68 @@ void BridgeProducer::run() {
       if (w->slot >= 0) capture_->release(w->slot, nullptr);
       continue;
     }
-    Pending& p = pending_[w->pos0];
-    if (p.arrays.empty()) {  // the segment's first layer
-      p.arrays.resize(static_cast<size_t>(layout.layers)), p.n = w->n;
-      if (auto specs = program_->planned_arrays(w->pos0, w->n)) {
-        p.by_layer = true;
-        EncodeItem open{EncodeItem::Kind::kOpen, {}, -1, std::move(*specs)};
-        open.segment.seq = next_seq_++;
-        open.segment.family = layout.family;
-        open.segment.fingerprint = layout.fingerprint;
-        open.segment.pos0 = w->pos0;
-        open.segment.n_tokens = w->n;
-        segments_.push(std::move(open));
-      }
+    try {
+      program_one(*w, layout, stream);
+    } catch (const std::bad_alloc&) {  // ends the stream with the reason, never the process
+      fail_program(resource_exhausted("out of host memory in the cache program at token " +
+                                      std::to_string(w->pos0)));
     }
-    Result<const uint16_t*> x =
-        w->slot >= 0 ? capture_->ready(w->slot, stream) : Result<const uint16_t*>(w->x.data());
-    auto& layer_arrays = p.arrays[static_cast<size_t>(w->layer)];
-    Status st = x.is_ok() ? program_->run(w->layer, w->pos0, w->n, *x, &layer_arrays) : x.status();
-    if (w->slot >= 0) capture_->release(w->slot, stream);
-    if (st.is_ok() && p.by_layer) {
-      EncodeItem layer{EncodeItem::Kind::kLayer, {}, w->layer, {}};
-      layer.segment.pos0 = w->pos0, layer.segment.n_tokens = p.n;
-      layer.segment.arrays = std::move(layer_arrays);
-      segments_.push(std::move(layer));
-    }
-    if (st.is_ok() && ++p.layers_done < layout.layers) continue;
-    // Every layer has passed this boundary: the segment can leave now.
-    Segment s;
-    s.family = layout.family;
-    s.fingerprint = layout.fingerprint;
-    s.pos0 = w->pos0;
-    s.n_tokens = p.n;
-    const bool by_layer = p.by_layer;
-    if (!by_layer) {
-      s.seq = next_seq_++;
-      for (auto& arrays : p.arrays)
-        for (auto& a : arrays) s.arrays.push_back(std::move(a));
-    }
-    const size_t before = s.arrays.size();
-    if (st.is_ok()) st = program_->close_segment(s.pos0, s.n_tokens, &s.arrays);
-    if (st.is_ok() && by_layer && s.arrays.size() != before)
-      st = internal_error("the program planned its segment's arrays, then added more at close");
-    pending_.erase(w->pos0);
-    if (!st.is_ok()) {
-      // A program error ends the stream without this segment; the manifest says why.
-      fail_program(st);
-      continue;
-    }
-    // Framed layer by layer, the segment only needs closing (it carries no arrays here).
-    segments_.push(EncodeItem{
-        by_layer ? EncodeItem::Kind::kClose : EncodeItem::Kind::kWhole, std::move(s), -1, {}});
   }
   segments_.close();
+}
+
+void BridgeProducer::program_one(Work& w, const DecoderCacheLayout& layout, void* stream) {
+  Pending& p = pending_[w.pos0];
+  if (p.arrays.empty()) {  // the segment's first layer
+    p.arrays.resize(static_cast<size_t>(layout.layers)), p.n = w.n;
+    if (auto specs = program_->planned_arrays(w.pos0, w.n)) {
+      p.by_layer = true;
+      EncodeItem open{EncodeItem::Kind::kOpen, {}, -1, std::move(*specs)};
+      open.segment.seq = next_seq_++;
+      open.segment.family = layout.family;
+      open.segment.fingerprint = layout.fingerprint;
+      open.segment.pos0 = w.pos0;
+      open.segment.n_tokens = w.n;
+      segments_.push(std::move(open));
+    }
+  }
+  Result<const uint16_t*> x =
+      w.slot >= 0 ? capture_->ready(w.slot, stream) : Result<const uint16_t*>(w.x.data());
+  auto& layer_arrays = p.arrays[static_cast<size_t>(w.layer)];
+  Status st = x.is_ok() ? program_->run(w.layer, w.pos0, w.n, *x, &layer_arrays) : x.status();
+  if (w.slot >= 0) capture_->release(w.slot, stream);
+  if (st.is_ok() && p.by_layer) {
+    EncodeItem layer{EncodeItem::Kind::kLayer, {}, w.layer, {}};
+    layer.segment.pos0 = w.pos0, layer.segment.n_tokens = p.n;
+    layer.segment.arrays = std::move(layer_arrays);
+    segments_.push(std::move(layer));
+  }
+  if (st.is_ok() && ++p.layers_done < layout.layers) return;
+  // Every layer has passed this boundary: the segment can leave now.
+  Segment s;
+  s.family = layout.family;
+  s.fingerprint = layout.fingerprint;
+  s.pos0 = w.pos0;
+  s.n_tokens = p.n;
+  const bool by_layer = p.by_layer;
+  if (!by_layer) {
+    s.seq = next_seq_++;
+    for (auto& arrays : p.arrays)
+      for (auto& a : arrays) s.arrays.push_back(std::move(a));
+  }
+  const size_t before = s.arrays.size();
+  if (st.is_ok()) st = program_->close_segment(s.pos0, s.n_tokens, &s.arrays);
+  if (st.is_ok() && by_layer && s.arrays.size() != before)
+    st = internal_error("the program planned its segment's arrays, then added more at close");
+  pending_.erase(w.pos0);
+  if (!st.is_ok()) {
+    // A program error ends the stream without this segment; the manifest says why.
+    fail_program(st);
+    return;
+  }
+  // Framed layer by layer, the segment only needs closing (it carries no arrays here).
+  segments_.push(EncodeItem{
+      by_layer ? EncodeItem::Kind::kClose : EncodeItem::Kind::kWhole, std::move(s), -1, {}});
 }
 
 void BridgeProducer::encode() {
@@ -169,33 +179,38 @@ void BridgeProducer::encode() {
     }
     const Segment& s = item->segment;
     Status st;
-    switch (item->kind) {
-      case EncodeItem::Kind::kWhole:
-        st = program_->segment_ready(s.pos0, s.n_tokens);
-        if (st.is_ok()) deliver(encode_segment(s, buffers_), s.pos0, s.n_tokens);
-        break;
-      case EncodeItem::Kind::kOpen:
-        open.emplace(std::piecewise_construct, std::forward_as_tuple(s.pos0),
-                     std::forward_as_tuple(s, std::move(item->specs), buffers_));
-        break;
-      case EncodeItem::Kind::kLayer: {
-        auto it = open.find(s.pos0);
-        HETERO_CHECK(it != open.end());
-        st = program_->layer_ready(item->layer, s.pos0, s.n_tokens);
-        for (size_t i = 0; st.is_ok() && i < s.arrays.size(); ++i)
-          st = it->second.append(s.arrays[i]);
-        break;
+    try {  // a frame the host cannot allocate ends the stream, never the process
+      switch (item->kind) {
+        case EncodeItem::Kind::kWhole:
+          st = program_->segment_ready(s.pos0, s.n_tokens);
+          if (st.is_ok()) deliver(encode_segment(s, buffers_), s.pos0, s.n_tokens);
+          break;
+        case EncodeItem::Kind::kOpen:
+          open.emplace(std::piecewise_construct, std::forward_as_tuple(s.pos0),
+                       std::forward_as_tuple(s, std::move(item->specs), buffers_));
+          break;
+        case EncodeItem::Kind::kLayer: {
+          auto it = open.find(s.pos0);
+          HETERO_CHECK(it != open.end());
+          st = program_->layer_ready(item->layer, s.pos0, s.n_tokens);
+          for (size_t i = 0; st.is_ok() && i < s.arrays.size(); ++i)
+            st = it->second.append(s.arrays[i]);
+          break;
+        }
+        case EncodeItem::Kind::kClose: {
+          auto it = open.find(s.pos0);
+          HETERO_CHECK(it != open.end());
+          st = program_->segment_ready(s.pos0, s.n_tokens);
+          Result<std::string> frame = st.is_ok() ? it->second.finish() : Result<std::string>(st);
+          open.erase(it);
+          if (!frame.is_ok()) st = frame.status();
+          if (st.is_ok()) deliver(std::move(frame.value()), s.pos0, s.n_tokens);
+          break;
+        }
       }
-      case EncodeItem::Kind::kClose: {
-        auto it = open.find(s.pos0);
-        HETERO_CHECK(it != open.end());
-        st = program_->segment_ready(s.pos0, s.n_tokens);
-        Result<std::string> frame = st.is_ok() ? it->second.finish() : Result<std::string>(st);
-        open.erase(it);
-        if (!frame.is_ok()) st = frame.status();
-        if (st.is_ok()) deliver(std::move(frame.value()), s.pos0, s.n_tokens);
-        break;
-      }
+    } catch (const std::bad_alloc&) {
+      st = resource_exhausted("out of host memory framing the segment at token " +
+                              std::to_string(s.pos0));
     }
     if (!st.is_ok()) {
       fail_program(st);

@@ -148,6 +148,8 @@ class BridgeProducer {
     std::vector<ArraySpec> specs;  // kOpen
   };
   void run();
+  // One layer's rows of one chunk through the program; a finished segment to the encoder.
+  void program_one(Work& w, const DecoderCacheLayout& layout, void* stream);
   void encode();
 
   void fail_capture(Status st);

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
 
 #include "common/bf16.h"
+#include "common/sysmem.h"
 #include "kernels/cpu_ops.h"
 
 namespace hetero {
@@ -59,6 +61,27 @@ void LlamaCpuEngine::linear(const uint16_t* x, int64_t m, int64_t k, const std::
   } else {
     linear_blas(x, m, k, w.data(), n, bias, out);
   }
+}
+
+Status LlamaCpuEngine::reserve(int64_t tokens, int64_t max_chunk_tokens) {
+  (void)max_chunk_tokens;  // a chunk's activations are small beside the cache
+  const int64_t blocks = (tokens + kKvBlockTokens - 1) / kKvBlockTokens;
+  const int64_t row_bytes = w_.config.kv_heads * w_.config.head_dim * 2;  // bf16
+  const int64_t layers = static_cast<int64_t>(k_cache_.size());
+  const int64_t more = 2 * layers * row_bytes * (blocks * kKvBlockTokens - kv_capacity_);
+  if (more <= 0) return Status::ok();
+  const int64_t available = host_available_bytes();
+  if (available >= 0 && more > available)
+    return resource_exhausted("out of host memory: asked " + format_bytes(more) +
+                              " for the cache of " + std::to_string(tokens) + " tokens; " +
+                              format_bytes(available) + " available");
+  try {
+    ensure_kv_capacity(tokens);
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted("out of host memory: could not allocate " + format_bytes(more) +
+                              " for the cache of " + std::to_string(tokens) + " tokens");
+  }
+  return Status::ok();
 }
 
 void LlamaCpuEngine::ensure_kv_capacity(int64_t tokens) {

@@ -28,6 +28,11 @@ class LlamaCpuEngine {
   const LlamaConfig& config() const { return w_.config; }
   // Forgets the sequence (keeps the allocation).
   void reset();
+  // Takes the cache a sequence of `tokens` tokens needs, before its first chunk: the engine's
+  // cache never grows (nor copies itself) mid-request, and a prompt the host cannot hold is
+  // refused up front (kResourceExhausted with the bytes asked and what the host has left)
+  // instead of failing an allocation half-way or waking the OOM killer.
+  Status reserve(int64_t tokens, int64_t max_chunk_tokens);
   int64_t cached_tokens() const { return n_cached_; }
   // Runs the next chunk of the sequence: ids are positions [cached_tokens(), +ids.size()).
   // Ids out of vocabulary are refused before anything changes.

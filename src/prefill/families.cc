@@ -1,9 +1,11 @@
 // Per-family prefill hosts: see families.h.
 #include "prefill/families.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "bridge/dsv4_stream.h"
+#include "common/sysmem.h"
 #include "engine/dsv4_cpu.h"
 #include "engine/llama_cpu.h"
 #include "prefill/pairing.h"
@@ -79,6 +81,16 @@ Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& 
 }
 
 }  // namespace
+
+int64_t machine_max_tokens(const PrefillStack& stack, const PrefillBackend& backend) {
+  constexpr int64_t kLongest = int64_t{1} << 21;  // the longest context this project serves
+  if (backend.name != "cpu" || stack.family != "llama") return kLongest;
+  const DecoderCacheLayout& l = stack.layout;
+  const int64_t per_token = 2 * l.layers * l.kv_heads * l.head_dim * 2;  // K and V, bf16
+  const int64_t available = host_available_bytes();
+  if (available <= 0 || per_token <= 0) return kLongest;
+  return std::clamp<int64_t>(available / 2 / per_token, 1, kLongest);
+}
 
 Status require_decoder_calls(const PrefillRequest& req) {
   if (!req.decoder_calls.empty()) return Status::ok();

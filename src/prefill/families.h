@@ -45,6 +45,10 @@ struct PrefillBackend {
   int64_t device_memory_budget_bytes = 0;
 };
 
+// The longest prompt a prefill host takes when --max-tokens is 0 (its default): 2,097,152
+// tokens, or for a CPU llama engine what half the host's available memory holds of its cache.
+int64_t machine_max_tokens(const PrefillStack& stack, const PrefillBackend& backend);
+
 // Whether this build has the CUDA backend.
 bool cuda_backend_built();
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <new>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -140,7 +141,13 @@ Status PrefillService::admit(const PrefillRequest& req, const std::vector<int64_
     return resource_exhausted("injected fault refuse-memory: out of device memory for " +
                               std::to_string(req.ids.size()) + " tokens");
   const int64_t longest = plan.empty() ? 0 : *std::max_element(plan.begin(), plan.end());
-  const Status st = engine_->reserve(static_cast<int64_t>(req.ids.size()), longest);
+  Status st;
+  try {
+    st = engine_->reserve(static_cast<int64_t>(req.ids.size()), longest);
+  } catch (const std::bad_alloc&) {  // an engine without a reserve of its own
+    st = resource_exhausted("out of host memory while admitting " + std::to_string(req.ids.size()) +
+                            " tokens");
+  }
   if (!st.is_ok())
     log_line("prefill", "refused a request of " + std::to_string(req.ids.size()) +
                             " tokens: " + st.to_string());
@@ -187,13 +194,18 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
   producer.set_arith(arith_);
   Status st;
   int64_t p = 0;
-  for (int64_t n : plan) {
-    if (!st.is_ok() || producer.cancelled()) break;
-    std::vector<int32_t> part(req.ids.begin() + p, req.ids.begin() + p + n);
-    st = engine_->prefill_chunk(part, producer.tap());
-    p += n;
+  try {
+    for (int64_t n : plan) {
+      if (!st.is_ok() || producer.cancelled()) break;
+      std::vector<int32_t> part(req.ids.begin() + p, req.ids.begin() + p + n);
+      st = engine_->prefill_chunk(part, producer.tap());
+      p += n;
+    }
+    if (st.is_ok()) st = engine_->finish();
+  } catch (const std::bad_alloc&) {  // the request ends, sealed by its manifest; the host serves on
+    st = resource_exhausted("out of host memory at token " + std::to_string(p) + " of " +
+                            std::to_string(T));
   }
-  if (st.is_ok()) st = engine_->finish();
   if (!st.is_ok()) log_line("prefill", "a prefill failed: " + st.to_string());
   return producer.finish(T, st);
 }

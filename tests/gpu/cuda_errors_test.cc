@@ -44,8 +44,7 @@ TEST_F(CudaErrorsTest, AbsurdMallocIsResourceExhaustedAndTheDeviceAllocatesAfter
   EXPECT_TRUE(contains(st.message(), "cudaMalloc(p, size_t{1} << 60)")) << st.message();
   size_t free_bytes = 0, total_bytes = 0;
   ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
-  EXPECT_TRUE(
-      contains(st.message(), " free of " + cuda::format_bytes(static_cast<int64_t>(total_bytes))))
+  EXPECT_TRUE(contains(st.message(), " free of " + format_bytes(static_cast<int64_t>(total_bytes))))
       << st.message();
   // Reported once: the thread's last error is clear, and the device still allocates and runs.
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);

@@ -30,7 +30,7 @@ bool contains(const std::string& s, const std::string& part) {
 void expect_budget_refusal(const Status& st, int64_t budget) {
   EXPECT_EQ(st.code(), Code::kResourceExhausted) << st.to_string();
   EXPECT_TRUE(contains(st.message(), "asked ")) << st.message();
-  EXPECT_TRUE(contains(st.message(), " free of the " + cuda::format_bytes(budget) + " budget"))
+  EXPECT_TRUE(contains(st.message(), " free of the " + format_bytes(budget) + " budget"))
       << st.message();
 }
 

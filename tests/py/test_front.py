@@ -319,8 +319,10 @@ def test_concurrent_clients_short_not_blocked_by_bridges(tiny, main_front) -> No
     ({**chat("hi", 4), "max_tokens": "4"}, 400, "invalid_field"),
     (chat("hi", 4, stream="yes"), 400, "invalid_field"),
     (chat("x " * 34000, 4), 400, "context_length_exceeded"),
+    # Regression (hardening issue): 100k nested levels in 200 KB crashed the front door.
+    (b"[" * 100000 + b"]" * 100000, 400, "invalid_json"),
 ], ids=["malformed-json", "unknown-model", "messages-not-list", "max-tokens-string",
-        "stream-string", "beyond-context-window"])
+        "stream-string", "beyond-context-window", "nested-100k-deep"])
 def test_bad_input_gets_json_4xx_and_serving_continues(tiny, main_front, body, status,
                                                        code) -> None:
     if code == "context_length_exceeded":
@@ -332,6 +334,16 @@ def test_bad_input_gets_json_4xx_and_serving_continues(tiny, main_front, body, s
     v = verdict_of(r.headers)
     assert not v["verdict"].startswith(("complete", "partial")), v
     ok = post_front(main_front, chat("Still there?", 4))
+    assert ok.status_code == 200 and answer(ok.json()), ok.text
+
+
+def test_body_over_the_limit_is_refused_before_it_is_read(tiny) -> None:
+    front = tiny.front(tiny.prefill(chunk=64).port, **{"max-body-mb": 1})
+    r = post_front(front, chat("y " * 700000, 4))  # ~1.4 MB
+    assert r.status_code == 413, r.text[:300]
+    assert r.json()["error"]["code"] == "payload_too_large"
+    assert "1 MiB" in r.json()["error"]["message"]
+    ok = post_front(front, chat("Still there?", 4))
     assert ok.status_code == 200 and answer(ok.json()), ok.text
 
 

@@ -24,15 +24,6 @@ bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
 
-TEST(CudaResource, BytesReadAsBinaryUnits) {
-  EXPECT_EQ(format_bytes(0), "0 B");
-  EXPECT_EQ(format_bytes(1023), "1023 B");
-  EXPECT_EQ(format_bytes(1024), "1.0 KiB");
-  EXPECT_EQ(format_bytes(int64_t{3} << 20), "3.0 MiB");
-  EXPECT_EQ(format_bytes(static_cast<int64_t>(12.3 * (int64_t{1} << 30))), "12.3 GiB");
-  EXPECT_EQ(format_bytes(int64_t{1} << 60), "1.0 EiB");
-}
-
 TEST(CudaResource, OutOfMemoryIsResourceExhaustedAndOtherErrorsAreInternal) {
   EXPECT_TRUE(failing_runtime_call(cudaSuccess).is_ok());
   const Status oom = failing_runtime_call(cudaErrorMemoryAllocation);

@@ -37,17 +37,6 @@ int device_now() {
 
 }  // namespace
 
-std::string format_bytes(int64_t bytes) {
-  static const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  if (bytes < 1024) return std::to_string(bytes) + " B";
-  double v = static_cast<double>(bytes);
-  int u = -1;
-  while (v >= 1024.0 && u < 5) v /= 1024.0, ++u;
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[u]);
-  return buf;
-}
-
 Status out_of_device_memory(size_t asked, std::string_view what) {
   return resource_exhausted("out of device memory on GPU " + std::to_string(device_now()) +
                             ": asked " + format_bytes(static_cast<int64_t>(asked)) + " for " +

@@ -21,11 +21,9 @@
 #include <utility>
 
 #include "common/status.h"
+#include "common/sysmem.h"
 
 namespace hetero::cuda {
-
-// "12.3 GiB", "512.0 MiB", "96 B": for messages.
-std::string format_bytes(int64_t bytes);
 
 // kResourceExhausted for `asked` bytes of device memory refused on the current device: "out of
 // device memory on GPU 0: asked 12.3 GiB for <what>; 4.1 GiB free of 139.8 GiB".
