@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,10 +17,15 @@ namespace hetero {
 Status ChildProcess::start(const std::vector<std::string>& argv,
                            const std::vector<std::string>& env, const std::string& log_path) {
   HETERO_CHECK(pid_ < 0 && !argv.empty());
+  const pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) return unavailable("fork failed");
   if (pid == 0) {
     setpgid(0, 0);  // own process group, so stop() reaches its children too
+    // The child dies with its parent (`hetero up` killed, crashed): never an orphan holding a
+    // port and memory. A parent already gone before this line is caught by the check after it.
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(1);
     if (!log_path.empty()) {
       int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (fd >= 0) dup2(fd, 1), dup2(fd, 2), close(fd);

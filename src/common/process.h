@@ -1,5 +1,6 @@
 // Child processes the hetero command starts (the decoder with its seam): spawn with argv and
 // extra environment, stop by pid (SIGTERM, then SIGKILL after a grace period), never by name.
+// A child gets SIGTERM when its parent dies.
 #pragma once
 
 #include <sys/types.h>

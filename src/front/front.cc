@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "common/http_json.h"
+#include "common/http_server.h"
 #include "common/json_text.h"
 #include "common/log.h"
 #include "front/sse_relay.h"
@@ -387,6 +388,7 @@ Status FrontServer::start() {
   if (cfg_.store_dir.empty()) return invalid_argument("--store is required (the seam's --store)");
   HETERO_RETURN_IF_ERROR(check_pairing());
   server_ = std::make_unique<httplib::Server>();
+  exclusive_port(*server_);
   const int threads = cfg_.threads;
   server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   for (const char* p : {"/v1/chat/completions", "/v1/completions"}) {

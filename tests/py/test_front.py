@@ -490,6 +490,34 @@ def test_doctor_all_green_then_sigint_stops_up(tmp_path) -> None:
         log.close()
 
 
+def test_children_die_with_a_killed_up(tmp_path) -> None:
+    # Regression (hardening issue): a `hetero up` that died left its decoder and prefill host
+    # running, holding their ports.
+    need(HETERO, "hetero binary")
+    need(TINY / "config.json", "tiny test model")
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen(
+            [str(HETERO), "up", "--port", str(free_port()), "--decoder-port", str(free_port()),
+             "--prefill-port", str(free_port()), "--work-dir", str(tmp_path / "work"), "--model",
+             str(TINY), "--python", PY], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while "hetero is up" not in log_path.read_text(errors="replace"):
+            assert up.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        kids = children_of(up.pid)
+        assert len(kids) >= 2, kids
+        up.kill()  # no chance to stop its children itself
+        up.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(k) for k in kids), kids
+    finally:
+        kill_with_children(up)
+
+
 # ---------------------------------------------------------------- the real model
 
 

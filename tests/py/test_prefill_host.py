@@ -83,3 +83,18 @@ def test_the_default_longest_prompt_follows_from_the_machine(exported, tmp_path)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_second_host_cannot_take_a_served_port(exported, tmp_path):
+    # Regression (hardening issue): SO_REUSEPORT let two prefill hosts share one port.
+    proc, port, _ = start(exported, tmp_path)
+    try:
+        second = subprocess.run([str(HETERO), "prefill", "--model", str(REAL), "--weights",
+                                 str(exported), "--port", str(port)],
+                                capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
+        assert second.returncode != 0, second.stdout + second.stderr
+        assert f"cannot bind 127.0.0.1:{port}" in second.stderr, second.stderr
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
