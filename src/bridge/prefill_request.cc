@@ -51,9 +51,13 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vo
     const json& c = j["decoder_calls"];
     int64_t total = 0;
     if (!c.is_array()) return invalid_argument("'decoder_calls' must be an array of lengths");
+    const int64_t n = static_cast<int64_t>(r.ids.size());
     for (const json& v : c) {
       if (!v.is_number_integer() || v.get<int64_t>() <= 0)
         return invalid_argument("'decoder_calls' entries must be positive integers");
+      if (v.get<int64_t>() > n - total)  // checked before adding: the sum cannot wrap
+        return invalid_argument("'decoder_calls' cover more than the " + std::to_string(n) +
+                                " ids");
       r.decoder_calls.push_back(v.get<int64_t>());
       total += r.decoder_calls.back();
     }

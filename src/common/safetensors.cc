@@ -8,6 +8,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/json_text.h"
+
 namespace hetero {
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -25,8 +27,10 @@ Result<SafetensorsFile> read_safetensors(const std::string& path, const TensorFi
     return data_loss(path + ": header length " + std::to_string(header_bytes) + " out of range");
   std::string header(header_bytes, '\0');
   in.read(header.data(), static_cast<std::streamsize>(header_bytes));
-  json h = json::parse(header, nullptr, /*allow_exceptions=*/false);
-  if (h.is_discarded() || !h.is_object()) return data_loss(path + ": header is not a JSON object");
+  auto parsed = parse_untrusted_json(header);
+  if (!parsed.is_ok() || !parsed->is_object())
+    return data_loss(path + ": header is not a JSON object");
+  const json& h = parsed.value();
   const int64_t data_start = 8 + static_cast<int64_t>(header_bytes);
   const int64_t data_bytes = file_bytes - data_start;
 
@@ -38,17 +42,27 @@ Result<SafetensorsFile> read_safetensors(const std::string& path, const TensorFi
           if (v.is_string()) out.metadata[k] = v.get<std::string>();
       continue;
     }
-    if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") ||
-        !info.contains("data_offsets"))
+    if (!info.is_object() || !info.contains("dtype") || !info["dtype"].is_string() ||
+        !info.contains("shape") || !info["shape"].is_array() || !info.contains("data_offsets") ||
+        !info["data_offsets"].is_array() || info["data_offsets"].size() != 2 ||
+        !info["data_offsets"][0].is_number_integer() ||
+        !info["data_offsets"][1].is_number_integer())
       return data_loss(path + ": tensor '" + name + "' has an incomplete header entry");
     auto dt = dtype_from_name(info["dtype"].get<std::string>());
     if (!dt.is_ok()) return data_loss(path + ": tensor '" + name + "': " + dt.status().message());
     Tensor t;
     t.dtype = dt.value();
-    for (auto& d : info["shape"]) t.shape.push_back(d.get<int64_t>());
+    // Sizes from the header are checked without overflow against the file: a negative dim or a
+    // product that wraps cannot make a tensor look like it fits.
+    int64_t want = dtype_size(t.dtype);
+    for (auto& d : info["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0 ||
+          __builtin_mul_overflow(want, d.get<int64_t>(), &want) || want > data_bytes)
+        return data_loss(path + ": tensor '" + name + "' has a bad shape " + info["shape"].dump());
+      t.shape.push_back(d.get<int64_t>());
+    }
     const int64_t begin = info["data_offsets"][0].get<int64_t>();
     const int64_t end = info["data_offsets"][1].get<int64_t>();
-    const int64_t want = t.numel() * dtype_size(t.dtype);
     if (begin < 0 || end < begin || end > data_bytes || end - begin != want)
       return data_loss(path + ": tensor '" + name + "' offsets [" + std::to_string(begin) + "," +
                        std::to_string(end) + ") do not match shape " + t.shape_string());

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
 
 namespace hetero {
 namespace fs = std::filesystem;
@@ -54,6 +56,28 @@ TEST(Safetensors, MalformedFilesAreRefused) {
   write_raw(p, R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", "abcd");
   EXPECT_FALSE(read_safetensors(p).is_ok());  // size does not match the shape
   EXPECT_EQ(read_safetensors(p + ".missing").status().code(), Code::kNotFound);
+  fs::remove(p);
+}
+
+TEST(Safetensors, HostileHeadersAreRefusedNotTrusted) {
+  // Regression (hardening issue): negative dims and element counts that overflow were accepted
+  // (-2 x -4 bf16 elements "fit" 16 bytes); a dtype that is no string threw.
+  const auto p = tmp_path("hostile.safetensors");
+  const std::vector<std::string> headers = {
+      R"({"x":{"dtype":"BF16","shape":[-2,-4],"data_offsets":[0,16]}})",
+      R"({"x":{"dtype":"BF16","shape":[4611686018427387904,4],"data_offsets":[0,0]}})",
+      R"({"x":{"dtype":7,"shape":[1],"data_offsets":[0,2]}})",
+      R"({"x":{"dtype":"BF16","shape":["a"],"data_offsets":[0,2]}})",
+      R"({"x":{"dtype":"BF16","shape":[1],"data_offsets":[0]}})",
+      R"({"x":{"dtype":"BF16","shape":[1],"data_offsets":["0","2"]}})",
+      std::string(200, '[') + std::string(200, ']'),
+  };
+  for (const std::string& h : headers) {
+    write_raw(p, h, std::string(16, 'a'));
+    auto r = read_safetensors(p);
+    EXPECT_FALSE(r.is_ok()) << h;
+    EXPECT_EQ(r.status().code(), Code::kDataLoss) << h << ": " << r.status().to_string();
+  }
   fs::remove(p);
 }
 

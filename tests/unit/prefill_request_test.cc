@@ -1,0 +1,48 @@
+// The prefill request contract (bridge/prefill_request.h): what the prefill host refuses, with a
+// clear message and never an overflow or an exception.
+#include "bridge/prefill_request.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace hetero {
+namespace {
+
+DecoderCacheLayout layout() {
+  DecoderCacheLayout l;
+  l.family = "llama", l.fingerprint = "fp", l.layers = 1, l.kv_heads = 1, l.head_dim = 4;
+  return l;
+}
+
+Status parse(const std::string& body) {
+  return parse_prefill_request(body, /*vocab=*/100, layout(), /*max_tokens=*/16).status();
+}
+
+TEST(PrefillRequest, RoundTripsThroughItsJson) {
+  PrefillRequest r{{1, 2, 3}, "fp", 2, {2, 1}};
+  auto back = parse_prefill_request(prefill_request_json(r).dump(), 100, layout(), 16);
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->ids, r.ids);
+  EXPECT_EQ(back->decoder_calls, r.decoder_calls);
+  EXPECT_EQ(back->chunk_tokens, 2);
+}
+
+TEST(PrefillRequest, RefusesWhatCannotBeServed) {
+  EXPECT_EQ(parse(R"({"ids": [1, 2], "fingerprint": "other"})").code(),
+            Code::kFailedPrecondition);
+  EXPECT_EQ(parse(R"({"ids": [1, 200], "fingerprint": "fp"})").code(), Code::kInvalidArgument);
+  EXPECT_EQ(parse(R"({"ids": [], "fingerprint": "fp"})").code(), Code::kInvalidArgument);
+  EXPECT_EQ(parse(std::string(1000, '[') + std::string(1000, ']')).code(),
+            Code::kInvalidArgument);
+  // Regression (hardening issue): a schedule whose sum overflows was accepted.
+  const Status wraps =
+      parse(R"({"ids": [1, 2], "fingerprint": "fp", "decoder_calls": [9223372036854775807, 3]})");
+  EXPECT_EQ(wraps.code(), Code::kInvalidArgument);
+  EXPECT_NE(wraps.message().find("cover more than"), std::string::npos) << wraps.message();
+  EXPECT_EQ(parse(R"({"ids": [1, 2], "fingerprint": "fp", "decoder_calls": [1]})").code(),
+            Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace hetero
