@@ -93,6 +93,8 @@ Options front_options() {
           {"decoder-timeout-ms", "HETERO_DECODER_TIMEOUT_MS", "1800000",
            "longest wait for one decoder reply"},
           {"threads", "HETERO_FRONT_THREADS", "32", "HTTP worker threads (at least 2)"},
+          {"bridge-queue", "HETERO_FRONT_BRIDGE_QUEUE", "8",
+           "cold requests that may wait for the running bridge; more get 503 with Retry-After"},
           {"max-body-mb", "HETERO_FRONT_MAX_BODY_MB", "64",
            "largest request body accepted, in MiB (a 2M-token prompt is ~10 MiB of text)"},
       });
@@ -119,7 +121,8 @@ Result<FrontConfig> front_config(const Options& opts) {
                      {"stall-ms", &c.stall_ms},
                      {"decoder-timeout-ms", &c.decoder_timeout_ms},
                      {"threads", &threads},
-                     {"max-body-mb", &max_body_mb}}) {
+                     {"max-body-mb", &max_body_mb},
+                     {"bridge-queue", &c.bridge_queue}}) {
     auto v = opts.get_int(f.name);
     if (!v.is_ok()) return v.status();
     if (v.value() < 0) return invalid_argument(std::string("--") + f.name + " must be >= 0");
@@ -174,6 +177,10 @@ Status FrontServer::check_pairing() const {
 BridgeOutcome FrontServer::bridge(const std::vector<int32_t>& ids, const json& info,
                                   int64_t decoder_cached) {
   const auto t_wait = Clock::now();
+  struct Waiting {  // counted by the caller on entering the queue, until this bridge is done
+    std::atomic<int64_t>* n;
+    ~Waiting() { --*n; }
+  } waiting{&bridges_waiting_};
   std::lock_guard<std::mutex> lock(bridge_mu_);
   const double queued_ms = ms_since(t_wait);
   BridgeParams p;
@@ -193,12 +200,14 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
                                     const std::string& path) {
   const auto t0 = Clock::now();
   metrics_.inflight(+1);
+  ++active_;
   Verdict v = Verdict::skipped("error");
   auto finish = [&](int status) {
     res.status = status;
     res.set_header("X-PD-Bridge", v.header_value());
     metrics_.record(v, status);
     metrics_.inflight(-1);
+    --active_;
     log_line("front", "POST " + path + " status=" + std::to_string(status) + " " +
                           v.header_value() + " total_ms=" + std::to_string(ms_since(t0)));
   };
@@ -213,6 +222,12 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     return fail(400, "invalid_request_error", "invalid_json",
                 "request body: " + parsed.status().message());
   json body = std::move(parsed.value());
+  // Two worker threads stay free for /health, /metrics and the refusals themselves.
+  if (const int64_t slots = std::max(1, cfg_.threads - 2); active_.load() > slots) {
+    res.set_header("Retry-After", "1");
+    return fail(503, "server_error", "busy",
+                "all " + std::to_string(slots) + " completion slots are taken; retry shortly");
+  }
   const bool chat = path == "/v1/chat/completions";
   if (std::string why = validate_request(body, chat); !why.empty())
     return fail(400, "invalid_request_error", "invalid_field", why);
@@ -270,6 +285,13 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
       route_request(T, mode.value(), cfg_.route, [&] { return seam_.cached_prefix(ids); });
   std::string pin;
   v = route.verdict;
+  if (route.bridge && bridges_waiting_.fetch_add(1) >= cfg_.bridge_queue + 1) {
+    --bridges_waiting_;
+    res.set_header("Retry-After", "5");
+    return fail(503, "server_error", "bridge_queue_full",
+                "a bridge is running and " + std::to_string(cfg_.bridge_queue) +
+                    " wait for it; retry shortly");
+  }
   if (route.bridge) {
     BridgeOutcome b = bridge(ids, info.value(), route.cached);
     v = std::move(b.verdict);
@@ -313,10 +335,16 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
 
   // What the stream's end (or a client gone before it began) must settle exactly once.
   struct StreamEnd {
-    StreamEnd(FrontMetrics* m, SeamClient s, std::string pin_, std::string path_,
-              Clock::time_point t)
-        : metrics(m), seam(std::move(s)), pin(std::move(pin_)), path(std::move(path_)), t0(t) {}
+    StreamEnd(FrontMetrics* m, std::atomic<int64_t>* a, SeamClient s, std::string pin_,
+              std::string path_, Clock::time_point t)
+        : metrics(m),
+          active(a),
+          seam(std::move(s)),
+          pin(std::move(pin_)),
+          path(std::move(path_)),
+          t0(t) {}
     FrontMetrics* metrics;
+    std::atomic<int64_t>* active;
     SeamClient seam;
     std::string pin, path;
     Clock::time_point t0;
@@ -326,11 +354,12 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
       seam.unpin(pin);
       metrics->record(confirmed, 200);
       metrics->inflight(-1);
+      --*active;
       log_line("front", "POST " + path + " stream status=200 " + confirmed.header_value() +
                             " total_ms=" + std::to_string(ms_since(t0)));
     }
   };
-  auto end = std::make_shared<StreamEnd>(&metrics_, seam_, pin, path, t0);
+  auto end = std::make_shared<StreamEnd>(&metrics_, &active_, seam_, pin, path, t0);
   auto relay = std::make_shared<SseUsageRelay>(v, client_wants_usage);
   auto cfg = cfg_;
   auto forward = std::make_shared<std::string>(body.dump());

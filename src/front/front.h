@@ -16,6 +16,7 @@
 // requests that do not bridge never wait for one.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,6 +52,7 @@ struct FrontConfig {
   int64_t decoder_timeout_ms = 0;
   int threads = 0;
   int64_t max_body_bytes = 0;  // larger request bodies get 413 before they are read
+  int64_t bridge_queue = 0;    // bridges that may wait for the one running; more get 503
 };
 
 Options front_options();
@@ -80,6 +82,10 @@ class FrontServer {
   SeamClient seam_;
   FrontMetrics metrics_;
   std::mutex bridge_mu_;  // one bridge at a time
+  // Completions being served (streams until their end) and bridges running or waiting: each
+  // capped, so /health and /metrics always find a worker thread, and a full queue is a 503 with
+  // Retry-After instead of a request holding a thread for minutes.
+  std::atomic<int64_t> active_{0}, bridges_waiting_{0};
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;
   int port_ = 0;

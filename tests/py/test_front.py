@@ -309,6 +309,56 @@ def test_concurrent_clients_short_not_blocked_by_bridges(tiny, main_front) -> No
     assert max(results[i][0] for i in range(4, 8)) < max(results[i][0] for i in range(4))
 
 
+def test_full_queues_refuse_with_retry_after_and_health_always_answers(tiny) -> None:
+    # Regression (hardening issue): each queued bridge held one of the front's worker threads;
+    # with enough of them a 2-token request waited 400 s and /health had no thread left.
+    stalled = tiny.prefill("stall-after:1", fresh=True)
+    front = tiny.front(stalled.port, **{"threads": 6, "bridge-queue": 1, "stall-ms": 4000})
+    results: Dict[int, requests.Response] = {}
+
+    def worker(i: int) -> None:
+        results[i] = post_front(front, chat(text(f"queue-{i}", 110), max_tokens=4))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(0.5)  # in order: the first bridges, the second waits, the third is over
+        health = requests.get(Stack.url(front.port, "/health"), timeout=5)
+        assert health.status_code == 200, health.text
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        stalled.kill()
+    codes = sorted(r.status_code for r in results.values())
+    assert codes == [200, 200, 503], codes
+    full = next(r for r in results.values() if r.status_code == 503)
+    assert full.json()["error"]["code"] == "bridge_queue_full", full.text
+    assert full.headers.get("Retry-After") == "5"
+    # Completion slots: threads - 2 = 1 here; more at once get 503 busy, /metrics still answers.
+    slow = tiny.prefill("stall-after:1", fresh=True)
+    busy_front = tiny.front(slow.port, **{"threads": 3, "bridge-queue": 8, "stall-ms": 4000})
+    got: Dict[int, requests.Response] = {}
+
+    def busy(i: int) -> None:
+        got[i] = post_front(busy_front, chat(text(f"busy-{i}", 110), max_tokens=4))
+
+    workers = [threading.Thread(target=busy, args=(i,)) for i in range(2)]
+    try:
+        for t in workers:
+            t.start()
+            time.sleep(0.5)
+        assert requests.get(Stack.url(busy_front.port, "/metrics"), timeout=5).status_code == 200
+        for t in workers:
+            t.join(timeout=120)
+    finally:
+        slow.kill()
+    codes = sorted(r.status_code for r in got.values())
+    assert codes == [200, 503], codes
+    refused = next(r for r in got.values() if r.status_code == 503)
+    assert refused.json()["error"]["code"] == "busy" and refused.headers["Retry-After"] == "1"
+
+
 # ---------------------------------------------------------------- 5. bad input
 
 

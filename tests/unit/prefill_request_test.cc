@@ -29,12 +29,10 @@ TEST(PrefillRequest, RoundTripsThroughItsJson) {
 }
 
 TEST(PrefillRequest, RefusesWhatCannotBeServed) {
-  EXPECT_EQ(parse(R"({"ids": [1, 2], "fingerprint": "other"})").code(),
-            Code::kFailedPrecondition);
+  EXPECT_EQ(parse(R"({"ids": [1, 2], "fingerprint": "other"})").code(), Code::kFailedPrecondition);
   EXPECT_EQ(parse(R"({"ids": [1, 200], "fingerprint": "fp"})").code(), Code::kInvalidArgument);
   EXPECT_EQ(parse(R"({"ids": [], "fingerprint": "fp"})").code(), Code::kInvalidArgument);
-  EXPECT_EQ(parse(std::string(1000, '[') + std::string(1000, ']')).code(),
-            Code::kInvalidArgument);
+  EXPECT_EQ(parse(std::string(1000, '[') + std::string(1000, ']')).code(), Code::kInvalidArgument);
   // Regression (hardening issue): a schedule whose sum overflows was accepted.
   const Status wraps =
       parse(R"({"ids": [1, 2], "fingerprint": "fp", "decoder_calls": [9223372036854775807, 3]})");
