@@ -11,9 +11,10 @@ MODEL := models/smollm2-135m-instruct
 STAMPS := .stamps
 JOBS ?= 2
 APT_PACKAGES := cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcpp-httplib-dev \
-  libopenblas-dev libxxhash-dev libssl-dev zlib1g-dev libbrotli-dev clang-format python3-venv
+  libopenblas-dev libxxhash-dev libssl-dev zlib1g-dev libbrotli-dev clang-format python3-venv \
+  clang libclang-rt-14-dev libomp-dev
 
-.PHONY: up test deps venv model tiny tiny-dsv4 prompts build unit pytest demo format format-check clean
+.PHONY: up test deps venv model tiny tiny-dsv4 prompts build unit pytest fuzz demo format format-check clean
 
 # The whole served stack on the default model: prefill host, decoder with seam, front door on
 # :8012 (Ctrl-C stops all three). Check it from another shell with ./build/hetero doctor.
@@ -25,7 +26,7 @@ demo: build model
 	./build/hetero verify --model $(MODEL) --prompt-file prompts/capital.txt --max-tokens 32
 
 test: build model tiny tiny-dsv4 prompts
-	$(MAKE) --no-print-directory format-check unit pytest
+	$(MAKE) --no-print-directory format-check unit fuzz pytest
 
 # The long real chat prompt (>= 4,000 tokens), made from a text every Debian system has.
 prompts: prompts/chat/05-long-license.json
@@ -80,6 +81,26 @@ pytest: build model tiny tiny-dsv4
 	HETERO_TEST_MODEL=$(CURDIR)/models/tiny-llama HETERO_TOKENIZER=$(CURDIR)/$(MODEL) \
 	HETERO_DSV4_MODEL=$(CURDIR)/models/dsv4-tiny \
 	HETERO_MODEL=$(CURDIR)/$(MODEL) HETERO_NO_SKIPS=1 PYTHONPATH=python $(VPY) -m pytest -q tests/py
+
+# The libFuzzer targets (fuzz/), built with clang and ASan/UBSan in build-fuzz/, each run for
+# FUZZ_RUNS executions from its committed seed corpus (fuzz/corpus/<target>); a crash, a leak or
+# undefined behaviour fails the target and leaves the input in build-fuzz/.
+FUZZ_RUNS ?= 20000
+FUZZ_TARGETS := wire prefill_request front_request safetensors
+fuzz: $(STAMPS)/deps
+	CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DHETERO_FUZZ=ON >/dev/null
+	cmake --build build-fuzz -j$(JOBS) --target hetero_fuzz_seeds \
+	  $(addprefix hetero_fuzz_,$(FUZZ_TARGETS))
+	build-fuzz/hetero_fuzz_seeds fuzz/corpus
+	@for t in $(FUZZ_TARGETS); do \
+	  rm -rf build-fuzz/corpus-$$t && cp -r fuzz/corpus/$$t build-fuzz/corpus-$$t || exit 1; \
+	  (cd build-fuzz && ./hetero_fuzz_$$t -runs=$(FUZZ_RUNS) -max_len=65536 \
+	    -print_final_stats=1 corpus-$$t >fuzz-$$t.log 2>&1); rc=$$?; \
+	  echo "fuzz $$t: $$(grep -o 'number_of_executed_units: [0-9]*' build-fuzz/fuzz-$$t.log)," \
+	    "exit $$rc"; \
+	  if [ $$rc -ne 0 ]; then tail -60 build-fuzz/fuzz-$$t.log; exit 1; fi; \
+	done
 
 format:
 	clang-format -i $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')

@@ -27,6 +27,9 @@ class Assembler {
   virtual Status finish(const Manifest& m) = 0;
   virtual int64_t covered_tokens() const = 0;
   virtual int64_t segments() const = 0;
+  // The most payload one segment of this request can carry (all of the requested prefix at
+  // once): the receiver's cap on a frame, so no peer can make it reserve more on its word.
+  virtual int64_t max_segment_bytes() const = 0;
   // Whether a prefix of b verified tokens can be mounted (llama: any b <= covered; a family
   // whose cache carries end-of-prefix state: only the whole request once it arrived).
   virtual bool can_mount(int64_t b) const = 0;
@@ -52,6 +55,9 @@ class CacheAssembler : public Assembler {
   Status finish(const Manifest& m) override;
   int64_t covered_tokens() const override { return covered_; }
   int64_t segments() const override { return segments_; }
+  int64_t max_segment_bytes() const override {
+    return 2 * layout_.layers * layout_.kv_heads * requested_ * layout_.head_dim * 2;  // bf16 K, V
+  }
   bool can_mount(int64_t b) const override { return b >= 1 && b <= covered_; }
   // Per layer `layers.{i}.keys` / `.values`, bf16 [kv_heads, b, head_dim], for rows [0, b).
   TensorMap arrays(int64_t b) const override;

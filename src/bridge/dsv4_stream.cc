@@ -95,6 +95,16 @@ Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<Wi
 Dsv4Assembler::Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens)
     : layout_(std::move(expected)), requested_(requested_tokens) {}
 
+int64_t Dsv4Assembler::max_segment_bytes() const {
+  int64_t bytes = 0;  // the one segment [0, T): every pooled row, the window at its longest
+  for (const auto& [name, shape] : expected_arrays(layout_, 0, requested_, requested_)) {
+    int64_t n = name == "window_idx" ? 8 : 2;
+    for (int64_t d : shape) n *= d == -1 ? requested_ : d;
+    bytes += n;
+  }
+  return bytes;
+}
+
 Status Dsv4Assembler::accept(const Segment& s) {
   HETERO_RETURN_IF_ERROR(check_segment_order(layout_, requested_, covered_, segments_, s));
   const auto want = expected_arrays(layout_, s.pos0, s.n_tokens, requested_);

@@ -49,6 +49,7 @@ class Dsv4Assembler : public Assembler {
   Status finish(const Manifest& m) override;
   int64_t covered_tokens() const override { return covered_; }
   int64_t segments() const override { return segments_; }
+  int64_t max_segment_bytes() const override;
   bool can_mount(int64_t b) const override { return b == requested_ && covered_ == requested_; }
   TensorMap arrays(int64_t b) const override;
   nlohmann::json entry_extra() const override { return {{"window_idx", window_idx_}}; }

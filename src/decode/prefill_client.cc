@@ -16,10 +16,6 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-// The largest frame the parser buffers. A segment of a 1B model at an 8K-token chunk is
-// ~270 MB; this bounds what a peer can make us hold for one frame.
-constexpr int64_t kMaxFrameBytes = int64_t{8} << 30;
-
 Code code_for_http(int status) {
   if (status == 409) return Code::kFailedPrecondition;
   if (status == 507) return Code::kResourceExhausted;
@@ -29,8 +25,9 @@ Code code_for_http(int status) {
 
 }  // namespace
 
+// A frame is refused beyond what one segment of this request can hold, before it is buffered.
 StreamReceiver::StreamReceiver(Assembler* assembler)
-    : assembler_(assembler), parser_(kMaxFrameBytes) {}
+    : assembler_(assembler), parser_(std::max<int64_t>(1, assembler->max_segment_bytes())) {}
 
 bool StreamReceiver::feed(const char* data, size_t n) {
   if (!status_.is_ok() || have_manifest_) return false;

@@ -1,17 +1,22 @@
-// Where a completion request goes: straight to the decoder, or through a bridge first. A pure
-// decision on the prompt's length, the client's X-PD-Bridge-Mode header and what the decoder
-// already holds of it; the lookup of the latter is a callback, made only when the decision
-// needs it (a short prompt never costs a lookup).
+// What a completion request must be, and where it goes: straight to the decoder, or through a
+// bridge first. The route is a pure decision on the prompt's length, the client's
+// X-PD-Bridge-Mode header and what the decoder already holds of it; the lookup of the latter is
+// a callback, made only when the decision needs it (a short prompt never costs a lookup).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "common/status.h"
 #include "decode/verdict.h"
 
 namespace hetero {
+
+// Why a parsed request body is not a completion request the decoder can take ("" when it is):
+// the field types the decoder would otherwise answer with a crash or a 500 mid-stream.
+std::string completion_request_error(const nlohmann::json& body, bool chat);
 
 enum class BridgeMode { kAuto, kNative, kBridge };
 
