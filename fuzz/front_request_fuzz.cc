@@ -8,8 +8,8 @@
 #include "front/routing.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  auto body = hetero::parse_untrusted_json(
-      std::string_view(reinterpret_cast<const char*>(data), size));
+  auto body =
+      hetero::parse_untrusted_json(std::string_view(reinterpret_cast<const char*>(data), size));
   if (!body.is_ok()) return 0;
   for (bool chat : {true, false})
     if (hetero::completion_request_error(body.value(), chat).empty()) (void)body->dump();

@@ -89,3 +89,28 @@ TEST(Assembler, StoreEntryIsComplete) {
 }
 
 }  // namespace hetero
+
+#include "decode/prefill_client.h"
+
+namespace hetero {
+namespace {
+
+TEST(StreamReceiver, AFrameLargerThanTheRequestCouldNeedIsRefusedBeforeBuffering) {
+  // Regression (hardening issue, found by fuzz/wire_fuzz.cc): the receiver reserved whatever
+  // a frame's prefix declared, up to 8 GiB, before any of it arrived.
+  CacheAssembler assembler(layout(), 10);
+  EXPECT_EQ(assembler.max_segment_bytes(), 2 * 2 * 2 * 10 * 4 * 2);
+  StreamReceiver receiver(&assembler);
+  std::string prefix = "HSG1";
+  const uint32_t header_bytes = 2;
+  const uint64_t payload_bytes = uint64_t{1} << 30;
+  prefix.append(reinterpret_cast<const char*>(&header_bytes), 4);
+  prefix.append(reinterpret_cast<const char*>(&payload_bytes), 8);
+  EXPECT_FALSE(receiver.feed(prefix.data(), prefix.size()));
+  EXPECT_EQ(receiver.status().code(), Code::kDataLoss);
+  EXPECT_NE(receiver.status().message().find("exceeds the limit"), std::string::npos)
+      << receiver.status().message();
+}
+
+}  // namespace
+}  // namespace hetero
