@@ -78,6 +78,9 @@ def test_bridge_matches_native(name: str, chunk: int, tmp_path: Path) -> None:
     assert acc["bridged"]["processed"] == 1
     if name.startswith("05"):
         assert r["T"] >= 4000
+    # The seam wrote both dumps in its own dump directory, where verify read them.
+    dumps = (tmp_path / "store" / "dumps").resolve()
+    assert {Path(p).parent for p in r["dumps"].values()} == {dumps}
 
 
 def test_verify_refuses_an_empty_prompt(tmp_path: Path) -> None:
