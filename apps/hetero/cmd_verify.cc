@@ -24,6 +24,7 @@
 #include "common/compare.h"
 #include "common/process.h"
 #include "common/safetensors.h"
+#include "common/secret.h"
 #include "decode/bridge.h"
 #include "prefill/backend_options.h"
 #include "prefill/service.h"
@@ -53,6 +54,8 @@ Options verify_options() {
       {"min-cosine", "", "-2", "cosine floor of the cache arrays (-2: off)"},
       {"reason", "", "", "why a tolerance looser than bit-exact is allowed (required then)"},
       {"timeout-ms", "", "1800000", "deadline for each decoder or prefill call"},
+      secret_file_option("the decoder seam's shared secret: given to the decoder verify starts "
+                         "(and its own prefill host), or the one the attached decoder requires"),
   };
   // The in-process prefill host takes every backend option `hetero prefill` does.
   for (OptionSpec& s : prefill_backend_specs()) rows.push_back(std::move(s));
@@ -163,6 +166,10 @@ int cmd_verify(int argc, char** argv) {
   }
   fs::create_directories(work);
   const std::string python = resolve_path(opts.get("python"));
+  std::string secret_file = opts.get("secret-file");
+  if (!secret_file.empty()) secret_file = fs::absolute(secret_file).string();
+  auto secret = read_secret_file(secret_file);
+  if (!secret.is_ok()) return fail("options", secret.status());
 
   // The decoder, with its seam and a store, as `hetero up` starts it.
   ChildProcess decoder;
@@ -172,13 +179,15 @@ int cmd_verify(int argc, char** argv) {
   if (!attached) {
     port = free_port();
     fs::create_directories(work + "/store");
-    if (Status st = start_decoder(&decoder, python, model, port, work + "/store", log); !st.is_ok())
+    if (Status st = start_decoder(&decoder, python, model, port, work + "/store", log, secret_file);
+        !st.is_ok())
       return fail("decoder", st);
   }
-  if (Status st = wait_http_ok(port, "/hetero/info", attached ? nullptr : &decoder, 300000, log);
+  if (Status st = wait_http_ok(port, "/hetero/info", attached ? nullptr : &decoder, 300000, log,
+                               secret.value());
       !st.is_ok())
     return fail("decoder", st);
-  const SeamClient seam("127.0.0.1", port, tmo);
+  const SeamClient seam("127.0.0.1", port, tmo, secret.value());
   auto info = seam.info();
   if (!info.is_ok()) return fail("decoder info", info.status());
   if (!info->contains("store") || !(*info)["store"].is_string())
@@ -204,6 +213,7 @@ int cmd_verify(int argc, char** argv) {
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   service.set_capture(stack->capture);
   service.set_arith(stack->arith);
+  service.set_secret(secret.value());
   if (Status st = service.start("127.0.0.1", 0); !st.is_ok()) return fail("prefill host", st);
   const std::string endpoint = prompt.value().first;
   json request = prompt.value().second;
@@ -246,6 +256,7 @@ int cmd_verify(int argc, char** argv) {
   params.chunk_tokens = parsed->chunk_tokens;
   params.partial_min_fraction = 1.0;  // verify checks whole prefixes only
   params.stall_ms = params.deadline_ms = tmo;
+  params.secret = secret.value();
   BridgeOutcome bridged_leg = run_bridge(seam, info.value(), ids, /*decoder_cached=*/0, params);
   const FetchResult& fetched = bridged_leg.fetch;
   if (bridged_leg.verdict.kind != VerdictKind::kComplete)

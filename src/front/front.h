@@ -51,6 +51,7 @@ struct FrontConfig {
   int64_t decoder_timeout_ms = 0;
   int threads = 0;
   int64_t max_body_bytes = 0;  // larger request bodies get 413 before they are read
+  std::string secret;          // the stack's shared secret, sent to the seam and /v1/prefill
 };
 
 Options front_options();
