@@ -22,22 +22,27 @@ from .errors import SeamError, bad_request
 DUMPS_DIR = "dumps"
 # A dump's name: a plain file name, never a path (no separator, no leading dot, so no "..").
 _DUMP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors")
-# The longest secret file read; `hetero up` writes 64 hex digits.
-_MAX_SECRET_BYTES = 4096
+# The longest secret, and secret file, read; `hetero up` writes 64 hex digits.
+_MAX_SECRET_CHARS = 4096
+_MAX_SECRET_FILE_BYTES = 65536
 
 
 def read_secret(path: Path) -> str:
     """The shared secret in `path` (surrounding whitespace dropped); SystemExit when unusable."""
     try:
-        raw = Path(path).read_bytes()[: _MAX_SECRET_BYTES + 1]
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_SECRET_FILE_BYTES + 1)
     except OSError as e:
         raise SystemExit(f"hetero_mlx: cannot read --secret-file {path}: {e}") from None
-    try:
-        secret = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        raise SystemExit(f"hetero_mlx: --secret-file {path} is not ASCII text") from None
-    if not secret or len(raw) > _MAX_SECRET_BYTES or any(c.isspace() for c in secret):
-        raise SystemExit(f"hetero_mlx: --secret-file {path} must hold one token (1-4096 chars)")
+    secret = raw.decode("latin-1").strip(" \t\r\n")
+    # As the C++ side reads it (common/secret.cc): printable ASCII, no space inside.
+    if len(raw) > _MAX_SECRET_FILE_BYTES or not 1 <= len(secret) <= _MAX_SECRET_CHARS or not all(
+        33 <= ord(c) < 127 for c in secret
+    ):
+        raise SystemExit(
+            f"hetero_mlx: --secret-file {path} must hold one token of 1 to 4096 printable ASCII "
+            "characters"
+        )
     return secret
 
 

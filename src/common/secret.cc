@@ -14,6 +14,7 @@ namespace hetero {
 
 constexpr size_t kSecretBytes = 32;
 constexpr size_t kMaxSecretChars = 4096;
+constexpr size_t kMaxSecretFileBytes = 65536;
 
 OptionSpec secret_file_option(std::string help) {
   return {"secret-file", "HETERO_SECRET_FILE", "", std::move(help)};
@@ -52,7 +53,7 @@ Result<std::string> read_secret_file(const std::string& path) {
   if (path.empty()) return std::string();
   std::ifstream in(path, std::ios::binary);
   if (!in) return not_found("cannot read the secret file " + path);
-  std::string text(kMaxSecretChars + 2, '\0');
+  std::string text(kMaxSecretFileBytes + 1, '\0');
   in.read(text.data(), static_cast<std::streamsize>(text.size()));
   text.resize(static_cast<size_t>(in.gcount()));
   const size_t begin = text.find_first_not_of(" \t\r\n");
@@ -60,7 +61,8 @@ Result<std::string> read_secret_file(const std::string& path) {
   const std::string secret = begin == std::string::npos ? "" : text.substr(begin, end - begin + 1);
   bool printable = true;
   for (char c : secret) printable = printable && c > ' ' && c < 0x7f;
-  if (secret.empty() || secret.size() > kMaxSecretChars || !printable)
+  if (text.size() > kMaxSecretFileBytes || secret.empty() || secret.size() > kMaxSecretChars ||
+      !printable)
     return invalid_argument("the secret file " + path +
                             " must hold one token of 1 to 4096 printable ASCII characters");
   return secret;

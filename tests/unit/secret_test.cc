@@ -56,7 +56,8 @@ TEST(Secret, ReadingTrimsAndRefusesWhatIsNoToken) {
   EXPECT_EQ(read_secret_file((dir / "absent").string()).status().code(), Code::kNotFound);
   for (const std::string& bad :
        {std::string(""), std::string(" \n"), std::string("two words"), std::string(5000, 'x'),
-        std::string("tab\tinside"), std::string("\x01\x02")}) {
+        std::string("tab\tinside"), std::string("\x01\x02"), std::string(4096, 'x') + "\n\ny",
+        std::string(4096, 'x') + std::string(70000, ' ')}) {
     write_text(dir / "bad", bad);
     EXPECT_EQ(read_secret_file((dir / "bad").string()).status().code(), Code::kInvalidArgument)
         << bad.substr(0, 20);
