@@ -9,6 +9,7 @@
 
 #include "commands.h"
 #include "common/http_json.h"
+#include "common/secret.h"
 #include "front/front.h"
 
 namespace hetero {
@@ -20,6 +21,9 @@ Options doctor_options() {
   for (const char* name : {"port", "decoder-host", "decoder-port", "prefill-host", "prefill-port"})
     rows.push_back(front.spec(name));
   rows.push_back({"bridge-words", "", "400", "words in the bridged probe prompt"});
+  rows.push_back(
+      secret_file_option("the stack's shared secret (hetero up: <work-dir>/secret), "
+                         "for the decoder seam; none: the seam must be open"));
   return Options("doctor", "Check every link of a running stack (hetero up).", std::move(rows));
 }
 
@@ -57,12 +61,15 @@ int cmd_doctor(int argc, char** argv) {
   const int port = static_cast<int>(port_r.value()), dport = static_cast<int>(dport_r.value());
   const std::string dhost = opts.get("decoder-host"), phost = opts.get("prefill-host");
   const int pport = static_cast<int>(pport_r.value()), words = static_cast<int>(words_r.value());
+  auto secret = read_secret_file(opts.get("secret-file"));
+  if (!secret.is_ok())
+    return std::fprintf(stderr, "doctor: %s\n", secret.status().message().c_str()), 2;
   Checks c;
 
   auto front = http_json("127.0.0.1", port, "/health", json(), 5000);
   c.report(front.is_ok() && front->status == 200, "front door :" + std::to_string(port),
            front.is_ok() ? front->body.dump() : front.status().message());
-  auto info = http_json_ok(dhost, dport, "/hetero/info", json(), 5000);
+  auto info = http_json_ok(dhost, dport, "/hetero/info", json(), 5000, secret.value());
   c.report(info.is_ok(), "decoder seam :" + std::to_string(dport),
            info.is_ok() ? "model " + info->value("model", "?") : info.status().message());
   if (info.is_ok())

@@ -16,6 +16,7 @@
 #include "commands.h"
 #include "common/log.h"
 #include "common/safetensors.h"
+#include "common/secret.h"
 #include "decode/prefill_client.h"
 #include "engine/dsv4_cpu.h"
 #include "model/dsv4.h"
@@ -141,6 +142,8 @@ Options prefill_options() {
        "offline: where to write the assembled cache (safetensors); for deepseek_v4 without "
        "--weights a directory for the attention inputs (--chunk may then be a list a,b,c, the "
        "last repeated)"},
+      secret_file_option("the stack's shared secret (hetero up writes one): POST /v1/prefill "
+                         "requires it as a bearer token; none: open"),
   };
   for (OptionSpec& s : prefill_backend_specs()) rows.push_back(std::move(s));
   return Options("prefill",
@@ -229,11 +232,16 @@ int cmd_prefill(int argc, char** argv) {
   auto port = opts.get_int("port");
   if (!port.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", port.status().message().c_str()), 2;
+  auto secret = read_secret_file(opts.get("secret-file"));
+  if (!secret.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", secret.status().message().c_str()), 2;
+  service.set_secret(secret.value());
   Status st = service.start(opts.get("host"), static_cast<int>(port.value()));
   if (!st.is_ok()) return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
   log_line("prefill", "serving POST /v1/prefill on " + opts.get("host") + ":" +
                           std::to_string(service.bound_port()) + " fingerprint " +
-                          layout.fingerprint);
+                          layout.fingerprint +
+                          (secret->empty() ? ", open (no --secret-file)" : ", secret required"));
   wait_for_signal();
   service.stop();
   return 0;

@@ -8,6 +8,7 @@
 
 #include "commands.h"
 #include "common/log.h"
+#include "common/secret.h"
 #include "front/front.h"
 #include "prefill/backend_options.h"
 #include "stack.h"
@@ -22,7 +23,9 @@ Options up_options() {
       {"prefill-model", "HETERO_PREFILL_MODEL", "",
        "the prefill host's checkpoint (default: --model; deepseek_v4: the official FP8 layout)"},
       {"python", "HETERO_PYTHON", ".venv/bin/python", "interpreter with the pinned decoder"},
-      {"work-dir", "HETERO_WORK_DIR", "out/up", "logs, decoder weights and the store"},
+      {"work-dir", "HETERO_WORK_DIR", "out/up", "logs, decoder weights, the store, the secret"},
+      secret_file_option("the stack's shared secret; default: a new one per start in "
+                         "<work-dir>/secret (mode 0600). Every process gets the file's path"),
       {"exit-when-ready", "", "", "start, print the endpoint, then stop (for tests)", true},
   };
   // The three ports: the front door's own rows (one default each).
@@ -54,6 +57,17 @@ int cmd_up(int argc, char** argv) {
     return std::fprintf(stderr, "up: ports must be integers\n"), 2;
   if (auto backend = prefill_backend_from(opts); !backend.is_ok())
     return std::fprintf(stderr, "up: %s\n", backend.status().message().c_str()), 2;
+  // One secret for the stack: the seam and the prefill host refuse calls without it.
+  std::string secret_file = opts.get("secret-file");
+  if (secret_file.empty()) {
+    secret_file = (work / "secret").string();
+    if (Status st = write_new_secret_file(secret_file); !st.is_ok())
+      return std::fprintf(stderr, "up: %s\n", st.message().c_str()), 1;
+  }
+  secret_file = fs::absolute(secret_file).string();
+  auto secret = read_secret_file(secret_file);
+  if (!secret.is_ok())
+    return std::fprintf(stderr, "up: %s\n", secret.status().message().c_str()), 2;
 
   std::printf("exporting decoder weights...\n");
   std::fflush(stdout);
@@ -65,7 +79,7 @@ int cmd_up(int argc, char** argv) {
   ChildProcess decoder, prefill;
   const std::string dlog = (work / "decoder.log").string(), plog = (work / "prefill.log").string();
   if (Status st = start_decoder(&decoder, python, model, static_cast<int>(dport.value()),
-                                (work / "store").string(), dlog);
+                                (work / "store").string(), dlog, secret_file);
       !st.is_ok())
     return std::fprintf(stderr, "up: decoder: %s\n", st.message().c_str()), 1;
   std::vector<std::string> prefill_argv = {(fs::path(repo_root()) / "build" / "hetero").string(),
@@ -75,7 +89,9 @@ int cmd_up(int argc, char** argv) {
                                            "--weights",
                                            weights,
                                            "--port",
-                                           std::to_string(pport.value())};
+                                           std::to_string(pport.value()),
+                                           "--secret-file",
+                                           secret_file};
   for (std::string& f : prefill_backend_flags(opts)) prefill_argv.push_back(std::move(f));
   if (Status st = prefill.start(prefill_argv, {}, plog); !st.is_ok())
     return std::fprintf(stderr, "up: prefill: %s\n", st.message().c_str()), 1;
@@ -84,7 +100,8 @@ int cmd_up(int argc, char** argv) {
   std::fflush(stdout);
   for (auto [p, path, child, log] : {std::tuple{dport.value(), "/hetero/info", &decoder, dlog},
                                      std::tuple{pport.value(), "/health", &prefill, plog}})
-    if (Status st = wait_http_ok(static_cast<int>(p), path, child, 300000, log); !st.is_ok())
+    if (Status st = wait_http_ok(static_cast<int>(p), path, child, 300000, log, secret.value());
+        !st.is_ok())
       return std::fprintf(stderr, "up: %s\n", st.message().c_str()), 1;
 
   Options fo = front_options();  // the front's other knobs: defaults and HETERO_* env
@@ -95,6 +112,7 @@ int cmd_up(int argc, char** argv) {
   cfg->port = static_cast<int>(port.value());
   cfg->decoder_port = static_cast<int>(dport.value());
   cfg->prefill_port = static_cast<int>(pport.value());
+  cfg->secret = secret.value();
   FrontServer front(cfg.value());
   if (Status st = front.start(); !st.is_ok())
     return std::fprintf(stderr, "up: front: %s\n", st.to_string().c_str()), 1;
@@ -104,9 +122,10 @@ int cmd_up(int argc, char** argv) {
       "  curl -s %s/v1/chat/completions -H 'Content-Type: application/json' \\\n"
       "    -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello!\"}],\"max_tokens\":32}' "
       "-i\n\n"
-      "Every reply carries X-PD-Bridge (the bridge verdict). Check the links: hetero doctor\n"
+      "Every reply carries X-PD-Bridge (the bridge verdict). Check the links:\n"
+      "  hetero doctor --secret-file %s\n"
       "Ctrl-C stops all three.\n",
-      url.c_str(), url.c_str());
+      url.c_str(), url.c_str(), secret_file.c_str());
   std::fflush(stdout);
   if (!opts.get_bool("exit-when-ready")) wait_for_signal();
   front.stop();

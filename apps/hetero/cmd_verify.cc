@@ -3,12 +3,15 @@
 // one) and an in-process prefill host with any backend `hetero prefill` takes, then:
 //   1. ids = the decoder's own tokenization; B = T - 1 (the decoder keeps >= 1 token)
 //   2. native: cold request (greedy, K tokens); the decoder's own cache for ids[:B] is dumped
+//      (into the seam's dump directory, <store>/dumps; read back from the path it answers)
 //   3. bridge: run_bridge (decode/bridge.h), the same function the front door calls: prefill
 //      ids[:B] over POST /v1/prefill, verify, store, mount ids[:B], check
 //   4. the mounted cache is dumped; the same request again, from the mounted prefix, and its
 //      verdict confirmed by the decoder's usage as the front door confirms it
 // and compares every array, the continuation and the decoder's own token accounting.
 // Prints one JSON object; exit 0 only when all of it passes.
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -21,6 +24,7 @@
 #include "common/compare.h"
 #include "common/process.h"
 #include "common/safetensors.h"
+#include "common/secret.h"
 #include "decode/bridge.h"
 #include "prefill/backend_options.h"
 #include "prefill/service.h"
@@ -50,6 +54,8 @@ Options verify_options() {
       {"min-cosine", "", "-2", "cosine floor of the cache arrays (-2: off)"},
       {"reason", "", "", "why a tolerance looser than bit-exact is allowed (required then)"},
       {"timeout-ms", "", "1800000", "deadline for each decoder or prefill call"},
+      secret_file_option("the decoder seam's shared secret: given to the decoder verify starts "
+                         "(and its own prefill host), or the one the attached decoder requires"),
   };
   // The in-process prefill host takes every backend option `hetero prefill` does.
   for (OptionSpec& s : prefill_backend_specs()) rows.push_back(std::move(s));
@@ -160,6 +166,10 @@ int cmd_verify(int argc, char** argv) {
   }
   fs::create_directories(work);
   const std::string python = resolve_path(opts.get("python"));
+  std::string secret_file = opts.get("secret-file");
+  if (!secret_file.empty()) secret_file = fs::absolute(secret_file).string();
+  auto secret = read_secret_file(secret_file);
+  if (!secret.is_ok()) return fail("options", secret.status());
 
   // The decoder, with its seam and a store, as `hetero up` starts it.
   ChildProcess decoder;
@@ -169,13 +179,15 @@ int cmd_verify(int argc, char** argv) {
   if (!attached) {
     port = free_port();
     fs::create_directories(work + "/store");
-    if (Status st = start_decoder(&decoder, python, model, port, work + "/store", log); !st.is_ok())
+    if (Status st = start_decoder(&decoder, python, model, port, work + "/store", log, secret_file);
+        !st.is_ok())
       return fail("decoder", st);
   }
-  if (Status st = wait_http_ok(port, "/hetero/info", attached ? nullptr : &decoder, 300000, log);
+  if (Status st = wait_http_ok(port, "/hetero/info", attached ? nullptr : &decoder, 300000, log,
+                               secret.value());
       !st.is_ok())
     return fail("decoder", st);
-  const SeamClient seam("127.0.0.1", port, tmo);
+  const SeamClient seam("127.0.0.1", port, tmo, secret.value());
   auto info = seam.info();
   if (!info.is_ok()) return fail("decoder info", info.status());
   if (!info->contains("store") || !(*info)["store"].is_string())
@@ -201,6 +213,7 @@ int cmd_verify(int argc, char** argv) {
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   service.set_capture(stack->capture);
   service.set_arith(stack->arith);
+  service.set_secret(secret.value());
   if (Status st = service.start("127.0.0.1", 0); !st.is_ok()) return fail("prefill host", st);
   const std::string endpoint = prompt.value().first;
   json request = prompt.value().second;
@@ -221,9 +234,18 @@ int cmd_verify(int argc, char** argv) {
     return fail("clear", c.status());
   auto native = ask(port, endpoint, request, max_new.value(), tmo);
   if (!native.is_ok()) return fail("native request", native.status());
-  const std::string native_dump = work + "/native.safetensors";
-  auto nd = seam.call("/hetero/cache", {{"ids", ids}, {"B", B}, {"out", native_dump}});
-  if (!nd.is_ok()) return fail("native cache dump", nd.status());
+  // The decoder's own cache for ids[:B], written by the seam into its dump directory under a
+  // name of this run's own (an attached decoder's may hold others'); its path comes back.
+  auto dump = [&](const std::string& leg) -> Result<std::string> {
+    const std::string name = "verify-" + std::to_string(getpid()) + "-" + leg + ".safetensors";
+    HETERO_ASSIGN_OR_RETURN(json r,
+                            seam.call("/hetero/cache", {{"ids", ids}, {"B", B}, {"out", name}}));
+    if (!r.contains("path") || !r["path"].is_string())
+      return data_loss("/hetero/cache answered without a path");
+    return r["path"].get<std::string>();
+  };
+  auto native_dump = dump("native");
+  if (!native_dump.is_ok()) return fail("native cache dump", native_dump.status());
   if (auto c = seam.call("/hetero/clear", json::object()); !c.is_ok())
     return fail("clear", c.status());
 
@@ -234,6 +256,7 @@ int cmd_verify(int argc, char** argv) {
   params.chunk_tokens = parsed->chunk_tokens;
   params.partial_min_fraction = 1.0;  // verify checks whole prefixes only
   params.stall_ms = params.deadline_ms = tmo;
+  params.secret = secret.value();
   BridgeOutcome bridged_leg = run_bridge(seam, info.value(), ids, /*decoder_cached=*/0, params);
   const FetchResult& fetched = bridged_leg.fetch;
   if (bridged_leg.verdict.kind != VerdictKind::kComplete)
@@ -241,9 +264,8 @@ int cmd_verify(int argc, char** argv) {
   auto layout_or = layout_from_json(info.value());
   if (!layout_or.is_ok()) return fail("decoder info", layout_or.status());
   const DecoderCacheLayout layout = layout_or.value();
-  const std::string mounted_dump = work + "/mounted.safetensors";
-  auto md = seam.call("/hetero/cache", {{"ids", ids}, {"B", B}, {"out", mounted_dump}});
-  if (!md.is_ok()) return fail("mounted cache dump", md.status());
+  auto mounted_dump = dump("mounted");
+  if (!mounted_dump.is_ok()) return fail("mounted cache dump", mounted_dump.status());
   auto bridged = ask(port, endpoint, request, max_new.value(), tmo);
   seam.unpin(bridged_leg.pin);
   if (!bridged.is_ok()) return fail("bridged request", bridged.status());
@@ -252,8 +274,13 @@ int cmd_verify(int argc, char** argv) {
                                             "the decoder's reply carried no cached_tokens"});
 
   // Compare: every array, the continuation, the accounting.
-  auto want = read_safetensors(native_dump);
-  auto got = read_safetensors(mounted_dump);
+  auto want = read_safetensors(native_dump.value());
+  auto got = read_safetensors(mounted_dump.value());
+  if (attached) {  // an attached decoder's store is not ours to fill; a started one's is
+    std::error_code ec;
+    fs::remove(native_dump.value(), ec);
+    fs::remove(mounted_dump.value(), ec);
+  }
   if (!want.is_ok() || !got.is_ok())
     return fail("read dumps", want.is_ok() ? got.status() : want.status());
   CompareSpec spec;
@@ -365,6 +392,9 @@ int cmd_verify(int argc, char** argv) {
         {"bridged_request", bridged->ms}}},
       {"bytes", fetched.bytes},
       {"work_dir", work},
+      {"dumps", attached
+                    ? json()
+                    : json{{"native", native_dump.value()}, {"mounted", mounted_dump.value()}}},
       {"failures", failures},
   };
   std::printf("%s\n", out.dump(2).c_str());

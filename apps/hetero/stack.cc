@@ -37,10 +37,12 @@ std::string log_tail(const std::string& log_path, size_t lines) {
 }
 
 Status start_decoder(ChildProcess* child, const std::string& python, const std::string& model,
-                     int port, const std::string& store, const std::string& log_path) {
+                     int port, const std::string& store, const std::string& log_path,
+                     const std::string& secret_file) {
   std::vector<std::string> argv = {python,    "-m",  "hetero_mlx", "serve",
                                    "--model", model, "--port",     std::to_string(port)};
   if (!store.empty()) argv.insert(argv.end(), {"--store", store});
+  if (!secret_file.empty()) argv.insert(argv.end(), {"--secret-file", secret_file});
   return child->start(argv, {seam_pythonpath()}, log_path);
 }
 
@@ -57,12 +59,12 @@ Status export_decoder_weights(const std::string& python, const std::string& mode
 }
 
 Status wait_http_ok(int port, const std::string& path, ChildProcess* child, int64_t timeout_ms,
-                    const std::string& log_path) {
+                    const std::string& log_path, const std::string& secret) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (std::chrono::steady_clock::now() < deadline) {
     if (child && !child->running())
       return unavailable("process exited during start; see " + log_path + log_tail(log_path, 3));
-    auto r = http_json("127.0.0.1", port, path, nlohmann::json(), 2000);
+    auto r = http_json("127.0.0.1", port, path, nlohmann::json(), 2000, secret);
     if (r.is_ok() && r->status == 200) return Status::ok();
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }

@@ -23,6 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--test-faults", action="store_true", help="enable POST /hetero/fault (tests only)"
     )
+    serve.add_argument(
+        "--secret-file",
+        type=Path,
+        help="file holding the shared secret every /hetero/ request must carry as a bearer token",
+    )
 
     export = sub.add_parser("export", help="decoder weights + decoder.json for the prefill host")
     export.add_argument("--model", required=True)
@@ -127,7 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "serve":
         from .serve import serve
 
-        serve(_mlx_argv(args, extra), args.store, args.test_faults)
+        serve(_mlx_argv(args, extra), args.store, args.test_faults, args.secret_file)
     elif args.command == "export":
         from .export import export
 

@@ -1,15 +1,18 @@
 """The /hetero/* endpoints, added to mlx-lm's own APIHandler on the server's own port.
 
-Paths under /hetero/ are answered here; every other request goes to APIHandler unchanged.
-Every seam reply is JSON; errors are {"error": {"code", "message"}} with a 4xx status, and
-nothing a client sends can raise out of a handler.
+Paths under /hetero/ are answered here; every other request goes to APIHandler unchanged, except
+a completion request naming another model, adapters or draft model than the served ones (mlx-lm
+would drop its model to load them), which the seam refuses. Every seam reply is JSON without
+CORS headers; errors are {"error": {"code", "message"}} with a 4xx status, and nothing a client
+sends can raise out of a handler. Access rules (secret, JSON bodies, dump directory): access.py.
 
   POST /hetero/tokenize       OpenAI chat or completions body -> {"ids", "n", "segments"}
   GET  /hetero/info           model layout, fingerprint, versions, prompt-cache stats
   POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
   POST /hetero/mount          {"entry", "ids"} -> {"mounted": B, "pin"} (pins.py)
   POST /hetero/unpin          {"pin"} -> {"released": bool}
-  POST /hetero/cache          {"ids", "B", "out"} -> {"B", "path"} (truth dump, read-only)
+  POST /hetero/cache          {"ids", "B", "out": name} -> {"B", "path"} (truth dump into
+                              <store>/dumps/name; the prompt cache is only read)
   POST /hetero/clear          -> {"cleared": number of entries dropped} (and every pin)
   POST /hetero/fault          {"kind"} -> {"armed"} (serve --test-faults only; pins.py)
 """
@@ -27,6 +30,7 @@ import mlx_lm
 from mlx_lm.server import APIHandler, ModelProvider
 
 from . import STORE_FORMAT
+from .access import check_auth, check_json_body, write_dump
 from .errors import SeamError, bad_request
 from .llama import build_cache, cache_arrays
 from .pins import unpin_request
@@ -46,6 +50,8 @@ class Seam:
     prompt_cache: LockedPromptCache
     desc: Dict[str, Any]  # llama.describe() of the loaded model
     store: Optional[Path]
+    dumps: Optional[Path] = None  # access.dumps_dir(store): where /hetero/cache writes
+    secret: Optional[str] = None  # every /hetero/ request must carry it (access.check_auth)
 
     @property
     def model_key(self) -> Any:
@@ -97,6 +103,35 @@ def _openai_path(body: Dict[str, Any]) -> str:
             raise bad_request("bad_prompt", "prompt must be a non-empty string")
         return "/v1/completions"
     raise bad_request("missing_prompt", "body has neither messages nor prompt")
+
+
+# mlx-lm's completion endpoints. A request there names a model, adapters and a draft model, and
+# the generation thread loads whatever they map to (ModelProvider.load), dropping the served
+# model first, even when the load then fails.
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+
+
+def check_served_model(provider: ModelProvider, body: Dict[str, Any]) -> None:
+    """Refuses a request that would make mlx-lm load anything: its model, adapters and draft
+    model must map, as ModelProvider.load maps them, to the ones it started with. Accepted
+    model names: "default_model" (what the front door forwards) and --model as given."""
+    model_map = provider._model_map
+    adapter_map, draft_map = provider._adapter_map, provider._draft_model_map
+    served = (model_map["default_model"], adapter_map["default_model"], draft_map["default_model"])
+    model = body.get("model", "default_model")
+    if not isinstance(model, str) or model_map.get(model, model) != served[0]:
+        raise SeamError(
+            404,
+            "model_not_served",
+            f"model {model!r} is not served here; this decoder serves {served[0]!r} (also "
+            "named 'default_model') and loads no other",
+        )
+    adapter = adapter_map.get(model, body.get("adapters"))
+    if adapter != served[1]:
+        raise bad_request("adapter_not_served", f"adapters {adapter!r} are not served here")
+    draft = body.get("draft_model", "default_model")
+    if not (draft is None or isinstance(draft, str)) or draft_map.get(draft, draft) != served[2]:
+        raise bad_request("draft_model_not_served", f"draft_model {draft!r} is not served here")
 
 
 def _rejection(raw: bytes) -> SeamError:
@@ -162,7 +197,17 @@ class SeamHandler(APIHandler):
             return super().do_GET()
         self._dispatch({"/hetero/info": SeamHandler._info}, has_body=False)
 
+    def do_OPTIONS(self):
+        # mlx-lm approves every preflight; a browser must never get a cross-origin JSON request
+        # (or an Authorization header) through to the seam.
+        if not self.path.startswith(PREFIX):
+            return super().do_OPTIONS()
+        error = SeamError(405, "method_not_allowed", "the seam answers no CORS preflight")
+        self._reply(error.status, error.body(), {"Allow": "GET, POST"})
+
     def do_POST(self):
+        if self.path in COMPLETION_PATHS:
+            return self._completion()
         if not self.path.startswith(PREFIX):
             return super().do_POST()
         routes = {
@@ -178,20 +223,52 @@ class SeamHandler(APIHandler):
 
     def _dispatch(self, routes: Dict[str, Any], has_body: bool):
         route = routes.get(self.path.split("?", 1)[0])
+        headers = {}
         try:
+            check_auth(self.headers.get("Authorization"), self.seam.secret)
             if route is None:
                 raise SeamError(404, "not_found", f"no seam endpoint {self.command} {self.path}")
             if has_body:
+                check_json_body(self.headers.get("Content-Type"))
                 raw = self._read_raw()
                 status, reply = 200, route(self, raw, self._parse(raw))
             else:
                 status, reply = 200, route(self)
         except SeamError as e:
             status, reply = e.status, e.body()
+            if e.status == 401:
+                headers["WWW-Authenticate"] = "Bearer"
         except Exception as e:  # a bug, not a client error: still a JSON reply
             log.exception("seam %s failed", self.path)
             status, reply = 500, {"error": {"code": "internal", "message": str(e)}}
-        self._reply(status, reply)
+        self._reply(status, reply, headers)
+
+    def _completion(self):
+        """mlx-lm's own completion handling, after check_served_model on the body. A body the
+        seam cannot read as a JSON object goes to mlx-lm as it came, for its own error reply."""
+        try:
+            n_bytes = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            n_bytes = -1
+        if n_bytes < 0:
+            return super().do_POST()
+        raw = self.rfile.read(n_bytes)
+        try:
+            body = json.loads(raw.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            body = None
+        if isinstance(body, dict):
+            try:
+                check_served_model(self.seam.provider, body)
+            except SeamError as e:
+                log.warning("refused %s: %s", self.path, e.message)
+                return self._reply(e.status, e.body())
+        saved = self.rfile
+        self.rfile = io.BytesIO(raw)  # mlx-lm reads the body again; the connection stays ours
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = saved
 
     def _read_raw(self) -> bytes:
         length = self.headers.get("Content-Length")
@@ -213,9 +290,15 @@ class SeamHandler(APIHandler):
     def _parse(raw: bytes) -> Dict[str, Any]:
         return parse_body(raw)
 
-    def _reply(self, status: int, reply: Dict[str, Any]):
+    def _reply(
+        self, status: int, reply: Dict[str, Any], headers: Optional[Dict[str, str]] = None
+    ):
+        # Not _set_completion_headers: it adds mlx-lm's CORS headers.
         data = json.dumps(reply).encode()
-        self._set_completion_headers(status)
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -265,6 +348,7 @@ class SeamHandler(APIHandler):
         and ResponseGenerator._tokenize. Its output goes to a buffer, read only on rejection.
         """
         path = _openai_path(body)
+        check_served_model(self.seam.provider, body)
         probe, sink = _TokenizeProbe(self.response_generator), io.BytesIO()
         saved = (self.path, self.rfile, self.wfile, self.response_generator)
         self.path, self.rfile, self.wfile = path, io.BytesIO(raw), sink
@@ -306,10 +390,11 @@ class SeamHandler(APIHandler):
 
     def _cache_dump(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
         ids = request_ids(body, self.seam.desc["vocab_size"])
-        n, out = dump_request(body, ids)
+        n, out = dump_request(body, ids, self.seam.dumps)
         arrays = self._native_arrays(ids[:n])
-        mx.save_safetensors(out, arrays, metadata={"format": STORE_FORMAT, "B": str(n)})
-        return {"B": n, "path": out}
+        metadata = {"format": STORE_FORMAT, "B": str(n)}
+        write_dump(out, lambda tmp: mx.save_safetensors(tmp, arrays, metadata=metadata))
+        return {"B": n, "path": str(out)}
 
     def _native_arrays(self, prefix: List[int]) -> Dict[str, mx.array]:
         """The server's own cached rows for exactly `prefix`, read without changing the cache.

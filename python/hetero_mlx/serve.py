@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx_lm.server as mlx_server
 from mlx_lm.server import ModelProvider, ResponseGenerator
 
+from .access import dumps_dir, read_secret
 from .llama import describe
 from .pins import Pins
 from .prompt_cache import LockedPromptCache
@@ -76,13 +77,21 @@ def _model_type(argv: List[str]) -> Optional[str]:
         return None
 
 
-def serve(argv: List[str], store: Optional[Path], test_faults: bool = False) -> None:
+def serve(
+    argv: List[str],
+    store: Optional[Path],
+    test_faults: bool = False,
+    secret_file: Optional[Path] = None,
+) -> None:
     """Runs the server until interrupted; argv is the decoder server's options. test_faults
-    enables POST /hetero/fault (pins.py), for the front door's tests only."""
+    enables POST /hetero/fault (pins.py), for the front door's tests only; with secret_file,
+    every /hetero/ request must carry the secret it holds (access.py)."""
     if _model_type(argv) in VLM_MODEL_TYPES:
         from .vlm_serve import serve as serve_vlm
 
-        return serve_vlm(argv, store, test_faults)
+        return serve_vlm(argv, store, test_faults, secret_file)
+    secret = read_secret(secret_file) if secret_file else None
+    dumps = dumps_dir(store)
     provider = mlx_provider(argv)
     log.info("mlx-lm options: %s", vars(provider.cli_args))
     group = mx.distributed.init()
@@ -99,8 +108,14 @@ def serve(argv: List[str], store: Optional[Path], test_faults: bool = False) -> 
     except ValueError as e:
         generator.stop_and_join()
         raise SystemExit(f"hetero_mlx: {e}") from None
-    log.info("seam: %s fingerprint %s, store %s", desc["model_type"], desc["fingerprint"], store)
-    seam = Seam(provider=provider, prompt_cache=prompt_cache, desc=desc, store=store)
+    log.info(
+        "seam: %s fingerprint %s, store %s, %s",
+        desc["model_type"],
+        desc["fingerprint"],
+        store,
+        "secret required" if secret else "open (no --secret-file)",
+    )
+    seam = Seam(provider, prompt_cache, desc, store, dumps=dumps, secret=secret)
     args = provider.cli_args
     handler = functools.partial(SeamHandler, seam=seam)
     mlx_server._run_http_server(args.host, args.port, generator, handler_class=handler)

@@ -1,5 +1,5 @@
 """Reading one decoder-store entry written by the C++ front, trusting nothing in it; and the
-request fields that name ids, entries and dump targets, checked the same way for every decoder.
+request fields that name ids, entries and dump files, checked the same way for every decoder.
 
 An entry is a directory with
   entry.json         {"format": "hetero-store-v1", "family", "fingerprint", "B", "T",
@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from . import STORE_FORMAT
+from .access import dump_target
 from .errors import bad_request, conflict
 from .llama import array_names, dtype_name
 
@@ -87,14 +88,15 @@ def request_ids(body: Dict[str, Any], vocab_size: int) -> List[int]:
     return ids
 
 
-def dump_request(body: Dict[str, Any], ids: Sequence[int]) -> Tuple[int, str]:
-    """The (B, out) of a truth-dump request for `ids`."""
-    n, out = body.get("B"), body.get("out")
+def dump_request(
+    body: Dict[str, Any], ids: Sequence[int], dumps: Optional[Path]
+) -> Tuple[int, Path]:
+    """The (B, file to write) of a truth-dump request for `ids`: the file is the request's
+    plain name "out" inside the seam's dump directory (access.dump_target)."""
+    n = body.get("B")
     if not _is_int(n) or not 1 <= n <= len(ids):
         raise bad_request("bad_prefix_length", f"B must be an integer in [1, {len(ids)}]")
-    if not isinstance(out, str) or not out.endswith(".safetensors"):
-        raise bad_request("bad_out", "out must be a path ending in .safetensors")
-    return n, out
+    return n, dump_target(body, dumps)
 
 
 def _read_json(path: Path) -> Dict[str, Any]:

@@ -16,14 +16,19 @@ Construction, in order:
      dry run knows when it is compacting).
   4. The app's lifespan is wrapped: once mlx-vlm's own startup has loaded the model, the seam
      describes it and checks the prefix cache; a failure stops the server before its port opens.
-  5. The /hetero/ routes are added to mlx-vlm's FastAPI app, which uvicorn then serves.
+  5. The /hetero/ routes are added to mlx-vlm's FastAPI app, which uvicorn then serves, with
+     one middleware outside mlx-vlm's own (SeamGate: no CORS on /hetero/, no unloading).
+  6. mlx-vlm's model loader, as its endpoints reach it, is wrapped: once the seam is attached,
+     a request naming another model (or adapter, or kind of model) is refused before it loads
+     (mlx-vlm would unload the served model first).
 
   POST /hetero/tokenize       OpenAI chat body -> {"ids", "n", "segments"} (mlx-vlm's own path)
   GET  /hetero/info           model layout, fingerprint, versions, prefix-cache state
   POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
   POST /hetero/mount          {"entry", "ids"} -> {"mounted": B, "pin"} (pins.py)
   POST /hetero/unpin          {"pin"} -> {"released": bool}
-  POST /hetero/cache          {"ids", "B", "out"} -> {"B", "path", "window_idx"} (truth dump)
+  POST /hetero/cache          {"ids", "B", "out": name} -> {"B", "path", "window_idx"} (truth
+                              dump into <store>/dumps/name)
   POST /hetero/clear          -> {"cleared": number of checkpoints dropped} (and every pin)
   POST /hetero/fault          {"kind"} -> {"armed"} (serve --test-faults only; pins.py)
 
@@ -36,6 +41,7 @@ against the decoder's usage catches.
 import asyncio
 import functools
 import importlib
+import json
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -59,6 +65,7 @@ from mlx_vlm.server.generation import (
 from mlx_vlm.version import __version__ as mlx_vlm_version
 
 from . import STORE_FORMAT, dsv4
+from .access import check_auth, check_json_body, dumps_dir, read_secret, write_dump
 from .errors import SeamError, bad_request, conflict
 from .pins import Pins, unpin_request
 from .seam import parse_body, run_capturing
@@ -179,8 +186,10 @@ def _check_chat_body(body: Dict[str, Any], model: str) -> None:
         raise bad_request("bad_messages", "each message must be an object with a role")
     # mlx-vlm unloads the served model to load any other one a request names.
     if "model" in body and body["model"] != model:
-        raise bad_request(
-            "model_not_served", f"model {body['model']!r} is not served here; this is {model!r}"
+        raise SeamError(
+            404,
+            "model_not_served",
+            f"model {body['model']!r} is not served here; this is {model!r}",
         )
     if body.get("adapter_path") is not None:
         raise bad_request("adapter_not_served", "requests naming an adapter are not bridged")
@@ -192,9 +201,18 @@ def _check_chat_body(body: Dict[str, Any], model: str) -> None:
 class VlmSeam:
     """What the seam endpoints share: mlx-vlm's runtime, its prefix cache and the family."""
 
-    def __init__(self, model_path: str, store: Optional[Path], test_faults: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        store: Optional[Path],
+        test_faults: bool = False,
+        secret: Optional[str] = None,
+    ):
         self.model_path = model_path
         self.store = store
+        self.dumps = dumps_dir(store)  # where /hetero/cache writes (access.py)
+        self.secret = secret  # every /hetero/ request must carry it (access.check_auth)
+        self.adapter_path: Optional[str] = None  # the served model's adapter, once attached
         self.pins = Pins(faults_enabled=test_faults)
         self.runtime = _server_module("runtime").runtime
         self.generator: Any = None
@@ -224,6 +242,8 @@ class VlmSeam:
         self.family = FAMILIES[model_type]
         self.desc = self.family.describe(generator.model)
         self.generator, self.manager = generator, manager
+        loaded = _server_module("app")._model_cache_registry().for_kind("text_generation")
+        self.adapter_path = (loaded or {}).get("adapter_path")
         # The salt generate() gives a text-only request without tenant headers (the front
         # forwards none): mlx-vlm's default tenant, no media, the model's own key dependencies.
         tenant = _server_module("app")._read_tenant_id(None)
@@ -269,6 +289,25 @@ class VlmSeam:
             return lookup(token_ids, *args, **kwargs)
 
         manager.lookup_exact_cache = lookup_with_pins
+
+    def check_load(self, model_path: Any, adapter_path: Any, model_kind: str) -> None:
+        """Refuses, once attached, a load of anything but the served text model: mlx-vlm would
+        first unload the served one (get_cached_model). Other kinds (embeddings, audio,
+        images) would load a second model beside it; this decoder serves one."""
+        if self.generator is None:
+            return  # mlx-vlm's own startup, loading the served model
+        if model_path != self.model_path or model_kind not in ("auto", "text_generation"):
+            raise ModelNotServed(
+                404,
+                "model_not_served",
+                f"model {model_path!r} ({model_kind}) is not served here; this decoder serves "
+                f"{self.model_path!r} for text generation and loads no other",
+            )
+        inherit = _server_module("app")._INHERIT_ADAPTER
+        if adapter_path is not inherit and adapter_path != self.adapter_path:
+            raise ModelNotServed(
+                400, "adapter_not_served", f"adapter {adapter_path!r} is not served here"
+            )
 
     def _live(self) -> Any:
         """The generator the seam attached to, while it is still the one serving."""
@@ -437,7 +476,7 @@ class VlmSeam:
         """
         self._live()
         ids = request_ids(body, self.desc["vocab_size"])
-        n, out = dump_request(body, ids)
+        n, out = dump_request(body, ids, self.dumps)
         prefix, manager = tuple(ids[:n]), self.manager
         with manager.lock:
             entries = list(manager._exact_cache.values())
@@ -452,8 +491,8 @@ class VlmSeam:
             )
         arrays, window_idx = self.family.cache_arrays(found[0].prompt_cache, n)
         metadata = {"format": STORE_FORMAT, "B": str(n), "window_idx": str(window_idx)}
-        mx.save_safetensors(out, arrays, metadata=metadata)
-        return {"B": n, "path": out, "window_idx": window_idx}
+        write_dump(out, lambda tmp: mx.save_safetensors(tmp, arrays, metadata=metadata))
+        return {"B": n, "path": str(out), "window_idx": window_idx}
 
     def clear(self) -> Dict[str, Any]:
         self._live()
@@ -481,21 +520,105 @@ def _check_window(arrays: Dict[str, mx.array], layers: int, n: int, window_idx: 
 # ---- HTTP --------------------------------------------------------------------------------
 
 
+class ModelNotServed(HTTPException):
+    """A seam refusal raised inside mlx-vlm's endpoints, which re-raise HTTPExceptions (and
+    answer 500 for anything else); the app's handler for it answers the seam's JSON error."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(status_code=status, detail=message)
+        self.error = SeamError(status, code, message)
+
+
+def _guard_loader(seam: VlmSeam) -> None:
+    """mlx-vlm's endpoints reach the loader as the package attribute (app._server_package_attr);
+    the wrapper there refuses what VlmSeam.check_load refuses. Its own startup calls the
+    module's function directly and is not wrapped."""
+    package = importlib.import_module("mlx_vlm.server")
+    load = package.get_cached_model
+
+    @functools.wraps(load)
+    def guarded(model_path: Any, *args: Any, **kwargs: Any):
+        inherit = _server_module("app")._INHERIT_ADAPTER
+        adapter_path = args[0] if args else kwargs.get("adapter_path", inherit)
+        seam.check_load(model_path, adapter_path, kwargs.get("model_kind", "auto"))
+        return load(model_path, *args, **kwargs)
+
+    package.get_cached_model = guarded
+
+
+class SeamGate:
+    """ASGI middleware outside mlx-vlm's own (its CORSMiddleware approves every origin).
+
+    /hetero/ requests reach the app without their Origin header, so no CORS header is added to
+    a seam reply and no preflight is approved (OPTIONS gets a 405 here); access-control headers
+    are taken off seam replies besides. Unloading the model (/unload) and changing its settings
+    (which reloads it on the next request) are refused: the seam's decoder keeps its model.
+    """
+
+    REFUSED = {("POST", "/unload"), ("PATCH", "/v1/settings"), ("PATCH", "/settings")}
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, method = scope.get("path", ""), scope.get("method", "")
+        if (method, path) in self.REFUSED:
+            message = f"{method} {path} is refused: this decoder keeps serving its model"
+            return await _send_error(send, SeamError(403, "refused_by_seam", message))
+        if not path.startswith(PREFIX):
+            return await self.app(scope, receive, send)
+        if method == "OPTIONS":
+            error = SeamError(405, "method_not_allowed", "the seam answers no CORS preflight")
+            return await _send_error(send, error, [(b"allow", b"GET, POST")])
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"origin"]
+        scope = dict(scope, headers=headers)
+
+        async def send_without_cors(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                kept = [
+                    (k, v)
+                    for k, v in message.get("headers", [])
+                    if not k.lower().startswith(b"access-control-")
+                ]
+                message = dict(message, headers=kept)
+            await send(message)
+
+        await self.app(scope, receive, send_without_cors)
+
+
+async def _send_error(send: Callable, error: SeamError, headers: Optional[list] = None) -> None:
+    data = json.dumps(error.body()).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    head += headers or []
+    await send({"type": "http.response.start", "status": error.status, "headers": head})
+    await send({"type": "http.response.body", "body": data})
 
 
 def _install_routes(app: Any, seam: VlmSeam) -> None:
     """The /hetero/ routes on mlx-vlm's app. Each answers JSON; nothing raises out of one.
 
+    Every route checks the secret first (or, without one, mlx-vlm's management API key as
+    mlx-vlm's own management routes do), then that a POST body is JSON (access.py).
     Work that touches MLX arrays or waits on APC's lock runs on a worker thread (arrays made
     there are evaluated there); the tokenize dry run runs on the event loop, as mlx-vlm's
     endpoint does.
     """
     require_key = _server_module("app")._require_management_api_key
 
+    def authorize(request: Request) -> None:
+        if seam.secret is None:
+            return require_key(request)
+        check_auth(request.headers.get("authorization"), seam.secret)
+
     def route(handler: Callable[..., Awaitable[Dict[str, Any]]], has_body: bool):
         async def endpoint(request: Request) -> JSONResponse:
+            headers = {}
             try:
-                require_key(request)
+                authorize(request)
+                if has_body:
+                    check_json_body(request.headers.get("content-type"))
                 body = parse_body(await request.body()) if has_body else {}
                 status, reply = 200, await handler(request, body)
             except SeamError as e:
@@ -506,7 +629,9 @@ def _install_routes(app: Any, seam: VlmSeam) -> None:
             except Exception as e:  # a bug, not a client error: still a JSON reply
                 log.exception("seam %s failed", request.url.path)
                 status, reply = 500, {"error": {"code": "internal", "message": str(e)}}
-            return JSONResponse(reply, status_code=status)
+            if status == 401:
+                headers["WWW-Authenticate"] = "Bearer"
+            return JSONResponse(reply, status_code=status, headers=headers)
 
         return endpoint
 
@@ -534,6 +659,13 @@ def _install_routes(app: Any, seam: VlmSeam) -> None:
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
     app.add_api_route(PREFIX + "{rest:path}", route(not_found, False), methods=methods)
 
+    async def refused(request: Request, exc: ModelNotServed) -> JSONResponse:
+        log.warning("refused %s: %s", request.url.path, exc.error.message)
+        return JSONResponse(exc.error.body(), status_code=exc.error.status)
+
+    app.add_exception_handler(ModelNotServed, refused)
+    app.add_middleware(SeamGate)  # added last: outermost, outside mlx-vlm's CORSMiddleware
+
 
 # ---- startup -----------------------------------------------------------------------------
 
@@ -556,10 +688,16 @@ def _model_arg(argv: List[str]) -> str:
     raise SystemExit("hetero_mlx: serve needs --model")
 
 
-def serve(argv: List[str], store: Optional[Path], test_faults: bool = False) -> None:
+def serve(
+    argv: List[str],
+    store: Optional[Path],
+    test_faults: bool = False,
+    secret_file: Optional[Path] = None,
+) -> None:
     """Runs mlx-vlm's server with the seam until interrupted; argv is mlx-vlm server options."""
     import uvicorn
 
+    secret = read_secret(secret_file) if secret_file else None
     for name, value in APC_DEFAULTS.items():
         os.environ.setdefault(name, value)
     run_kwargs = _vlm_cli(argv)
@@ -573,7 +711,7 @@ def serve(argv: List[str], store: Optional[Path], test_faults: bool = False) -> 
     compaction = _server_module("compaction")
     compaction.compact_response_context = _compaction_aware(compaction.compact_response_context)
 
-    seam = VlmSeam(_model_arg(argv), store, test_faults)
+    seam = VlmSeam(_model_arg(argv), store, test_faults, secret)
     app = app_module.app
     startup = app.router.lifespan_context
 
@@ -593,5 +731,6 @@ def serve(argv: List[str], store: Optional[Path], test_faults: bool = False) -> 
 
     app.router.lifespan_context = lifespan_with_seam
     _install_routes(app, seam)
+    _guard_loader(seam)
     log.info("mlx-vlm options: %s", app_module.runtime.config.current())
     uvicorn.run(app, **run_kwargs)

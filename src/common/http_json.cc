@@ -4,17 +4,21 @@
 #include <httplib.h>
 
 #include "common/json_text.h"
+#include "common/secret.h"
 
 namespace hetero {
 
 Result<HttpJsonReply> http_json(const std::string& host, int port, const std::string& path,
-                                const nlohmann::json& body, int64_t timeout_ms) {
+                                const nlohmann::json& body, int64_t timeout_ms,
+                                const std::string& secret) {
   httplib::Client cli(host, port);
   cli.set_connection_timeout(std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 5000)));
   cli.set_read_timeout(std::chrono::milliseconds(timeout_ms));
   cli.set_write_timeout(std::chrono::milliseconds(timeout_ms));
-  auto res = body.is_null() ? cli.Get(path.c_str())
-                            : cli.Post(path.c_str(), body.dump(), "application/json");
+  httplib::Headers headers;
+  if (!secret.empty()) headers.emplace(kAuthHeader, bearer_value(secret));
+  auto res = body.is_null() ? cli.Get(path.c_str(), headers)
+                            : cli.Post(path.c_str(), headers, body.dump(), "application/json");
   const std::string where = host + ":" + std::to_string(port) + path;
   if (!res) {
     const auto e = res.error();
@@ -35,8 +39,9 @@ Result<HttpJsonReply> http_json(const std::string& host, int port, const std::st
 }
 
 Result<nlohmann::json> http_json_ok(const std::string& host, int port, const std::string& path,
-                                    const nlohmann::json& body, int64_t timeout_ms) {
-  HETERO_ASSIGN_OR_RETURN(HttpJsonReply r, http_json(host, port, path, body, timeout_ms));
+                                    const nlohmann::json& body, int64_t timeout_ms,
+                                    const std::string& secret) {
+  HETERO_ASSIGN_OR_RETURN(HttpJsonReply r, http_json(host, port, path, body, timeout_ms, secret));
   if (r.status / 100 == 2) return r.body;
   std::string msg = r.body.dump();
   if (r.body.is_object() && r.body.contains("error")) {

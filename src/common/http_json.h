@@ -1,5 +1,6 @@
 // JSON over HTTP to a local service (the decoder seam, the prefill host's /health): one call,
-// a deadline, and every failure as a Status naming the endpoint.
+// a deadline, the stack's secret as a bearer token when there is one (common/secret.h), and
+// every failure as a Status naming the endpoint.
 #pragma once
 
 #include <cstdint>
@@ -15,12 +16,15 @@ struct HttpJsonReply {
   nlohmann::json body;
 };
 
-// POST (or GET when body is null) and parse the reply as JSON. Transport errors are
-// kUnavailable; a reply that is not JSON is kDataLoss. HTTP errors are returned as replies.
+// POST (or GET when body is null) and parse the reply as JSON; secret: sent as
+// `Authorization: Bearer <secret>` unless empty. Transport errors are kUnavailable; a reply
+// that is not JSON is kDataLoss. HTTP errors are returned as replies.
 Result<HttpJsonReply> http_json(const std::string& host, int port, const std::string& path,
-                                const nlohmann::json& body, int64_t timeout_ms);
+                                const nlohmann::json& body, int64_t timeout_ms,
+                                const std::string& secret = "");
 // Same, but any non-2xx reply becomes a Status carrying the server's error message.
 Result<nlohmann::json> http_json_ok(const std::string& host, int port, const std::string& path,
-                                    const nlohmann::json& body, int64_t timeout_ms);
+                                    const nlohmann::json& body, int64_t timeout_ms,
+                                    const std::string& secret = "");
 
 }  // namespace hetero

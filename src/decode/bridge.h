@@ -32,6 +32,7 @@ struct BridgeParams {
   int64_t stall_ms = 0;             // no byte from the prefill host this long: stalled
   int64_t deadline_ms = 0;          // the whole stream's budget
   bool keep_entry = false;          // leave the store entry in place after the mount
+  std::string secret;               // the stack's shared secret for the prefill host ("": none)
 };
 
 struct BridgeOutcome {

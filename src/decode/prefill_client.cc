@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/json_text.h"
+#include "common/secret.h"
 
 namespace hetero {
 namespace {
@@ -73,7 +74,8 @@ bool StreamReceiver::consume_frames() {
 }
 
 FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
-                          Assembler* assembler, int64_t stall_ms, int64_t deadline_ms) {
+                          Assembler* assembler, int64_t stall_ms, int64_t deadline_ms,
+                          const std::string& secret) {
   const auto t0 = Clock::now();
   FetchResult out;
   httplib::Client cli(host, port);
@@ -90,6 +92,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   r.path = "/v1/prefill";
   r.body = prefill_request_json(req).dump();
   r.set_header("Content-Type", "application/json");
+  if (!secret.empty()) r.set_header(kAuthHeader, bearer_value(secret));
   r.response_handler = [&](const httplib::Response& res) {
     http_status = res.status;
     return true;

@@ -55,9 +55,11 @@ struct FetchResult {
 
 // stall_ms: longest silence tolerated between bytes; deadline_ms: the whole stream's budget.
 // Both end the stream with kDeadlineExceeded; rows verified so far stay in the assembler.
+// secret: the stack's shared secret, sent as a bearer token ("" for a host without one).
 // The prefill host's refusals keep their meaning: 409 (fingerprint) is kFailedPrecondition,
 // 507 (out of memory) kResourceExhausted, other 4xx kInvalidArgument, 5xx kInternal.
 FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
-                          Assembler* assembler, int64_t stall_ms, int64_t deadline_ms);
+                          Assembler* assembler, int64_t stall_ms, int64_t deadline_ms,
+                          const std::string& secret = "");
 
 }  // namespace hetero

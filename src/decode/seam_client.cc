@@ -4,7 +4,7 @@
 namespace hetero {
 
 Result<HttpJsonReply> SeamClient::tokenize(const nlohmann::json& request) const {
-  return http_json(host_, port_, "/hetero/tokenize", request, timeout_ms_);
+  return http_json(host_, port_, "/hetero/tokenize", request, timeout_ms_, secret_);
 }
 
 Result<int64_t> SeamClient::cached_prefix(const std::vector<int32_t>& ids) const {

@@ -1,6 +1,7 @@
 // The decoder seam (/hetero/* on the decoder's own port) as the decode side calls it: one
-// object per decoder, each call with the same deadline, every failure a Status naming the
-// endpoint. Thread-safe (each call opens its own connection).
+// object per decoder, each call with the same deadline and the stack's secret (the seam
+// requires it when started with one), every failure a Status naming the endpoint.
+// Thread-safe (each call opens its own connection).
 #pragma once
 
 #include <cstdint>
@@ -15,8 +16,9 @@ namespace hetero {
 
 class SeamClient {
  public:
-  SeamClient(std::string host, int port, int64_t timeout_ms = 60000)
-      : host_(std::move(host)), port_(port), timeout_ms_(timeout_ms) {}
+  // secret: the stack's shared secret ("" for a seam started without one).
+  SeamClient(std::string host, int port, int64_t timeout_ms = 60000, std::string secret = "")
+      : host_(std::move(host)), port_(port), timeout_ms_(timeout_ms), secret_(std::move(secret)) {}
   const std::string& host() const { return host_; }
   int port() const { return port_; }
 
@@ -33,13 +35,14 @@ class SeamClient {
   void unpin(const std::string& pin) const;
   // Any other seam endpoint (clear, cache dumps): 2xx JSON or a Status.
   Result<nlohmann::json> call(const std::string& path, const nlohmann::json& body) const {
-    return http_json_ok(host_, port_, path, body, timeout_ms_);
+    return http_json_ok(host_, port_, path, body, timeout_ms_, secret_);
   }
 
  private:
   std::string host_;
   int port_;
   int64_t timeout_ms_;
+  std::string secret_;
 };
 
 }  // namespace hetero

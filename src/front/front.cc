@@ -12,6 +12,7 @@
 #include "common/http_server.h"
 #include "common/json_text.h"
 #include "common/log.h"
+#include "common/secret.h"
 #include "front/sse_relay.h"
 
 namespace hetero {
@@ -67,6 +68,8 @@ Options front_options() {
            "cold requests that may wait for the running bridge; more get 503 with Retry-After"},
           {"max-body-mb", "HETERO_FRONT_MAX_BODY_MB", "64",
            "largest request body accepted, in MiB (a 2M-token prompt is ~10 MiB of text)"},
+          secret_file_option("the stack's shared secret (hetero up writes one), sent to the "
+                             "decoder seam and the prefill host; none: both must be open"),
       });
 }
 
@@ -111,11 +114,14 @@ Result<FrontConfig> front_config(const Options& opts) {
   if (frac.value() < 0 || frac.value() > 1)
     return invalid_argument("--partial-min-fraction must be in [0, 1]");
   c.partial_min_fraction = frac.value();
+  auto secret = read_secret_file(opts.get("secret-file"));
+  if (!secret.is_ok()) return secret.status();
+  c.secret = std::move(secret.value());
   return c;
 }
 
 FrontServer::FrontServer(FrontConfig config)
-    : cfg_(std::move(config)), seam_(cfg_.decoder_host, cfg_.decoder_port, 60000) {}
+    : cfg_(std::move(config)), seam_(cfg_.decoder_host, cfg_.decoder_port, 60000, cfg_.secret) {}
 FrontServer::~FrontServer() { stop(); }
 
 Status FrontServer::check_pairing() const {
@@ -157,6 +163,7 @@ BridgeOutcome FrontServer::bridge(const std::vector<int32_t>& ids, const json& i
   p.prefill_host = cfg_.prefill_host;
   p.prefill_port = cfg_.prefill_port;
   p.store_dir = cfg_.store_dir;
+  p.secret = cfg_.secret;
   p.partial_min_fraction = cfg_.partial_min_fraction;
   p.stall_ms = cfg_.stall_ms;
   p.deadline_ms =
@@ -413,7 +420,8 @@ Status FrontServer::start() {
     res.set_content(j.dump(), "application/json");
   });
   server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    auto d = http_json(cfg_.decoder_host, cfg_.decoder_port, "/hetero/info", json(), 3000);
+    auto d =
+        http_json(cfg_.decoder_host, cfg_.decoder_port, "/hetero/info", json(), 3000, cfg_.secret);
     auto p = http_json(cfg_.prefill_host, cfg_.prefill_port, "/health", json(), 3000);
     const bool dok = d.is_ok() && d->status == 200, pok = p.is_ok() && p->status == 200;
     json j = {{"status", dok ? "ok" : "degraded"},

@@ -53,6 +53,7 @@ struct FrontConfig {
   int threads = 0;
   int64_t max_body_bytes = 0;  // larger request bodies get 413 before they are read
   int64_t bridge_queue = 0;    // bridges that may wait for the one running; more get 503
+  std::string secret;          // the stack's shared secret, sent to the seam and /v1/prefill
 };
 
 Options front_options();

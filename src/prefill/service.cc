@@ -13,6 +13,7 @@
 #include "common/http_server.h"
 #include "common/log.h"
 #include "common/queue.h"
+#include "common/secret.h"
 
 namespace hetero {
 using nlohmann::json;
@@ -246,6 +247,14 @@ Status PrefillService::start(const std::string& host, int port) {
     res.set_content(j.dump(), "application/json");
   });
   server_->Post("/v1/prefill", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!bearer_matches(req.get_header_value(kAuthHeader), secret_)) {
+      res.status = 401;
+      res.set_header("WWW-Authenticate", "Bearer");
+      res.set_content(R"({"error":{"code":"unauthorized","message":"POST /v1/prefill needs )"
+                      R"(Authorization: Bearer <secret>"}})",
+                      "application/json");
+      return;
+    }
     auto parsed = parse_prefill_request(req.body, engine_->vocab(), layout_, max_tokens_);
     if (!parsed.is_ok()) {
       res.status = http_status_for(parsed.status());

@@ -1,7 +1,9 @@
 // The prefill host's service: POST /v1/prefill {ids, fingerprint, chunk?} runs a chunked
 // prefill with the attention-input tap feeding the bridge producer, and streams the segments
 // back (chunked transfer encoding) while the prefill runs, closed by a manifest.
-// GET /health reports the model and the decoder fingerprint the export carries.
+// GET /health reports the model and the decoder fingerprint the export carries. With a secret
+// (set_secret), POST /v1/prefill needs it as a bearer token (HTTP 401 otherwise); /health
+// stays open.
 // One prefill runs at a time; later requests wait their turn. A request is admitted before any
 // byte of its response: the engine takes the request's memory (PrefillEngine::reserve) or the
 // request is refused with an error body (HTTP 507 for kResourceExhausted), and the host serves
@@ -117,6 +119,8 @@ class PrefillService {
   void set_capture(CaptureStore* capture) { capture_ = capture; }
   // What every manifest says of the rows' arithmetic (PrefillStack::arith).
   void set_arith(std::string arith) { arith_ = std::move(arith); }
+  // The stack's shared secret (common/secret.h); "" leaves /v1/prefill open. Before start().
+  void set_secret(std::string secret) { secret_ = std::move(secret); }
 
   // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
   // engine and reserves the request's memory (a refusal is a manifest whose reason says why),
@@ -138,6 +142,7 @@ class PrefillService {
   // memory that is already faulted in (idle: up to 3 frames, ~0.8 GB at 8K-token 1B segments).
   std::shared_ptr<FrameBufferPool> buffers_ = std::make_shared<FrameBufferPool>(3);
   std::string arith_ = "exact";
+  std::string secret_;
   int64_t default_chunk_, max_tokens_;
   FaultSpec fault_;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);

@@ -1,8 +1,10 @@
 """One seam-wrapped decoder server for a test module: started on a free port, waited for, and
-stopped by its pid. Shared by the seam tests of both decoders (mlx-lm and mlx-vlm)."""
+stopped by its pid. Shared by the seam tests of both decoders (mlx-lm and mlx-vlm). The server
+requires a shared secret (serve --secret-file), which the request helpers below send."""
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -23,13 +25,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float,
+                  headers: Dict[str, str]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if requests.get(url, timeout=1).status_code == 200:
+            if requests.get(url, headers=headers, timeout=1).status_code == 200:
                 return
         except requests.ConnectionError:
             pass
@@ -41,19 +44,25 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float)
 @contextmanager
 def seam_server(model_dir: str, tmp_path_factory, health: str, timeout_s: float,
                 extra_env: Optional[Dict[str, str]] = None) -> Iterator[dict]:
-    """`python -m hetero_mlx serve` on model_dir; yields {"url", "store", "log", "model"}."""
+    """`python -m hetero_mlx serve` on model_dir with a fresh secret; yields {"url", "store",
+    "log", "model", "secret"}."""
     store = tmp_path_factory.mktemp("store")
     log = tmp_path_factory.mktemp("log") / "server.log"
+    secret_file = tmp_path_factory.mktemp("secret") / "secret"
+    secret = secrets.token_hex(32)
+    secret_file.write_text(secret + "\n")
+    secret_file.chmod(0o600)
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"), **(extra_env or {}))
     cmd = [sys.executable, "-m", "hetero_mlx", "serve", "--model", model_dir]
-    cmd += ["--port", str(port), "--store", str(store)]
+    cmd += ["--port", str(port), "--store", str(store), "--secret-file", str(secret_file)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    server = {"url": url, "store": store, "log": log, "model": model_dir, "secret": secret}
     try:
-        _wait_healthy(url + health, proc, log, timeout_s)
-        yield {"url": url, "store": store, "log": log, "model": model_dir}
+        _wait_healthy(url + health, proc, log, timeout_s, auth(server))
+        yield server
     finally:
         proc.terminate()
         try:
@@ -66,10 +75,17 @@ def seam_server(model_dir: str, tmp_path_factory, health: str, timeout_s: float,
 # ---- requests to a seam server (the dict seam_server yields) ---------------------------------
 
 
-def post(server, path, body=None, raw=None):
-    """(status, JSON reply) of a POST; raw sends bytes as they are (for malformed bodies)."""
+def auth(server) -> Dict[str, str]:
+    """The header every /hetero/ request to this server needs."""
+    return {"Authorization": f"Bearer {server['secret']}"}
+
+
+def post(server, path, body=None, raw=None, headers=None):
+    """(status, JSON reply) of an authenticated JSON POST; raw sends bytes as they are (for
+    malformed bodies); headers replace the default ones (JSON type, the secret)."""
     data = raw if raw is not None else json.dumps(body if body is not None else {})
-    headers = {"Content-Type": "application/json"}  # FastAPI reads JSON bodies only
+    if headers is None:
+        headers = {"Content-Type": "application/json", **auth(server)}
     r = requests.post(server["url"] + path, data=data, headers=headers, timeout=120)
     return r.status_code, r.json()
 
@@ -81,6 +97,6 @@ def ok(server, path, body=None):
 
 
 def info(server):
-    r = requests.get(server["url"] + "/hetero/info", timeout=10)
+    r = requests.get(server["url"] + "/hetero/info", headers=auth(server), timeout=10)
     assert r.status_code == 200
     return r.json()

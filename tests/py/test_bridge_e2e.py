@@ -9,6 +9,7 @@ Needs the default model (HETERO_MODEL, made by `make model`) and the tiny test m
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -32,12 +33,20 @@ def need(path: Path, what: str) -> None:
         pytest.skip(f"{what} missing at {path} (run: make model tiny build)")
 
 
-def verify(prompt: Path, chunk: int, tmp_path: Path, max_tokens: int = 64) -> dict:
+def verify(prompt: Path, chunk: int, tmp_path: Path, max_tokens: int = 64,
+           secret: bool = False) -> dict:
+    """hetero verify's report; with secret, the decoder and the prefill host it starts require
+    a fresh shared secret (--secret-file), which verify's own calls carry."""
     need(HETERO, "hetero binary")
     need(MODEL / "config.json", "default model")
     cmd = [str(HETERO), "verify", "--model", str(MODEL), "--prompt-file", str(prompt),
            "--chunk", str(chunk), "--max-tokens", str(max_tokens), "--python", sys.executable,
            "--work-dir", str(tmp_path)]
+    if secret:
+        path = tmp_path / "secret"
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+        cmd += ["--secret-file", str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=3000)
     try:
         report = json.loads(proc.stdout)
@@ -47,21 +56,22 @@ def verify(prompt: Path, chunk: int, tmp_path: Path, max_tokens: int = 64) -> di
     return report
 
 
-# Five real chat prompts; chunk sizes cut the prompts unevenly.
+# Five real chat prompts; chunk sizes cut the prompts unevenly. The first runs the processes
+# with a shared secret (as hetero up does), the others open.
 CASES = [
-    ("01-capital.json", 7),
-    ("02-code.json", 512),
-    ("03-system-multiturn.json", 13),
-    ("04-notes.json", 100),
-    pytest.param("05-long-license.json", 1000, marks=pytest.mark.slow),
+    ("01-capital.json", 7, True),
+    ("02-code.json", 512, False),
+    ("03-system-multiturn.json", 13, False),
+    ("04-notes.json", 100, False),
+    pytest.param("05-long-license.json", 1000, False, marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("name,chunk", CASES)
-def test_bridge_matches_native(name: str, chunk: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name,chunk,secret", CASES)
+def test_bridge_matches_native(name: str, chunk: int, secret: bool, tmp_path: Path) -> None:
     prompt = PROMPTS / name
     need(prompt, "prompt (05 is made by scripts/make_long_prompt.py)")
-    r = verify(prompt, chunk, tmp_path)
+    r = verify(prompt, chunk, tmp_path, secret=secret)
     summary = {k: r.get(k) for k in ("T", "B", "arrays", "continuation", "decoder_accounting",
                                       "failures")}
     summary.get("arrays", {}).pop("per_layer", None)
@@ -78,6 +88,9 @@ def test_bridge_matches_native(name: str, chunk: int, tmp_path: Path) -> None:
     assert acc["bridged"]["processed"] == 1
     if name.startswith("05"):
         assert r["T"] >= 4000
+    # The seam wrote both dumps in its own dump directory, where verify read them.
+    dumps = (tmp_path / "store" / "dumps").resolve()
+    assert {Path(p).parent for p in r["dumps"].values()} == {dumps}
 
 
 def test_verify_refuses_an_empty_prompt(tmp_path: Path) -> None:

@@ -523,8 +523,10 @@ def test_doctor_all_green_then_sigint_stops_up(tmp_path) -> None:
             time.sleep(0.2)
         kids = children_of(up.pid)
         assert len(kids) >= 2, kids  # decoder and prefill host
+        # hetero up makes the stack's secret; doctor needs it for the seam.
         doc = subprocess.run([str(HETERO), "doctor", "--port", str(port), "--decoder-port",
-                              str(dport), "--prefill-port", str(pport)],
+                              str(dport), "--prefill-port", str(pport), "--secret-file",
+                              str(tmp_path / "work" / "secret")],
                              capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
         print(doc.stdout)
         assert doc.returncode == 0, doc.stdout + doc.stderr

@@ -4,7 +4,9 @@ Starts `python -m hetero_mlx serve` on a free port with the model in HETERO_TEST
 random llama from `python -m hetero_mlx tiny-llama`, or SmolLM2-135M-Instruct) and talks HTTP
 to it: tokenization equals what the server processes, a mounted cache is reused as an ordinary
 prefix hit and gives the native answer, and every bad input gets a 4xx JSON error while the
-server keeps serving with its prompt cache untouched.
+server keeps serving with its prompt cache untouched. Access: every seam call needs the secret
+and a JSON body, no seam reply approves a cross-origin request, dumps stay in <store>/dumps,
+and a completion request naming another model is refused before mlx-lm would drop its own.
 """
 
 import json
@@ -12,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from seam_server import info, ok, post, seam_server
+from seam_server import auth, info, ok, post, seam_server
 
 mx = pytest.importorskip("mlx.core")
 requests = pytest.importorskip("requests")
@@ -126,15 +128,22 @@ def test_cached_prefix_matches_the_servers_reuse(server):
 # ---- mount ---------------------------------------------------------------------------------
 
 
-def mount_native_prefix(server, body, tmp_path, name):
+def dump(server, ids, n, name):
+    """The server's own cache for ids[:n], dumped as <store>/dumps/name; returns its path."""
+    reply = ok(server, "/hetero/cache", {"ids": ids, "B": n, "out": name})
+    assert reply["B"] == n
+    assert Path(reply["path"]) == (server["store"] / "dumps" / name).resolve()
+    return reply["path"]
+
+
+def mount_native_prefix(server, body, name):
     """Runs `body` natively, mounts the server's own rows for all but its last 3 prompt tokens
     from a store entry after clearing the cache; returns (ids, B, truth file, native answer)."""
     ids = ok(server, "/hetero/tokenize", body)["ids"]
     n = len(ids) - 3
     ok(server, "/hetero/clear")
     native = answer_of(complete(server, body))
-    truth = str(tmp_path / "truth.safetensors")
-    assert ok(server, "/hetero/cache", {"ids": ids, "B": n, "out": truth})["B"] == n
+    truth = dump(server, ids, n, f"{name}-truth.safetensors")
     entry = write_entry(server, name, ids, n, mx.load(truth))
 
     ok(server, "/hetero/clear")
@@ -146,14 +155,13 @@ def mount_native_prefix(server, body, tmp_path, name):
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-def test_mount_is_reused_and_answers_as_native(server, kind, tmp_path):
+def test_mount_is_reused_and_answers_as_native(server, kind):
     body = {"max_tokens": 8, "temperature": 0, "logprobs": True}
     body.update({"messages": MESSAGES} if kind == "chat" else {"prompt": PROMPT})
-    ids, n, truth, native = mount_native_prefix(server, body, tmp_path, f"mount-{kind}")
+    ids, n, truth, native = mount_native_prefix(server, body, f"mount-{kind}")
 
     # The mounted objects hold exactly the arrays mounted (bit-exact: nothing is computed).
-    again = str(tmp_path / "again.safetensors")
-    ok(server, "/hetero/cache", {"ids": ids, "B": n, "out": again})
+    again = dump(server, ids, n, f"mount-{kind}-again.safetensors")
     expected, got = mx.load(truth), mx.load(again)
     assert sorted(got) == sorted(expected)
     for name, array in expected.items():
@@ -165,10 +173,10 @@ def test_mount_is_reused_and_answers_as_native(server, kind, tmp_path):
     assert answer_of(reply) == native
 
 
-def test_openai_client_sees_the_mounted_prefix(server, tmp_path):
+def test_openai_client_sees_the_mounted_prefix(server):
     openai = pytest.importorskip("openai")
     body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "logprobs": True}
-    ids, n, _, native = mount_native_prefix(server, body, tmp_path, "mount-openai")
+    ids, n, _, native = mount_native_prefix(server, body, "mount-openai")
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused")
     reply = client.chat.completions.create(model="default_model", **body)
     assert reply.usage.prompt_tokens == len(ids)
@@ -224,7 +232,7 @@ def _bad_cases(server):
          "entry_outside_store"),
         ("mount no such entry", mount, {"entry": "absent", "ids": ids}, 400, "bad_entry"),
         ("cache of uncached prefix", "/hetero/cache",
-         {"ids": [ids[1]] * 6, "B": 5, "out": "/tmp/never.safetensors"}, 404, "not_cached"),
+         {"ids": [ids[1]] * 6, "B": 5, "out": "never.safetensors"}, 404, "not_cached"),
         ("cached_prefix empty ids", "/hetero/cached_prefix", {"ids": []}, 400, "bad_ids"),
         ("unknown seam path", "/hetero/nope", {}, 404, "not_found"),
     ]
@@ -259,3 +267,146 @@ def test_fingerprint_mismatch_names_both_values(server):
     assert status == 409
     assert "f" * 32 in reply["error"]["message"]
     assert desc["fingerprint"] in reply["error"]["message"]
+
+
+# ---- access: the secret, JSON bodies, CORS, the dump directory, the served model -----------
+
+
+def _state(server, ids):
+    """What a refused call must leave as it was: the reuse for ids, the cache's size, dumps."""
+    dumps = sorted(p.name for p in (server["store"] / "dumps").iterdir())
+    return ok(server, "/hetero/cached_prefix", {"ids": ids}), info(server)["prompt_cache"], dumps
+
+
+def _warm(server):
+    """A prompt the decoder has cached (after a clear), its ids and a valid store entry."""
+    body = {"prompt": PROMPT + "Access.", "max_tokens": 2, "temperature": 0}
+    ids = ok(server, "/hetero/tokenize", body)["ids"]
+    ok(server, "/hetero/clear")
+    complete(server, body)
+    n = len(ids) - 2
+    entry = write_entry(server, f"access-{len(list(server['store'].iterdir()))}", ids, n,
+                        random_arrays(info(server), n))
+    return ids, n, entry
+
+
+def test_every_seam_endpoint_needs_the_secret(server):
+    ids, n, entry = _warm(server)
+    before = _state(server, ids)
+    assert before[0]["cached_tokens"] > 0
+    calls = [
+        ("GET", "/hetero/info", None),
+        ("POST", "/hetero/tokenize", {"prompt": PROMPT}),
+        ("POST", "/hetero/cached_prefix", {"ids": ids}),
+        ("POST", "/hetero/mount", {"entry": entry, "ids": ids}),
+        ("POST", "/hetero/unpin", {"pin": "anything"}),
+        ("POST", "/hetero/cache", {"ids": ids, "B": n, "out": "stolen.safetensors"}),
+        ("POST", "/hetero/clear", {}),
+        ("POST", "/hetero/fault", {"kind": "evict"}),
+        ("POST", "/hetero/nope", {}),
+    ]
+    wrong = {"Authorization": "Bearer " + "0" * 64}
+    half = {"Authorization": auth(server)["Authorization"][:-1]}
+    for method, path, body in calls:
+        for name, headers in (("none", {}), ("wrong", wrong), ("truncated", half),
+                              ("not bearer", {"Authorization": server["secret"]})):
+            r = requests.request(method, server["url"] + path, json=body, headers=headers,
+                                 timeout=30)
+            assert r.status_code == 401, (path, name, r.text)
+            assert r.json()["error"]["code"] == "unauthorized", (path, name)
+            assert r.headers.get("WWW-Authenticate") == "Bearer", (path, name)
+    assert _state(server, ids) == before
+    assert not (server["store"] / "dumps" / "stolen.safetensors").exists()
+
+
+def test_seam_posts_must_be_json(server):
+    """A browser sends a text/plain (or form) body cross-origin without a preflight."""
+    ids, _, _ = _warm(server)
+    before = _state(server, ids)
+    for content_type in ("text/plain", "application/x-www-form-urlencoded",
+                         "multipart/form-data; boundary=x", None):
+        headers = dict(auth(server))
+        if content_type:
+            headers["Content-Type"] = content_type
+        for path in ("/hetero/clear", "/hetero/cached_prefix"):
+            r = requests.post(server["url"] + path, data=json.dumps({"ids": ids}),
+                              headers=headers, timeout=30)
+            assert r.status_code == 415, (content_type, path, r.text)
+            assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert _state(server, ids) == before
+    # Parameters after the media type are fine.
+    status, reply = post(server, "/hetero/cached_prefix", {"ids": ids},
+                         headers={"Content-Type": "application/json; charset=utf-8",
+                                  **auth(server)})
+    assert status == 200 and reply == before[0]
+
+
+def test_seam_approves_no_cross_origin_request(server):
+    origin = {"Origin": "http://evil.example"}
+    preflight = {**origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type, authorization"}
+    # mlx-lm's own paths approve any origin: what the seam must not do.
+    r = requests.options(server["url"] + "/v1/chat/completions", headers=preflight, timeout=10)
+    assert "Access-Control-Allow-Origin" in r.headers
+    for path in ("/hetero/clear", "/hetero/info", "/hetero/nope"):
+        r = requests.options(server["url"] + path, headers=preflight, timeout=10)
+        assert r.status_code == 405, (path, r.text)
+        assert r.json()["error"]["code"] == "method_not_allowed"
+        assert not [h for h in r.headers if h.lower().startswith("access-control-")], path
+    for method, path, body in (("GET", "/hetero/info", None), ("POST", "/hetero/clear", {}),
+                               ("POST", "/hetero/nope", {})):
+        for headers in (origin, {**origin, **auth(server)}):
+            r = requests.request(method, server["url"] + path, json=body, headers=headers,
+                                 timeout=30)
+            assert not [h for h in r.headers if h.lower().startswith("access-control-")], path
+
+
+def test_cache_dumps_only_into_its_dump_dir(server, tmp_path):
+    ids, n, _ = _warm(server)
+    before = _state(server, ids)
+    outside = tmp_path / "x.safetensors"
+    for out in ("../x.safetensors", str(outside), "dumps/x.safetensors", "a/../x.safetensors",
+                "..", ".safetensors", "x.bin", "x.safetensors/", "x\x00.safetensors", "", 7,
+                None):
+        status, reply = post(server, "/hetero/cache", {"ids": ids, "B": n, "out": out})
+        assert (status, reply["error"]["code"]) == (400, "bad_out"), (out, reply)
+    assert not outside.exists()
+    assert not (server["store"] / "x.safetensors").exists()
+    assert not (server["store"] / "dumps" / "dumps").exists()
+    assert _state(server, ids) == before
+    path = dump(server, ids, n, "inside.safetensors")
+    assert sorted(mx.load(path)) == sorted(random_arrays(info(server), 1))
+
+
+def test_decoder_serves_only_its_model(server, model_dir):
+    """Regression: one request naming another model made mlx-lm drop its model (the load
+    fails, the served one is gone), and the front door answered 503 until restarted."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    refused = [
+        ({"model": "someone/else"}, 404, "model_not_served"),
+        ({"model": model_dir + "/"}, 404, "model_not_served"),
+        ({"model": Path(model_dir).name}, 404, "model_not_served"),
+        ({"model": 7}, 404, "model_not_served"),
+        ({"model": model_dir, "adapters": "/tmp/adapter"}, 400, "adapter_not_served"),
+        ({"draft_model": "someone/small"}, 400, "draft_model_not_served"),
+        ({"draft_model": ["x"]}, 400, "draft_model_not_served"),
+    ]
+    fingerprint = info(server)["fingerprint"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/chat/completions"):
+        for extra, status, code in refused:
+            req = dict(body, **extra)
+            if path != "/v1/completions":
+                req = {**{k: v for k, v in req.items() if k != "prompt"}, "messages": MESSAGES}
+            got_status, reply = post(server, path, req)
+            assert (got_status, reply["error"]["code"]) == (status, code), (path, extra, reply)
+            assert info(server)["fingerprint"] == fingerprint, (path, extra)
+    status, reply = post(server, "/hetero/tokenize", dict(body, model="someone/else"))
+    assert (status, reply["error"]["code"]) == (404, "model_not_served")
+    # What mlx-lm maps to its model without loading anything is served (it takes the served
+    # adapters for "default_model", whatever the request names).
+    for extra in ({"model": "default_model"}, {"model": model_dir}, {},
+                  {"model": "default_model", "adapters": "/tmp/adapter"}, {"draft_model": None}):
+        reply = complete(server, dict(body, **extra))
+        assert reply["usage"]["prompt_tokens"] > 0, extra
+    assert info(server)["fingerprint"] == fingerprint
+    assert requests.get(server["url"] + "/health", timeout=5).json() == {"status": "ok"}

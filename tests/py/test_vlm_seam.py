@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 import pytest
-from seam_server import info, ok, post, seam_server
+from seam_server import auth, info, ok, post, seam_server
 
 mx = pytest.importorskip("mlx.core")
 requests = pytest.importorskip("requests")
@@ -84,15 +84,16 @@ def held_checkpoints(server, ids):
     """Prefix lengths of `ids` at which the server holds a checkpoint (probed by dumping)."""
     n = len(ids)
     candidates = list(range(CHECKPOINT_INTERVAL, n - 1, CHECKPOINT_INTERVAL)) + [n - 1]
-    out = server["store"] / "probe.safetensors"
-    body = lambda b: {"ids": ids, "B": b, "out": str(out)}  # noqa: E731
+    body = lambda b: {"ids": ids, "B": b, "out": "probe.safetensors"}  # noqa: E731
     return [b for b in candidates if post(server, "/hetero/cache", body(b))[0] == 200]
 
 
-def dump(server, ids, n, path):
-    reply = ok(server, "/hetero/cache", {"ids": ids, "B": n, "out": str(path)})
+def dump(server, ids, n, name):
+    """The server's checkpoint of ids[:n], dumped as <store>/dumps/name: (arrays, window_idx)."""
+    reply = ok(server, "/hetero/cache", {"ids": ids, "B": n, "out": name})
     assert reply["B"] == n
-    return mx.load(str(path)), reply["window_idx"]
+    assert Path(reply["path"]) == (server["store"] / "dumps" / name).resolve()
+    return mx.load(reply["path"]), reply["window_idx"]
 
 
 def write_entry(server, name, prompt_ids, n, arrays, slot, **override):
@@ -190,7 +191,7 @@ def test_native_request_populates_the_cache(server):
 
 
 @pytest.mark.parametrize("text", [SHORT, LONG], ids=["short", "long"])
-def test_mount_is_reused_and_answers_as_native(server, text, tmp_path):
+def test_mount_is_reused_and_answers_as_native(server, text):
     """For every checkpoint a cold request leaves: dump it, clear, mount the dump from a store
     entry, and ask again: the prefix is reused, only the tail is processed, and the answer
     (text and every log-probability) is the cold one."""
@@ -200,7 +201,7 @@ def test_mount_is_reused_and_answers_as_native(server, text, tmp_path):
     native = answer_of(complete(server, body))
     held = held_checkpoints(server, ids)
     assert held[-1] == len(ids) - 1 and len(held) > 1
-    truths = {n: dump(server, ids, n, tmp_path / f"truth{n}.safetensors") for n in held}
+    truths = {n: dump(server, ids, n, f"{len(ids)}-truth{n}.safetensors") for n in held}
 
     for n, (truth, window_idx) in truths.items():
         entry = write_entry(server, f"mount-{len(ids)}-{n}", ids, n, truth, window_idx)
@@ -211,7 +212,7 @@ def test_mount_is_reused_and_answers_as_native(server, text, tmp_path):
         assert ok(server, "/hetero/cached_prefix", {"ids": ids})["cached_tokens"] == n
 
         # The mounted objects hold exactly the arrays mounted (bit-exact: nothing is computed).
-        got, got_idx = dump(server, ids, n, tmp_path / f"again{n}.safetensors")
+        got, got_idx = dump(server, ids, n, f"{len(ids)}-again{n}.safetensors")
         assert got_idx == window_idx and sorted(got) == sorted(truth)
         for name, array in truth.items():
             assert got[name].dtype == array.dtype and got[name].shape == array.shape, name
@@ -223,14 +224,14 @@ def test_mount_is_reused_and_answers_as_native(server, text, tmp_path):
         assert answer_of(reply) == native, n
 
 
-def test_openai_client_sees_the_mounted_prefix(server, tmp_path):
+def test_openai_client_sees_the_mounted_prefix(server):
     openai = pytest.importorskip("openai")
     body = chat_body(server, SHORT)
     ids = ok(server, "/hetero/tokenize", body)["ids"]
     ok(server, "/hetero/clear")
     native = answer_of(complete(server, body))
     n = held_checkpoints(server, ids)[0]
-    truth, window_idx = dump(server, ids, n, tmp_path / "truth.safetensors")
+    truth, window_idx = dump(server, ids, n, "openai-truth.safetensors")
     entry = write_entry(server, "mount-openai", ids, n, truth, window_idx)
     ok(server, "/hetero/clear")
     ok(server, "/hetero/mount", {"entry": entry, "ids": ids})
@@ -275,7 +276,7 @@ def _bad_cases(server, ids, n, truth, window_idx):
          "unsupported_endpoint"),
         ("tokenize empty messages", tok, {"model": model, "messages": []}, 400, "bad_messages"),
         ("tokenize no prompt", tok, {"model": model, "max_tokens": 4}, 400, "missing_prompt"),
-        ("tokenize another model", tok, chat_body(server, "hi", model="other/model"), 400,
+        ("tokenize another model", tok, chat_body(server, "hi", model="other/model"), 404,
          "model_not_served"),
         ("tokenize without model", tok, {"messages": [{"role": "user", "content": "hi"}]}, 422,
          "rejected_by_server"),
@@ -321,21 +322,21 @@ def _bad_cases(server, ids, n, truth, window_idx):
          "entry_outside_store"),
         ("mount no such entry", mount, {"entry": "absent", "ids": ids}, 400, "bad_entry"),
         ("cache of uncached prefix", "/hetero/cache",
-         {"ids": [ids[1]] * 40, "B": 33, "out": "/tmp/never.safetensors"}, 404, "not_cached"),
-        ("cache bad B", "/hetero/cache", {"ids": ids, "B": 0, "out": "/tmp/x.safetensors"}, 400,
+         {"ids": [ids[1]] * 40, "B": 33, "out": "never.safetensors"}, 404, "not_cached"),
+        ("cache bad B", "/hetero/cache", {"ids": ids, "B": 0, "out": "x.safetensors"}, 400,
          "bad_prefix_length"),
         ("cached_prefix empty ids", "/hetero/cached_prefix", {"ids": []}, 400, "bad_ids"),
         ("unknown seam path", "/hetero/nope", {}, 404, "not_found"),
     ]
 
 
-def test_bad_inputs_get_json_errors_and_change_nothing(server, tmp_path):
+def test_bad_inputs_get_json_errors_and_change_nothing(server):
     body = chat_body(server, SHORT)
     ids = ok(server, "/hetero/tokenize", body)["ids"]
     ok(server, "/hetero/clear")
     complete(server, body)
     n = held_checkpoints(server, ids)[0]
-    truth, window_idx = dump(server, ids, n, tmp_path / "truth.safetensors")
+    truth, window_idx = dump(server, ids, n, "bad-inputs-truth.safetensors")
     cached = ok(server, "/hetero/cached_prefix", {"ids": ids})
     stats = info(server)["prompt_cache"]
     assert cached["cached_tokens"] == len(ids) - 1
@@ -348,9 +349,137 @@ def test_bad_inputs_get_json_errors_and_change_nothing(server, tmp_path):
         assert ok(server, "/hetero/cached_prefix", {"ids": ids}) == cached, name
         assert info(server)["prompt_cache"] == stats, name
 
-    r = requests.get(server["url"] + "/hetero/mount", timeout=5)
+    r = requests.get(server["url"] + "/hetero/mount", headers=auth(server), timeout=5)
     assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
     reply = complete(server, body)
     assert reply["usage"]["prompt_tokens"] == len(ids)
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
     assert requests.get(server["url"] + "/health", timeout=5).json()["status"] == "healthy"
+
+
+# ---- access: the secret, JSON bodies, CORS, the dump directory, the served model -----------
+
+
+def _state(server, ids):
+    """What a refused call must leave as it was: the reuse for ids, APC's entries, dumps."""
+    dumps = sorted(p.name for p in (server["store"] / "dumps").iterdir())
+    return ok(server, "/hetero/cached_prefix", {"ids": ids}), info(server)["prompt_cache"], dumps
+
+
+def _warm(server):
+    body = chat_body(server, SHORT)
+    ids = ok(server, "/hetero/tokenize", body)["ids"]
+    ok(server, "/hetero/clear")
+    complete(server, body)
+    return ids, len(ids) - 1
+
+
+def _cors_headers(r):
+    return [h for h in r.headers if h.lower().startswith("access-control-")]
+
+
+def test_every_seam_endpoint_needs_the_secret(server):
+    ids, n = _warm(server)
+    before = _state(server, ids)
+    assert before[0]["cached_tokens"] == n
+    calls = [
+        ("GET", "/hetero/info", None),
+        ("POST", "/hetero/tokenize", chat_body(server, "hi")),
+        ("POST", "/hetero/cached_prefix", {"ids": ids}),
+        ("POST", "/hetero/mount", {"entry": "absent", "ids": ids}),
+        ("POST", "/hetero/unpin", {"pin": "anything"}),
+        ("POST", "/hetero/cache", {"ids": ids, "B": n, "out": "stolen.safetensors"}),
+        ("POST", "/hetero/clear", {}),
+        ("POST", "/hetero/fault", {"kind": "evict"}),
+        ("POST", "/hetero/nope", {}),
+    ]
+    wrong = {"Authorization": "Bearer " + "0" * 64}
+    for method, path, body in calls:
+        for name, headers in (("none", {}), ("wrong", wrong),
+                              ("not bearer", {"Authorization": server["secret"]})):
+            r = requests.request(method, server["url"] + path, json=body, headers=headers,
+                                 timeout=30)
+            assert r.status_code == 401, (path, name, r.text)
+            assert r.json()["error"]["code"] == "unauthorized", (path, name)
+            assert r.headers.get("WWW-Authenticate") == "Bearer", (path, name)
+    assert _state(server, ids) == before
+    assert not (server["store"] / "dumps" / "stolen.safetensors").exists()
+
+
+def test_seam_posts_must_be_json(server):
+    ids, _ = _warm(server)
+    before = _state(server, ids)
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = dict(auth(server))
+        if content_type:
+            headers["Content-Type"] = content_type
+        for path in ("/hetero/clear", "/hetero/cached_prefix"):
+            r = requests.post(server["url"] + path, data=json.dumps({"ids": ids}),
+                              headers=headers, timeout=30)
+            assert r.status_code == 415, (content_type, path, r.text)
+            assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert _state(server, ids) == before
+
+
+def test_seam_approves_no_cross_origin_request(server):
+    origin = {"Origin": "http://evil.example"}
+    preflight = {**origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type, authorization"}
+    # mlx-vlm's own paths approve any origin (its CORSMiddleware): what the seam must not do.
+    r = requests.options(server["url"] + "/v1/chat/completions", headers=preflight, timeout=10)
+    assert r.status_code == 200 and "access-control-allow-origin" in r.headers
+    for path in ("/hetero/clear", "/hetero/info", "/hetero/nope"):
+        r = requests.options(server["url"] + path, headers=preflight, timeout=10)
+        assert r.status_code == 405, (path, r.text)
+        assert r.json()["error"]["code"] == "method_not_allowed"
+        assert not _cors_headers(r), path
+    for method, path, body in (("GET", "/hetero/info", None), ("POST", "/hetero/clear", {}),
+                               ("POST", "/hetero/nope", {})):
+        for headers in (origin, {**origin, **auth(server)}):
+            r = requests.request(method, server["url"] + path, json=body, headers=headers,
+                                 timeout=30)
+            assert not _cors_headers(r), (path, r.headers)
+
+
+def test_cache_dumps_only_into_its_dump_dir(server, tmp_path):
+    ids, n = _warm(server)
+    before = _state(server, ids)
+    outside = tmp_path / "x.safetensors"
+    for out in ("../x.safetensors", str(outside), "dumps/x.safetensors", "..", ".safetensors",
+                "x.bin", "", None):
+        status, reply = post(server, "/hetero/cache", {"ids": ids, "B": n, "out": out})
+        assert (status, reply["error"]["code"]) == (400, "bad_out"), (out, reply)
+    assert not outside.exists() and not (server["store"] / "x.safetensors").exists()
+    assert _state(server, ids) == before
+    arrays, _ = dump(server, ids, n, "inside.safetensors")
+    assert "layers.0.window" in arrays
+
+
+def test_decoder_serves_only_its_model(server):
+    """Regression: mlx-vlm unloads its model for any request naming another one (or another
+    adapter), and for /unload or a settings change; the seam refuses them all."""
+    fingerprint = info(server)["fingerprint"]
+    other = "someone/else"
+    refused = [
+        ("/v1/chat/completions", chat_body(server, "hi", model=other), 404, "model_not_served"),
+        ("/chat/completions", chat_body(server, "hi", model=other), 404, "model_not_served"),
+        ("/v1/chat/completions", chat_body(server, "hi", model=server["model"] + "/"), 404,
+         "model_not_served"),
+        ("/v1/chat/completions", chat_body(server, "hi", adapter_path="/tmp/adapter"), 400,
+         "adapter_not_served"),
+        ("/v1/responses", {"model": other, "input": "hi", "max_output_tokens": 4}, 404,
+         "model_not_served"),
+        ("/v1/embeddings", {"model": server["model"], "input": "hi"}, 404, "model_not_served"),
+    ]
+    for path, body, status, code in refused:
+        got_status, reply = post(server, path, body)
+        assert (got_status, reply["error"]["code"]) == (status, code), (path, body, reply)
+        assert info(server)["fingerprint"] == fingerprint, path
+    for method, path in (("POST", "/unload"), ("PATCH", "/v1/settings"), ("PATCH", "/settings")):
+        r = requests.request(method, server["url"] + path, json={"max_tokens": 7}, timeout=30)
+        assert (r.status_code, r.json()["error"]["code"]) == (403, "refused_by_seam"), path
+    reply = complete(server, chat_body(server, SHORT))
+    assert reply["usage"]["prompt_tokens"] > 0
+    assert info(server)["fingerprint"] == fingerprint
+    health = requests.get(server["url"] + "/health", timeout=5).json()
+    assert health["loaded_model"] == server["model"]

@@ -15,7 +15,10 @@
 #include <utility>
 #include <vector>
 
+#include "bridge/assembler.h"
 #include "bridge/wire.h"
+#include "common/secret.h"
+#include "decode/prefill_client.h"
 #include "prefill/service.h"
 
 namespace hetero {
@@ -250,6 +253,64 @@ TEST_F(PrefillServiceTest, RunReservesFirstAndEndsWithTheRefusal) {
   });
   EXPECT_TRUE(served.complete) << served.reason;
   EXPECT_EQ(served.covered_tokens, 5);
+}
+
+// With the stack's secret, POST /v1/prefill runs only for a request carrying it: a refusal is
+// HTTP 401 with a JSON body, before the engine is touched; /health stays open.
+TEST_F(PrefillServiceTest, WithASecretOnlyAuthenticatedPrefillsRun) {
+  const std::string secret = "0123456789abcdef0123456789abcdef";
+  PrefillService guarded(
+      &engine_, test_layout(),
+      [](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+        return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>());
+      },
+      /*default_chunk_tokens=*/4, /*max_tokens=*/1000);
+  guarded.set_secret(secret);
+  ASSERT_TRUE(guarded.start("127.0.0.1", 0).is_ok());
+  httplib::Client cli("127.0.0.1", guarded.bound_port());
+  cli.set_read_timeout(20, 0);
+  const std::string body =
+      nlohmann::json{{"ids", {1, 2, 3, 4, 5}}, {"fingerprint", "fp-test"}}.dump();
+  for (const httplib::Headers& headers :
+       {httplib::Headers{}, httplib::Headers{{"Authorization", "Bearer wrong"}},
+        httplib::Headers{{"Authorization", "Bearer " + secret.substr(1)}},
+        httplib::Headers{{"Authorization", "Bearer " + secret + "x"}},
+        httplib::Headers{{"Authorization", secret}}}) {
+    const auto res = cli.Post("/v1/prefill", headers, body, "application/json");
+    ASSERT_TRUE(res) << "no response";
+    EXPECT_EQ(res->status, 401);
+    const auto j = nlohmann::json::parse(res->body, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << res->body;
+    EXPECT_EQ(j["error"]["code"], "unauthorized");
+  }
+  EXPECT_EQ(engine_.resets.load(), 0);  // no refused request reached the engine
+  const auto health = cli.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  const auto served =
+      cli.Post("/v1/prefill", {{"Authorization", bearer_value(secret)}}, body, "application/json");
+  ASSERT_TRUE(served) << "no response";
+  EXPECT_EQ(served->status, 200);
+  const Stream s = parse_stream(served->body);
+  ASSERT_TRUE(s.manifest.has_value());
+  EXPECT_TRUE(s.manifest->complete) << s.manifest->reason;
+  EXPECT_EQ(engine_.resets.load(), 1);
+
+  // The decode side's client sends it: refused without, admitted with it.
+  PrefillRequest req;
+  req.ids = {1, 2, 3, 4, 5};
+  req.fingerprint = "fp-test";
+  DecoderCacheLayout layout = test_layout();
+  auto assembler = make_assembler(layout, 5);
+  const FetchResult open = fetch_prefill("127.0.0.1", guarded.bound_port(), req, assembler.get(),
+                                         20000, 20000, /*secret=*/"");
+  EXPECT_NE(open.status.message().find("HTTP 401"), std::string::npos) << open.status.message();
+  assembler = make_assembler(layout, 5);
+  const FetchResult authed =
+      fetch_prefill("127.0.0.1", guarded.bound_port(), req, assembler.get(), 20000, 20000, secret);
+  EXPECT_EQ(authed.status.message().find("HTTP 401"), std::string::npos) << authed.status.message();
+  EXPECT_EQ(engine_.resets.load(), 2);  // the authenticated fetch ran a prefill
+  guarded.stop();
 }
 
 }  // namespace

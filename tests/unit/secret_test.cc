@@ -1,0 +1,81 @@
+// The stack's shared secret (common/secret.h): a new file is 64 hex digits of fresh randomness,
+// mode 0600; reading trims whitespace and refuses what cannot be a token; the bearer check
+// accepts exactly "Bearer <secret>".
+#include "common/secret.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace hetero {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path temp_dir() {
+  fs::path dir =
+      fs::temp_directory_path() /
+      ("hetero-secret-test-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+       "-" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void write_text(const fs::path& p, const std::string& text) { std::ofstream(p) << text; }
+
+TEST(Secret, NewFileIsFreshHexWithOwnerOnlyMode) {
+  const fs::path dir = temp_dir();
+  const std::string a = (dir / "a").string(), b = (dir / "b").string();
+  write_text(a, "an old secret\n");
+  ::chmod(a.c_str(), 0644);
+  ASSERT_TRUE(write_new_secret_file(a).is_ok());  // replaces what was there
+  ASSERT_TRUE(write_new_secret_file(b).is_ok());
+  for (const std::string& path : {a, b}) {
+    struct stat st {};
+    ASSERT_EQ(::stat(path.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << path;
+    auto secret = read_secret_file(path);
+    ASSERT_TRUE(secret.is_ok()) << secret.status().to_string();
+    EXPECT_EQ(secret->size(), 64u);
+    EXPECT_EQ(secret->find_first_not_of("0123456789abcdef"), std::string::npos) << *secret;
+  }
+  EXPECT_NE(read_secret_file(a).value(), read_secret_file(b).value());
+  EXPECT_FALSE(fs::exists(a + ".tmp"));
+  fs::remove_all(dir);
+}
+
+TEST(Secret, ReadingTrimsAndRefusesWhatIsNoToken) {
+  const fs::path dir = temp_dir();
+  write_text(dir / "ok", "  s3cret-token \r\n\n");
+  EXPECT_EQ(read_secret_file((dir / "ok").string()).value(), "s3cret-token");
+  EXPECT_EQ(read_secret_file("").value(), "");  // no file: open
+  EXPECT_EQ(read_secret_file((dir / "absent").string()).status().code(), Code::kNotFound);
+  for (const std::string& bad :
+       {std::string(""), std::string(" \n"), std::string("two words"), std::string(5000, 'x'),
+        std::string("tab\tinside"), std::string("\x01\x02"), std::string(4096, 'x') + "\n\ny",
+        std::string(4096, 'x') + std::string(70000, ' ')}) {
+    write_text(dir / "bad", bad);
+    EXPECT_EQ(read_secret_file((dir / "bad").string()).status().code(), Code::kInvalidArgument)
+        << bad.substr(0, 20);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Secret, BearerMatchesExactlyTheSecret) {
+  const std::string s = "abc123";
+  EXPECT_EQ(bearer_value(s), "Bearer abc123");
+  EXPECT_TRUE(bearer_matches("Bearer abc123", s));
+  for (const char* wrong :
+       {"", "Bearer", "Bearer ", "Bearer abc12", "Bearer abc1234", "Bearer abc124", "bearer abc123",
+        "abc123", "Basic abc123", "Bearer  abc123", "Bearer abc123 "})
+    EXPECT_FALSE(bearer_matches(wrong, s)) << wrong;
+  EXPECT_TRUE(bearer_matches("", ""));  // no secret: open
+  EXPECT_TRUE(bearer_matches("Bearer anything", ""));
+}
+
+}  // namespace
+}  // namespace hetero
