@@ -27,8 +27,16 @@ void install_stop_handlers() {
 }
 
 void wait_for_signal() {
+  wait_for_signal_or([] { return false; });
+}
+
+bool wait_for_signal_or(const std::function<bool()>& give_up) {
   install_stop_handlers();
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  while (!g_stop) {
+    if (give_up()) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return true;
 }
 
 int parse_options(Options& opts, int argc, char** argv) {

@@ -1,10 +1,13 @@
 // `hetero up`: the whole served stack on one machine — prefill host, decoder with its seam,
 // front door — on the default model. Prints the endpoint and a sample request; Ctrl-C stops
-// all three (children by pid, never by name).
+// all three (children by pid, never by name). `up` supervises: when the decoder or the prefill
+// host dies, it says which, how and where its log is, stops the rest and exits 1 (a supervisor
+// above it — systemd, a shell loop — restarts the whole stack, which has one secret and one store).
 #include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
+#include <tuple>
 
 #include "commands.h"
 #include "common/log.h"
@@ -127,12 +130,21 @@ int cmd_up(int argc, char** argv) {
       "Ctrl-C stops all three.\n",
       url.c_str(), url.c_str(), secret_file.c_str());
   std::fflush(stdout);
-  if (!opts.get_bool("exit-when-ready")) wait_for_signal();
+  std::string died;
+  if (!opts.get_bool("exit-when-ready"))
+    wait_for_signal_or([&] {
+      for (auto [name, child, log] :
+           {std::tuple{"decoder", &decoder, &dlog}, std::tuple{"prefill host", &prefill, &plog}})
+        if (!child->running())
+          died = std::string(name) + " " + child->exit_reason() + " (log " + *log + ")";
+      return !died.empty();
+    });
+  if (!died.empty()) std::fprintf(stderr, "up: the %s; stopping the stack\n", died.c_str());
   front.stop();
   prefill.stop();
   decoder.stop();
   std::printf("stopped.\n");
-  return 0;
+  return died.empty() ? 0 : 1;
 }
 
 }  // namespace hetero

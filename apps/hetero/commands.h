@@ -1,6 +1,7 @@
 // The hetero subcommands, wired in main.cc. Each parses its own option table.
 #pragma once
 
+#include <functional>
 #include <string>
 
 namespace hetero {
@@ -19,6 +20,8 @@ int cmd_bench(int argc, char** argv);
 void install_stop_handlers();
 // Blocks until SIGINT or SIGTERM (also if one arrived since install_stop_handlers()).
 void wait_for_signal();
+// The same, polling give_up() every 100 ms: false as soon as it says so, true on the signal.
+bool wait_for_signal_or(const std::function<bool()>& give_up);
 
 // The repository root (parent of the directory holding the hetero binary), for defaults such
 // as models/ and python/.

@@ -5,7 +5,10 @@ evict the entry (its prompt cache is an LRU with a size and a byte budget, and o
 insert into it). A pin keeps the mounted cache objects alive and, at the decoder's next lookup
 of ids that start with the pinned prefix, puts the entry back if it is gone; the pin is then
 released. The front door also releases a pin once the decoder has answered (POST
-/hetero/unpin), and a pin nobody releases expires after `ttl_s`.
+/hetero/unpin), and a pin nobody releases expires after `ttl_s`. When the front door's check
+after a mount fails (the decoder would not reuse what was mounted), it releases the pin with
+"evict": true, and the mounted entry leaves the decoder's cache: a cache the bridge could not
+confirm is never served later.
 
 What stays unpredictable is confirmed afterwards, not here: the front door compares the
 decoder's own usage (cached_tokens) with what was mounted.
@@ -21,7 +24,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from .errors import SeamError, bad_request
 
@@ -55,9 +58,9 @@ class Pins:
             self._pins[pin_id] = Pin(tuple(prefix), payload, time.monotonic() + self._ttl_s)
         return pin_id
 
-    def release(self, pin_id: str) -> bool:
+    def release(self, pin_id: str) -> Optional[Pin]:
         with self._lock:
-            return self._pins.pop(pin_id, None) is not None
+            return self._pins.pop(pin_id, None)
 
     def take_matching(self, tokens: Sequence[int]) -> List[Pin]:
         """Removes and returns the live pins whose prefix starts `tokens` (a lookup for them)."""
@@ -95,9 +98,13 @@ class Pins:
             del self._pins[k]
 
 
-def unpin_request(pins: Pins, body: dict) -> dict:
-    """POST /hetero/unpin {"pin"}: releases it (idempotent)."""
-    pin_id = body.get("pin")
+def unpin_request(pins: Pins, body: dict, evict: Callable[[Pin], bool]) -> dict:
+    """POST /hetero/unpin {"pin", "evict"?}: releases it (idempotent); with "evict": true, also
+    removes the pinned prefix's entry from the decoder's cache (evict(pin): whether one was)."""
+    pin_id, drop = body.get("pin"), body.get("evict", False)
     if not isinstance(pin_id, str) or not pin_id:
         raise bad_request("bad_pin", "pin must be a non-empty string")
-    return {"released": pins.release(pin_id)}
+    if not isinstance(drop, bool):
+        raise bad_request("bad_evict", "evict must be true or false")
+    pin = pins.release(pin_id)
+    return {"released": pin is not None, "evicted": bool(pin is not None and drop and evict(pin))}

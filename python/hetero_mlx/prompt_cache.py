@@ -73,6 +73,18 @@ class LockedPromptCache(LRUPromptCache):
         with self.lock:
             return super().trim_to(**kwargs)
 
+    def evict(self, model: Any, tokens: List[int]) -> bool:
+        """Removes the entry of exactly these tokens, if held (a mount the bridge could not
+        confirm). The same bookkeeping as LRUPromptCache's own eviction in trim_to."""
+        with self.lock:
+            if self._trie.search(model, tokens).exact is None:
+                return False
+            entry = self._trie.pop(model, tokens)
+            self._lru.remove(model, tokens)
+            self._n_bytes -= entry.nbytes
+            self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+            return True
+
     def stats_by_type(self):
         with self.lock:
             return super().stats_by_type()

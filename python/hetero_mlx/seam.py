@@ -10,7 +10,7 @@ sends can raise out of a handler. Access rules (secret, JSON bodies, dump direct
   GET  /hetero/info           model layout, fingerprint, versions, prompt-cache stats
   POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
   POST /hetero/mount          {"entry", "ids"} -> {"mounted": B, "pin"} (pins.py)
-  POST /hetero/unpin          {"pin"} -> {"released": bool}
+  POST /hetero/unpin          {"pin", "evict"?} -> {"released": bool, "evicted": bool}
   POST /hetero/cache          {"ids", "B", "out": name} -> {"B", "path"} (truth dump into
                               <store>/dumps/name; the prompt cache is only read)
   POST /hetero/clear          -> {"cleared": number of entries dropped} (and every pin)
@@ -383,7 +383,8 @@ class SeamHandler(APIHandler):
         return {"mounted": entry.n_tokens, "pin": pin}
 
     def _unpin(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
-        return unpin_request(self.seam.prompt_cache.pins, body)
+        cache = self.seam.prompt_cache
+        return unpin_request(cache.pins, body, lambda pin: cache.evict(pin.payload[0], list(pin.prefix)))
 
     def _fault(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
         return self.seam.prompt_cache.pins.arm(body)

@@ -26,7 +26,7 @@ Construction, in order:
   GET  /hetero/info           model layout, fingerprint, versions, prefix-cache state
   POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
   POST /hetero/mount          {"entry", "ids"} -> {"mounted": B, "pin"} (pins.py)
-  POST /hetero/unpin          {"pin"} -> {"released": bool}
+  POST /hetero/unpin          {"pin", "evict"?} -> {"released": bool, "evicted": bool}
   POST /hetero/cache          {"ids", "B", "out": name} -> {"B", "path", "window_idx"} (truth
                               dump into <store>/dumps/name)
   POST /hetero/clear          -> {"cleared": number of checkpoints dropped} (and every pin)
@@ -494,6 +494,20 @@ class VlmSeam:
         write_dump(out, lambda tmp: mx.save_safetensors(tmp, arrays, metadata=metadata))
         return {"B": n, "path": str(out), "window_idx": window_idx}
 
+    def evict(self, pin: Any) -> bool:
+        """Drops the checkpoint of exactly the pin's prefix (a mount the bridge could not
+        confirm), by APCManager's own key, under its lock."""
+        manager = self.manager
+        with manager.lock:
+            keys = [
+                k
+                for k, e in manager._exact_cache.items()
+                if e.token_ids == pin.prefix and e.extra_hash == self.extra_hash
+            ]
+            for k in keys:
+                del manager._exact_cache[k]
+        return bool(keys)
+
     def clear(self) -> Dict[str, Any]:
         self._live()
         manager = self.manager
@@ -652,7 +666,7 @@ def _install_routes(app: Any, seam: VlmSeam) -> None:
         ("mount", seam.mount),
         ("cache", seam.cache_dump),
         ("clear", lambda body: seam.clear()),
-        ("unpin", lambda body: unpin_request(seam.pins, body)),
+        ("unpin", lambda body: unpin_request(seam.pins, body, seam.evict)),
         ("fault", seam.pins.arm),
     ):
         app.add_api_route(PREFIX + name, route(threaded(fn), True), methods=["POST"])

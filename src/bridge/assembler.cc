@@ -118,9 +118,18 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
   std::vector<int32_t> prefix(ids.begin(), ids.begin() + b);
   const fs::path dir =
       fs::path(store_dir) / layout.fingerprint / prefix_key(layout.fingerprint, prefix);
-  const fs::path tmp = dir.string() + ".partial";
+  const fs::path tmp = dir.string() + kPartialSuffix;
   std::error_code ec;
   fs::remove_all(tmp, ec);
+  // Whatever goes wrong below (disk full, a write refused) leaves no half-written entry.
+  struct RemoveOnFailure {
+    fs::path path;
+    bool done = false;
+    ~RemoveOnFailure() {
+      std::error_code ignored;
+      if (!done) fs::remove_all(path, ignored);
+    }
+  } guard{tmp};
   fs::create_directories(tmp, ec);
   if (ec) return unavailable("cannot create " + tmp.string() + ": " + ec.message());
   HETERO_RETURN_IF_ERROR(write_safetensors((tmp / "cache.safetensors").string(), arrays));
@@ -135,15 +144,31 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
   {
     std::ofstream out(tmp / "entry.json");
     out << meta.dump();
+    out.flush();
     if (!out) return unavailable("cannot write entry.json in " + tmp.string());
   }
   fs::remove_all(dir, ec);
   fs::rename(tmp, dir, ec);
   if (ec) return unavailable("cannot publish store entry " + dir.string() + ": " + ec.message());
+  guard.done = true;
   StoreEntry e;
   e.path = dir.string();
   e.bytes = static_cast<int64_t>(fs::file_size(dir / "cache.safetensors", ec));
   return e;
+}
+
+int64_t remove_partial_store_entries(const std::string& store_dir) {
+  int64_t removed = 0;
+  std::error_code ec;
+  for (fs::directory_iterator fp(store_dir, ec), end; !ec && fp != end; fp.increment(ec)) {
+    if (!fp->is_directory(ec)) continue;
+    std::error_code ec2;
+    std::vector<fs::path> leftovers;
+    for (fs::directory_iterator e(fp->path(), ec2); !ec2 && e != end; e.increment(ec2))
+      if (e->path().filename().string().ends_with(kPartialSuffix)) leftovers.push_back(e->path());
+    for (const fs::path& p : leftovers) removed += fs::remove_all(p, ec2) > 0 ? 1 : 0;
+  }
+  return removed;
 }
 
 }  // namespace hetero

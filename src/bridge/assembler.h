@@ -77,6 +77,9 @@ struct StoreEntry {
   int64_t bytes = 0;
 };
 
+// A store entry is written under "<entry>.partial" and renamed when whole.
+inline constexpr const char* kPartialSuffix = ".partial";
+
 // Writes ids[:b] and the assembled rows as a decoder-store entry under
 // store_dir/<fingerprint>/<prefix key>/ (atomically: written aside, then renamed).
 // `extra` adds family fields to entry.json.
@@ -84,5 +87,9 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
                                      const std::vector<int32_t>& ids, int64_t b,
                                      int64_t requested_tokens, const TensorMap& arrays,
                                      const nlohmann::json& extra = nlohmann::json::object());
+
+// Removes the "<entry>.partial" directories a process that died mid-write left in the store
+// (the front door's start: it is the store's only writer). Returns how many.
+int64_t remove_partial_store_entries(const std::string& store_dir);
 
 }  // namespace hetero

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 namespace hetero {
@@ -38,14 +39,25 @@ Status ChildProcess::start(const std::vector<std::string>& argv,
     _exit(127);
   }
   pid_ = pid;
+  exit_reason_.clear();
   return Status::ok();
+}
+
+void ChildProcess::reaped(int wait_status) {
+  pid_ = -1;
+  if (WIFSIGNALED(wait_status)) {
+    const int sig = WTERMSIG(wait_status);
+    exit_reason_ = "killed by signal " + std::to_string(sig) + " (" + strsignal(sig) + ")";
+  } else {
+    exit_reason_ = "exited with status " + std::to_string(WEXITSTATUS(wait_status));
+  }
 }
 
 bool ChildProcess::running() {
   if (pid_ < 0) return false;
   int st;
   if (waitpid(pid_, &st, WNOHANG) == pid_) {
-    pid_ = -1;
+    reaped(st);
     return false;
   }
   return true;
@@ -57,16 +69,13 @@ void ChildProcess::stop(int grace_ms) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
   while (std::chrono::steady_clock::now() < deadline) {
     int st;
-    if (waitpid(pid_, &st, WNOHANG) == pid_) {
-      pid_ = -1;
-      return;
-    }
+    if (waitpid(pid_, &st, WNOHANG) == pid_) return reaped(st);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   kill(-pid_, SIGKILL);
   int st;
   waitpid(pid_, &st, 0);
-  pid_ = -1;
+  reaped(st);
 }
 
 int free_port() {

@@ -86,10 +86,11 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   if (!m.is_ok()) return (v = v.declined_from("mount failed: " + m.status().message())), out;
   if (m->contains("pin") && (*m)["pin"].is_string()) out.pin = (*m)["pin"].get<std::string>();
 
-  // Trust, but check: the decoder must now see the mounted prefix.
+  // Trust, but check: the decoder must now see the mounted prefix. If not, what was mounted
+  // leaves its cache too: an entry the bridge could not confirm is never served later.
   auto now = seam.cached_prefix(ids);
   if (!now.is_ok() || now.value() < v.b) {
-    seam.unpin(out.pin);
+    seam.unpin(out.pin, /*evict=*/true);
     out.pin.clear();
     return (v = v.declined_from(
                 "mounted " + std::to_string(v.b) + " rows but the decoder would reuse " +

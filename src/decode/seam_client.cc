@@ -19,8 +19,8 @@ Result<nlohmann::json> SeamClient::mount(const std::string& entry,
   return call("/hetero/mount", {{"entry", entry}, {"ids", ids}});
 }
 
-void SeamClient::unpin(const std::string& pin) const {
-  if (!pin.empty()) (void)call("/hetero/unpin", {{"pin", pin}});
+void SeamClient::unpin(const std::string& pin, bool evict) const {
+  if (!pin.empty()) (void)call("/hetero/unpin", {{"pin", pin}, {"evict", evict}});
 }
 
 }  // namespace hetero

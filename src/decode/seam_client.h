@@ -32,7 +32,8 @@ class SeamClient {
   // looked it up for these ids (or unpin).
   Result<nlohmann::json> mount(const std::string& entry, const std::vector<int32_t>& ids) const;
   // Releases a pin (idempotent; "" is a no-op). Best effort: a pin also expires on its own.
-  void unpin(const std::string& pin) const;
+  // evict: the mounted entry also leaves the decoder's cache (a mount that failed its check).
+  void unpin(const std::string& pin, bool evict = false) const;
   // Any other seam endpoint (clear, cache dumps): 2xx JSON or a Status.
   Result<nlohmann::json> call(const std::string& path, const nlohmann::json& body) const {
     return http_json_ok(host_, port_, path, body, timeout_ms_, secret_);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <string_view>
 
+#include "bridge/assembler.h"
 #include "common/http_json.h"
 #include "common/http_server.h"
 #include "common/json_text.h"
@@ -393,6 +394,9 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
 Status FrontServer::start() {
   if (cfg_.store_dir.empty()) return invalid_argument("--store is required (the seam's --store)");
   HETERO_RETURN_IF_ERROR(check_pairing());
+  if (int64_t n = remove_partial_store_entries(cfg_.store_dir); n > 0)
+    log_line("front",
+             "removed " + std::to_string(n) + " half-written store entries left by an earlier run");
   server_ = std::make_unique<httplib::Server>();
   exclusive_port(*server_);
   const int threads = cfg_.threads;

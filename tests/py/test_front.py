@@ -506,21 +506,38 @@ def test_up_exit_when_ready(tmp_path) -> None:
     assert f"http://127.0.0.1:{port}/v1" in out, out
 
 
-def test_doctor_all_green_then_sigint_stops_up(tmp_path) -> None:
+def start_up(tmp_path: Path):
+    """A `hetero up` on the tiny model, waited for until it says it is up: (process, log, ports)."""
     need(HETERO, "hetero binary")
     need(TINY / "config.json", "tiny test model")
     port, dport, pport = free_port(), free_port(), free_port()
-    log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen(
-        [str(HETERO), "up", "--port", str(port), "--decoder-port", str(dport), "--prefill-port",
-         str(pport), "--work-dir", str(tmp_path / "work"), "--model", str(TINY), "--python", PY],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen(
+            [str(HETERO), "up", "--port", str(port), "--decoder-port", str(dport),
+             "--prefill-port", str(pport), "--work-dir", str(tmp_path / "work"), "--model",
+             str(TINY), "--python", PY], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
     try:
         deadline = time.monotonic() + 300
-        while "hetero is up" not in (tmp_path / "up.log").read_text(errors="replace"):
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+        while "hetero is up" not in log_path.read_text(errors="replace"):
+            assert up.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
+    except BaseException:
+        kill_with_children(up)
+        raise
+    return up, log_path, (port, dport, pport)
+
+
+def wait_gone(pids: List[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(alive(k) for k in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(k) for k in pids), pids
+
+
+def test_doctor_all_green_then_sigint_stops_up(tmp_path) -> None:
+    up, log_path, (port, dport, pport) = start_up(tmp_path)
+    try:
         kids = children_of(up.pid)
         assert len(kids) >= 2, kids  # decoder and prefill host
         # hetero up makes the stack's secret; doctor needs it for the seam.
@@ -532,40 +549,40 @@ def test_doctor_all_green_then_sigint_stops_up(tmp_path) -> None:
         assert doc.returncode == 0, doc.stdout + doc.stderr
         assert "all green" in doc.stdout
         up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0, (tmp_path / "up.log").read_text()
-        deadline = time.monotonic() + 10
-        while any(alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(k) for k in kids), kids
+        assert up.wait(timeout=60) == 0, log_path.read_text()
+        wait_gone(kids, 10)
     finally:
         kill_with_children(up)
-        log.close()
 
 
 def test_children_die_with_a_killed_up(tmp_path) -> None:
     # Regression (hardening issue): a `hetero up` that died left its decoder and prefill host
     # running, holding their ports.
-    need(HETERO, "hetero binary")
-    need(TINY / "config.json", "tiny test model")
-    log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        up = subprocess.Popen(
-            [str(HETERO), "up", "--port", str(free_port()), "--decoder-port", str(free_port()),
-             "--prefill-port", str(free_port()), "--work-dir", str(tmp_path / "work"), "--model",
-             str(TINY), "--python", PY], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
+    up, _, _ = start_up(tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        while "hetero is up" not in log_path.read_text(errors="replace"):
-            assert up.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
         kids = children_of(up.pid)
         assert len(kids) >= 2, kids
         up.kill()  # no chance to stop its children itself
         up.wait(timeout=30)
-        deadline = time.monotonic() + 15
-        while any(alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(k) for k in kids), kids
+        wait_gone(kids, 15)
+    finally:
+        kill_with_children(up)
+
+
+def test_up_exits_nonzero_when_a_child_dies(tmp_path) -> None:
+    # Regression (hardening issue): a killed decoder stayed a zombie under a `hetero up` that
+    # went on saying it was up, its front door answering 503 to everything.
+    up, log_path, _ = start_up(tmp_path)
+    try:
+        kids = children_of(up.pid)
+        prefill = [k for k in kids if "prefill" in Path(f"/proc/{k}/cmdline").read_text()]
+        assert len(prefill) == 1, kids
+        os.kill(prefill[0], signal.SIGKILL)
+        assert up.wait(timeout=60) == 1, log_path.read_text()
+        out = log_path.read_text(errors="replace")
+        assert "up: the prefill host killed by signal 9" in out, out
+        assert "prefill.log" in out, out
+        wait_gone(kids, 10)  # the decoder went with it
     finally:
         kill_with_children(up)
 

@@ -7,7 +7,7 @@ import time
 import mlx.core as mx
 import pytest
 from hetero_mlx.errors import SeamError
-from hetero_mlx.pins import Pins
+from hetero_mlx.pins import Pins, unpin_request
 from hetero_mlx.prompt_cache import LockedPromptCache
 from mlx_lm.models.cache import KVCache
 
@@ -64,6 +64,29 @@ def test_pins_expire_and_unpin_is_idempotent() -> None:
     pins.add([1, 2], None)
     time.sleep(0.1)
     assert len(pins) == 0 and pins.take_matching([1, 2, 3]) == []
+
+
+def test_unpin_with_evict_removes_exactly_the_mounted_entry() -> None:
+    cache = LockedPromptCache(10)
+    other = list(range(20, 30))
+    cache.insert_cache(MODEL, other, kv_cache(len(other)), cache_type="assistant")
+    prefix = list(range(1, 9))
+    pin = mount(cache, prefix)
+    nbytes = cache.nbytes
+
+    def evict(p):
+        return cache.evict(p.payload[0], list(p.prefix))
+
+    assert unpin_request(cache.pins, {"pin": pin, "evict": True}, evict) == {
+        "released": True, "evicted": True}
+    assert cache.reuse_length(MODEL, prefix + [0]) == 0 and len(cache) == 1
+    assert cache.reuse_length(MODEL, other + [0]) == len(other)
+    assert cache.nbytes == nbytes - sum(c.nbytes for c in kv_cache(len(prefix)))
+    assert cache.stats_by_type()["user"] == {"n_sequences": 0, "n_bytes": 0}
+    # A plain unpin leaves the entry where it is.
+    pin = mount(cache, prefix)
+    assert unpin_request(cache.pins, {"pin": pin}, evict) == {"released": True, "evicted": False}
+    assert cache.reuse_length(MODEL, prefix + [0]) == len(prefix)
 
 
 def test_faults_need_the_test_flag() -> None:

@@ -138,7 +138,7 @@ def dump(server, ids, n, name):
 
 def mount_native_prefix(server, body, name):
     """Runs `body` natively, mounts the server's own rows for all but its last 3 prompt tokens
-    from a store entry after clearing the cache; returns (ids, B, truth file, native answer)."""
+    from a store entry after clearing the cache; returns (ids, B, truth file, native answer, pin)."""
     ids = ok(server, "/hetero/tokenize", body)["ids"]
     n = len(ids) - 3
     ok(server, "/hetero/clear")
@@ -151,14 +151,14 @@ def mount_native_prefix(server, body, name):
     mounted = ok(server, "/hetero/mount", {"entry": entry, "ids": ids})
     assert mounted["mounted"] == n and isinstance(mounted["pin"], str) and mounted["pin"]
     assert ok(server, "/hetero/cached_prefix", {"ids": ids})["cached_tokens"] == n
-    return ids, n, truth, native
+    return ids, n, truth, native, mounted["pin"]
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_mount_is_reused_and_answers_as_native(server, kind):
     body = {"max_tokens": 8, "temperature": 0, "logprobs": True}
     body.update({"messages": MESSAGES} if kind == "chat" else {"prompt": PROMPT})
-    ids, n, truth, native = mount_native_prefix(server, body, f"mount-{kind}")
+    ids, n, truth, native, _ = mount_native_prefix(server, body, f"mount-{kind}")
 
     # The mounted objects hold exactly the arrays mounted (bit-exact: nothing is computed).
     again = dump(server, ids, n, f"mount-{kind}-again.safetensors")
@@ -173,10 +173,23 @@ def test_mount_is_reused_and_answers_as_native(server, kind):
     assert answer_of(reply) == native
 
 
+def test_unpin_with_evict_drops_the_mounted_entry(server):
+    # The front door's answer to a mount that failed its check: the entry must not stay in the
+    # decoder's cache to be served later.
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "logprobs": True}
+    ids, n, _, _, pin = mount_native_prefix(server, body, "mount-evict")
+    assert ok(server, "/hetero/unpin", {"pin": pin, "evict": True}) == {"released": True,
+                                                                         "evicted": True}
+    assert ok(server, "/hetero/cached_prefix", {"ids": ids})["cached_tokens"] == 0
+    assert ok(server, "/hetero/unpin", {"pin": pin, "evict": True})["released"] is False
+    status, reply = post(server, "/hetero/unpin", {"pin": pin, "evict": "yes"})
+    assert status == 400 and reply["error"]["code"] == "bad_evict"
+
+
 def test_openai_client_sees_the_mounted_prefix(server):
     openai = pytest.importorskip("openai")
     body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "logprobs": True}
-    ids, n, _, native = mount_native_prefix(server, body, "mount-openai")
+    ids, n, _, native, _ = mount_native_prefix(server, body, "mount-openai")
     client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused")
     reply = client.chat.completions.create(model="default_model", **body)
     assert reply.usage.prompt_tokens == len(ids)

@@ -243,6 +243,24 @@ def test_openai_client_sees_the_mounted_prefix(server):
     assert reply.choices[0].message.content == native[0]
 
 
+def test_unpin_with_evict_drops_the_mounted_checkpoint(server):
+    # The front door's answer to a mount that failed its check: the checkpoint must not stay in
+    # mlx-vlm's prefix cache to be served later.
+    body = chat_body(server, SHORT)
+    ids = ok(server, "/hetero/tokenize", body)["ids"]
+    ok(server, "/hetero/clear")
+    complete(server, body)
+    n = held_checkpoints(server, ids)[0]
+    truth, window_idx = dump(server, ids, n, "evict-truth.safetensors")
+    entry = write_entry(server, "mount-evict", ids, n, truth, window_idx)
+    ok(server, "/hetero/clear")
+    pin = ok(server, "/hetero/mount", {"entry": entry, "ids": ids})["pin"]
+    assert ok(server, "/hetero/cached_prefix", {"ids": ids})["cached_tokens"] == n
+    assert ok(server, "/hetero/unpin", {"pin": pin, "evict": True}) == {"released": True,
+                                                                         "evicted": True}
+    assert ok(server, "/hetero/cached_prefix", {"ids": ids})["cached_tokens"] == 0
+
+
 # ---- bad inputs ----------------------------------------------------------------------------
 
 

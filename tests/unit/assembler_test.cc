@@ -3,7 +3,10 @@
 #include "bridge/assembler.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -86,6 +89,47 @@ TEST(Assembler, StoreEntryIsComplete) {
   EXPECT_EQ(j["fingerprint"], "fp");
   EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(e->path) / "cache.safetensors"));
   std::filesystem::remove_all(dir);
+}
+
+TEST(Assembler, AFailedStoreWriteLeavesNothingBehind) {
+  // Regression (hardening issue): a full disk left "<entry>.partial" directories behind.
+  CacheAssembler a(layout(), 5);
+  ASSERT_TRUE(a.accept(make_segment(0, 0, 5, 2, 2, 4, "fp")).is_ok());
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("hetero_store_full_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  // A file-size limit makes the cache file's write fail as a full disk would.
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  auto* previous = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = saved;
+  small.rlim_cur = 64;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  auto e = write_store_entry(dir.string(), layout(), {5, 6, 7, 8, 9, 10}, 5, 5, a.arrays(5));
+  setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, previous);
+  EXPECT_FALSE(e.is_ok());
+  int64_t left = 0;
+  for (const auto& f : std::filesystem::recursive_directory_iterator(dir))
+    left += f.is_directory() ? 0 : 1;
+  EXPECT_EQ(left, 0) << "files left in " << dir;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Assembler, PartialEntriesLeftByACrashAreRemovedAndNothingElse) {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / ("hetero_store_sweep_" + std::to_string(::getpid()));
+  for (const char* d : {"fpA/abc.partial", "fpA/abc", "fpB/def.partial", "fpB/ghi"})
+    fs::create_directories(dir / d / "inner");
+  std::ofstream(dir / "fpA" / "abc.partial" / "cache.safetensors") << "half";
+  std::ofstream(dir / "stray.partial") << "a file at the top is not an entry";
+  EXPECT_EQ(remove_partial_store_entries(dir.string()), 2);
+  EXPECT_FALSE(fs::exists(dir / "fpA" / "abc.partial"));
+  EXPECT_FALSE(fs::exists(dir / "fpB" / "def.partial"));
+  EXPECT_TRUE(fs::exists(dir / "fpA" / "abc" / "inner") && fs::exists(dir / "fpB" / "ghi"));
+  EXPECT_TRUE(fs::exists(dir / "stray.partial"));
+  EXPECT_EQ(remove_partial_store_entries((dir / "absent").string()), 0);
+  fs::remove_all(dir);
 }
 
 }  // namespace hetero
