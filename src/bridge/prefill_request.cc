@@ -1,6 +1,7 @@
 // The prefill request contract: see prefill_request.h.
 #include "bridge/prefill_request.h"
 
+#include "bridge/frame_tag.h"
 #include "common/json_text.h"
 
 namespace hetero {
@@ -10,6 +11,7 @@ json prefill_request_json(const PrefillRequest& req) {
   json body = {{"ids", req.ids}, {"fingerprint", req.fingerprint}};
   if (req.chunk_tokens > 0) body["chunk"] = req.chunk_tokens;
   if (!req.decoder_calls.empty()) body["decoder_calls"] = req.decoder_calls;
+  if (!req.stream_nonce.empty()) body["stream_nonce"] = req.stream_nonce;
   return body;
 }
 
@@ -46,6 +48,11 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vo
     if (!j["chunk"].is_number_integer() || j["chunk"].get<int64_t>() <= 0)
       return invalid_argument("'chunk' must be a positive integer");
     r.chunk_tokens = j["chunk"].get<int64_t>();
+  }
+  if (j.contains("stream_nonce")) {
+    if (!j["stream_nonce"].is_string() || !valid_stream_nonce(j["stream_nonce"].get<std::string>()))
+      return invalid_argument("'stream_nonce' must be 16 to 128 hex digits");
+    r.stream_nonce = j["stream_nonce"].get<std::string>();
   }
   if (j.contains("decoder_calls")) {
     const json& c = j["decoder_calls"];

@@ -20,6 +20,9 @@ struct PrefillRequest {
   // deepseek_v4 (required there): the decoder's own call schedule for these ids, on which its
   // cache depends.
   std::vector<int64_t> decoder_calls;
+  // Between hosts that share the stack's secret: the decode side's fresh nonce for this stream,
+  // from which the frames' tags are keyed (frame_tag.h). "" without a secret.
+  std::string stream_nonce;
 };
 
 // The body the decode side sends.

@@ -220,7 +220,8 @@ void FrameParser::feed(const char* data, size_t n) {
     // A bad magic or size is next()'s to report; here it only means no growing.
     if (std::memcmp(prefix, kMagic, 4) == 0 && hb <= kMaxHeaderBytes &&
         pb <= static_cast<uint64_t>(max_payload_)) {
-      const size_t total = std::max<size_t>(kPrefixBytes + hb + pb + 8, have + n);
+      const size_t tag = tags_ ? kFrameTagBytes : 0;
+      const size_t total = std::max<size_t>(kPrefixBytes + hb + pb + 8 + tag, have + n);
       if (buf_.capacity() - pos_ < total) {
         std::string grown = fresh_buffer(total);
         grown.append(buf_, pos_, have);  // drops what earlier frames left
@@ -250,7 +251,14 @@ Result<std::optional<Frame>> FrameParser::next() {
     return failed_ =
                data_loss("frame payload of " + std::to_string(pb) + " bytes exceeds the limit");
   const size_t total = kPrefixBytes + hb + pb + 8;
-  if (avail < total) return std::optional<Frame>();
+  const size_t tagged = total + (tags_ ? kFrameTagBytes : 0);
+  if (avail < tagged) return std::optional<Frame>();
+  // The tag first: nothing of a frame the secret's holder did not write is looked at.
+  if (tags_ && !tags_->verify(index_, p, total, reinterpret_cast<const uint8_t*>(p + total)))
+    return failed_ = data_loss("frame " + std::to_string(index_) +
+                               " has no valid tag: it is not from a prefill host holding the "
+                               "stack's secret, or it was altered on the way");
+  ++index_;
   uint64_t sum;
   std::memcpy(&sum, p + kPrefixBytes + hb + pb, 8);
   if (checksum64(p + kPrefixBytes, hb + pb) != sum)
@@ -264,14 +272,14 @@ Result<std::optional<Frame>> FrameParser::next() {
   if (!version.is_number_integer() || version.get<int64_t>() != kWireVersion)
     return failed_ = data_loss("unsupported wire version " + version.dump());
   f.payload_size = pb;
-  if (pos_ == 0 && avail == total) {  // the buffer holds exactly this frame: hand it over
+  if (pos_ == 0 && avail == tagged) {  // the buffer holds exactly this frame: hand it over
     f.buffer = std::move(buf_);
     f.payload_offset = kPrefixBytes + hb;
     buf_.clear();
     return std::optional<Frame>(std::move(f));
   }
   f.buffer.assign(p + kPrefixBytes + hb, pb);
-  pos_ += total;
+  pos_ += tagged;
   if (pos_ > (1u << 24) && pos_ * 2 > buf_.size()) {  // compact now and then
     buf_.erase(0, pos_);
     pos_ = 0;

@@ -2,7 +2,8 @@
 // checksummed frames, one segment per prefill boundary, closed by a manifest.
 // Format (docs/design/wire.md):
 //   "HSG1" | u32 header_bytes | u64 payload_bytes | header (JSON) | payload | u64 xxh64
-// where the checksum covers header and payload. All integers little-endian.
+// where the checksum covers header and payload. All integers little-endian. Between hosts that
+// share the stack's secret, each frame is followed by its 16-byte tag (frame_tag.h).
 #pragma once
 
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bridge/frame_tag.h"
 #include "common/hash.h"
 #include "common/status.h"
 #include "common/tensor.h"
@@ -135,10 +137,12 @@ std::string encode_segment(const Segment& s, FrameBufferPool* buffers = nullptr)
 std::string encode_manifest(const Manifest& m);
 
 // Incremental frame parser for a byte stream arriving in arbitrary pieces. Verifies magic,
-// bounds and checksum before handing out a frame; after an error it stays failed.
+// bounds, tag (when given a tagger: every frame must carry a valid one) and checksum before
+// handing out a frame; after an error it stays failed.
 class FrameParser {
  public:
-  explicit FrameParser(int64_t max_payload_bytes) : max_payload_(max_payload_bytes) {}
+  explicit FrameParser(int64_t max_payload_bytes, const FrameTagger* tags = nullptr)
+      : max_payload_(max_payload_bytes), tags_(tags) {}
   // Once a frame's size is known (its 16-byte prefix has arrived, within the limits), the
   // buffer is grown to hold all of it at once: a large segment arriving in small pieces is then
   // neither re-copied as the buffer doubles nor faulted in 4 KB at a time.
@@ -151,6 +155,8 @@ class FrameParser {
   std::string buf_;
   size_t pos_ = 0;
   int64_t max_payload_;
+  const FrameTagger* tags_;
+  uint64_t index_ = 0;  // the next frame's place in the stream (its tag's key)
   Status failed_;
 };
 

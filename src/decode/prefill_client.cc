@@ -17,6 +17,12 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+Status unauthenticated_stream() {
+  return data_loss(std::string("the prefill host does not tag its frames with the stack's ") +
+                   "secret (" + kFrameTagsHeader + " missing): not the stack's prefill host, " +
+                   "or one started without --secret-file");
+}
+
 Code code_for_http(int status) {
   if (status == 409) return Code::kFailedPrecondition;
   if (status == 507) return Code::kResourceExhausted;
@@ -27,8 +33,10 @@ Code code_for_http(int status) {
 }  // namespace
 
 // A frame is refused beyond what one segment of this request can hold, before it is buffered.
-StreamReceiver::StreamReceiver(Assembler* assembler)
-    : assembler_(assembler), parser_(std::max<int64_t>(1, assembler->max_segment_bytes())) {}
+StreamReceiver::StreamReceiver(Assembler* assembler, std::optional<FrameTagger> tags)
+    : assembler_(assembler),
+      tags_(std::move(tags)),
+      parser_(std::max<int64_t>(1, assembler->max_segment_bytes()), tags_ ? &*tags_ : nullptr) {}
 
 bool StreamReceiver::feed(const char* data, size_t n) {
   if (!status_.is_ok() || have_manifest_) return false;
@@ -82,7 +90,14 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   cli.set_connection_timeout(std::chrono::milliseconds(std::min<int64_t>(stall_ms, 5000)));
   cli.set_read_timeout(std::chrono::milliseconds(stall_ms));
 
-  StreamReceiver receiver(assembler);
+  PrefillRequest tagged = req;
+  std::optional<FrameTagger> tags;
+  if (!secret.empty()) {
+    tagged.stream_nonce = new_stream_nonce();
+    tags.emplace(secret, tagged.stream_nonce);
+  }
+  StreamReceiver receiver(assembler, std::move(tags));
+  Status untagged;
   auto last_byte = Clock::now();
   Status deadline_status;
   int http_status = 0;
@@ -90,11 +105,16 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   httplib::Request r;
   r.method = "POST";
   r.path = "/v1/prefill";
-  r.body = prefill_request_json(req).dump();
+  r.body = prefill_request_json(tagged).dump();
   r.set_header("Content-Type", "application/json");
   if (!secret.empty()) r.set_header(kAuthHeader, bearer_value(secret));
   r.response_handler = [&](const httplib::Response& res) {
     http_status = res.status;
+    if (res.status == 200 && !secret.empty() &&
+        res.get_header_value(kFrameTagsHeader) != kFrameTagsScheme) {
+      untagged = unauthenticated_stream();
+      return false;
+    }
     return true;
   };
   r.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
@@ -120,7 +140,10 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   out.salvageable = receiver.salvageable();
   out.have_manifest = receiver.have_manifest();
   out.arith = receiver.arith();
-  if (!deadline_status.is_ok()) {
+  if (!untagged.is_ok()) {
+    out.status = untagged;
+    out.salvageable = false;
+  } else if (!deadline_status.is_ok()) {
     out.status = deadline_status;
   } else if (!receiver.status().is_ok()) {
     out.status = receiver.status();

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "bridge/assembler.h"
@@ -15,9 +16,10 @@
 namespace hetero {
 
 // Feeds a segment stream's bytes through the frame parser into an assembler. Not thread-safe.
+// With a tagger, every frame must carry its valid tag (a stream from a holder of the secret).
 class StreamReceiver {
  public:
-  explicit StreamReceiver(Assembler* assembler);
+  explicit StreamReceiver(Assembler* assembler, std::optional<FrameTagger> tags = std::nullopt);
   // Parses and verifies what the bytes complete. Returns false once the stream must stop:
   // an error (status() says which) or the manifest (status() ok when it agreed).
   bool feed(const char* data, size_t n);
@@ -35,6 +37,7 @@ class StreamReceiver {
  private:
   bool consume_frames();
   Assembler* assembler_;
+  std::optional<FrameTagger> tags_;  // before parser_, which points at it
   FrameParser parser_;
   Status status_;
   bool have_manifest_ = false, salvageable_ = true;
@@ -55,7 +58,8 @@ struct FetchResult {
 
 // stall_ms: longest silence tolerated between bytes; deadline_ms: the whole stream's budget.
 // Both end the stream with kDeadlineExceeded; rows verified so far stay in the assembler.
-// secret: the stack's shared secret, sent as a bearer token ("" for a host without one).
+// secret: the stack's shared secret, sent as a bearer token ("" for a host without one); with
+// one, the request carries a fresh stream nonce and every frame must come back tagged.
 // The prefill host's refusals keep their meaning: 409 (fingerprint) is kFailedPrecondition,
 // 507 (out of memory) kResourceExhausted, other 4xx kInvalidArgument, 5xx kInternal.
 FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,

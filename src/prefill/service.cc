@@ -262,6 +262,21 @@ Status PrefillService::start(const std::string& host, int port) {
       return;
     }
     auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
+    // With the stack's secret, every frame leaves with its tag (frame_tag.h), keyed by the
+    // caller's nonce: the decode side then knows the stream came from a holder of the secret.
+    std::shared_ptr<const FrameTagger> tags;
+    if (!secret_.empty()) {
+      if (request->stream_nonce.empty()) {
+        const Status st = invalid_argument(
+            "this prefill host tags its frames with the stack's secret: the request needs a "
+            "'stream_nonce'");
+        res.status = http_status_for(st);
+        res.set_content(error_body(st), "application/json");
+        return;
+      }
+      tags = std::make_shared<const FrameTagger>(secret_, request->stream_nonce);
+      res.set_header(kFrameTagsHeader, kFrameTagsScheme);
+    }
     // Admission, before any byte of the response: this request's turn, then its memory. A
     // refusal answers with an error body and gives the turn to the next request.
     if (!take_slot()) {
@@ -293,8 +308,9 @@ Status PrefillService::start(const std::string& host, int port) {
     auto stopping = stopping_;
     res.set_chunked_content_provider(
         "application/x-hetero-segments",
-        [frames, cancelled, fault, stopping, buffers](size_t, httplib::DataSink& sink) {
+        [frames, cancelled, fault, stopping, buffers, tags](size_t, httplib::DataSink& sink) {
           int64_t i = 0;
+          uint64_t sent = 0;  // the frame's place in the stream: its tag's key
           while (auto f = frames->pop()) {
             if (!fault.kind.empty()) {
               if (fault.kind == "exit-after" && i == fault.n) _exit(3);
@@ -306,7 +322,10 @@ Status PrefillService::start(const std::string& host, int port) {
               }
               if (!apply_fault(fault, i++, &*f)) continue;
             }
-            if (!sink.write(f->data(), f->size())) {
+            FrameTag tag{};
+            if (tags) tag = tags->tag(sent++, f->data(), f->size());
+            if (!sink.write(f->data(), f->size()) ||
+                (tags && !sink.write(reinterpret_cast<const char*>(tag.data()), tag.size()))) {
               cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
               frames->close();
               return false;

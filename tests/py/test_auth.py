@@ -1,22 +1,28 @@
 """The stack's shared secret on real processes. `hetero up` (tiny model, free ports) makes one
 secret and hands every process the file's path; the stack serves a bridged request (the front
-door authenticates to the seam and to the prefill host); the seam and POST /v1/prefill refuse
+door authenticates to the seam and to the prefill host, whose frames carry tags keyed by the
+secret, so a spoofed prefill host's stream is refused and mounts nothing); the seam and POST /v1/prefill refuse
 calls without the secret, or with a wrong one, and the refusals change nothing; `hetero front`
 and `hetero doctor` authenticate with --secret-file. The seam's own access rules endpoint by
 endpoint (secret, JSON bodies, CORS, dump directory, served model): test_seam.py and
 test_vlm_seam.py.
 """
 
+import http.server
+import json
 import os
 import re
 import signal
 import stat
+import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import xxhash
 from frontstack import (HETERO, PY, ROOT, TINY, Proc, chat, free_port, need, post_front, text,
                         verdict_of)
 
@@ -128,7 +134,8 @@ def test_prefill_host_refuses_calls_without_the_secret(up):
     port, secret = up["prefill-port"], secret_of(up)
     health = requests.get(url(port, "/health"), timeout=10)
     assert health.status_code == 200  # open: the front's pairing check and doctor read it
-    body = {"ids": list(range(1, 40)), "fingerprint": health.json()["fingerprint"]}
+    body = {"ids": list(range(1, 40)), "fingerprint": health.json()["fingerprint"],
+            "stream_nonce": "0123456789abcdef" * 2}
     for headers in ({}, bearer("0" * 64), bearer(secret + "0"), {"Authorization": secret}):
         r = requests.post(url(port, "/v1/prefill"), json=body, headers=headers, timeout=30)
         assert r.status_code == 401, (headers, r.text)
@@ -137,6 +144,110 @@ def test_prefill_host_refuses_calls_without_the_secret(up):
     r = requests.post(url(port, "/v1/prefill"), json=body, headers=bearer(secret), timeout=120)
     assert r.status_code == 200 and len(r.content) > 0
     assert r.headers["Content-Type"] == "application/x-hetero-segments"
+    assert r.headers["X-Hetero-Frame-Tags"] == "poly1305-v1"
+    # With the secret, frames are tagged: a request without a nonce to key them is refused.
+    del body["stream_nonce"]
+    r = requests.post(url(port, "/v1/prefill"), json=body, headers=bearer(secret), timeout=120)
+    assert r.status_code == 400 and "stream_nonce" in r.json()["error"]["message"], r.text
+
+
+class SpoofedPrefillHost:
+    """A prefill host that does not hold the stack's secret: it answers every request with
+    rows of garbage in well-formed frames whose xxh64 checksums are right (anyone can compute
+    those). forge_tags: it also claims tagged frames and appends 16 random bytes to each."""
+
+    def __init__(self, info: dict, forge_tags: bool):
+        host = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                host.reply(self, 200, json.dumps({"status": "ok", **host.health}).encode())
+
+            def do_POST(self):  # noqa: N802
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                host.requests += 1
+                host.reply(self, 200, host.stream(req), tagged=forge_tags)
+
+            def log_message(self, *args):
+                pass
+
+        self.info, self.requests = info, 0
+        self.health = {k: info[k] for k in ("family", "fingerprint", "layers")}
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.forge_tags = forge_tags
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def reply(handler, status: int, data: bytes, tagged: bool = False) -> None:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/x-hetero-segments" if tagged or status
+                            == 200 and data[:4] == b"HSG1" else "application/json")
+        if tagged:
+            handler.send_header("X-Hetero-Frame-Tags", "poly1305-v1")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    def frame(self, header: dict, payload: bytes = b"") -> bytes:
+        h = json.dumps(header).encode()
+        out = b"HSG1" + struct.pack("<IQ", len(h), len(payload)) + h + payload
+        out += struct.pack("<Q", xxhash.xxh64(h + payload).intdigest())
+        return out + (os.urandom(16) if self.forge_tags else b"")
+
+    def stream(self, req: dict) -> bytes:
+        n, info = len(req["ids"]), self.info
+        shape = [info["kv_heads"], n, info["head_dim"]]
+        size = 2 * info["kv_heads"] * n * info["head_dim"]
+        arrays, payload = [], b""
+        for layer in range(info["layers"]):
+            for which in ("keys", "values"):
+                arrays.append({"name": f"layers.{layer}.{which}", "dtype": "BF16", "shape": shape,
+                               "offset": len(payload), "bytes": size})
+                payload += os.urandom(size)
+        segment = {"v": 1, "kind": "segment", "seq": 0, "family": info["family"],
+                   "fingerprint": req["fingerprint"], "pos0": 0, "n_tokens": n, "arrays": arrays}
+        manifest = {"v": 1, "kind": "manifest", "fingerprint": req["fingerprint"],
+                    "requested_tokens": n, "covered_tokens": n, "segments": 1, "complete": True,
+                    "reason": "", "arith": "exact"}
+        return self.frame(segment, payload) + self.frame(manifest)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("forge_tags", [False, True], ids=["untagged", "forged-tags"])
+def test_a_spoofed_prefill_host_is_refused_and_poisons_nothing(up, tmp_path, forge_tags):
+    # Regression (hardening issue): a fake prefill host's garbage, framed with correct
+    # checksums, was answered as "complete, exact" and stayed in the decoder's prompt cache.
+    dport, good = up["decoder-port"], bearer(secret_of(up))
+    info = requests.get(url(dport, "/hetero/info"), headers=good, timeout=10).json()
+    spoof = SpoofedPrefillHost(info, forge_tags)
+    port = free_port()
+    front = Proc("front", [HETERO, "front", "--decoder-port", dport, "--prefill-port", spoof.port,
+                           "--store", up["work"] / "store", "--secret-file", up["secret_file"],
+                           "--port", port], tmp_path, port, "/health")
+    try:
+        front.wait_ready(60)
+        body = chat(text(f"spoof-{forge_tags}", 120), 8)
+        requests.post(url(dport, "/hetero/clear"), json={}, headers=good, timeout=30)
+        cold = requests.post(url(dport, "/v1/chat/completions"), json=body, timeout=300).json()
+        requests.post(url(dport, "/hetero/clear"), json={}, headers=good, timeout=30)
+
+        r = post_front(front, body, mode="bridge")
+        assert r.status_code == 200, r.text
+        v = verdict_of(r.headers)
+        assert spoof.requests == 1
+        assert v["verdict"].startswith("declined") and v["B"] == 0, v
+        assert ("no valid tag" if forge_tags else "does not tag its frames") in v["verdict"], v
+        assert r.json()["choices"][0]["message"] == cold["choices"][0]["message"]
+        # Nothing of the garbage was mounted: the decoder, asked again, still answers as cold.
+        again = requests.post(url(dport, "/v1/chat/completions"), json=body, timeout=300).json()
+        assert again["choices"][0]["message"] == cold["choices"][0]["message"]
+    finally:
+        front.stop()
+        spoof.stop()
 
 
 def test_front_and_doctor_authenticate_with_the_secret_file(up, tmp_path):

@@ -20,18 +20,25 @@ Status parse(const std::string& body) {
 }
 
 TEST(PrefillRequest, RoundTripsThroughItsJson) {
-  PrefillRequest r{{1, 2, 3}, "fp", 2, {2, 1}};
+  PrefillRequest r{{1, 2, 3}, "fp", 2, {2, 1}, "00112233445566778899aabbccddeeff"};
   auto back = parse_prefill_request(prefill_request_json(r).dump(), 100, layout(), 16);
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   EXPECT_EQ(back->ids, r.ids);
   EXPECT_EQ(back->decoder_calls, r.decoder_calls);
   EXPECT_EQ(back->chunk_tokens, 2);
+  EXPECT_EQ(back->stream_nonce, r.stream_nonce);
 }
 
 TEST(PrefillRequest, RefusesWhatCannotBeServed) {
   EXPECT_EQ(parse(R"({"ids": [1, 2], "fingerprint": "other"})").code(), Code::kFailedPrecondition);
   EXPECT_EQ(parse(R"({"ids": [1, 200], "fingerprint": "fp"})").code(), Code::kInvalidArgument);
   EXPECT_EQ(parse(R"({"ids": [], "fingerprint": "fp"})").code(), Code::kInvalidArgument);
+  for (const char* nonce : {R"("short")", R"("not hex, not hex, not hex!")", "7", "null"})
+    EXPECT_EQ(
+        parse(std::string(R"({"ids": [1], "fingerprint": "fp", "stream_nonce": )") + nonce + "}")
+            .code(),
+        Code::kInvalidArgument)
+        << nonce;
   EXPECT_EQ(parse(std::string(1000, '[') + std::string(1000, ']')).code(), Code::kInvalidArgument);
   // Regression (hardening issue): a schedule whose sum overflows was accepted.
   const Status wraps =

@@ -33,8 +33,7 @@ DecoderCacheLayout test_layout() {
   return l;
 }
 
-// Each layer's tap rows as one array per segment: layers.{i}.keys [1, n, 2], the first two
-// columns of x.
+// Each layer's tap rows as the layer's keys and values [1, n, 2]: the first two columns of x.
 class EchoProgram : public SegmentProgram {
  public:
   const DecoderCacheLayout& layout() const override { return layout_; }
@@ -44,7 +43,8 @@ class EchoProgram : public SegmentProgram {
     Tensor t(DType::kBF16, {1, n, 2});
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < 2; ++j) t.data<uint16_t>()[i * 2 + j] = x[i * kHidden + j];
-    arrays->emplace_back("layers." + std::to_string(layer) + ".keys", std::move(t));
+    arrays->emplace_back("layers." + std::to_string(layer) + ".keys", t);
+    arrays->emplace_back("layers." + std::to_string(layer) + ".values", std::move(t));
     return Status::ok();
   }
 
@@ -151,9 +151,9 @@ struct Stream {
   std::optional<Manifest> manifest;
 };
 
-Stream parse_stream(const std::string& body) {
+Stream parse_stream(const std::string& body, const FrameTagger* tags = nullptr) {
   Stream s;
-  FrameParser parser(int64_t{1} << 20);
+  FrameParser parser(int64_t{1} << 20, tags);
   parser.feed(body.data(), body.size());
   for (;;) {
     auto f = parser.next();
@@ -269,8 +269,11 @@ TEST_F(PrefillServiceTest, WithASecretOnlyAuthenticatedPrefillsRun) {
   ASSERT_TRUE(guarded.start("127.0.0.1", 0).is_ok());
   httplib::Client cli("127.0.0.1", guarded.bound_port());
   cli.set_read_timeout(20, 0);
-  const std::string body =
-      nlohmann::json{{"ids", {1, 2, 3, 4, 5}}, {"fingerprint", "fp-test"}}.dump();
+  const std::string nonce = new_stream_nonce();
+  const std::string body = nlohmann::json{
+      {"ids", {1, 2, 3, 4, 5}},
+      {"fingerprint", "fp-test"},
+      {"stream_nonce", nonce}}.dump();
   for (const httplib::Headers& headers :
        {httplib::Headers{}, httplib::Headers{{"Authorization", "Bearer wrong"}},
         httplib::Headers{{"Authorization", "Bearer " + secret.substr(1)}},
@@ -291,9 +294,19 @@ TEST_F(PrefillServiceTest, WithASecretOnlyAuthenticatedPrefillsRun) {
       cli.Post("/v1/prefill", {{"Authorization", bearer_value(secret)}}, body, "application/json");
   ASSERT_TRUE(served) << "no response";
   EXPECT_EQ(served->status, 200);
-  const Stream s = parse_stream(served->body);
+  // Its frames carry tags keyed by the secret and this request's nonce.
+  EXPECT_EQ(served->get_header_value(kFrameTagsHeader), kFrameTagsScheme);
+  const FrameTagger tags(secret, nonce);
+  const Stream s = parse_stream(served->body, &tags);
   ASSERT_TRUE(s.manifest.has_value());
   EXPECT_TRUE(s.manifest->complete) << s.manifest->reason;
+  EXPECT_EQ(engine_.resets.load(), 1);
+  // Without a nonce there is nothing to key the tags with: refused before the engine.
+  const auto untagged =
+      cli.Post("/v1/prefill", {{"Authorization", bearer_value(secret)}},
+               R"({"ids": [1, 2, 3, 4, 5], "fingerprint": "fp-test"})", "application/json");
+  ASSERT_TRUE(untagged) << "no response";
+  EXPECT_EQ(untagged->status, 400);
   EXPECT_EQ(engine_.resets.load(), 1);
 
   // The decode side's client sends it: refused without, admitted with it.
@@ -308,7 +321,8 @@ TEST_F(PrefillServiceTest, WithASecretOnlyAuthenticatedPrefillsRun) {
   assembler = make_assembler(layout, 5);
   const FetchResult authed =
       fetch_prefill("127.0.0.1", guarded.bound_port(), req, assembler.get(), 20000, 20000, secret);
-  EXPECT_EQ(authed.status.message().find("HTTP 401"), std::string::npos) << authed.status.message();
+  EXPECT_TRUE(authed.status.is_ok()) << authed.status.message();  // tagged and verified
+  EXPECT_EQ(assembler->covered_tokens(), 5);
   EXPECT_EQ(engine_.resets.load(), 2);  // the authenticated fetch ran a prefill
   guarded.stop();
 }

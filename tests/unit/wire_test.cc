@@ -273,4 +273,77 @@ TEST(Wire, HostileHeadersAreRefusedNeverTrusted) {
 }
 
 }  // namespace
+// ---- frame tags (frame_tag.h) --------------------------------------------------------------
+
+// A stream as a prefill host holding `secret` sends it for `nonce`: each frame, then its tag.
+std::string tagged_stream(const std::vector<std::string>& frames, const std::string& secret,
+                          const std::string& nonce) {
+  const FrameTagger tagger(secret, nonce);
+  std::string out;
+  for (size_t i = 0; i < frames.size(); ++i) {
+    const FrameTag t = tagger.tag(i, frames[i].data(), frames[i].size());
+    out += frames[i] + std::string(reinterpret_cast<const char*>(t.data()), t.size());
+  }
+  return out;
+}
+
+// How many frames a parser with the tagger for (secret, nonce) hands out; the error, if any.
+std::pair<int, Status> parse_tagged(const std::string& bytes, const std::string& secret,
+                                    const std::string& nonce) {
+  const FrameTagger tagger(secret, nonce);
+  FrameParser p(1 << 20, &tagger);
+  int n = 0;
+  for (size_t at = 0; at < bytes.size(); at += 7) {  // in odd pieces
+    p.feed(bytes.data() + at, std::min<size_t>(7, bytes.size() - at));
+    while (true) {
+      auto f = p.next();
+      if (!f.is_ok()) return {n, f.status()};
+      if (!f.value()) break;
+      ++n;
+    }
+  }
+  return {n, Status::ok()};
+}
+
+TEST(FrameTags, AStreamFromTheSecretsHolderPassesWhole) {
+  const std::vector<std::string> frames = {encode_segment(make_segment(0, 0, 3, 2, 2, 4)),
+                                           encode_segment(make_segment(1, 3, 5, 2, 2, 4)),
+                                           encode_manifest({"fp", 8, 8, 2, true, "", "exact"})};
+  const std::string nonce = new_stream_nonce();
+  EXPECT_TRUE(valid_stream_nonce(nonce)) << nonce;
+  EXPECT_NE(nonce, new_stream_nonce());
+  auto [n, st] = parse_tagged(tagged_stream(frames, "s3cret", nonce), "s3cret", nonce);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(n, 3);
+}
+
+TEST(FrameTags, ForgedReplayedReorderedOrAlteredFramesAreRefused) {
+  const std::vector<std::string> frames = {encode_segment(make_segment(0, 0, 3, 2, 2, 4)),
+                                           encode_segment(make_segment(1, 3, 5, 2, 2, 4)),
+                                           encode_manifest({"fp", 8, 8, 2, true, "", "exact"})};
+  const std::string nonce = new_stream_nonce(), good = tagged_stream(frames, "s3cret", nonce);
+  auto refused_at = [&](const std::string& bytes, int frame) {
+    auto [n, st] = parse_tagged(bytes, "s3cret", nonce);
+    EXPECT_EQ(n, frame);
+    EXPECT_EQ(st.code(), Code::kDataLoss) << st.to_string();
+    EXPECT_NE(st.message().find("no valid tag"), std::string::npos) << st.to_string();
+  };
+  refused_at(tagged_stream(frames, "guess", nonce), 0);                // no secret
+  refused_at(tagged_stream(frames, "s3cret", new_stream_nonce()), 0);  // another request's
+  // The secret holder's own frames, cut apart and put together again (each with its tag).
+  std::vector<std::string> piece;
+  for (size_t at = 0, i = 0; i < frames.size(); at += frames[i].size() + 16, ++i)
+    piece.push_back(good.substr(at, frames[i].size() + 16));
+  refused_at(piece[1] + piece[0] + piece[2], 0);  // reordered
+  refused_at(piece[0] + piece[2], 1);             // a segment dropped
+  // A payload byte changed and the checksum recomputed, as anyone can: the tag still catches it.
+  std::string altered = piece[1];
+  altered[frames[1].size() - 9] ^= 1;
+  const uint64_t sum = checksum64(altered.data() + 16, frames[1].size() - 16 - 8);
+  std::memcpy(altered.data() + frames[1].size() - 8, &sum, 8);
+  refused_at(piece[0] + altered + piece[2], 1);
+  // Untagged frames, to a receiver that expects tags: refused at the first.
+  refused_at(frames[0] + frames[1] + frames[2], 0);
+}
+
 }  // namespace hetero
