@@ -64,7 +64,9 @@ Options front_options() {
            "no bytes from the prefill host this long: stall"},
           {"decoder-timeout-ms", "HETERO_DECODER_TIMEOUT_MS", "1800000",
            "longest wait for one decoder reply"},
-          {"threads", "HETERO_FRONT_THREADS", "32", "HTTP worker threads (at least 2)"},
+          {"completions", "HETERO_FRONT_COMPLETIONS", "30",
+           "completions served at once (at least 1); more get 503 with Retry-After"},
+          max_connections_option(),
           {"bridge-queue", "HETERO_FRONT_BRIDGE_QUEUE", "8",
            "cold requests that may wait for the running bridge; more get 503 with Retry-After"},
           {"max-body-mb", "HETERO_FRONT_MAX_BODY_MB", "64",
@@ -84,7 +86,7 @@ Result<FrontConfig> front_config(const Options& opts) {
     const char* name;
     int64_t* out;
   };
-  int64_t port = 0, dport = 0, pport = 0, threads = 0, max_body_mb = 0;
+  int64_t port = 0, dport = 0, pport = 0, completions = 0, max_body_mb = 0, connections = 0;
   for (IntField f : {IntField{"port", &port},
                      {"decoder-port", &dport},
                      {"prefill-port", &pport},
@@ -94,7 +96,8 @@ Result<FrontConfig> front_config(const Options& opts) {
                      {"deadline-per-token-ms", &c.deadline_per_token_ms},
                      {"stall-ms", &c.stall_ms},
                      {"decoder-timeout-ms", &c.decoder_timeout_ms},
-                     {"threads", &threads},
+                     {"completions", &completions},
+                     {"max-connections", &connections},
                      {"max-body-mb", &max_body_mb},
                      {"bridge-queue", &c.bridge_queue}}) {
     auto v = opts.get_int(f.name);
@@ -106,7 +109,8 @@ Result<FrontConfig> front_config(const Options& opts) {
     if (p > 65535) return invalid_argument("ports must be in [0, 65535]");
   c.port = static_cast<int>(port), c.decoder_port = static_cast<int>(dport);
   c.prefill_port = static_cast<int>(pport);
-  c.threads = static_cast<int>(std::clamp<int64_t>(threads, 2, 1024));
+  c.completions = static_cast<int>(std::clamp<int64_t>(completions, 1, 4096));
+  c.max_connections = static_cast<int>(std::clamp<int64_t>(connections, 4, 65536));
   if (max_body_mb < 1 || max_body_mb > 65536)
     return invalid_argument("--max-body-mb must be in [1, 65536]");
   c.max_body_bytes = max_body_mb << 20;
@@ -200,8 +204,9 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     return fail(400, "invalid_request_error", "invalid_json",
                 "request body: " + parsed.status().message());
   json body = std::move(parsed.value());
-  // Two worker threads stay free for /health, /metrics and the refusals themselves.
-  if (const int64_t slots = std::max(1, cfg_.threads - 2); active_.load() > slots) {
+  // Each connection has its own thread (configure_server), so /health and /metrics answer
+  // whatever runs; completions beyond the slots are refused rather than left to pile up.
+  if (const int64_t slots = cfg_.completions; active_.load() > slots) {
     res.set_header("Retry-After", "1");
     return fail(503, "server_error", "busy",
                 "all " + std::to_string(slots) + " completion slots are taken; retry shortly");
@@ -398,9 +403,7 @@ Status FrontServer::start() {
     log_line("front",
              "removed " + std::to_string(n) + " half-written store entries left by an earlier run");
   server_ = std::make_unique<httplib::Server>();
-  exclusive_port(*server_);
-  const int threads = cfg_.threads;
-  server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  configure_server(*server_, cfg_.max_connections);
   for (const char* p : {"/v1/chat/completions", "/v1/completions"}) {
     const std::string path = p;
     server_->Post(p, [this, path](const httplib::Request& req, httplib::Response& res) {

@@ -50,7 +50,8 @@ struct FrontConfig {
   int64_t deadline_per_token_ms = 0;
   int64_t stall_ms = 0;  // no bytes from the prefill host for this long: stalled
   int64_t decoder_timeout_ms = 0;
-  int threads = 0;
+  int completions = 30;        // completions served at once; more get 503 busy
+  int max_connections = 0;     // connections served at once (each on its own thread)
   int64_t max_body_bytes = 0;  // larger request bodies get 413 before they are read
   int64_t bridge_queue = 0;    // bridges that may wait for the one running; more get 503
   std::string secret;          // the stack's shared secret, sent to the seam and /v1/prefill

@@ -214,7 +214,7 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
 
 Status PrefillService::start(const std::string& host, int port) {
   server_ = std::make_unique<httplib::Server>();
-  exclusive_port(*server_);
+  configure_server(*server_, max_connections_);
   // A body larger than the longest accepted request could be (max_tokens ids of at most ten
   // digits, the decoder's schedule beside them) is refused with 413 before it is read.
   server_->set_payload_max_length(static_cast<size_t>(4096 + 24 * max_tokens_));

@@ -22,6 +22,7 @@
 #include "bridge/decoder_weights.h"
 #include "bridge/prefill_request.h"
 #include "bridge/producer.h"
+#include "common/http_server.h"
 #include "engine/llama_cpu.h"
 
 namespace httplib {
@@ -121,6 +122,8 @@ class PrefillService {
   void set_arith(std::string arith) { arith_ = std::move(arith); }
   // The stack's shared secret (common/secret.h); "" leaves /v1/prefill open. Before start().
   void set_secret(std::string secret) { secret_ = std::move(secret); }
+  // Connections served at once (common/http_server.h). Before start().
+  void set_max_connections(int n) { max_connections_ = n; }
 
   // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
   // engine and reserves the request's memory (a refusal is a manifest whose reason says why),
@@ -144,6 +147,7 @@ class PrefillService {
   std::string arith_ = "exact";
   std::string secret_;
   int64_t default_chunk_, max_tokens_;
+  int max_connections_ = kDefaultMaxConnections;
   FaultSpec fault_;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);
 

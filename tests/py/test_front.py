@@ -17,6 +17,7 @@ models/smollm2-135m-instruct; skips with a reason when one is missing.
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -313,7 +314,7 @@ def test_full_queues_refuse_with_retry_after_and_health_always_answers(tiny) -> 
     # Regression (hardening issue): each queued bridge held one of the front's worker threads;
     # with enough of them a 2-token request waited 400 s and /health had no thread left.
     stalled = tiny.prefill("stall-after:1", fresh=True)
-    front = tiny.front(stalled.port, **{"threads": 6, "bridge-queue": 1, "stall-ms": 4000})
+    front = tiny.front(stalled.port, **{"completions": 4, "bridge-queue": 1, "stall-ms": 4000})
     results: Dict[int, requests.Response] = {}
 
     def worker(i: int) -> None:
@@ -335,9 +336,9 @@ def test_full_queues_refuse_with_retry_after_and_health_always_answers(tiny) -> 
     full = next(r for r in results.values() if r.status_code == 503)
     assert full.json()["error"]["code"] == "bridge_queue_full", full.text
     assert full.headers.get("Retry-After") == "5"
-    # Completion slots: threads - 2 = 1 here; more at once get 503 busy, /metrics still answers.
+    # Completion slots: --completions 1 here; more at once get 503 busy, /metrics still answers.
     slow = tiny.prefill("stall-after:1", fresh=True)
-    busy_front = tiny.front(slow.port, **{"threads": 3, "bridge-queue": 8, "stall-ms": 4000})
+    busy_front = tiny.front(slow.port, **{"completions": 1, "bridge-queue": 8, "stall-ms": 4000})
     got: Dict[int, requests.Response] = {}
 
     def busy(i: int) -> None:
@@ -357,6 +358,46 @@ def test_full_queues_refuse_with_retry_after_and_health_always_answers(tiny) -> 
     assert codes == [200, 503], codes
     refused = next(r for r in got.values() if r.status_code == 503)
     assert refused.json()["error"]["code"] == "busy" and refused.headers["Retry-After"] == "1"
+
+
+def test_trickling_clients_do_not_starve_health(tiny, main_front) -> None:
+    # Regression (hardening issue): connections that send their headers a byte at a time each
+    # held one of a fixed pool's threads; 8 of them starved the prefill host's /health, 32 the
+    # front door's /metrics, for as long as they trickled.
+    prefill = tiny.prefill()
+    socks = []
+    stop = threading.Event()
+    try:
+        for port in (main_front.port, prefill.port):
+            for _ in range(48):
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+                socks.append(s)
+
+        def trickle() -> None:
+            while not stop.is_set():
+                for s in socks:
+                    try:
+                        s.sendall(b"X")
+                    except OSError:
+                        pass
+                stop.wait(1.0)
+
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        time.sleep(1.5)
+        for url in (Stack.url(main_front.port, "/health"), Stack.url(main_front.port, "/metrics"),
+                    Stack.url(prefill.port, "/health")):
+            t0 = time.monotonic()
+            r = requests.get(url, timeout=5)
+            assert r.status_code == 200 and time.monotonic() - t0 < 2, (url, r.status_code)
+        # And real work goes on beside them.
+        r = post_front(main_front, chat("Hi!", max_tokens=2))
+        assert r.status_code == 200, r.text
+    finally:
+        stop.set()
+        for s in socks:
+            s.close()
 
 
 # ---------------------------------------------------------------- 5. bad input
