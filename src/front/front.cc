@@ -331,13 +331,18 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     SeamClient seam;
     std::string pin, path;
     Clock::time_point t0;
-    std::atomic<bool> done{false};
+    std::atomic<bool> done{false}, released{false};
+    // The completion slot goes back before the client can see the stream end: a client that
+    // sends its next request on [DONE] must find its slot free (soak: bench/soak.py).
+    void release_slot() {
+      if (!released.exchange(true)) --*active;
+    }
     void settle(const Verdict& confirmed) {
       if (done.exchange(true)) return;
+      release_slot();
       seam.unpin(pin);
       metrics->record(confirmed, 200);
       metrics->inflight(-1);
-      --*active;
       log_line("front", "POST " + path + " stream status=200 " + confirmed.header_value() +
                             " total_ms=" + std::to_string(ms_since(t0)));
     }
@@ -366,6 +371,7 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
             first_ms = ms_since(t_send);
           out.clear();
           relay->feed(std::string_view(data, n), &out);
+          if (out.find("data: [DONE]") != std::string::npos) end->release_slot();
           if (!out.empty() && !sink.write(out.data(), out.size()))
             return (client_gone = true), false;
           return true;

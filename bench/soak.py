@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Soak: many concurrent OpenAI clients on the whole CPU stack (`hetero up`) for minutes.
+
+Starts `hetero up` on a model (default: the built-in default), then runs --clients threads, each
+with its own official `openai` client (no retries: a refusal counts as an error), for --minutes.
+Clients take turns by index: long prompts (cold, so they bridge) and short ones, each streamed or
+not. Every request is checked: HTTP 200, an answer, a verdict header, and for streams a usage
+event. The processes' resident memory is sampled every --rss-every seconds.
+
+Reports: errors (must be 0), requests and verdicts per kind, latency percentiles of the short
+requests (they never wait for a bridge) and of the long ones, and each process's RSS in the first
+and the last minute. Raw lines: bench/results/soak-<rev>.jsonl (one per request, per RSS sample,
+and the summary).
+
+usage: .venv/bin/python bench/soak.py [--minutes 10] [--clients 64] [--model DIR]
+"""
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "py"))
+
+import openai  # noqa: E402
+from frontstack import free_port, text  # noqa: E402
+
+KINDS = ("long", "long-stream", "short", "short-stream")
+
+
+def git_rev() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                       text=True)
+    return r.stdout.strip() or "unknown"
+
+
+def rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def children_of(pid: int):
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def process_name(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return str(pid)
+    text_argv = " ".join(a.decode(errors="replace") for a in argv)
+    if "hetero_mlx" in text_argv:
+        return "decoder"
+    if " prefill " in f" {text_argv} ":
+        return "prefill"
+    return "front"
+
+
+def percentile(values, q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def one_request(client, model: str, kind: str, tag: str, long_words: int) -> dict:
+    """One request of a kind; returns what was observed (an "error" key when it failed)."""
+    long_prompt = kind.startswith("long")
+    content = text(tag, long_words) if long_prompt else f"Say hello to {tag}."
+    args = dict(model=model, messages=[{"role": "user", "content": content}],
+                max_tokens=12 if long_prompt else 6, temperature=0.0)
+    t0 = time.monotonic()
+    row = {"kind": kind, "tag": tag}
+    try:
+        if kind.endswith("stream"):
+            with client.chat.completions.with_streaming_response.create(
+                    stream=True, stream_options={"include_usage": True}, **args) as resp:
+                verdict = resp.headers.get("X-PD-Bridge")
+                first, parts, usage = None, [], None
+                for chunk in resp.parse():
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        first = first if first is not None else time.monotonic() - t0
+                        parts.append(chunk.choices[0].delta.content)
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+            row.update(first_token_s=first, answer_chars=len("".join(parts)))
+            if usage is None:
+                row["error"] = "stream ended without a usage event"
+        else:
+            raw = client.chat.completions.with_raw_response.create(**args)
+            verdict = raw.headers.get("X-PD-Bridge")
+            reply = raw.parse()
+            usage = reply.usage
+            row["answer_chars"] = len(reply.choices[0].message.content or "")
+        if verdict is None:
+            row["error"] = "no X-PD-Bridge header"
+        else:
+            v = json.loads(verdict)
+            row["verdict"] = v["verdict"].split(":")[0].split(" ")[0]
+        if usage is not None:
+            row["prompt_tokens"] = usage.prompt_tokens
+    except Exception as e:  # any failure of any kind is an error of the soak
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    row["latency_s"] = time.monotonic() - t0
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--long-words", type=int, default=300)
+    ap.add_argument("--rss-every", type=float, default=5.0)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rev = git_rev()
+    out_path = Path(args.out or ROOT / "bench" / "results" / f"soak-{rev}.jsonl")
+    work = Path(tempfile.mkdtemp(prefix="hetero-soak-"))
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"),
+               # Room for every client at once: the soak measures serving, not refusals.
+               HETERO_FRONT_COMPLETIONS=str(args.clients),
+               HETERO_FRONT_BRIDGE_QUEUE=str(args.clients))
+    env.pop("HETERO_SECRET_FILE", None)
+    log = open(work / "up.log", "wb")
+    up = subprocess.Popen([str(ROOT / "build" / "hetero"), "up", "--model", args.model,
+                           "--work-dir", str(work), "--port", str(port), "--decoder-port",
+                           str(free_port()), "--prefill-port", str(free_port())],
+                          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while "hetero is up" not in (work / "up.log").read_text(errors="replace"):
+        if up.poll() is not None or time.monotonic() > deadline:
+            print((work / "up.log").read_text(errors="replace")[-3000:])
+            return 1
+        time.sleep(0.5)
+    model_name = Path(args.model).name
+    rows, rss_rows = [], []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + args.minutes * 60
+    t_start = time.monotonic()
+
+    def client_loop(i: int) -> None:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=900)
+        kind, n = KINDS[i % len(KINDS)], 0
+        while time.monotonic() < stop_at:
+            row = one_request(client, model_name, kind, f"soak-{rev}-{i}-{n}", args.long_words)
+            row.update(client=i, t_s=round(time.monotonic() - t_start, 2))
+            with lock:
+                rows.append(row)
+            n += 1
+
+    def sample_rss() -> None:
+        while time.monotonic() < stop_at:
+            t = round(time.monotonic() - t_start, 1)
+            for pid in [up.pid] + children_of(up.pid):
+                rss_rows.append({"rss": process_name(pid), "pid": pid, "t_s": t,
+                                 "rss_mib": round(rss_mib(pid), 1)})
+            time.sleep(args.rss_every)
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
+    threads.append(threading.Thread(target=sample_rss))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t_start
+    up.terminate()
+    try:
+        up.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        up.kill()
+
+    errors = [r for r in rows if "error" in r]
+    by_kind = collections.Counter(r["kind"] for r in rows)
+    verdicts = collections.Counter((r["kind"], r.get("verdict")) for r in rows if "error" not in r)
+    lat = {k: [r["latency_s"] for r in rows if r["kind"] == k and "error" not in r] for k in KINDS}
+    rss = {}
+    for name in sorted({r["rss"] for r in rss_rows}):
+        mine = [r for r in rss_rows if r["rss"] == name]
+        first = [r["rss_mib"] for r in mine if r["t_s"] <= 60]
+        last = [r["rss_mib"] for r in mine if r["t_s"] >= wall - 60]
+        rss[name] = {"first_min_max_mib": max(first) if first else None,
+                     "last_min_max_mib": max(last) if last else None,
+                     "max_mib": max(r["rss_mib"] for r in mine)}
+    summary = {
+        "bench": "soak", "rev": rev, "model": model_name, "clients": args.clients,
+        "minutes": round(wall / 60, 2), "requests": len(rows), "errors": len(errors),
+        "by_kind": dict(by_kind),
+        "verdicts": {f"{k}/{v}": n for (k, v), n in sorted(verdicts.items())},
+        "latency_s": {k: {"p50": round(percentile(v, 0.5), 2),
+                          "p99": round(percentile(v, 0.99), 2),
+                          "max": round(max(v), 2) if v else None} for k, v in lat.items()},
+        "rss": rss, "machine": os.uname().nodename, "cpus": os.cpu_count(),
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w") as f:
+        for r in rows + rss_rows + [summary]:
+            f.write(json.dumps(r) + "\n")
+    print(json.dumps(summary, indent=1))
+    for e in errors[:10]:
+        print("error:", e)
+    print(f"raw lines: {out_path}")
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
