@@ -2,17 +2,20 @@
 """Soak: many concurrent OpenAI clients on the whole CPU stack (`hetero up`) for minutes.
 
 Starts `hetero up` on a model (default: the built-in default), then runs --clients threads, each
-with its own official `openai` client (no retries: a refusal counts as an error), for --minutes.
-Clients take turns by index: long prompts (cold, so they bridge) and short ones, each streamed or
-not. Every request is checked: HTTP 200, an answer, a verdict header, and for streams a usage
-event. The processes' resident memory is sampled every --rss-every seconds.
+with its own official `openai` client (no retries: a refusal counts as an error), for --minutes,
+in two phases: through the front door (bridges run), then, as the reference in the same run,
+the same clients straight at the decoder (mlx-lm alone: no bridge, long prompts prefilled by the
+decoder itself). Clients take turns by index: long prompts (cold) and short ones, each streamed
+or not. Every request is checked: HTTP 200, an answer, for streams a usage event, and through
+the front door a verdict header. Each process's resident memory is sampled every --rss-every
+seconds.
 
-Reports: errors (must be 0), requests and verdicts per kind, latency percentiles of the short
-requests (they never wait for a bridge) and of the long ones, and each process's RSS in the first
-and the last minute. Raw lines: bench/results/soak-<rev>.jsonl (one per request, per RSS sample,
-and the summary).
+Reports per phase: errors (must be 0), requests and verdicts per kind, latency percentiles per
+kind, and each process's RSS over the phase (first and last minute, and the largest). Raw
+lines: bench/results/soak-<rev>.jsonl (one per request, per RSS sample, and the summary).
 
 usage: .venv/bin/python bench/soak.py [--minutes 10] [--clients 64] [--model DIR]
+                                      [--phases front,decoder]
 """
 
 import argparse
@@ -83,7 +86,8 @@ def percentile(values, q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def one_request(client, model: str, kind: str, tag: str, long_words: int) -> dict:
+def one_request(client, model: str, kind: str, tag: str, long_words: int,
+                want_verdict: bool) -> dict:
     """One request of a kind; returns what was observed (an "error" key when it failed)."""
     long_prompt = kind.startswith("long")
     content = text(tag, long_words) if long_prompt else f"Say hello to {tag}."
@@ -112,9 +116,9 @@ def one_request(client, model: str, kind: str, tag: str, long_words: int) -> dic
             reply = raw.parse()
             usage = reply.usage
             row["answer_chars"] = len(reply.choices[0].message.content or "")
-        if verdict is None:
+        if verdict is None and want_verdict:
             row["error"] = "no X-PD-Bridge header"
-        else:
+        elif verdict is not None:
             v = json.loads(verdict)
             row["verdict"] = v["verdict"].split(":")[0].split(" ")[0]
         if usage is not None:
@@ -125,6 +129,72 @@ def one_request(client, model: str, kind: str, tag: str, long_words: int) -> dic
     return row
 
 
+def run_phase(phase: str, port: int, up_pid: int, args, rev: str):
+    """--clients closed-loop clients at one port for --minutes; RSS sampled until the last
+    client's last request has ended. Returns (request rows, RSS rows)."""
+    model = Path(args.model).name if phase == "front" else "default_model"
+    rows, rss_rows = [], []
+    lock = threading.Lock()
+    t_start = time.monotonic()
+    stop_at = t_start + args.minutes * 60
+    clients_done = threading.Event()
+
+    def client_loop(i: int) -> None:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=900)
+        kind, n = KINDS[i % len(KINDS)], 0
+        while time.monotonic() < stop_at:
+            tag = f"soak-{rev}-{phase}-{i}-{n}"
+            row = one_request(client, model, kind, tag, args.long_words, phase == "front")
+            row.update(phase=phase, client=i, t_s=round(time.monotonic() - t_start, 2))
+            with lock:
+                rows.append(row)
+            n += 1
+
+    def sample_rss() -> None:
+        while not clients_done.is_set():
+            t = round(time.monotonic() - t_start, 1)
+            for pid in [up_pid] + children_of(up_pid):
+                rss_rows.append({"phase": phase, "rss": process_name(pid), "pid": pid, "t_s": t,
+                                 "rss_mib": round(rss_mib(pid), 1)})
+            clients_done.wait(args.rss_every)
+
+    sampler = threading.Thread(target=sample_rss)
+    sampler.start()
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    clients_done.set()
+    sampler.join()
+    return rows, rss_rows
+
+
+def summarize(phase: str, rows, rss_rows, args, rev: str) -> dict:
+    end = max([r["t_s"] for r in rss_rows] + [0.0])
+    lat = {k: [r["latency_s"] for r in rows if r["kind"] == k and "error" not in r] for k in KINDS}
+    verdicts = collections.Counter((r["kind"], r.get("verdict")) for r in rows if "error" not in r)
+    rss = {}
+    for name in sorted({r["rss"] for r in rss_rows}):
+        mine = [r for r in rss_rows if r["rss"] == name]
+        rss[name] = {"first_min_max_mib": max(r["rss_mib"] for r in mine if r["t_s"] <= 60),
+                     "last_min_max_mib": max(r["rss_mib"] for r in mine if r["t_s"] >= end - 60),
+                     "max_mib": max(r["rss_mib"] for r in mine)}
+    return {
+        "bench": "soak", "phase": phase, "rev": rev, "model": Path(args.model).name,
+        "clients": args.clients, "minutes_of_requests": args.minutes,
+        "minutes": round(end / 60, 2), "requests": len(rows),
+        "errors": sum("error" in r for r in rows),
+        "by_kind": dict(collections.Counter(r["kind"] for r in rows)),
+        "verdicts": {f"{k}/{v}": n for (k, v), n in sorted(verdicts.items()) if v},
+        "latency_s": {k: {"p50": round(percentile(v, 0.5), 2),
+                          "p99": round(percentile(v, 0.99), 2),
+                          "max": round(max(v), 2) if v else None} for k, v in lat.items()},
+        "rss": rss, "machine": os.uname().nodename, "cpus": os.cpu_count(),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -133,11 +203,13 @@ def main() -> int:
     ap.add_argument("--long-words", type=int, default=300)
     ap.add_argument("--rss-every", type=float, default=5.0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--phases", default="front,decoder",
+                    help="front: through the front door; decoder: straight at mlx-lm")
     args = ap.parse_args()
     rev = git_rev()
     out_path = Path(args.out or ROOT / "bench" / "results" / f"soak-{rev}.jsonl")
     work = Path(tempfile.mkdtemp(prefix="hetero-soak-"))
-    port = free_port()
+    port, dport = free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"),
                # Room for every client at once: the soak measures serving, not refusals.
                HETERO_FRONT_COMPLETIONS=str(args.clients),
@@ -146,7 +218,7 @@ def main() -> int:
     log = open(work / "up.log", "wb")
     up = subprocess.Popen([str(ROOT / "build" / "hetero"), "up", "--model", args.model,
                            "--work-dir", str(work), "--port", str(port), "--decoder-port",
-                           str(free_port()), "--prefill-port", str(free_port())],
+                           str(dport), "--prefill-port", str(free_port())],
                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while "hetero is up" not in (work / "up.log").read_text(errors="replace"):
@@ -154,71 +226,24 @@ def main() -> int:
             print((work / "up.log").read_text(errors="replace")[-3000:])
             return 1
         time.sleep(0.5)
-    model_name = Path(args.model).name
-    rows, rss_rows = [], []
-    lock = threading.Lock()
-    stop_at = time.monotonic() + args.minutes * 60
-    t_start = time.monotonic()
-
-    def client_loop(i: int) -> None:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0, timeout=900)
-        kind, n = KINDS[i % len(KINDS)], 0
-        while time.monotonic() < stop_at:
-            row = one_request(client, model_name, kind, f"soak-{rev}-{i}-{n}", args.long_words)
-            row.update(client=i, t_s=round(time.monotonic() - t_start, 2))
-            with lock:
-                rows.append(row)
-            n += 1
-
-    def sample_rss() -> None:
-        while time.monotonic() < stop_at:
-            t = round(time.monotonic() - t_start, 1)
-            for pid in [up.pid] + children_of(up.pid):
-                rss_rows.append({"rss": process_name(pid), "pid": pid, "t_s": t,
-                                 "rss_mib": round(rss_mib(pid), 1)})
-            time.sleep(args.rss_every)
-
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
-    threads.append(threading.Thread(target=sample_rss))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.monotonic() - t_start
+    ports = {"front": port, "decoder": dport}
+    summaries, all_rows = [], []
+    for phase in args.phases.split(","):
+        rows, rss_rows = run_phase(phase, ports[phase], up.pid, args, rev)
+        summaries.append(summarize(phase, rows, rss_rows, args, rev))
+        all_rows += rows + rss_rows
     up.terminate()
     try:
         up.wait(timeout=60)
     except subprocess.TimeoutExpired:
         up.kill()
-
-    errors = [r for r in rows if "error" in r]
-    by_kind = collections.Counter(r["kind"] for r in rows)
-    verdicts = collections.Counter((r["kind"], r.get("verdict")) for r in rows if "error" not in r)
-    lat = {k: [r["latency_s"] for r in rows if r["kind"] == k and "error" not in r] for k in KINDS}
-    rss = {}
-    for name in sorted({r["rss"] for r in rss_rows}):
-        mine = [r for r in rss_rows if r["rss"] == name]
-        first = [r["rss_mib"] for r in mine if r["t_s"] <= 60]
-        last = [r["rss_mib"] for r in mine if r["t_s"] >= wall - 60]
-        rss[name] = {"first_min_max_mib": max(first) if first else None,
-                     "last_min_max_mib": max(last) if last else None,
-                     "max_mib": max(r["rss_mib"] for r in mine)}
-    summary = {
-        "bench": "soak", "rev": rev, "model": model_name, "clients": args.clients,
-        "minutes": round(wall / 60, 2), "requests": len(rows), "errors": len(errors),
-        "by_kind": dict(by_kind),
-        "verdicts": {f"{k}/{v}": n for (k, v), n in sorted(verdicts.items())},
-        "latency_s": {k: {"p50": round(percentile(v, 0.5), 2),
-                          "p99": round(percentile(v, 0.99), 2),
-                          "max": round(max(v), 2) if v else None} for k, v in lat.items()},
-        "rss": rss, "machine": os.uname().nodename, "cpus": os.cpu_count(),
-    }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "w") as f:
-        for r in rows + rss_rows + [summary]:
+        for r in all_rows + summaries:
             f.write(json.dumps(r) + "\n")
-    print(json.dumps(summary, indent=1))
+    errors = [r for r in all_rows if "error" in r]
+    for summary in summaries:
+        print(json.dumps(summary, indent=1))
     for e in errors[:10]:
         print("error:", e)
     print(f"raw lines: {out_path}")

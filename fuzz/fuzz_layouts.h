@@ -6,6 +6,9 @@
 namespace hetero::fuzz {
 
 constexpr int64_t kRequestedTokens = 24;
+// The secret and stream nonce of tagged streams (frame_tag.h): the seeds are tagged with them.
+constexpr char kSecret[] = "fuzz-secret";
+constexpr char kNonce[] = "00112233445566778899aabbccddeeff";
 
 inline DecoderCacheLayout llama_layout() {
   DecoderCacheLayout l;

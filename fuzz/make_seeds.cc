@@ -45,15 +45,27 @@ int main(int argc, char** argv) {
                             encode_manifest({"fp", T, T, 2, true, "", "exact"});
   const std::string broken = encode_segment(llama_segment(0, 0, 16)) +
                              encode_manifest({"fp", T, 16, 1, false, "engine failed", "exact"});
+  // The first byte: bit 0 the family (llama 0), bit 1 tagged frames, the rest the piece length.
   put(root / "wire", "llama-whole-bytewise", std::string(1, '\x00') + whole);
-  put(root / "wire", "llama-whole-8", std::string(1, '\x0e') + whole);
-  put(root / "wire", "llama-ended-early", std::string(1, '\x3e') + broken);
+  put(root / "wire", "llama-whole-8", std::string(1, '\x1c') + whole);
+  put(root / "wire", "llama-ended-early", std::string(1, '\x3c') + broken);
   put(root / "wire", "dsv4-manifest-only",
       std::string(1, '\x01') + encode_manifest({"fp", T, 0, 0, false, "refused", "fast"}));
+  // The whole stream as a host holding the secret sends it: each frame, then its tag.
+  const FrameTagger tagger(fuzz::kSecret, fuzz::kNonce);
+  std::string tagged;
+  uint64_t index = 0;
+  for (const std::string& f :
+       {encode_segment(llama_segment(0, 0, 16)), encode_segment(llama_segment(1, 16, T - 16)),
+        encode_manifest({"fp", T, T, 2, true, "", "exact"})}) {
+    const FrameTag t = tagger.tag(index++, f.data(), f.size());
+    tagged += f + std::string(reinterpret_cast<const char*>(t.data()), t.size());
+  }
+  put(root / "wire", "llama-whole-tagged-8", std::string(1, '\x1e') + tagged);
 
   put(root / "prefill_request", "plain", prefill_request_json({{1, 2, 3}, "fp", 0, {}}).dump());
   put(root / "prefill_request", "scheduled",
-      prefill_request_json({{5, 6, 7, 8}, "fp", 2, {3, 1}}).dump());
+      prefill_request_json({{5, 6, 7, 8}, "fp", 2, {3, 1}, fuzz::kNonce}).dump());
   put(root / "prefill_request", "wrong-fingerprint", R"({"ids":[1],"fingerprint":"other"})");
 
   put(root / "front_request", "chat",

@@ -2,6 +2,9 @@
 #include "front/front.h"
 
 #include <httplib.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include <atomic>
 #include <chrono>
@@ -175,6 +178,12 @@ BridgeOutcome FrontServer::bridge(const std::vector<int32_t>& ids, const json& i
       cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * static_cast<int64_t>(ids.size());
   BridgeOutcome out = run_bridge(seam_, info, ids, decoder_cached, p);
   out.verdict.timings_ms["bridge_queue"] = queued_ms;
+#ifdef __GLIBC__
+  // A bridge's rows (megabytes to gigabytes) were freed on whichever connection thread ran
+  // it; glibc keeps freed memory in that thread's arena. Give it back, or the front door's
+  // RSS climbs towards arenas x the largest bridge (soak, RESULTS §15).
+  malloc_trim(0);
+#endif
   return out;
 }
 
