@@ -21,7 +21,9 @@ import io
 import json
 import logging
 import sys
+import threading
 from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -181,8 +183,41 @@ def parse_body(raw: bytes) -> Dict[str, Any]:
     return body
 
 
+class SeamHTTPServer(ThreadingHTTPServer):
+    """mlx-lm's server class (a thread per connection) with bounds: a listen backlog that a
+    burst of clients does not overflow (socketserver's default is 5: under 64 clients at once
+    the front door's tokenize call was reset; soak, RESULTS §15.3), and at most
+    MAX_CONNECTIONS connections served at once (more wait in the backlog)."""
+
+    request_queue_size = 512
+    daemon_threads = True
+    MAX_CONNECTIONS = 512
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._slots = threading.BoundedSemaphore(self.MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class SeamHandler(APIHandler):
     """mlx-lm's APIHandler plus the /hetero/ routes; built by functools.partial with a Seam."""
+
+    # Each socket read or write may block this long (BaseHTTPRequestHandler's own timeout):
+    # a client that stops sending holds its thread for no longer.
+    timeout = 120
 
     def __init__(self, response_generator: Any, *args: Any, seam: Seam, **kwargs: Any):
         # BaseHTTPRequestHandler serves the request inside __init__, so set state first.

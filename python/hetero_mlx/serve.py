@@ -30,7 +30,7 @@ from .access import dumps_dir, read_secret
 from .llama import describe
 from .pins import Pins
 from .prompt_cache import LockedPromptCache
-from .seam import Seam, SeamHandler, run_capturing
+from .seam import Seam, SeamHandler, SeamHTTPServer, run_capturing
 
 log = logging.getLogger("hetero_mlx")
 
@@ -118,4 +118,6 @@ def serve(
     seam = Seam(provider, prompt_cache, desc, store, dumps=dumps, secret=secret)
     args = provider.cli_args
     handler = functools.partial(SeamHandler, seam=seam)
-    mlx_server._run_http_server(args.host, args.port, generator, handler_class=handler)
+    mlx_server._run_http_server(
+        args.host, args.port, generator, server_class=SeamHTTPServer, handler_class=handler
+    )

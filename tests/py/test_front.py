@@ -360,6 +360,26 @@ def test_full_queues_refuse_with_retry_after_and_health_always_answers(tiny) -> 
     assert refused.json()["error"]["code"] == "busy" and refused.headers["Retry-After"] == "1"
 
 
+def test_a_decoder_dying_mid_stream_ends_the_stream_properly(tmp_path) -> None:
+    # Regression (hardening issue): a decoder that died mid-stream ended the SSE stream
+    # silently: no error event, no finish_reason, no [DONE]. A decoder of its own: it dies here.
+    with running_stack(TINY, tmp_path, "tiny test model") as stack:
+        front = stack.front(stack.prefill().port)
+        body = chat("Count from one to a million.", max_tokens=4000, stream=True)
+        r = requests.post(Stack.url(front.port, "/v1/chat/completions"), json=body, stream=True,
+                          timeout=120)
+        assert r.status_code == 200, r.text
+        events = r.iter_lines()
+        first = next(e for e in events if e.startswith(b"data:"))
+        assert b"[DONE]" not in first
+        stack.decoder.kill()
+        rest = [e for e in events if e.startswith(b"data:")]
+    assert rest and rest[-1] == b"data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2][len(b"data:"):])
+    assert error["error"]["code"] == "decoder_unavailable", error
+    assert "stream broke" in error["error"]["message"], error
+
+
 def test_trickling_clients_do_not_starve_health(tiny, main_front) -> None:
     # Regression (hardening issue): connections that send their headers a byte at a time each
     # held one of a fixed pool's threads; 8 of them starved the prefill host's /health, 32 the
