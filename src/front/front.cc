@@ -389,15 +389,17 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
         if (first_ms >= 0) end->metrics->record_stage("decoder_first_token", first_ms);
         std::string rest = relay->flush();
         if (!client_gone && !rest.empty()) sink.write(rest.data(), rest.size());
-        if (!r && !client_gone) {
-          // The decoder died or stalled mid-stream: say so in the stream and end it as an
-          // OpenAI stream ends, so a client never hangs on a silent close.
-          const std::string ev =
-              "data: " +
-              error_json("server_error", "decoder_unavailable",
-                         "the decoder's stream broke: " + httplib::to_string(r.error()))
-                  .dump() +
-              "\n\ndata: [DONE]\n\n";
+        if (!client_gone && !relay->saw_done()) {
+          // The decoder died or stalled mid-stream (a chunked reply cut off can still look
+          // whole to the client library): say so in the stream and end it as an OpenAI stream
+          // ends, so a client never hangs on, or mistakes, a silent close.
+          const std::string why =
+              !r ? httplib::to_string(r.error()) : "it ended without its [DONE] event";
+          const std::string ev = "data: " +
+                                 error_json("server_error", "decoder_unavailable",
+                                            "the decoder's stream broke: " + why)
+                                     .dump() +
+                                 "\n\ndata: [DONE]\n\n";
           sink.write(ev.data(), ev.size());
         }
         end->settle(relay->confirmed(client_gone ? "the client left before the decoder's usage"

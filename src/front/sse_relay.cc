@@ -45,6 +45,7 @@ void SseUsageRelay::feed(std::string_view data, std::string* out) {
 }
 
 void SseUsageRelay::relay_event(std::string_view event, std::string* out) {
+  if (event.substr(0, 12) == "data: [DONE]") saw_done_ = true;
   nlohmann::json j = event_json(event);
   if (j.is_discarded() || !is_usage_event(j)) {
     out->append(event);

@@ -25,6 +25,9 @@ class SseUsageRelay {
   // one marked unconfirmed with `why_missing`.
   Verdict confirmed(const std::string& why_missing) const;
   bool saw_usage() const { return usage_.present; }
+  // Whether the stream's terminating "data: [DONE]" event went through: a stream that ends
+  // without it was cut off (the decoder died), whatever the transport said.
+  bool saw_done() const { return saw_done_; }
 
  private:
   void relay_event(std::string_view event, std::string* out);
@@ -32,6 +35,7 @@ class SseUsageRelay {
   bool client_wants_usage_;
   DecoderUsage usage_;
   std::string pending_;  // bytes of an event not yet terminated
+  bool saw_done_ = false;
 };
 
 }  // namespace hetero

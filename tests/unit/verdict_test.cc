@@ -96,6 +96,17 @@ TEST(SseUsageRelay, StripsTheUsageEventTheClientDidNotAskFor) {
   EXPECT_TRUE(v.confirmed);
 }
 
+TEST(SseUsageRelay, KnowsWhetherTheStreamWasTerminated) {
+  // A decoder that dies mid-stream can leave a reply that looks whole to the HTTP client; the
+  // missing [DONE] is what tells the front door to end the stream with an error event.
+  SseUsageRelay cut(predicted_complete(99), false), whole(predicted_complete(99), false);
+  std::string out;
+  cut.feed(kChunk, &out);
+  whole.feed(std::string(kChunk) + kUsage + kDone, &out);
+  EXPECT_FALSE(cut.saw_done());
+  EXPECT_TRUE(whole.saw_done());
+}
+
 TEST(SseUsageRelay, GivesTheConfirmedVerdictInTheUsageEventWhenAskedFor) {
   SseUsageRelay relay(predicted_complete(120), /*client_wants_usage=*/true);
   std::string out;
