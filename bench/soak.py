@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "py"))
 
 import openai  # noqa: E402
-from frontstack import free_port, text  # noqa: E402
+from frontstack import children_of, free_port, text  # noqa: E402
 
 KINDS = ("long", "long-stream", "short", "short-stream")
 
@@ -52,18 +52,6 @@ def rss_mib(pid: int) -> float:
     except OSError:
         pass
     return float("nan")
-
-
-def children_of(pid: int):
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
 
 
 def process_name(pid: int) -> str:

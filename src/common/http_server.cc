@@ -11,6 +11,8 @@
 #include <mutex>
 #include <thread>
 
+#include "common/log.h"
+
 namespace hetero {
 namespace {
 
@@ -69,6 +71,23 @@ class ConnectionThreads : public httplib::TaskQueue {
 OptionSpec max_connections_option() {
   return {"max-connections", "HETERO_MAX_CONNECTIONS", std::to_string(kDefaultMaxConnections),
           "connections served at once, each on its own thread; more wait for one to end"};
+}
+
+void answer_exceptions_with(httplib::Server& server, std::string component, std::string json_body) {
+  server.set_exception_handler(
+      [component = std::move(component), body = std::move(json_body)](
+          const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        log_line(component, "internal error in " + req.method + " " + req.path + ": " + what);
+        res.status = 500;
+        res.set_content(body, "application/json");
+      });
 }
 
 void configure_server(httplib::Server& server, int max_connections) {

@@ -1,6 +1,8 @@
 // What every HTTP server of the project sets on cpp-httplib before it binds.
 #pragma once
 
+#include <string>
+
 #include "common/options.h"
 
 namespace httplib {
@@ -24,5 +26,9 @@ OptionSpec max_connections_option();
 //   it is done (the front door's completion slots and bridge queue, the prefill host's one
 //   prefill at a time), not by how many sockets may wait.
 void configure_server(httplib::Server& server, int max_connections = kDefaultMaxConnections);
+
+// A handler that throws is a bug: the client gets HTTP 500 with `json_body` (which names no
+// internals), `component`'s log line gets the exception's text, and the server keeps serving.
+void answer_exceptions_with(httplib::Server& server, std::string component, std::string json_body);
 
 }  // namespace hetero

@@ -480,23 +480,9 @@ Status FrontServer::start() {
             .dump(),
         "application/json");
   });
-  // A handler that throws is a bug: the client gets a JSON 500 without internal text, the log
-  // gets the text, and the front door keeps serving.
-  server_->set_exception_handler([](const httplib::Request& req, httplib::Response& res,
-                                    std::exception_ptr ep) {
-    std::string what = "unknown exception";
-    try {
-      std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    log_line("front", "internal error in " + req.method + " " + req.path + ": " + what);
-    res.status = 500;
-    res.set_content(
-        error_json("server_error", "internal_error", "internal error; see the front's log").dump(),
-        "application/json");
-  });
+  answer_exceptions_with(
+      *server_, "front",
+      error_json("server_error", "internal_error", "internal error; see the front's log").dump());
   if (cfg_.port == 0) {
     port_ = server_->bind_to_any_port(cfg_.host.c_str());
     if (port_ < 0) return unavailable("cannot bind " + cfg_.host);

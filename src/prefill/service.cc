@@ -224,21 +224,8 @@ Status PrefillService::start(const std::string& host, int port) {
                                         : not_found("no route; see POST /v1/prefill, GET /health");
     res.set_content(error_body(st), "application/json");
   });
-  // A handler that throws is a bug: a JSON 500 without internal text; the log gets the text.
-  server_->set_exception_handler(
-      [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
-        std::string what = "unknown exception";
-        try {
-          std::rethrow_exception(ep);
-        } catch (const std::exception& e) {
-          what = e.what();
-        } catch (...) {
-        }
-        log_line("prefill", "internal error in " + req.method + " " + req.path + ": " + what);
-        res.status = 500;
-        res.set_content(error_body(internal_error("internal error; see the prefill host's log")),
-                        "application/json");
-      });
+  answer_exceptions_with(*server_, "prefill",
+                         error_body(internal_error("internal error; see the prefill host's log")));
   server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     json j = {{"status", "ok"},
               {"family", layout_.family},

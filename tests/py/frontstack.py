@@ -46,6 +46,20 @@ def free_port() -> int:
 # ---------------------------------------------------------------- processes
 
 
+def children_of(pid: int) -> List[int]:
+    """The pids whose parent is pid (from /proc)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
 class Proc:
     """One real process with its log file; stopped by pid (SIGTERM, then SIGKILL)."""
 

@@ -26,8 +26,9 @@ from typing import Dict, List
 
 import pytest
 from frontstack import (CHUNK, ENV, HETERO, MIN_TOKENS, MODEL_NAME, PY, REAL, ROOT, TINY, Proc,
-                        Stack, answer, cached_tokens, chat, export_weights, free_port, metrics,
-                        need, openai_chat, post_front, requests, running_stack, text, verdict_of)
+                        Stack, answer, cached_tokens, chat, children_of, export_weights, free_port,
+                        metrics, need, openai_chat, post_front, requests, running_stack, text,
+                        verdict_of)
 
 
 @pytest.fixture(scope="module")
@@ -508,19 +509,6 @@ def test_metrics_count_verdicts(tiny, main_front) -> None:
 
 
 # ---------------------------------------------------------------- 8. hetero up / doctor
-
-
-def children_of(pid: int) -> List[int]:
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(d.name))
-    return kids
 
 
 def kill_with_children(proc: subprocess.Popen) -> None:
