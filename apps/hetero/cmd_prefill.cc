@@ -145,8 +145,8 @@ Options prefill_options() {
        "last repeated)"},
       secret_file_option("the stack's shared secret (hetero up writes one): POST /v1/prefill "
                          "requires it as a bearer token; none: open"),
-      max_connections_option(),
   };
+  for (OptionSpec& s : connection_options()) rows.push_back(std::move(s));
   for (OptionSpec& s : prefill_backend_specs()) rows.push_back(std::move(s));
   return Options("prefill",
                  "The prefill engine (CPU or CUDA backend): chunked prefill with the "
@@ -238,10 +238,10 @@ int cmd_prefill(int argc, char** argv) {
   if (!secret.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", secret.status().message().c_str()), 2;
   service.set_secret(secret.value());
-  auto connections = opts.get_int("max-connections");
-  if (!connections.is_ok() || connections.value() < 4 || connections.value() > 65536)
-    return std::fprintf(stderr, "prefill: --max-connections must be an integer in [4, 65536]\n"), 2;
-  service.set_max_connections(static_cast<int>(connections.value()));
+  auto connections = connection_limits_from(opts);
+  if (!connections.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", connections.status().message().c_str()), 2;
+  service.set_connection_limits(connections.value());
   Status st = service.start(opts.get("host"), static_cast<int>(port.value()));
   if (!st.is_ok()) return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
   log_line("prefill", "serving POST /v1/prefill on " + opts.get("host") + ":" +

@@ -1,15 +1,16 @@
-// HTTP server settings: see http_server.h.
+// HTTP server settings and the connection guard: see http_server.h.
 #include "common/http_server.h"
 
+#include <dirent.h>
 #include <httplib.h>
+#include <netdb.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
-#include <condition_variable>
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <deque>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <thread>
 
 #include "common/log.h"
 
@@ -21,11 +22,14 @@ namespace {
 // with the threads: they outlive neither it nor shutdown(), which waits for all of them.
 class ConnectionThreads : public httplib::TaskQueue {
  public:
-  explicit ConnectionThreads(int max_live) : state_(std::make_shared<State>()) {
+  ConnectionThreads(int max_live, std::function<void()> on_accept)
+      : state_(std::make_shared<State>()), on_accept_(std::move(on_accept)) {
     state_->max_live = std::max(1, max_live);
   }
 
+  // Called on the listening thread right after accept(), before the connection is served.
   void enqueue(std::function<void()> fn) override {
+    if (on_accept_) on_accept_();
     std::lock_guard<std::mutex> lock(state_->mu);
     if (state_->live >= state_->max_live) {
       state_->waiting.push_back(std::move(fn));
@@ -64,13 +68,214 @@ class ConnectionThreads : public httplib::TaskQueue {
   }
 
   std::shared_ptr<State> state_;
+  std::function<void()> on_accept_;
 };
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The numeric host and port of a socket address, as cpp-httplib writes a request's remote_addr.
+bool numeric_address(const sockaddr_storage& a, socklen_t len, std::string* host, int* port) {
+  char h[NI_MAXHOST], p[NI_MAXSERV];
+  if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), len, h, sizeof h, p, sizeof p,
+                  NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+    return false;
+  *host = h;
+  *port = std::atoi(p);
+  return true;
+}
+
+// The socket's inode, or 0 when fd is not (or no longer) a socket.
+ino_t socket_inode(int fd) {
+  struct stat st {};
+  return fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) ? st.st_ino : 0;
+}
 
 }  // namespace
 
-OptionSpec max_connections_option() {
-  return {"max-connections", "HETERO_MAX_CONNECTIONS", std::to_string(kDefaultMaxConnections),
-          "connections served at once, each on its own thread; more wait for one to end"};
+std::vector<OptionSpec> connection_options() {
+  const ConnectionLimits d;
+  return {
+      {"max-connections", "HETERO_MAX_CONNECTIONS", std::to_string(d.max_connections),
+       "connections served at once, each on its own thread; more wait for one to end"},
+      {"max-connections-per-client", "HETERO_MAX_CONNECTIONS_PER_CLIENT",
+       std::to_string(d.per_client),
+       "connections from one address at once (all of this machine's clients are one); more are "
+       "closed as they arrive"},
+      {"request-deadline-s", "HETERO_REQUEST_DEADLINE_S",
+       std::to_string(d.request_deadline_ms / 1000),
+       "a client must send each whole request (headers and body) within this many seconds of "
+       "connecting or of its last response; slower connections are closed"},
+  };
+}
+
+Result<ConnectionLimits> connection_limits_from(const Options& opts) {
+  struct Field {
+    const char* name;
+    int64_t lo, hi;
+  };
+  int64_t v[3] = {};
+  const Field fields[3] = {{"max-connections", 4, 65536},
+                           {"max-connections-per-client", 1, 65536},
+                           {"request-deadline-s", 1, 86400}};
+  for (int i = 0; i < 3; ++i) {
+    auto got = opts.get_int(fields[i].name);
+    if (!got.is_ok() || got.value() < fields[i].lo || got.value() > fields[i].hi)
+      return invalid_argument(std::string("--") + fields[i].name + " must be an integer in [" +
+                              std::to_string(fields[i].lo) + ", " + std::to_string(fields[i].hi) +
+                              "]");
+    v[i] = got.value();
+  }
+  ConnectionLimits limits;
+  limits.max_connections = static_cast<int>(v[0]);
+  limits.per_client = static_cast<int>(v[1]);
+  limits.request_deadline_ms = v[2] * 1000;
+  return limits;
+}
+
+ConnectionGuard::ConnectionGuard(httplib::Server& server, ConnectionLimits limits)
+    : limits_(limits) {
+  server.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  const int max_live = limits_.max_connections;
+  server.new_task_queue = [this, max_live] {
+    return new ConnectionThreads(max_live, [this] { on_accept(); });
+  };
+  // Called once a response has been written: the connection waits for its next request.
+  server.set_logger(
+      [this](const httplib::Request& req, const httplib::Response&) { mark(req, true); });
+}
+
+ConnectionGuard::~ConnectionGuard() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+ConnectionGuard::Handler ConnectionGuard::handler(Handler h) {
+  return [this, h = std::move(h)](const httplib::Request& req, httplib::Response& res) {
+    mark(req, false);
+    h(req, res);
+  };
+}
+
+void ConnectionGuard::watch(int port, std::string component) {
+  component_ = std::move(component);
+  port_.store(port);
+  // cpp-httplib 0.11 listens with a backlog of 5: past 5 connections not yet accepted, the
+  // kernel drops a client's handshake and the client waits a second or more to retry. Calling
+  // listen() again on the bound socket raises it (Linux).
+  if (DIR* dir = opendir("/proc/self/fd")) {
+    while (const dirent* e = readdir(dir)) {
+      const int fd = std::atoi(e->d_name);
+      sockaddr_storage local{};
+      socklen_t llen = sizeof local, olen = sizeof(int);
+      int listening = 0, local_port = 0;
+      std::string host;
+      if (e->d_name[0] >= '0' && e->d_name[0] <= '9' && fd != dirfd(dir) && socket_inode(fd) != 0 &&
+          getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) == 0 &&
+          numeric_address(local, llen, &host, &local_port) && local_port == port &&
+          getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &olen) == 0 && listening != 0)
+        ::listen(fd, SOMAXCONN);
+    }
+    closedir(dir);
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+void ConnectionGuard::mark(const httplib::Request& req, bool reading) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_peer_.find(req.remote_addr + " " + std::to_string(req.remote_port));
+  if (it == by_peer_.end()) return;
+  auto c = conns_.find(it->second);
+  if (c == conns_.end()) return;
+  c->second.reading = reading;
+  c->second.since_ms = now_ms();
+}
+
+void ConnectionGuard::on_accept() {
+  const int port = port_.load();
+  if (port == 0) return;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return;
+  const int own = dirfd(dir);
+  std::lock_guard<std::mutex> lock(mu_);
+  while (const dirent* e = readdir(dir)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const int fd = std::atoi(e->d_name);
+    const ino_t ino = fd == own ? 0 : socket_inode(fd);
+    if (ino == 0 || conns_.count(ino)) continue;
+    sockaddr_storage local{}, peer{};
+    socklen_t llen = sizeof local, plen = sizeof peer;
+    int listening = 0;
+    socklen_t olen = sizeof listening;
+    std::string host, addr;
+    int local_port = 0, peer_port = 0;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0 ||
+        !numeric_address(local, llen, &host, &local_port) || local_port != port ||
+        getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &olen) != 0 || listening != 0 ||
+        getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &plen) != 0 ||
+        !numeric_address(peer, plen, &addr, &peer_port))
+      continue;
+    int64_t same = 0;
+    for (auto it = conns_.begin(); it != conns_.end();) {
+      if (socket_inode(it->second.fd) != it->first) {  // closed since the last look
+        by_peer_.erase(it->second.peer);
+        it = conns_.erase(it);
+        continue;
+      }
+      same += it->second.addr == addr;
+      ++it;
+    }
+    Conn c{fd, addr, addr + " " + std::to_string(peer_port), now_ms(), true};
+    if (same >= limits_.per_client) {
+      // Served by nobody: its thread reads the end of the stream and closes it.
+      const int64_t n = cut_crowded_.fetch_add(1);
+      shutdown(fd, SHUT_RDWR);
+      c.reading = false;
+      if (n % 100 == 0)
+        log_line(component_, "closed a connection from " + addr + ": it already has " +
+                                 std::to_string(same) + " (--max-connections-per-client)");
+    }
+    by_peer_[c.peer] = ino;
+    conns_.emplace(ino, std::move(c));
+  }
+  closedir(dir);
+}
+
+void ConnectionGuard::run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    wake_.wait_for(lock, std::chrono::milliseconds(200));
+    const int64_t now = now_ms();
+    for (auto it = conns_.begin(); it != conns_.end();) {
+      Conn& c = it->second;
+      if (socket_inode(c.fd) != it->first) {
+        if (auto p = by_peer_.find(c.peer); p != by_peer_.end() && p->second == it->first)
+          by_peer_.erase(p);
+        it = conns_.erase(it);
+        continue;
+      }
+      if (c.reading && now - c.since_ms > limits_.request_deadline_ms) {
+        const int64_t n = cut_late_.fetch_add(1);
+        shutdown(c.fd, SHUT_RDWR);
+        c.reading = false;
+        if (n % 100 == 0)
+          log_line(component_, "closed a connection from " + c.addr + ": no whole request in " +
+                                   std::to_string(limits_.request_deadline_ms) +
+                                   " ms (--request-deadline-s)");
+      }
+      ++it;
+    }
+  }
 }
 
 void answer_exceptions_with(httplib::Server& server, std::string component, std::string json_body) {
@@ -88,14 +293,6 @@ void answer_exceptions_with(httplib::Server& server, std::string component, std:
         res.status = 500;
         res.set_content(body, "application/json");
       });
-}
-
-void configure_server(httplib::Server& server, int max_connections) {
-  server.set_socket_options([](socket_t sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  server.new_task_queue = [max_connections] { return new ConnectionThreads(max_connections); };
 }
 
 }  // namespace hetero

@@ -42,41 +42,41 @@ std::string canonical(const std::string& dir) {
 }  // namespace
 
 Options front_options() {
-  return Options(
-      "front",
-      "The OpenAI-compatible front door: routes cold long prompts through the prefill host, "
-      "mounts the result into the decoder, relays the decoder's own answer with a verdict.",
-      {
-          {"host", "HETERO_FRONT_HOST", "127.0.0.1", "address to listen on"},
-          {"port", "HETERO_FRONT_PORT", "8012", "port to listen on (0: any free port)"},
-          {"decoder-host", "HETERO_DECODER_HOST", "127.0.0.1", "decoder (with seam) address"},
-          {"decoder-port", "HETERO_DECODER_PORT", "8011", "decoder (with seam) port"},
-          {"prefill-host", "HETERO_PREFILL_HOST", "127.0.0.1", "prefill host address"},
-          {"prefill-port", "HETERO_PREFILL_PORT", "8010", "prefill host port"},
-          {"store", "HETERO_STORE", "", "decoder store directory (the seam's --store)"},
-          {"bridge-min-tokens", "HETERO_BRIDGE_MIN_TOKENS", "256",
-           "prompts shorter than this go straight to the decoder"},
-          {"bridge-min-tail", "HETERO_BRIDGE_MIN_TAIL", "256",
-           "uncached tails shorter than this go straight to the decoder"},
-          {"partial-min-fraction", "HETERO_PARTIAL_MIN_FRACTION", "0.5",
-           "a broken stream is mounted when its verified prefix covers this fraction"},
-          {"deadline-base-ms", "HETERO_DEADLINE_BASE_MS", "30000", "bridge deadline: base"},
-          {"deadline-per-token-ms", "HETERO_DEADLINE_PER_TOKEN_MS", "100",
-           "bridge deadline: added per prompt token"},
-          {"stall-ms", "HETERO_STALL_MS", "30000",
-           "no bytes from the prefill host this long: stall"},
-          {"decoder-timeout-ms", "HETERO_DECODER_TIMEOUT_MS", "1800000",
-           "longest wait for one decoder reply"},
-          {"completions", "HETERO_FRONT_COMPLETIONS", "30",
-           "completions served at once (at least 1); more get 503 with Retry-After"},
-          max_connections_option(),
-          {"bridge-queue", "HETERO_FRONT_BRIDGE_QUEUE", "8",
-           "cold requests that may wait for the running bridge; more get 503 with Retry-After"},
-          {"max-body-mb", "HETERO_FRONT_MAX_BODY_MB", "64",
-           "largest request body accepted, in MiB (a 2M-token prompt is ~10 MiB of text)"},
-          secret_file_option("the stack's shared secret (hetero up writes one), sent to the "
-                             "decoder seam and the prefill host; none: both must be open"),
-      });
+  std::vector<OptionSpec> rows = {
+      {"host", "HETERO_FRONT_HOST", "127.0.0.1", "address to listen on"},
+      {"port", "HETERO_FRONT_PORT", "8012", "port to listen on (0: any free port)"},
+      {"decoder-host", "HETERO_DECODER_HOST", "127.0.0.1", "decoder (with seam) address"},
+      {"decoder-port", "HETERO_DECODER_PORT", "8011", "decoder (with seam) port"},
+      {"prefill-host", "HETERO_PREFILL_HOST", "127.0.0.1", "prefill host address"},
+      {"prefill-port", "HETERO_PREFILL_PORT", "8010", "prefill host port"},
+      {"store", "HETERO_STORE", "", "decoder store directory (the seam's --store)"},
+      {"bridge-min-tokens", "HETERO_BRIDGE_MIN_TOKENS", "256",
+       "prompts shorter than this go straight to the decoder"},
+      {"bridge-min-tail", "HETERO_BRIDGE_MIN_TAIL", "256",
+       "uncached tails shorter than this go straight to the decoder"},
+      {"partial-min-fraction", "HETERO_PARTIAL_MIN_FRACTION", "0.5",
+       "a broken stream is mounted when its verified prefix covers this fraction"},
+      {"deadline-base-ms", "HETERO_DEADLINE_BASE_MS", "30000", "bridge deadline: base"},
+      {"deadline-per-token-ms", "HETERO_DEADLINE_PER_TOKEN_MS", "100",
+       "bridge deadline: added per prompt token"},
+      {"stall-ms", "HETERO_STALL_MS", "30000", "no bytes from the prefill host this long: stall"},
+      {"decoder-timeout-ms", "HETERO_DECODER_TIMEOUT_MS", "1800000",
+       "longest wait for one decoder reply"},
+      {"completions", "HETERO_FRONT_COMPLETIONS", "30",
+       "completions served at once (at least 1); more get 503 with Retry-After"},
+      {"bridge-queue", "HETERO_FRONT_BRIDGE_QUEUE", "8",
+       "cold requests that may wait for the running bridge; more get 503 with Retry-After"},
+      {"max-body-mb", "HETERO_FRONT_MAX_BODY_MB", "64",
+       "largest request body accepted, in MiB (a 2M-token prompt is ~10 MiB of text)"},
+      secret_file_option("the stack's shared secret (hetero up writes one), sent to the "
+                         "decoder seam and the prefill host; none: both must be open"),
+  };
+  for (OptionSpec& s : connection_options()) rows.push_back(std::move(s));
+  return Options("front",
+                 "The OpenAI-compatible front door: routes cold long prompts through the prefill "
+                 "host, mounts the result into the decoder, relays the decoder's own answer with "
+                 "a verdict.",
+                 std::move(rows));
 }
 
 Result<FrontConfig> front_config(const Options& opts) {
@@ -89,7 +89,7 @@ Result<FrontConfig> front_config(const Options& opts) {
     const char* name;
     int64_t* out;
   };
-  int64_t port = 0, dport = 0, pport = 0, completions = 0, max_body_mb = 0, connections = 0;
+  int64_t port = 0, dport = 0, pport = 0, completions = 0, max_body_mb = 0;
   for (IntField f : {IntField{"port", &port},
                      {"decoder-port", &dport},
                      {"prefill-port", &pport},
@@ -100,7 +100,6 @@ Result<FrontConfig> front_config(const Options& opts) {
                      {"stall-ms", &c.stall_ms},
                      {"decoder-timeout-ms", &c.decoder_timeout_ms},
                      {"completions", &completions},
-                     {"max-connections", &connections},
                      {"max-body-mb", &max_body_mb},
                      {"bridge-queue", &c.bridge_queue}}) {
     auto v = opts.get_int(f.name);
@@ -113,7 +112,9 @@ Result<FrontConfig> front_config(const Options& opts) {
   c.port = static_cast<int>(port), c.decoder_port = static_cast<int>(dport);
   c.prefill_port = static_cast<int>(pport);
   c.completions = static_cast<int>(std::clamp<int64_t>(completions, 1, 4096));
-  c.max_connections = static_cast<int>(std::clamp<int64_t>(connections, 4, 65536));
+  auto limits = connection_limits_from(opts);
+  if (!limits.is_ok()) return limits.status();
+  c.connections = limits.value();
   if (max_body_mb < 1 || max_body_mb > 65536)
     return invalid_argument("--max-body-mb must be in [1, 65536]");
   c.max_body_bytes = max_body_mb << 20;
@@ -213,7 +214,7 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     return fail(400, "invalid_request_error", "invalid_json",
                 "request body: " + parsed.status().message());
   json body = std::move(parsed.value());
-  // Each connection has its own thread (configure_server), so /health and /metrics answer
+  // Each connection has its own thread (ConnectionGuard), so /health and /metrics answer
   // whatever runs; completions beyond the slots are refused rather than left to pile up.
   if (const int64_t slots = cfg_.completions; active_.load() > slots) {
     res.set_header("Retry-After", "1");
@@ -420,14 +421,16 @@ Status FrontServer::start() {
     log_line("front",
              "removed " + std::to_string(n) + " half-written store entries left by an earlier run");
   server_ = std::make_unique<httplib::Server>();
-  configure_server(*server_, cfg_.max_connections);
+  guard_ = std::make_unique<ConnectionGuard>(*server_, cfg_.connections);
   for (const char* p : {"/v1/chat/completions", "/v1/completions"}) {
     const std::string path = p;
-    server_->Post(p, [this, path](const httplib::Request& req, httplib::Response& res) {
-      handle_completion(req, res, path);
-    });
+    server_->Post(
+        p, guard_->handler([this, path](const httplib::Request& req, httplib::Response& res) {
+          handle_completion(req, res, path);
+        }));
   }
-  server_->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+  server_->Get("/v1/models", guard_->handler([this](const httplib::Request&,
+                                                    httplib::Response& res) {
     auto info = seam_.info();
     if (!info.is_ok()) {
       res.status = 503;
@@ -442,8 +445,8 @@ Status FrontServer::start() {
                json::array(
                    {{{"id", name}, {"object", "model"}, {"owned_by", "hetero"}, {"created", 0}}})}};
     res.set_content(j.dump(), "application/json");
-  });
-  server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  }));
+  server_->Get("/health", guard_->handler([this](const httplib::Request&, httplib::Response& res) {
     auto d =
         http_json(cfg_.decoder_host, cfg_.decoder_port, "/hetero/info", json(), 3000, cfg_.secret);
     auto p = http_json(cfg_.prefill_host, cfg_.prefill_port, "/health", json(), 3000);
@@ -456,10 +459,10 @@ Status FrontServer::start() {
           d->body.value("fingerprint", "") == p->body.value("fingerprint", "-");
     res.status = dok ? 200 : 503;
     res.set_content(j.dump(), "application/json");
-  });
-  server_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+  }));
+  server_->Get("/metrics", guard_->handler([this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics_.render(), "text/plain; version=0.0.4");
-  });
+  }));
   // Every response carries a verdict; the completion handlers set their own first.
   server_->set_post_routing_handler([](const httplib::Request&, httplib::Response& res) {
     if (!res.has_header("X-PD-Bridge"))
@@ -491,6 +494,7 @@ Status FrontServer::start() {
       return unavailable("cannot bind " + cfg_.host + ":" + std::to_string(cfg_.port));
     port_ = cfg_.port;
   }
+  guard_->watch(port_, "front");
   thread_ = std::thread([this] { server_->listen_after_bind(); });
   // stop() right after start() must find a running server, or it would not stop it.
   while (!server_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -500,6 +504,7 @@ Status FrontServer::start() {
 void FrontServer::stop() {
   if (server_) server_->stop();
   if (thread_.joinable()) thread_.join();
+  guard_.reset();
 }
 
 }  // namespace hetero

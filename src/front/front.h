@@ -22,6 +22,7 @@
 #include <string>
 #include <thread>
 
+#include "common/http_server.h"
 #include "common/options.h"
 #include "decode/bridge.h"
 #include "front/metrics.h"
@@ -50,11 +51,11 @@ struct FrontConfig {
   int64_t deadline_per_token_ms = 0;
   int64_t stall_ms = 0;  // no bytes from the prefill host for this long: stalled
   int64_t decoder_timeout_ms = 0;
-  int completions = 30;        // completions served at once; more get 503 busy
-  int max_connections = 0;     // connections served at once (each on its own thread)
-  int64_t max_body_bytes = 0;  // larger request bodies get 413 before they are read
-  int64_t bridge_queue = 0;    // bridges that may wait for the one running; more get 503
-  std::string secret;          // the stack's shared secret, sent to the seam and /v1/prefill
+  int completions = 30;          // completions served at once; more get 503 busy
+  ConnectionLimits connections;  // at once, per client, how fast requests must come
+  int64_t max_body_bytes = 0;    // larger request bodies get 413 before they are read
+  int64_t bridge_queue = 0;      // bridges that may wait for the one running; more get 503
+  std::string secret;            // the stack's shared secret, sent to the seam and /v1/prefill
 };
 
 Options front_options();
@@ -89,6 +90,7 @@ class FrontServer {
   // Retry-After instead of a request holding a thread for minutes.
   std::atomic<int64_t> active_{0}, bridges_waiting_{0};
   std::unique_ptr<httplib::Server> server_;
+  std::unique_ptr<ConnectionGuard> guard_;  // after server_: it goes first
   std::thread thread_;
   int port_ = 0;
 };

@@ -214,7 +214,7 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
 
 Status PrefillService::start(const std::string& host, int port) {
   server_ = std::make_unique<httplib::Server>();
-  configure_server(*server_, max_connections_);
+  guard_ = std::make_unique<ConnectionGuard>(*server_, limits_);
   // A body larger than the longest accepted request could be (max_tokens ids of at most ten
   // digits, the decoder's schedule beside them) is refused with 413 before it is read.
   server_->set_payload_max_length(static_cast<size_t>(4096 + 24 * max_tokens_));
@@ -226,108 +226,109 @@ Status PrefillService::start(const std::string& host, int port) {
   });
   answer_exceptions_with(*server_, "prefill",
                          error_body(internal_error("internal error; see the prefill host's log")));
-  server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  server_->Get("/health", guard_->handler([this](const httplib::Request&, httplib::Response& res) {
     json j = {{"status", "ok"},
               {"family", layout_.family},
               {"fingerprint", layout_.fingerprint},
               {"layers", layout_.layers}};
     res.set_content(j.dump(), "application/json");
-  });
-  server_->Post("/v1/prefill", [this](const httplib::Request& req, httplib::Response& res) {
-    if (!bearer_matches(req.get_header_value(kAuthHeader), secret_)) {
-      res.status = 401;
-      res.set_header("WWW-Authenticate", "Bearer");
-      res.set_content(R"({"error":{"code":"unauthorized","message":"POST /v1/prefill needs )"
-                      R"(Authorization: Bearer <secret>"}})",
-                      "application/json");
-      return;
-    }
-    auto parsed = parse_prefill_request(req.body, engine_->vocab(), layout_, max_tokens_);
-    if (!parsed.is_ok()) {
-      res.status = http_status_for(parsed.status());
-      res.set_content(error_body(parsed.status()), "application/json");
-      return;
-    }
-    auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
-    // With the stack's secret, every frame leaves with its tag (frame_tag.h), keyed by the
-    // caller's nonce: the decode side then knows the stream came from a holder of the secret.
-    std::shared_ptr<const FrameTagger> tags;
-    if (!secret_.empty()) {
-      if (request->stream_nonce.empty()) {
-        const Status st = invalid_argument(
-            "this prefill host tags its frames with the stack's secret: the request needs a "
-            "'stream_nonce'");
-        res.status = http_status_for(st);
-        res.set_content(error_body(st), "application/json");
-        return;
-      }
-      tags = std::make_shared<const FrameTagger>(secret_, request->stream_nonce);
-      res.set_header(kFrameTagsHeader, kFrameTagsScheme);
-    }
-    // Admission, before any byte of the response: this request's turn, then its memory. A
-    // refusal answers with an error body and gives the turn to the next request.
-    if (!take_slot()) {
-      const Status stopping = unavailable("the prefill host is stopping");
-      res.status = http_status_for(stopping);
-      res.set_content(error_body(stopping), "application/json");
-      return;
-    }
-    auto plan = std::make_shared<std::vector<int64_t>>(plan_for(*request));
-    if (Status admitted = admit(*request, *plan); !admitted.is_ok()) {
-      give_slot();
-      res.status = http_status_for(admitted);
-      res.set_content(error_body(admitted), "application/json");
-      return;
-    }
-    // The prefill runs on its own thread, which gives the turn back when it ends; this handler
-    // thread writes frames as they come.
-    auto frames = std::make_shared<BoundedQueue<std::string>>(4);
-    auto cancelled = std::make_shared<std::atomic<bool>>(false);
-    auto buffers = buffers_;
-    auto worker = std::make_shared<std::thread>([this, frames, cancelled, request, plan] {
-      run_admitted(*request, *plan, [frames, cancelled](std::string f) {
-        return !cancelled->load() && frames->push(std::move(f));
-      });
-      give_slot();
-      frames->close();
-    });
-    const FaultSpec fault = fault_;
-    auto stopping = stopping_;
-    res.set_chunked_content_provider(
-        "application/x-hetero-segments",
-        [frames, cancelled, fault, stopping, buffers, tags](size_t, httplib::DataSink& sink) {
-          int64_t i = 0;
-          uint64_t sent = 0;  // the frame's place in the stream: its tag's key
-          while (auto f = frames->pop()) {
-            if (!fault.kind.empty()) {
-              if (fault.kind == "exit-after" && i == fault.n) _exit(3);
-              if (fault.kind == "truncate-after" && i == fault.n) break;
-              if (fault.kind == "stall-after" && i == fault.n) {
-                while (!cancelled->load())
-                  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-                return false;
-              }
-              if (!apply_fault(fault, i++, &*f)) continue;
-            }
-            FrameTag tag{};
-            if (tags) tag = tags->tag(sent++, f->data(), f->size());
-            if (!sink.write(f->data(), f->size()) ||
-                (tags && !sink.write(reinterpret_cast<const char*>(tag.data()), tag.size()))) {
-              cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
-              frames->close();
-              return false;
-            }
-            buffers->give(std::move(*f));  // sent: its memory frames a later segment
+  }));
+  server_->Post(
+      "/v1/prefill", guard_->handler([this](const httplib::Request& req, httplib::Response& res) {
+        if (!bearer_matches(req.get_header_value(kAuthHeader), secret_)) {
+          res.status = 401;
+          res.set_header("WWW-Authenticate", "Bearer");
+          res.set_content(R"({"error":{"code":"unauthorized","message":"POST /v1/prefill needs )"
+                          R"(Authorization: Bearer <secret>"}})",
+                          "application/json");
+          return;
+        }
+        auto parsed = parse_prefill_request(req.body, engine_->vocab(), layout_, max_tokens_);
+        if (!parsed.is_ok()) {
+          res.status = http_status_for(parsed.status());
+          res.set_content(error_body(parsed.status()), "application/json");
+          return;
+        }
+        auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
+        // With the stack's secret, every frame leaves with its tag (frame_tag.h), keyed by the
+        // caller's nonce: the decode side then knows the stream came from a holder of the secret.
+        std::shared_ptr<const FrameTagger> tags;
+        if (!secret_.empty()) {
+          if (request->stream_nonce.empty()) {
+            const Status st = invalid_argument(
+                "this prefill host tags its frames with the stack's secret: the request needs a "
+                "'stream_nonce'");
+            res.status = http_status_for(st);
+            res.set_content(error_body(st), "application/json");
+            return;
           }
-          sink.done();
-          return true;
-        },
-        [frames, cancelled, worker](bool) {
-          cancelled->store(true);
+          tags = std::make_shared<const FrameTagger>(secret_, request->stream_nonce);
+          res.set_header(kFrameTagsHeader, kFrameTagsScheme);
+        }
+        // Admission, before any byte of the response: this request's turn, then its memory. A
+        // refusal answers with an error body and gives the turn to the next request.
+        if (!take_slot()) {
+          const Status stopping = unavailable("the prefill host is stopping");
+          res.status = http_status_for(stopping);
+          res.set_content(error_body(stopping), "application/json");
+          return;
+        }
+        auto plan = std::make_shared<std::vector<int64_t>>(plan_for(*request));
+        if (Status admitted = admit(*request, *plan); !admitted.is_ok()) {
+          give_slot();
+          res.status = http_status_for(admitted);
+          res.set_content(error_body(admitted), "application/json");
+          return;
+        }
+        // The prefill runs on its own thread, which gives the turn back when it ends; this handler
+        // thread writes frames as they come.
+        auto frames = std::make_shared<BoundedQueue<std::string>>(4);
+        auto cancelled = std::make_shared<std::atomic<bool>>(false);
+        auto buffers = buffers_;
+        auto worker = std::make_shared<std::thread>([this, frames, cancelled, request, plan] {
+          run_admitted(*request, *plan, [frames, cancelled](std::string f) {
+            return !cancelled->load() && frames->push(std::move(f));
+          });
+          give_slot();
           frames->close();
-          if (worker->joinable()) worker->join();
         });
-  });
+        const FaultSpec fault = fault_;
+        auto stopping = stopping_;
+        res.set_chunked_content_provider(
+            "application/x-hetero-segments",
+            [frames, cancelled, fault, stopping, buffers, tags](size_t, httplib::DataSink& sink) {
+              int64_t i = 0;
+              uint64_t sent = 0;  // the frame's place in the stream: its tag's key
+              while (auto f = frames->pop()) {
+                if (!fault.kind.empty()) {
+                  if (fault.kind == "exit-after" && i == fault.n) _exit(3);
+                  if (fault.kind == "truncate-after" && i == fault.n) break;
+                  if (fault.kind == "stall-after" && i == fault.n) {
+                    while (!cancelled->load())
+                      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                    return false;
+                  }
+                  if (!apply_fault(fault, i++, &*f)) continue;
+                }
+                FrameTag tag{};
+                if (tags) tag = tags->tag(sent++, f->data(), f->size());
+                if (!sink.write(f->data(), f->size()) ||
+                    (tags && !sink.write(reinterpret_cast<const char*>(tag.data()), tag.size()))) {
+                  cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
+                  frames->close();
+                  return false;
+                }
+                buffers->give(std::move(*f));  // sent: its memory frames a later segment
+              }
+              sink.done();
+              return true;
+            },
+            [frames, cancelled, worker](bool) {
+              cancelled->store(true);
+              frames->close();
+              if (worker->joinable()) worker->join();
+            });
+      }));
   if (port == 0) {
     port_ = server_->bind_to_any_port(host.c_str());
     if (port_ < 0) return unavailable("cannot bind " + host);
@@ -336,6 +337,7 @@ Status PrefillService::start(const std::string& host, int port) {
       return unavailable("cannot bind " + host + ":" + std::to_string(port));
     port_ = port;
   }
+  guard_->watch(port_, "prefill");
   thread_ = std::thread([this] { server_->listen_after_bind(); });
   // stop() right after start() must find a running server, or it would not stop it.
   while (!server_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -350,6 +352,7 @@ void PrefillService::stop() {
   slot_free_.notify_all();
   if (server_) server_->stop();
   if (thread_.joinable()) thread_.join();
+  guard_.reset();
 }
 
 }  // namespace hetero

@@ -122,8 +122,9 @@ class PrefillService {
   void set_arith(std::string arith) { arith_ = std::move(arith); }
   // The stack's shared secret (common/secret.h); "" leaves /v1/prefill open. Before start().
   void set_secret(std::string secret) { secret_ = std::move(secret); }
-  // Connections served at once (common/http_server.h). Before start().
-  void set_max_connections(int n) { max_connections_ = n; }
+  // Connections served at once, per client, and how fast requests must come
+  // (common/http_server.h). Before start().
+  void set_connection_limits(ConnectionLimits limits) { limits_ = limits; }
 
   // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
   // engine and reserves the request's memory (a refusal is a manifest whose reason says why),
@@ -147,7 +148,7 @@ class PrefillService {
   std::string arith_ = "exact";
   std::string secret_;
   int64_t default_chunk_, max_tokens_;
-  int max_connections_ = kDefaultMaxConnections;
+  ConnectionLimits limits_;
   FaultSpec fault_;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);
 
@@ -165,6 +166,7 @@ class PrefillService {
   std::condition_variable slot_free_;
   bool busy_ = false;
   std::unique_ptr<httplib::Server> server_;
+  std::unique_ptr<ConnectionGuard> guard_;  // after server_: it goes first
   std::thread thread_;
   int port_ = 0;
 };

@@ -421,6 +421,34 @@ def test_trickling_clients_do_not_starve_health(tiny, main_front) -> None:
             s.close()
 
 
+def test_a_request_sent_too_slowly_is_cut_at_the_deadline(tiny) -> None:
+    # Regression (hardening issue): cpp-httplib's timeout is per read, so a client sending a
+    # header byte every second held its connection (and its thread) for as long as it liked.
+    prefill = tiny.prefill()
+    front = tiny.front(prefill.port, **{"request-deadline-s": 2})
+    s = socket.create_connection(("127.0.0.1", front.port), timeout=10)
+    s.settimeout(0.5)
+    t0 = time.monotonic()
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    closed = False
+    while not closed and time.monotonic() - t0 < 10:
+        try:
+            s.sendall(b"X")
+            closed = s.recv(4096) == b""
+        except socket.timeout:
+            pass
+        except OSError:
+            closed = True
+    elapsed = time.monotonic() - t0
+    s.close()
+    assert closed and 1.5 < elapsed < 4, elapsed
+    assert "no whole request in 2000 ms" in front.log()
+    # A request sent in time is served as ever on the same front door.
+    assert requests.get(Stack.url(front.port, "/health"), timeout=5).status_code == 200
+    r = post_front(front, chat("Hi!", max_tokens=2))
+    assert r.status_code == 200, r.text
+
+
 # ---------------------------------------------------------------- 5. bad input
 
 
