@@ -80,7 +80,8 @@ unit: build
 pytest: build model tiny tiny-dsv4
 	HETERO_TEST_MODEL=$(CURDIR)/models/tiny-llama HETERO_TOKENIZER=$(CURDIR)/$(MODEL) \
 	HETERO_DSV4_MODEL=$(CURDIR)/models/dsv4-tiny \
-	HETERO_MODEL=$(CURDIR)/$(MODEL) HETERO_NO_SKIPS=1 PYTHONPATH=python $(VPY) -m pytest -q tests/py
+	HETERO_MODEL=$(CURDIR)/$(MODEL) HETERO_NO_SKIPS=1 PYTHONPATH=python $(VPY) -m pytest -q \
+	  -n $(JOBS) --dist loadgroup --no-loadscope-reorder tests/py
 
 # The libFuzzer targets (fuzz/), built with clang and ASan/UBSan in build-fuzz/, each run for
 # FUZZ_RUNS executions from its committed seed corpus (fuzz/corpus/<target>); a crash, a leak or

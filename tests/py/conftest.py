@@ -17,6 +17,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long prompts (T=5003); deselect with -m 'not slow'")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """For `pytest -n N --dist loadgroup --no-loadscope-reorder` (`make test`): each module is one
+    unit of work (its module-scoped stacks start once), except that every slow test is a unit of
+    its own and comes first, so the longest runs start at once beside the rest."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+    for item in items:
+        group = item.nodeid if item.get_closest_marker("slow") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def hetero_bin() -> Path:
     """The C++ `hetero` binary: $HETERO_BIN, else build/hetero in this repo."""
