@@ -27,12 +27,12 @@ class GuardedServer {
   explicit GuardedServer(ConnectionLimits limits) {
     guard_ = std::make_unique<ConnectionGuard>(server_, limits);
     server_.Get("/ok", guard_->handler([](const httplib::Request&, httplib::Response& res) {
-                  res.set_content("ok", "text/plain");
-                }));
+      res.set_content("ok", "text/plain");
+    }));
     server_.Get("/slow", guard_->handler([](const httplib::Request&, httplib::Response& res) {
-                  std::this_thread::sleep_for(std::chrono::milliseconds(900));
-                  res.set_content("slow", "text/plain");
-                }));
+      std::this_thread::sleep_for(std::chrono::milliseconds(900));
+      res.set_content("slow", "text/plain");
+    }));
     port_ = server_.bind_to_any_port("127.0.0.1");
     guard_->watch(port_, "test");
     thread_ = std::thread([this] { server_.listen_after_bind(); });
@@ -63,9 +63,7 @@ int connect_to(int port) {
   return fd;
 }
 
-void send_text(int fd, const std::string& s) {
-  (void)::send(fd, s.data(), s.size(), MSG_NOSIGNAL);
-}
+void send_text(int fd, const std::string& s) { (void)::send(fd, s.data(), s.size(), MSG_NOSIGNAL); }
 
 // Waits up to `ms` for the server's end of the stream on fd (after whatever it sent): true if
 // the connection was closed by then.
@@ -117,8 +115,7 @@ TEST(ConnectionGuard, TricklingClientIsCutAtTheDeadline) {
     send_text(fd, "X");
     closed = closed_within(fd, 100);
   }
-  const auto ms =
-      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
   EXPECT_TRUE(closed);
   EXPECT_GE(ms, 300);
   EXPECT_LT(ms, 1500);
