@@ -9,12 +9,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "bridge/frame_tag.h"
 #include "bridge/producer.h"
 #include "bridge/wire.h"
 #include "common/bf16.h"
+#include "common/queue.h"
 
 namespace hetero::bench {
 
@@ -41,6 +45,37 @@ inline BridgeProducer::FrameSink counting_sink(double* bytes, FrameBufferPool* b
     return true;
   };
 }
+
+// A sink that sends as the prefill host does with the stack's secret: frames go through a queue
+// of 4 to a sender thread, which tags each (frame_tag.h), counts its bytes and the tag's into
+// *bytes, and gives the buffer back. finish() waits for the last frame.
+class TaggingSender {
+ public:
+  TaggingSender(double* bytes, FrameBufferPool* buffers)
+      : tagger_("bench secret: any non-empty string", new_stream_nonce()) {
+    thread_ = std::thread([this, bytes, buffers] {
+      uint64_t i = 0;
+      while (auto f = frames_.pop()) {
+        const FrameTag t = tagger_.tag(i++, f->data(), f->size());
+        *bytes += static_cast<double>(f->size() + t.size());
+        buffers->give(std::move(*f));
+      }
+    });
+  }
+  ~TaggingSender() { finish(); }
+  BridgeProducer::FrameSink sink() {
+    return [this](std::string f) { return frames_.push(std::move(f)); };
+  }
+  void finish() {
+    frames_.close();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  FrameTagger tagger_;
+  BoundedQueue<std::string> frames_{4};
+  std::thread thread_;
+};
 
 inline Spread spread(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -5,7 +5,9 @@
 // ("on"), against the forward alone ("off") — with the bytes the segments carry per token and the
 // device memory the capture holds. Two more modes split that cost: "tap" (the capture and the
 // producer with a program that does nothing) and "program" (the program's work on the device and
-// its copies to the host, but segments sent without their arrays: no encoding).
+// its copies to the host, but segments sent without their arrays: no encoding). "tagged" is
+// "on" with each frame tagged as the prefill host tags it with the stack's secret (Poly1305, on
+// a sender thread behind a queue of 4, as the service's HTTP thread does).
 //
 // One run = reset, then T tokens in --chunk sized chunks, timed from the first enqueue until the
 // engine's stream is idle and (on) the producer's manifest is out. Median and spread of --repeat
@@ -286,8 +288,10 @@ int main(int argc, char** argv) {
       id = static_cast<int32_t>((d.next(1.f) + 1.f) * 0.5f * static_cast<float>(c.vocab - 1));
     double off_median = 0;
     for (const std::string& mode : a.modes) {
-      if (mode != "off" && mode != "tap" && mode != "program" && mode != "on")
-        return std::fprintf(stderr, "unknown mode %s (off, tap, program, on)\n", mode.c_str()), 2;
+      if (mode != "off" && mode != "tap" && mode != "program" && mode != "on" && mode != "tagged")
+        return std::fprintf(stderr, "unknown mode %s (off, tap, program, on, tagged)\n",
+                            mode.c_str()),
+               2;
       const bool on = mode != "off";
       std::vector<double> secs;
       double wire_bytes = 0, capture_bytes = 0, staging_bytes = 0;
@@ -322,10 +326,12 @@ int main(int argc, char** argv) {
                                                           : &program;
         double bytes = 0;
         std::unique_ptr<BridgeProducer> producer;
+        std::optional<bench::TaggingSender> sender;
+        if (mode == "tagged") sender.emplace(&bytes, &frame_buffers);
         if (on)
-          producer = std::make_unique<BridgeProducer>(run_program,
-                                                      bench::counting_sink(&bytes, &frame_buffers),
-                                                      4, &capture, &frame_buffers);
+          producer = std::make_unique<BridgeProducer>(
+              run_program, sender ? sender->sink() : bench::counting_sink(&bytes, &frame_buffers),
+              4, &capture, &frame_buffers);
         const AttentionInputTap tap = on ? producer->tap() : AttentionInputTap();
         cudaDeviceSynchronize();
         const double s0 = bench::now_s();
@@ -336,6 +342,7 @@ int main(int argc, char** argv) {
         }
         if (st.is_ok()) st = (*engine)->synchronize();
         if (on) complete = producer->finish(T, st).complete && complete;
+        if (sender) sender->finish();  // the last frame tagged and "sent"
         const double s = bench::now_s() - s0;
         if (!st.is_ok()) return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
         if (r >= a.warmup) secs.push_back(s);
