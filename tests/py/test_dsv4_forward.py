@@ -139,6 +139,19 @@ def _float32_gather_mm():
     switch_layers.SwitchLinear.__call__ = call
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _experts_in_float32_here_only():
+    """The patch above, for this module's tests only: it replaces a method of mlx-vlm's class
+    for the whole process, and another module on the same pytest worker (test_dsv4_checkpoint)
+    checks the decoder's behaviour as shipped."""
+    from mlx_vlm.models import switch_layers
+
+    shipped = switch_layers.SwitchLinear.__call__
+    _float32_gather_mm()
+    yield
+    switch_layers.SwitchLinear.__call__ = shipped
+
+
 def _official_apes(fp8: Path) -> dict:
     """{layer: {"compressor": f32 ape, "indexer": f32 ape}} as the official checkpoint stores them."""
     from safetensors import safe_open
