@@ -238,12 +238,12 @@ void ConnectionGuard::on_accept() {
     Conn c{fd, addr, addr + " " + std::to_string(peer_port), now_ms(), true};
     if (same >= limits_.per_client) {
       // Served by nobody: its thread reads the end of the stream and closes it.
-      const int64_t n = cut_crowded_.fetch_add(1);
-      shutdown(fd, SHUT_RDWR);
-      c.reading = false;
-      if (n % 100 == 0)
+      // Counted and logged before the client can see the close.
+      if (cut_crowded_.fetch_add(1) % 100 == 0)
         log_line(component_, "closed a connection from " + addr + ": it already has " +
                                  std::to_string(same) + " (--max-connections-per-client)");
+      shutdown(fd, SHUT_RDWR);
+      c.reading = false;
     }
     by_peer_[c.peer] = ino;
     conns_.emplace(ino, std::move(c));
@@ -265,13 +265,12 @@ void ConnectionGuard::run() {
         continue;
       }
       if (c.reading && now - c.since_ms > limits_.request_deadline_ms) {
-        const int64_t n = cut_late_.fetch_add(1);
-        shutdown(c.fd, SHUT_RDWR);
-        c.reading = false;
-        if (n % 100 == 0)
+        if (cut_late_.fetch_add(1) % 100 == 0)  // counted and logged before the close
           log_line(component_, "closed a connection from " + c.addr + ": no whole request in " +
                                    std::to_string(limits_.request_deadline_ms) +
                                    " ms (--request-deadline-s)");
+        shutdown(c.fd, SHUT_RDWR);
+        c.reading = false;
       }
       ++it;
     }
