@@ -94,6 +94,28 @@ ino_t socket_inode(int fd) {
   return fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) ? st.st_ino : 0;
 }
 
+// Calls fn(fd, inode, listening) for each of this process's sockets bound to local `port`.
+template <typename Fn>
+void for_each_socket_on(int port, Fn fn) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return;
+  const int own = dirfd(dir);
+  while (const dirent* e = readdir(dir)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const int fd = std::atoi(e->d_name);
+    const ino_t ino = fd == own ? 0 : socket_inode(fd);
+    sockaddr_storage local{};
+    socklen_t llen = sizeof local, olen = sizeof(int);
+    int listening = 0, local_port = 0;
+    std::string host;
+    if (ino != 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) == 0 &&
+        numeric_address(local, llen, &host, &local_port) && local_port == port &&
+        getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &olen) == 0)
+      fn(fd, ino, listening != 0);
+  }
+  closedir(dir);
+}
+
 }  // namespace
 
 std::vector<OptionSpec> connection_options() {
@@ -173,21 +195,9 @@ void ConnectionGuard::watch(int port, std::string component) {
   // cpp-httplib 0.11 listens with a backlog of 5: past 5 connections not yet accepted, the
   // kernel drops a client's handshake and the client waits a second or more to retry. Calling
   // listen() again on the bound socket raises it (Linux).
-  if (DIR* dir = opendir("/proc/self/fd")) {
-    while (const dirent* e = readdir(dir)) {
-      const int fd = std::atoi(e->d_name);
-      sockaddr_storage local{};
-      socklen_t llen = sizeof local, olen = sizeof(int);
-      int listening = 0, local_port = 0;
-      std::string host;
-      if (e->d_name[0] >= '0' && e->d_name[0] <= '9' && fd != dirfd(dir) && socket_inode(fd) != 0 &&
-          getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) == 0 &&
-          numeric_address(local, llen, &host, &local_port) && local_port == port &&
-          getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &olen) == 0 && listening != 0)
-        ::listen(fd, SOMAXCONN);
-    }
-    closedir(dir);
-  }
+  for_each_socket_on(port, [](int fd, ino_t, bool listening) {
+    if (listening) ::listen(fd, SOMAXCONN);
+  });
   thread_ = std::thread([this] { run(); });
 }
 
@@ -204,41 +214,23 @@ void ConnectionGuard::mark(const httplib::Request& req, bool reading) {
 void ConnectionGuard::on_accept() {
   const int port = port_.load();
   if (port == 0) return;
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return;
-  const int own = dirfd(dir);
   std::lock_guard<std::mutex> lock(mu_);
-  while (const dirent* e = readdir(dir)) {
-    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-    const int fd = std::atoi(e->d_name);
-    const ino_t ino = fd == own ? 0 : socket_inode(fd);
-    if (ino == 0 || conns_.count(ino)) continue;
-    sockaddr_storage local{}, peer{};
-    socklen_t llen = sizeof local, plen = sizeof peer;
-    int listening = 0;
-    socklen_t olen = sizeof listening;
-    std::string host, addr;
-    int local_port = 0, peer_port = 0;
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0 ||
-        !numeric_address(local, llen, &host, &local_port) || local_port != port ||
-        getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &olen) != 0 || listening != 0 ||
+  forget_closed();
+  for_each_socket_on(port, [this](int fd, ino_t ino, bool listening) {
+    sockaddr_storage peer{};
+    socklen_t plen = sizeof peer;
+    std::string addr;
+    int peer_port = 0;
+    if (listening || conns_.count(ino) ||
         getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &plen) != 0 ||
         !numeric_address(peer, plen, &addr, &peer_port))
-      continue;
+      return;
     int64_t same = 0;
-    for (auto it = conns_.begin(); it != conns_.end();) {
-      if (socket_inode(it->second.fd) != it->first) {  // closed since the last look
-        by_peer_.erase(it->second.peer);
-        it = conns_.erase(it);
-        continue;
-      }
-      same += it->second.addr == addr;
-      ++it;
-    }
+    for (const auto& [_, other] : conns_) same += other.addr == addr;
     Conn c{fd, addr, addr + " " + std::to_string(peer_port), now_ms(), true};
     if (same >= limits_.per_client) {
-      // Served by nobody: its thread reads the end of the stream and closes it.
-      // Counted and logged before the client can see the close.
+      // Served by nobody: its thread reads the end of the stream and closes it. Counted and
+      // logged before the client can see the close.
       if (cut_crowded_.fetch_add(1) % 100 == 0)
         log_line(component_, "closed a connection from " + addr + ": it already has " +
                                  std::to_string(same) + " (--max-connections-per-client)");
@@ -247,23 +239,28 @@ void ConnectionGuard::on_accept() {
     }
     by_peer_[c.peer] = ino;
     conns_.emplace(ino, std::move(c));
+  });
+}
+
+void ConnectionGuard::forget_closed() {
+  for (auto it = conns_.begin(); it != conns_.end();) {
+    if (socket_inode(it->second.fd) == it->first) {
+      ++it;
+      continue;
+    }
+    if (auto p = by_peer_.find(it->second.peer); p != by_peer_.end() && p->second == it->first)
+      by_peer_.erase(p);
+    it = conns_.erase(it);
   }
-  closedir(dir);
 }
 
 void ConnectionGuard::run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     wake_.wait_for(lock, std::chrono::milliseconds(200));
+    forget_closed();
     const int64_t now = now_ms();
-    for (auto it = conns_.begin(); it != conns_.end();) {
-      Conn& c = it->second;
-      if (socket_inode(c.fd) != it->first) {
-        if (auto p = by_peer_.find(c.peer); p != by_peer_.end() && p->second == it->first)
-          by_peer_.erase(p);
-        it = conns_.erase(it);
-        continue;
-      }
+    for (auto& [_, c] : conns_) {
       if (c.reading && now - c.since_ms > limits_.request_deadline_ms) {
         if (cut_late_.fetch_add(1) % 100 == 0)  // counted and logged before the close
           log_line(component_, "closed a connection from " + c.addr + ": no whole request in " +
@@ -272,7 +269,6 @@ void ConnectionGuard::run() {
         shutdown(c.fd, SHUT_RDWR);
         c.reading = false;
       }
-      ++it;
     }
   }
 }

@@ -81,7 +81,8 @@ class ConnectionGuard {
     int64_t since_ms = 0;
     bool reading = true;  // waiting for a whole request
   };
-  void on_accept();  // on the listening thread, just after accept(): registers new sockets
+  void on_accept();      // on the listening thread, just after accept(): registers new sockets
+  void forget_closed();  // with mu_: drops connections whose socket has been closed
   void mark(const httplib::Request& req, bool reading);
   void run();
 
