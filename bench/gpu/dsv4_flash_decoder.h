@@ -9,8 +9,34 @@
 #include "bench_common.h"
 #include "bridge/dsv4_program.h"
 #include "common/bf16.h"
+#include "model/dsv4.h"
 
 namespace hetero::bench {
+
+// DeepSeek-V4-Flash's configuration with its first `layers` layers (the official ratios).
+inline Dsv4Config flash_config(int64_t layers) {
+  Dsv4Config c;
+  c.model_type = "deepseek_v4";
+  c.vocab = 129280, c.hidden = 4096, c.layers = layers;
+  c.heads = 64, c.head_dim = 512, c.rope_head_dim = 64;
+  c.q_lora_rank = 1024, c.o_groups = 8, c.o_lora_rank = 1024;
+  c.n_routed_experts = 256, c.n_shared_experts = 1, c.experts_per_tok = 6, c.moe_inter = 2048;
+  c.num_hash_layers = 3;
+  c.sliding_window = 128;
+  c.index_n_heads = 64, c.index_head_dim = 128, c.index_topk = 512;
+  c.index_block = 64, c.index_keep = 16;
+  c.hc_mult = 4, c.hc_sinkhorn_iters = 20;
+  c.rms_norm_eps = 1e-6, c.hc_eps = 1e-6;
+  c.rope_theta = 10000.0, c.compress_rope_theta = 160000.0;
+  c.routed_scaling_factor = 1.5, c.swiglu_limit = 10.0;
+  c.norm_topk_prob = true;
+  c.scoring_func = "sqrtsoftplus";
+  c.yarn.enabled = true, c.yarn.factor = 16, c.yarn.original_max_position_embeddings = 65536;
+  c.yarn.beta_fast = 32, c.yarn.beta_slow = 1;
+  for (int64_t l = 0; l < layers; ++l)  // the official layout: 0, 0, then 4 and 128 alternating
+    c.compress_ratios.push_back(l < 2 ? 0 : (l % 2 == 0 ? 4 : 128));
+  return c;
+}
 
 inline DecoderLinear dense(int64_t n, int64_t k, Draw& d) {
   DecoderLinear l;

@@ -17,7 +17,9 @@
 //
 // --weights fp8 keeps the experts' weights as FP8 block-scaled e4m3 (Dsv4CudaOptions::
 // weight_dtype): about half the bytes per layer, so about twice the layers fit one GPU; the
-// fraction of peak is still against the bf16 peak.
+// fraction of peak is still against the bf16 peak. --weights checkpoint draws the official
+// precision (FP8 projections with UE8M0 block scales, FP4 routed experts widened per expert
+// before their GEMMs): about a quarter of bf16's bytes.
 //
 // JSON lines to stdout (one per T and bridge mode), a table to stderr. --refcheck first compares
 // the engine with the CPU engine on the small test model (tests/common/dsv4_model_weights.h) and
@@ -43,30 +45,6 @@
 
 namespace hetero {
 namespace {
-
-Dsv4Config flash_config(int64_t layers) {
-  Dsv4Config c;
-  c.model_type = "deepseek_v4";
-  c.vocab = 129280, c.hidden = 4096, c.layers = layers;
-  c.heads = 64, c.head_dim = 512, c.rope_head_dim = 64;
-  c.q_lora_rank = 1024, c.o_groups = 8, c.o_lora_rank = 1024;
-  c.n_routed_experts = 256, c.n_shared_experts = 1, c.experts_per_tok = 6, c.moe_inter = 2048;
-  c.num_hash_layers = 3;
-  c.sliding_window = 128;
-  c.index_n_heads = 64, c.index_head_dim = 128, c.index_topk = 512;
-  c.index_block = 64, c.index_keep = 16;
-  c.hc_mult = 4, c.hc_sinkhorn_iters = 20;
-  c.rms_norm_eps = 1e-6, c.hc_eps = 1e-6;
-  c.rope_theta = 10000.0, c.compress_rope_theta = 160000.0;
-  c.routed_scaling_factor = 1.5, c.swiglu_limit = 10.0;
-  c.norm_topk_prob = true;
-  c.scoring_func = "sqrtsoftplus";
-  c.yarn.enabled = true, c.yarn.factor = 16, c.yarn.original_max_position_embeddings = 65536;
-  c.yarn.beta_fast = 32, c.yarn.beta_slow = 1;
-  for (int64_t l = 0; l < layers; ++l)  // the official layout: 0, 0, then 4 and 128 alternating
-    c.compress_ratios.push_back(l < 2 ? 0 : (l % 2 == 0 ? 4 : 128));
-  return c;
-}
 
 // FLOPs of one layer (attention + MoE, as the engine computes them) over positions [0, T).
 double layer_flops(const Dsv4Config& c, int32_t ratio, int64_t T) {
@@ -199,13 +177,14 @@ int main(int argc, char** argv) {
         else
           return std::fprintf(stderr, "--bridge takes off and/or on\n"), 2;
     } else {
-      std::fprintf(stderr,
-                   "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
-                   "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8] "
-                   "[--bridge off,on] [--program-device N] [--phases] "
-                   "[--refcheck] "
-                   "[--rev GIT_REV]\n",
-                   argv[0]);
+      std::fprintf(
+          stderr,
+          "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
+          "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8|checkpoint] "
+          "[--bridge off,on] [--program-device N] [--phases] "
+          "[--refcheck] "
+          "[--rev GIT_REV]\n",
+          argv[0]);
       return 2;
     }
   }
@@ -220,7 +199,7 @@ int main(int argc, char** argv) {
   }
   const std::string gpu = bench::gpu_name();
   const double peak = bench::measured_bf16_peak_tflops();
-  const Dsv4Config c = flash_config(layers);
+  const Dsv4Config c = bench::flash_config(layers);
   if (Status ok = Dsv4CudaEngine::check_options(c, opts); !ok.is_ok())
     return std::fprintf(stderr, "%s\n", ok.to_string().c_str()), 2;
   auto made = Dsv4CudaEngine::random(c, 1234, opts);
@@ -374,7 +353,10 @@ int main(int argc, char** argv) {
           "\"implied_43_layer_s\":%.4f,\"implied_tok_s\":%.1f,\"tflops\":%.1f,"
           "\"peak_bf16_tflops\":%.1f,\"fraction_of_peak\":%.3f,\"phase_ms\":%s,\"refcheck\":%s}\n",
           gpu.c_str(), rev.c_str(),
-          opts.weight_dtype == cuda::WeightDtype::kFp8 ? "experts fp8, rest bf16" : "bf16",
+          opts.weight_dtype == cuda::WeightDtype::kFp8 ? "experts fp8, rest bf16"
+          : opts.weight_dtype == cuda::WeightDtype::kCheckpoint
+              ? "checkpoint: fp8 projections, fp4 experts"
+              : "bf16",
           opts.expert_streams, program_device, engine->weight_bytes() / 1e9,
           static_cast<long long>(T), static_cast<long long>(chunk), static_cast<long long>(layers),
           opts.grouped_experts ? "grouped" : "loop", warmup, repeats, bridge.c_str(), wall.median,

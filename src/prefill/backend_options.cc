@@ -29,9 +29,11 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "HETERO_PREFILL_WEIGHT_DTYPE",
        "bf16",
        "cuda, fast: the large weights on the GPU (fp8: e4m3, a scale per 128x128 block, "
-       "quantized at load; llama: every projection, deepseek_v4: the experts)",
+       "quantized at load; llama: every projection, deepseek_v4: the experts; checkpoint, "
+       "deepseek_v4: the official FP8 projections and FP4 experts as stored, streamed from the "
+       "shards)",
        false,
-       {"bf16", "fp8"}},
+       {"bf16", "fp8", "checkpoint"}},
       {"gemm",
        "HETERO_PREFILL_GEMM",
        "ordered",

@@ -17,96 +17,16 @@ using namespace dsv4_cuda;
 
 namespace {
 
-// How a buffer is drawn for random weights.
-enum class Init { kMatrix, kNorm, kSmall, kHcScale, kSink, kExpertId };
-struct Spec {
-  cuda::DeviceBuffer* buf;
-  int64_t count;
-  int elem_bytes;
-  Init init;
-  int64_t fan_in;
-  DFp8* fp8 = nullptr;  // an expert weight: its FP8 form, matrices of [rows, cols]
-  int64_t rows = 0, cols = 0;
-  Spec(cuda::DeviceBuffer* b, int64_t n, int eb, Init i, int64_t fi, DFp8* f = nullptr,
-       int64_t r = 0, int64_t c = 0)
-      : buf(b), count(n), elem_bytes(eb), init(i), fan_in(fi), fp8(f), rows(r), cols(c) {}
-};
-
-std::vector<Spec> layer_specs(DLayer& L, const Dsv4Config& c, int64_t layer) {
-  const int64_t H = c.hidden, hd = c.head_dim, W = c.hc_mult * H, mix = c.hc_mix();
-  const int64_t E = c.n_routed_experts, I = c.moe_inter, S = c.moe_inter * c.n_shared_experts;
-  const int64_t ih = c.index_n_heads, ihd = c.index_head_dim, G = c.o_groups, R = c.o_lora_rank;
-  std::vector<Spec> s = {
-      {&L.attn_norm, H, 2, Init::kNorm, 0},
-      {&L.ffn_norm, H, 2, Init::kNorm, 0},
-      {&L.hc_attn.fn, mix * W, 4, Init::kMatrix, W},
-      {&L.hc_attn.base, mix, 4, Init::kSmall, 0},
-      {&L.hc_attn.scale, 3, 4, Init::kHcScale, 0},
-      {&L.hc_ffn.fn, mix * W, 4, Init::kMatrix, W},
-      {&L.hc_ffn.base, mix, 4, Init::kSmall, 0},
-      {&L.hc_ffn.scale, 3, 4, Init::kHcScale, 0},
-      {&L.wq_a, c.q_lora_rank * H, 2, Init::kMatrix, H},
-      {&L.q_norm, c.q_lora_rank, 2, Init::kNorm, 0},
-      {&L.wq_b, c.heads * hd * c.q_lora_rank, 2, Init::kMatrix, c.q_lora_rank},
-      {&L.wkv, hd * H, 2, Init::kMatrix, H},
-      {&L.kv_norm, hd, 2, Init::kNorm, 0},
-      {&L.wo_a, G * R * (c.heads * hd / G), 2, Init::kMatrix, c.heads * hd / G},
-      {&L.wo_b, H * G * R, 2, Init::kMatrix, G * R},
-      {&L.sinks, c.heads, 4, Init::kSink, 0},
-      {&L.gate, E * H, 2, Init::kMatrix, H},
-      {&L.w13, E * 2 * I * H, 2, Init::kMatrix, H, &L.w13_8, 2 * I, H},
-      {&L.w2, E * H * I, 2, Init::kMatrix, I, &L.w2_8, H, I},
-  };
-  if (c.attention_bias) s.push_back({&L.wo_b_bias, H, 2, Init::kSmall, 0});
-  if (layer < c.num_hash_layers)
-    s.push_back({&L.tid2eid, c.vocab * c.experts_per_tok, 4, Init::kExpertId, 0});
-  else
-    s.push_back({&L.gate_bias, E, 4, Init::kSmall, 0});
-  if (S > 0) {
-    s.push_back({&L.sh_w13, 2 * S * H, 2, Init::kMatrix, H, &L.sh_w13_8, 2 * S, H});
-    s.push_back({&L.sh_w2, H * S, 2, Init::kMatrix, S, &L.sh_w2_8, H, S});
-  }
-  auto comp = [&](DComp& cm, int64_t ratio, int64_t d) {
-    cm.ratio = ratio, cm.head_dim = d, cm.out_dim = ratio == 4 ? 2 * d : d;
-    s.push_back({&cm.wkv, cm.out_dim * H, 2, Init::kMatrix, H});
-    s.push_back({&cm.wgate, cm.out_dim * H, 2, Init::kMatrix, H});
-    s.push_back({&cm.ape, ratio * cm.out_dim, 4, Init::kSmall, 0});
-    s.push_back({&cm.norm, d, 2, Init::kNorm, 0});
-  };
-  if (L.ratio > 0) comp(L.comp, L.ratio, hd);
-  if (L.ratio == 4) {
-    comp(L.icomp, 4, ihd);
-    s.push_back({&L.idx_wq_b, ih * ihd * c.q_lora_rank, 2, Init::kMatrix, c.q_lora_rank});
-    s.push_back({&L.idx_wproj, ih * H, 2, Init::kMatrix, H});
-  }
-  return s;
-}
-
-// Host bytes into a weight's buffer, which layer_specs sized from the config: a checkpoint whose
-// tensor disagrees with its own config is refused.
+// Host bytes into a buffer of exactly that size.
 Status put(cuda::DeviceBuffer& b, const void* src, size_t bytes) {
   if (bytes != b.bytes())
-    return failed_precondition("a weight of " + std::to_string(bytes) +
-                               " bytes where the config says " + std::to_string(b.bytes()));
+    return internal_error("a copy of " + std::to_string(bytes) + " bytes into a buffer of " +
+                          std::to_string(b.bytes()));
   HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.get(), src, bytes, cudaMemcpyHostToDevice));
   return Status::ok();
 }
-Status put(cuda::DeviceBuffer& b, const Tensor& t) {
-  return put(b, t.bytes.data(), t.bytes.size());
-}
 Status put(cuda::DeviceBuffer& b, const std::vector<float>& v) {
   return put(b, v.data(), v.size() * sizeof(float));
-}
-Status put_hc(DHc& d, const Dsv4HyperConnection& hc) {
-  HETERO_RETURN_IF_ERROR(put(d.fn, hc.fn));
-  HETERO_RETURN_IF_ERROR(put(d.base, hc.base));
-  return put(d.scale, hc.scale);
-}
-Status put_comp(DComp& d, const Dsv4Compressor& cm) {
-  HETERO_RETURN_IF_ERROR(put(d.wkv, cm.wkv));
-  HETERO_RETURN_IF_ERROR(put(d.wgate, cm.wgate));
-  HETERO_RETURN_IF_ERROR(put(d.ape, cm.ape));
-  return put(d.norm, cm.norm);
 }
 
 // A cuBLAS handle on `stream`, with no bf16 reductions inside split-k: every sum stays float32.
@@ -199,7 +119,8 @@ Status Dsv4CudaEngine::init() {
   m.grouped = options_.grouped_experts;
   m.timer.on = options_.phase_timing;
   m.online_only = options_.online_softmax_attention;
-  m.fp8 = options_.weight_dtype == cuda::WeightDtype::kFp8;
+  m.fp8 = options_.weight_dtype != cuda::WeightDtype::kBf16;
+  m.ckpt = options_.weight_dtype == cuda::WeightDtype::kCheckpoint;
   if (options_.expert_streams > 1) {
     HETERO_ASSIGN_OR_RETURN(m.fork, cuda::Event::create());
     m.lanes.resize(static_cast<size_t>(options_.expert_streams));
@@ -216,10 +137,32 @@ Status Dsv4CudaEngine::init() {
     for (Impl::Lane& lane : m.lanes) {
       HETERO_ASSIGN_OR_RETURN(lane.fp8, cuda::Fp8Gemm::create(&m.budget));
     }
-    // Ask cuBLASLt for every expert shape now: one it refuses fails the engine, not a chunk.
+    // Ask cuBLASLt for every FP8 shape now: one it refuses fails the engine, not a chunk.
     const int64_t I = c.moe_inter, S = c.moe_inter * c.n_shared_experts, H = c.hidden;
-    for (auto [n, k] : {std::pair{2 * I, H}, std::pair{H, I}, std::pair{2 * S, H}, std::pair{H, S}})
+    std::vector<std::pair<int64_t, int64_t>> shapes = {{2 * I, H}, {H, I}, {2 * S, H}, {H, S}};
+    if (m.ckpt)
+      shapes.insert(shapes.end(), {{c.q_lora_rank, H},
+                                   {c.heads * c.head_dim, c.q_lora_rank},
+                                   {c.head_dim, H},
+                                   {H, c.o_groups * c.o_lora_rank},
+                                   {c.index_n_heads * c.index_head_dim, c.q_lora_rank}});
+    for (auto [n, k] : shapes)
       if (n > 0 && k > 0) HETERO_RETURN_IF_ERROR(m.fp8_gemm->prepare(16, n, k));
+  }
+  if (m.ckpt) {  // one expert's widened weights per stream that runs experts
+    const size_t q =
+        static_cast<size_t>(std::max(2 * c.moe_inter, c.hidden) * std::max(c.moe_inter, c.hidden));
+    const size_t sc =
+        static_cast<size_t>(cuda::fp8_blocks(std::max(2 * c.moe_inter, c.hidden)) *
+                            cuda::fp8_weight_scale_ld(std::max(c.moe_inter, c.hidden)) * 4);
+    auto widened = [&](Impl::Widened& w) -> Status {
+      HETERO_RETURN_IF_ERROR(m.alloc(w.q, q, "a widened FP4 expert"));
+      return m.alloc(w.scale, sc, "a widened FP4 expert");
+    };
+    HETERO_RETURN_IF_ERROR(widened(m.widened));
+    for (Impl::Lane& lane : m.lanes) HETERO_RETURN_IF_ERROR(widened(lane.widened));
+    HETERO_RETURN_IF_ERROR(m.alloc(m.lossy, sizeof(unsigned long long), "a counter"));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemset(m.lossy.get(), 0, sizeof(unsigned long long)));
   }
 
   const std::vector<float> lf =
@@ -239,13 +182,24 @@ Status Dsv4CudaEngine::init() {
     DLayer& L = m.layers[static_cast<size_t>(l)];
     L.ratio = c.compress_ratios[static_cast<size_t>(l)];
     for (const Spec& s : layer_specs(L, c, l)) {
-      if (s.fp8 && m.fp8) {
+      const Form form = form_of(s, options_.weight_dtype);
+      if (form == Form::kFp8) {
         DFp8& f = *s.fp8;
         f.n = s.rows, f.k = s.cols, f.mats = s.count / (s.rows * s.cols);
-        HETERO_RETURN_IF_ERROR(m.alloc(f.q, static_cast<size_t>(s.count), "FP8 expert weights"));
+        HETERO_RETURN_IF_ERROR(m.alloc(f.q, static_cast<size_t>(s.count), "FP8 weights"));
         HETERO_RETURN_IF_ERROR(m.alloc(f.scale, static_cast<size_t>(f.mats * f.scale_floats()) * 4,
-                                       "FP8 expert weight scales"));
+                                       "FP8 weight scales"));
         weight_bytes_ += static_cast<int64_t>(f.q.bytes() + f.scale.bytes());
+        continue;
+      }
+      if (form == Form::kFp4) {
+        DFp4& f = *s.fp4;
+        f.n = s.rows, f.k = s.cols, f.mats = s.count / (s.rows * s.cols);
+        HETERO_RETURN_IF_ERROR(m.alloc(
+            f.codes, cuda::Fp4GroupWeight::code_bytes(s.rows, s.cols) * f.mats, "FP4 experts"));
+        HETERO_RETURN_IF_ERROR(m.alloc(
+            f.scale, cuda::Fp4GroupWeight::scale_bytes(s.rows, s.cols) * f.mats, "FP4 experts"));
+        weight_bytes_ += static_cast<int64_t>(f.codes.bytes() + f.scale.bytes());
         continue;
       }
       HETERO_RETURN_IF_ERROR(
@@ -254,152 +208,6 @@ Status Dsv4CudaEngine::init() {
     }
   }
   return reset();
-}
-
-Status Dsv4CudaEngine::upload(const Dsv4Weights& w) {
-  const Dsv4Config& c = config_;
-  Impl& m = *impl_;
-  cudaStream_t st = m.stream.get();
-  HETERO_RETURN_IF_ERROR(put(m.embed, w.embed));
-  const int64_t E = c.n_routed_experts, I = c.moe_inter, H = c.hidden;
-  for (int64_t l = 0; l < c.layers; ++l) {
-    DLayer& D = m.layers[static_cast<size_t>(l)];
-    const Dsv4LayerWeights& L = w.layers[static_cast<size_t>(l)];
-    const std::pair<cuda::DeviceBuffer*, const Tensor*> plain[] = {
-        {&D.attn_norm, &L.attn_norm}, {&D.ffn_norm, &L.ffn_norm},
-        {&D.wq_a, &L.wq_a},           {&D.q_norm, &L.q_norm},
-        {&D.wq_b, &L.wq_b},           {&D.wkv, &L.wkv},
-        {&D.kv_norm, &L.kv_norm},     {&D.wo_a, &L.wo_a},
-        {&D.wo_b, &L.wo_b},           {&D.gate, &L.gate}};
-    for (auto [dst, src] : plain) HETERO_RETURN_IF_ERROR(put(*dst, *src));
-    HETERO_RETURN_IF_ERROR(put_hc(D.hc_attn, L.hc_attn));
-    HETERO_RETURN_IF_ERROR(put_hc(D.hc_ffn, L.hc_ffn));
-    if (D.wo_b_bias) HETERO_RETURN_IF_ERROR(put(D.wo_b_bias, L.wo_b_bias));
-    std::vector<float> sinks(L.attn_sink.size());  // the decoder adds them as bf16
-    for (size_t i = 0; i < sinks.size(); ++i) sinks[i] = round_bf16(L.attn_sink[i]);
-    HETERO_RETURN_IF_ERROR(put(D.sinks, sinks));
-    if (D.ratio > 0) HETERO_RETURN_IF_ERROR(put_comp(D.comp, L.compressor));
-    if (D.ratio == 4) {
-      HETERO_RETURN_IF_ERROR(put_comp(D.icomp, L.index_compressor));
-      HETERO_RETURN_IF_ERROR(put(D.idx_wq_b, L.index_wq_b));
-      HETERO_RETURN_IF_ERROR(put(D.idx_wproj, L.index_weights_proj));
-    }
-    if (D.tid2eid) HETERO_RETURN_IF_ERROR(put(D.tid2eid, L.tid2eid.data(), L.tid2eid.size() * 4));
-    if (D.gate_bias) HETERO_RETURN_IF_ERROR(put(D.gate_bias, L.gate_bias));
-    const size_t mat = static_cast<size_t>(I * H) * 2;
-    if (m.fp8) {
-      // Each expert's bf16 weights through one scratch buffer into their FP8 form, in the
-      // stream's order (the scratch is refilled only once the quantizer has read it).
-      cuda::DeviceBuffer tmp;
-      HETERO_RETURN_IF_ERROR(tmp.allocate(2 * std::max(mat, L.shared_w1.bytes.size()),
-                                          "expert weights before quantization", &m.budget));
-      auto up = [&](const Tensor& t, size_t at) -> Status {
-        HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tmp.get<uint8_t>() + at, t.bytes.data(),
-                                                    t.bytes.size(), cudaMemcpyHostToDevice, st));
-        return Status::ok();
-      };
-      for (int64_t e = 0; e < E; ++e) {
-        const size_t i = static_cast<size_t>(e);
-        HETERO_RETURN_IF_ERROR(up(L.w1[i], 0));
-        HETERO_RETURN_IF_ERROR(up(L.w3[i], mat));
-        D.w13_8.quantize_one(bf(tmp), e, st);
-        HETERO_RETURN_IF_ERROR(up(L.w2[i], 0));
-        D.w2_8.quantize_one(bf(tmp), e, st);
-      }
-      if (D.sh_w13_8.mats > 0) {
-        HETERO_RETURN_IF_ERROR(up(L.shared_w1, 0));
-        HETERO_RETURN_IF_ERROR(up(L.shared_w3, L.shared_w1.bytes.size()));
-        D.sh_w13_8.quantize(bf(tmp), st);
-        HETERO_RETURN_IF_ERROR(up(L.shared_w2, 0));
-        D.sh_w2_8.quantize(bf(tmp), st);
-      }
-      HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-      HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
-      continue;
-    }
-    for (int64_t e = 0; e < E; ++e) {
-      const size_t i = static_cast<size_t>(e), at = i * 2 * mat;
-      uint8_t* w13 = D.w13.get<uint8_t>();
-      HETERO_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy(w13 + at, L.w1[i].bytes.data(), mat, cudaMemcpyHostToDevice));
-      HETERO_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy(w13 + at + mat, L.w3[i].bytes.data(), mat, cudaMemcpyHostToDevice));
-      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(D.w2.get<uint8_t>() + i * mat, L.w2[i].bytes.data(),
-                                             mat, cudaMemcpyHostToDevice));
-    }
-    if (D.sh_w13) {
-      const size_t half = L.shared_w1.bytes.size();
-      HETERO_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy(D.sh_w13.get(), L.shared_w1.bytes.data(), half, cudaMemcpyHostToDevice));
-      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(
-          D.sh_w13.get<uint8_t>() + half, L.shared_w3.bytes.data(), half, cudaMemcpyHostToDevice));
-      HETERO_RETURN_IF_ERROR(put(D.sh_w2, L.shared_w2));
-    }
-  }
-  return Status::ok();
-}
-
-Status Dsv4CudaEngine::fill_random(uint64_t seed) {
-  Impl& m = *impl_;
-  const Dsv4Config& c = config_;
-  cudaStream_t st = m.stream.get();
-  cuda::fill_random_bf16(bf(m.embed), c.vocab * c.hidden, 1.0f, seed, st);
-  uint64_t k = seed * 1000;
-  cuda::DeviceBuffer scratch;  // FP8 experts: one layer's bf16 draw at a time
-  for (int64_t l = 0; l < c.layers; ++l) {
-    for (const Spec& s : layer_specs(m.layers[static_cast<size_t>(l)], c, l)) {
-      ++k;
-      switch (s.init) {
-        case Init::kMatrix: {
-          const float sc = 1.0f / std::sqrt(static_cast<float>(s.fan_in));
-          if (s.fp8 && m.fp8) {  // drawn in bf16 into scratch, then quantized
-            HETERO_RETURN_IF_ERROR(
-                m.ensure(scratch, static_cast<size_t>(s.count) * 2, "random expert weights"));
-            cuda::fill_random_bf16(bf(scratch), s.count, sc, k, st);
-            s.fp8->quantize(bf(scratch), st);
-          } else if (s.elem_bytes == 2) {
-            cuda::fill_random_bf16(bf(*s.buf), s.count, sc, k, st);
-          } else {
-            cuda::fill_random_f32(f32(*s.buf), s.count, sc, 0.0f, k, st);
-          }
-          break;
-        }
-        case Init::kNorm:
-          cuda::fill_random_bf16(bf(*s.buf), s.count, 0.1f, k, st);  // then + 1 below
-          break;
-        case Init::kSmall:
-          if (s.elem_bytes == 2)
-            cuda::fill_random_bf16(bf(*s.buf), s.count, 0.1f, k, st);
-          else
-            cuda::fill_random_f32(f32(*s.buf), s.count, 0.1f, 0.0f, k, st);
-          break;
-        case Init::kHcScale:
-          cuda::fill_random_f32(f32(*s.buf), s.count, 0.1f, 1.0f, k, st);
-          break;
-        case Init::kSink:
-          cuda::fill_random_f32(f32(*s.buf), s.count, 1.0f, 0.0f, k, st);
-          break;
-        case Init::kExpertId:
-          cuda::fill_random_i32(s.buf->get<int32_t>(), s.count,
-                                static_cast<int32_t>(c.n_routed_experts), k, st);
-          break;
-      }
-    }
-  }
-  HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  // Norm weights near one: fill 1 + N(0, 0.1) by adding one on the host side of a small copy.
-  for (int64_t l = 0; l < c.layers; ++l)
-    for (const Spec& s : layer_specs(m.layers[static_cast<size_t>(l)], c, l)) {
-      if (s.init != Init::kNorm) continue;
-      std::vector<uint16_t> v(static_cast<size_t>(s.count));
-      HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
-      HETERO_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy(v.data(), s.buf->get(), v.size() * 2, cudaMemcpyDeviceToHost));
-      for (auto& x : v) x = f32_to_bf16(1.0f + bf16_to_f32(x));
-      HETERO_RETURN_IF_ERROR(put(*s.buf, v.data(), v.size() * 2));
-    }
-  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
-  return Status::ok();
 }
 
 Result<std::unique_ptr<Dsv4CudaEngine>> Dsv4CudaEngine::create(const Dsv4Weights& w,
@@ -428,8 +236,25 @@ Result<std::unique_ptr<Dsv4CudaEngine>> Dsv4CudaEngine::load(const std::string& 
     cudaGetLastError();
     return failed_precondition("no CUDA device for the DeepSeek-V4 CUDA engine");
   }
+  if (options.weight_dtype == cuda::WeightDtype::kCheckpoint) {
+    HETERO_ASSIGN_OR_RETURN(Dsv4Config config, load_dsv4_config(model_dir));
+    HETERO_RETURN_IF_ERROR(check_options(config, options));
+    std::unique_ptr<Dsv4CudaEngine> e(new Dsv4CudaEngine(config, options));
+    HETERO_RETURN_IF_ERROR(e->init());
+    HETERO_RETURN_IF_ERROR(e->stream_checkpoint(model_dir));
+    return e;
+  }
   HETERO_ASSIGN_OR_RETURN(Dsv4Weights w, load_dsv4_weights(model_dir));
   return create(w, options);
+}
+
+Result<int64_t> Dsv4CudaEngine::fp4_lossy_groups() const {
+  if (!impl_->lossy) return int64_t{0};
+  unsigned long long n = 0;
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl_->stream.get()));
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(&n, impl_->lossy.get(), sizeof(n), cudaMemcpyDeviceToHost));
+  return static_cast<int64_t>(n);
 }
 
 Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions& options) {
@@ -443,11 +268,25 @@ Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions&
   HETERO_RETURN_IF_ERROR(
       cuda::check_forward_shapes(c.hidden, c.hc_mult, c.n_routed_experts, c.experts_per_tok));
   HETERO_RETURN_IF_ERROR(cuda::check_attention_shapes(c.head_dim, c.index_n_heads));
-  if (options.weight_dtype != cuda::WeightDtype::kFp8) return Status::ok();
+  if (options.weight_dtype == cuda::WeightDtype::kBf16) return Status::ok();
   if (options.grouped_experts)
     return invalid_argument(
-        "fp8 expert weights run one cuBLASLt GEMM per expert; grouped_experts is for bf16 "
-        "weights");
+        "fp8 and checkpoint-precision experts run one cuBLASLt GEMM per expert; grouped_experts "
+        "is for bf16 weights");
+  if (options.weight_dtype == cuda::WeightDtype::kCheckpoint) {
+    // FP4 experts are widened 128x128 block by block; the shared expert's w1|w3 share one FP8
+    // matrix, so each must be whole blocks; the FP8 projections need K % 16.
+    const int64_t S = c.moe_inter * c.n_shared_experts;
+    if (c.hidden % 128 != 0 || c.moe_inter % 128 != 0 || S % 128 != 0 || c.q_lora_rank % 16 != 0 ||
+        (c.o_groups * c.o_lora_rank) % 16 != 0)
+      return invalid_argument(
+          "checkpoint precision needs hidden, moe_intermediate_size (and the shared experts' "
+          "width) multiples of 128 and q_lora_rank, o_groups * o_lora_rank multiples of 16");
+    if (c.attention_bias)
+      return invalid_argument(
+          "checkpoint precision runs wo_b on the FP8 GEMM, which adds no bias: attention_bias "
+          "needs weight dtype bf16 or fp8");
+  }
   const int64_t S = c.moe_inter * c.n_shared_experts;
   if (c.hidden % 16 != 0 || c.moe_inter % 16 != 0 || S % 16 != 0)
     return invalid_argument(
@@ -581,8 +420,9 @@ Status Dsv4CudaEngine::size_scratch(int64_t n) {
   const int64_t H = c.hidden, hd = c.head_dim, K = c.experts_per_tok, I = c.moe_inter;
   const int64_t S = c.moe_inter * c.n_shared_experts, E = c.n_routed_experts;
   const int64_t ih = c.index_n_heads, ihd = c.index_head_dim;
-  // FP8 GEMM outputs run up to 15 rows past their inputs (fp8_linear): slack for them.
-  const size_t P = m.fp8 ? 16 : 0;
+  // FP8 GEMM outputs run up to 15 rows past their inputs (fp8_linear): slack for them (under
+  // kCheckpoint the attention's projections' outputs too).
+  const size_t P = m.fp8 ? 16 : 0, PA = m.ckpt ? 16 : 0;
   const size_t window = static_cast<size_t>(c.sliding_window);
   std::vector<uint8_t> hp(N / 4 + 2, 1);
   hp[0] = 0;
@@ -592,18 +432,18 @@ Status Dsv4CudaEngine::size_scratch(int64_t n) {
   } want[] = {{&m.ids, N * 4},
               {&m.h, N * c.hc_mult * H * 2},
               {&m.x, N * H * 2},
-              {&m.y, N * H * 2},
+              {&m.y, (N + PA) * H * 2},
               {&m.mix, N * cuda::hc_mix_floats(c.hc_mult) * 4},
-              {&m.qr, N * c.q_lora_rank * 2},
-              {&m.q, N * c.heads * hd * 2},
+              {&m.qr, (N + PA) * c.q_lora_rank * 2},
+              {&m.q, (N + PA) * c.heads * hd * 2},
               {&m.attn, N * c.heads * hd * 2},
-              {&m.kv, N * hd * 2},
+              {&m.kv, (N + PA) * hd * 2},
               {&m.mid, N * c.o_groups * c.o_lora_rank * 2},
               {&m.ckv, N * 2 * hd * 2},
               {&m.cgate, N * 2 * hd * 2},
               {&m.ikv, N * 2 * ihd * 2},
               {&m.igate, N * 2 * ihd * 2},
-              {&m.iq, N * ih * ihd * 2},
+              {&m.iq, (N + PA) * ih * ihd * 2},
               {&m.iw, N * ih * 2},
               {&m.lk, (N + window) * hd * 2},
               {&m.topk, N * std::max<int64_t>(1, c.index_topk) * 4},
@@ -626,7 +466,8 @@ Status Dsv4CudaEngine::size_scratch(int64_t n) {
   for (const auto& w : want) HETERO_RETURN_IF_ERROR(m.alloc(*w.b, w.bytes, "chunk scratch"));
   HETERO_RETURN_IF_ERROR(put(m.has_prev, hp.data(), hp.size()));
   if (m.fp8) {  // every expert's rows, each padded to 16 (or the shared expert's n rows)
-    const int64_t widest = std::max({H, I, S});
+    const int64_t widest = m.ckpt ? std::max({H, I, S, c.q_lora_rank, c.o_groups * c.o_lora_rank})
+                                  : std::max({H, I, S});
     const size_t R = static_cast<size_t>(cuda::fp8_act_rows(n * K) + 16 * E);
     HETERO_RETURN_IF_ERROR(m.alloc(m.act_q, R * static_cast<size_t>(widest), "FP8 expert inputs"));
     HETERO_RETURN_IF_ERROR(m.alloc(

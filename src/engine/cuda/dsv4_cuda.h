@@ -49,8 +49,16 @@ struct Dsv4CudaOptions {
   // lists too long for the two-pass kernel's shared memory (ratio-128 layers past ~230K tokens at
   // head_dim 512): for tests.
   bool online_softmax_attention = false;
-  // How the experts' weights (routed and shared: ~98% of a Flash layer's bytes) live on the
-  // device. kFp8 quantizes them at upload into the 128x128 block-scaled e4m3 format
+  // How the large weights live on the device. kCheckpoint (load() from an official checkpoint,
+  // or random()) keeps DeepSeek's own forms: the FP8 e4m3 projections (wq_a, wq_b, wkv, wo_b,
+  // the indexer's wq_b, the shared expert) with their UE8M0 128x128 scales run on the FP8 GEMMs
+  // as stored (their inputs quantized per token and 128 columns), wo_a is dequantized to bf16
+  // (the grouped einsum's operand, as in the reference), the routed experts stay FP4 and each
+  // is widened to FP8 just before its GEMM into a per-stream scratch (fp4_lossy_groups() counts
+  // any inexact group); the rest stays as stored (bf16 / f32). Loading streams the shards tensor
+  // by tensor through a 64 MiB pinned buffer, refusing, by name, a tensor stored otherwise.
+  // Otherwise: how the experts' weights (routed and shared: ~98% of a Flash layer's bytes) live
+  // on the device. kFp8 quantizes them at upload into the 128x128 block-scaled e4m3 format
   // (kernels/cuda/fp8_gemm.h; no bf16 copy is kept, so about twice as many layers fit) and runs
   // the expert GEMMs on the FP8 tensor cores through cuBLASLt, one per active expert, quantizing
   // their inputs per token and 128 columns. The other projections stay bf16. Hopper (sm_90) only;
@@ -107,6 +115,10 @@ class Dsv4CudaEngine {
   void* stream() const;  // the compute stream (cudaStream_t)
   // With phase_timing: milliseconds of device time per phase since construction.
   std::vector<std::pair<std::string, double>> phase_ms() const;
+  // Under WeightDtype::kCheckpoint: how many 32-element FP4 groups of the routed experts lost
+  // low bits when widened to FP8 since the engine was made (their block's exponents span more
+  // than 14; kernels/cuda/checkpoint_formats.h). 0 otherwise. Waits for the compute stream.
+  Result<int64_t> fp4_lossy_groups() const;
   // Bytes of device memory the weights take.
   int64_t weight_bytes() const { return weight_bytes_; }
   // Bytes of device memory the engine holds now (what counts against the budget).
@@ -118,6 +130,8 @@ class Dsv4CudaEngine {
   Dsv4CudaEngine(const Dsv4Config& config, const Dsv4CudaOptions& options);
   Status init();  // streams, handles and the weights' buffers
   Status upload(const Dsv4Weights& weights);
+  // The official checkpoint's tensors, streamed (WeightDtype::kCheckpoint; dsv4_cuda_weights.cc).
+  Status stream_checkpoint(const std::string& model_dir);
   Status fill_random(uint64_t seed);
   Status size_scratch(int64_t n);
   void release_sequence_memory();

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/cuda/dsv4_cuda.h"
+#include "kernels/cuda/checkpoint_formats.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/resource.h"
 
@@ -49,6 +50,16 @@ struct DFp8 {
     for (int64_t i = 0; i < mats; ++i) quantize_one(w + i * n * k, i, st);
   }
 };
+// `mats` FP4 weights [n, k] back to back as the official checkpoint stores routed experts
+// (kernels/cuda/checkpoint_formats.h): packed e2m1 codes, then each matrix's UE8M0 scales.
+struct DFp4 {
+  cuda::DeviceBuffer codes, scale;
+  int64_t mats = 0, n = 0, k = 0;
+  cuda::Fp4GroupWeight at(int64_t i) const {
+    return {codes.get<uint8_t>() + i * cuda::Fp4GroupWeight::code_bytes(n, k),
+            scale.get<uint8_t>() + i * cuda::Fp4GroupWeight::scale_bytes(n, k), n, k};
+  }
+};
 struct DComp {
   int64_t ratio = 0, head_dim = 0, out_dim = 0;
   cuda::DeviceBuffer wkv, wgate, ape, norm;
@@ -64,7 +75,37 @@ struct DLayer {
   cuda::DeviceBuffer w13, w2;        // routed experts: [E][2I][H] (gate rows, then up), [E][H][I]
   cuda::DeviceBuffer sh_w13, sh_w2;  // the shared expert, same layout
   DFp8 w13_8, w2_8, sh_w13_8, sh_w2_8;  // the same as FP8 (WeightDtype::kFp8; then no bf16)
+  // WeightDtype::kCheckpoint: the projections the official checkpoint stores as FP8 (then no
+  // bf16 copy; wo_a is dequantized to bf16, the grouped einsum's operand) and the routed experts
+  // as FP4.
+  DFp8 wq_a_8, wq_b_8, wkv_8, wo_b_8, idx_wq_b_8;
+  DFp4 w13_4, w2_4;
 };
+
+// How a weight is drawn for random weights.
+enum class Init { kMatrix, kNorm, kSmall, kHcScale, kSink, kExpertId };
+// What a weight lives on the device as.
+enum class Form { kBf16OrF32, kFp8, kFp4 };
+
+// One weight buffer of a layer: its size and draw, where the checkpoint keeps it (names: the
+// official tensors, without ".weight", laid back to back in this order), and its quantized forms
+// (a matrix of rows x cols, `count` / (rows * cols) of them).
+struct Spec {
+  cuda::DeviceBuffer* buf = nullptr;
+  int64_t count = 0;
+  int elem_bytes = 2;
+  Init init = Init::kMatrix;
+  int64_t fan_in = 0;
+  std::vector<std::string> names;
+  DFp8* fp8 =
+      nullptr;  // FP8 form: the experts' under kFp8, the official FP8 ones' under kCheckpoint
+  DFp4* fp4 = nullptr;  // FP4 form under kCheckpoint (routed experts)
+  int64_t rows = 0, cols = 0;
+  bool expert = false;      // requantized to FP8 under kFp8
+  bool fp8_stored = false;  // the official checkpoint stores it as FP8 (wo_a: then dequantized)
+};
+std::vector<Spec> layer_specs(DLayer& L, const Dsv4Config& c, int64_t layer);
+Form form_of(const Spec& s, cuda::WeightDtype dtype);
 
 // PoolingCache(ratio) on the device.
 struct DPool {
@@ -123,6 +164,14 @@ struct Dsv4CudaEngine::Impl {
   // FP8 experts (Dsv4CudaOptions::weight_dtype): the GEMM plans and the quantized inputs.
   bool fp8 = false;
   std::unique_ptr<cuda::Fp8Gemm> fp8_gemm;
+  bool ckpt = false;  // WeightDtype::kCheckpoint: FP8 projections, FP4 experts widened per expert
+  // One expert widened from FP4 (per lane, and one for the compute stream), and the count of
+  // groups whose widening was not exact (device, unsigned long long).
+  struct Widened {
+    cuda::DeviceBuffer q, scale;
+  };
+  Widened widened;
+  cuda::DeviceBuffer lossy;
   cuda::DeviceBuffer act_q, act_scale;
   cuda::PinnedBuffer host_pad;  // int32 [E + 1]: each expert's first row in act_q, padded
   cuda::DeviceBuffer pad;       // its device copy
@@ -136,6 +185,7 @@ struct Dsv4CudaEngine::Impl {
     std::unique_ptr<cuda::Fp8Gemm> fp8;
     cuda::Event done;
     cuda::DeviceBuffer spill;
+    Widened widened;
   };
   std::vector<Lane> lanes;
   cuda::Event fork;
@@ -158,6 +208,10 @@ using Impl = Dsv4CudaEngine::Impl;
 // out, float32 accumulation. beta = 1 adds the bf16 values already in y inside the float32 sum.
 Status gemm(cublasHandle_t h, const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n,
             uint16_t* y, int64_t ldx = -1, int64_t ldo = -1, float beta = 0.0f);
+// y = x [m, k] @ W^T with W [n, k]: the FP8 form's GEMM when w8 holds one (y then holds
+// fp8_act_rows(m) rows), else the bf16 buffer's.
+Status proj(Impl& m, const uint16_t* x, int64_t rows, int64_t k, const cuda::DeviceBuffer& w,
+            const DFp8& w8, int64_t n, uint16_t* y);
 // Room for `rows` pooled rows in p, keeping the ones there.
 Status reserve_rows(Impl& m, DPool& p, int64_t rows, cudaStream_t st);
 // The attention of layer l for n rows of m.x at pos0 into m.y [n, hidden].

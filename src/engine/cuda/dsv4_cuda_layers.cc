@@ -191,10 +191,11 @@ Status fp8_linear(Impl& m, const uint16_t* x, int64_t rows, const cuda::Fp8Block
 // lane's own buffer, and its real rows are copied into place). off: host and device copies of
 // the row offsets.
 Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* dev_off,
-                        const uint16_t* x, const DFp8& w, uint16_t* y) {
-  const int64_t groups = cuda::fp8_blocks(w.k);
+                        const uint16_t* x, const DFp8& w8, const DFp4& w4, uint16_t* y) {
+  const int64_t wn = m.ckpt ? w4.n : w8.n, wk = m.ckpt ? w4.k : w8.k;
+  const int64_t groups = cuda::fp8_blocks(wk);
   const int32_t* host_pad = m.host_pad.get<int32_t>();
-  cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], w.k,
+  cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
                                   m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get());
   std::vector<int64_t> last(m.lanes.size(), -1);  // each lane's last expert with rows
   if (!m.lanes.empty()) {
@@ -209,13 +210,19 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
     cudaStream_t st = lane < 0 ? m.stream.get() : m.lanes[static_cast<size_t>(lane)].stream.get();
     const bool spills =
         lane >= 0 && last[static_cast<size_t>(lane)] == e && cuda::fp8_act_rows(rows) != rows;
-    uint16_t* out = spills ? bf(m.lanes[static_cast<size_t>(lane)].spill) : y + off[e] * w.n;
-    HETERO_RETURN_IF_ERROR(g.run(m.act_q.get<uint8_t>() + p * w.k, f32(m.act_scale) + p * groups,
-                                 rows, w.at(e), out, st));
+    uint16_t* out = spills ? bf(m.lanes[static_cast<size_t>(lane)].spill) : y + off[e] * wn;
+    cuda::Fp8BlockWeight w = m.ckpt ? cuda::Fp8BlockWeight{} : w8.at(e);
+    if (m.ckpt) {  // this expert's FP4 weight widened into the stream's own scratch
+      const Impl::Widened& wd = lane < 0 ? m.widened : m.lanes[static_cast<size_t>(lane)].widened;
+      cuda::widen_fp4_to_fp8(w4.at(e), wd.q.get<uint8_t>(), f32(wd.scale),
+                             m.lossy.get<unsigned long long>(), st);
+      w = {wd.q.get<uint8_t>(), f32(wd.scale), wn, wk};
+    }
+    HETERO_RETURN_IF_ERROR(
+        g.run(m.act_q.get<uint8_t>() + p * wk, f32(m.act_scale) + p * groups, rows, w, out, st));
     if (spills)
-      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(y + off[e] * w.n, out,
-                                                  static_cast<size_t>(rows * w.n) * 2,
-                                                  cudaMemcpyDeviceToDevice, st));
+      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          y + off[e] * wn, out, static_cast<size_t>(rows * wn) * 2, cudaMemcpyDeviceToDevice, st));
     return Status::ok();
   });
 }
@@ -232,6 +239,12 @@ Status gemm(cublasHandle_t h, const uint16_t* x, int64_t m, int64_t k, const uin
                    static_cast<int>(ldx < 0 ? k : ldx), &beta, y, CUDA_R_16BF,
                    static_cast<int>(ldo < 0 ? n : ldo), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return Status::ok();
+}
+
+Status proj(Impl& m, const uint16_t* x, int64_t rows, int64_t k, const cuda::DeviceBuffer& w,
+            const DFp8& w8, int64_t n, uint16_t* y) {
+  if (w8.mats > 0) return fp8_linear(m, x, rows, w8.at(0), y);
+  return gemm(m.blas.get(), x, rows, k, bf(w), n, y);
 }
 
 Status reserve_rows(Impl& m, DPool& p, int64_t rows, cudaStream_t st) {
@@ -263,12 +276,12 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
   const uint16_t* x = bf(m.x);
 
   HETERO_RETURN_IF_ERROR(m.timer.mark(st, "attn projections"));
-  HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.wq_a), QL, bf(m.qr)));
+  HETERO_RETURN_IF_ERROR(proj(m, x, n, H, L.wq_a, L.wq_a_8, QL, bf(m.qr)));
   cuda::fast_rms_norm(bf(m.qr), n, QL, bf(L.q_norm), eps, bf(m.qr), st);
-  HETERO_RETURN_IF_ERROR(gemm(b, bf(m.qr), n, QL, bf(L.wq_b), Hh * hd, bf(m.q)));
+  HETERO_RETURN_IF_ERROR(proj(m, bf(m.qr), n, QL, L.wq_b, L.wq_b_8, Hh * hd, bf(m.q)));
   cuda::fast_rms_norm(bf(m.q), n * Hh, hd, nullptr, eps, bf(m.q), st);
   cuda::dsv4_rope(bf(m.q), n, Hh, hd, pos0, freqs, m.rope_pairs, 1, false, st);
-  HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.wkv), hd, bf(m.kv)));
+  HETERO_RETURN_IF_ERROR(proj(m, x, n, H, L.wkv, L.wkv_8, hd, bf(m.kv)));
   cuda::fast_rms_norm(bf(m.kv), n, hd, bf(L.kv_norm), eps, bf(m.kv), st);
   cuda::dsv4_rope(bf(m.kv), n, 1, hd, pos0, freqs, m.rope_pairs, 1, false, st);
   if (L.ratio > 0) {
@@ -278,7 +291,7 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
   if (L.ratio == 4) {
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.icomp.wkv), L.icomp.out_dim, bf(m.ikv)));
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.icomp.wgate), L.icomp.out_dim, bf(m.igate)));
-    HETERO_RETURN_IF_ERROR(gemm(b, bf(m.qr), n, QL, bf(L.idx_wq_b), ih * ihd, bf(m.iq)));
+    HETERO_RETURN_IF_ERROR(proj(m, bf(m.qr), n, QL, L.idx_wq_b, L.idx_wq_b_8, ih * ihd, bf(m.iq)));
     cuda::dsv4_rope(bf(m.iq), n, ih, ihd, pos0, freqs, m.rope_pairs, 1, false, st);
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.idx_wproj), ih, bf(m.iw)));
   }
@@ -367,7 +380,8 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
       &alpha, bf(L.wo_a), CUDA_R_16BF, static_cast<int>(feat), R * feat, bf(m.attn), CUDA_R_16BF,
       static_cast<int>(G * feat), feat, &beta0, bf(m.mid), CUDA_R_16BF, static_cast<int>(G * R), R,
       static_cast<int>(G), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  float beta = 0.0f;
+  if (L.wo_b_8.mats > 0) return proj(m, bf(m.mid), n, G * R, L.wo_b, L.wo_b_8, H, bf(m.y));
+  float beta = 0.0f;  // (check_options: no bias with an FP8 wo_b)
   if (L.wo_b_bias) cuda::broadcast_rows(bf(L.wo_b_bias), n, H, bf(m.y), st), beta = 1.0f;
   return gemm(b, bf(m.mid), n, G * R, bf(L.wo_b), H, bf(m.y), -1, -1, beta);
 }
@@ -426,13 +440,15 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
     // The previous layer's copy of host_pad is done: the stream was waited for above.
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.pad.get(), host_pad, sizeof(int32_t) * (E + 1),
                                                 cudaMemcpyHostToDevice, st));
-    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, dev_off, bf(m.xe), L.w13_8, bf(m.gu)));
+    HETERO_RETURN_IF_ERROR(
+        expert_gemms_fp8(m, E, off, dev_off, bf(m.xe), L.w13_8, L.w13_4, bf(m.gu)));
   } else {
     HETERO_RETURN_IF_ERROR(expert_gemms(m, E, off, bf(m.xe), H, bf(L.w13), 2 * I, bf(m.gu)));
   }
   cuda::swiglu(bf(m.gu), n * K, I, static_cast<float>(c.swiglu_limit), bf(m.act), st);
   if (m.fp8)
-    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, dev_off, bf(m.act), L.w2_8, bf(m.ye)));
+    HETERO_RETURN_IF_ERROR(
+        expert_gemms_fp8(m, E, off, dev_off, bf(m.act), L.w2_8, L.w2_4, bf(m.ye)));
   else
     HETERO_RETURN_IF_ERROR(expert_gemms(m, E, off, bf(m.act), I, bf(L.w2), H, bf(m.ye)));
   HETERO_RETURN_IF_ERROR(m.timer.mark(st, "moe combine"));

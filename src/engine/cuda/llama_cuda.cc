@@ -119,6 +119,9 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
     return failed_precondition("the cuda backend's attention supports head_dim 64 and 128, not " +
                                std::to_string(c.head_dim));
   if (c.heads % c.kv_heads != 0) return invalid_argument("heads must be a multiple of kv_heads");
+  if (options.weight_dtype == WeightDtype::kCheckpoint)
+    return invalid_argument(
+        "llama-family checkpoints store no FP8/FP4 forms to keep: weight dtype bf16 or fp8");
   const bool fp8 = options.weight_dtype == WeightDtype::kFp8;
   if (fp8 && options.arith != LlamaCudaArith::kFast)
     return invalid_argument(

@@ -43,11 +43,19 @@ cublasStatus_t set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t att
 Result<WeightDtype> parse_weight_dtype(const std::string& name) {
   if (name == "bf16") return WeightDtype::kBf16;
   if (name == "fp8") return WeightDtype::kFp8;
-  return invalid_argument("the weight dtype must be bf16 or fp8, not '" + name + "'");
+  if (name == "checkpoint") return WeightDtype::kCheckpoint;
+  return invalid_argument("the weight dtype must be bf16, fp8 or checkpoint, not '" + name + "'");
 }
 
 const char* weight_dtype_name(WeightDtype dtype) {
-  return dtype == WeightDtype::kFp8 ? "fp8" : "bf16";
+  switch (dtype) {
+    case WeightDtype::kFp8:
+      return "fp8";
+    case WeightDtype::kCheckpoint:
+      return "checkpoint";
+    default:
+      return "bf16";
+  }
 }
 
 Status check_fp8_device(int device) {

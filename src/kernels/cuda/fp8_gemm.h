@@ -29,10 +29,12 @@
 
 namespace hetero::cuda {
 
-// How an engine's large projection weights live on the device: bf16, or quantized at upload
-// into the block-scaled e4m3 format below (each engine says which of its weights).
-enum class WeightDtype { kBf16, kFp8 };
-// "bf16" or "fp8".
+// How an engine's large projection weights live on the device: bf16, quantized at upload into
+// the block-scaled e4m3 format below (each engine says which of its weights), or as the
+// checkpoint stores them (DeepSeek-V4's official FP8 and FP4 forms, kernels/cuda/
+// checkpoint_formats.h; only engines whose checkpoints have such forms accept it).
+enum class WeightDtype { kBf16, kFp8, kCheckpoint };
+// "bf16", "fp8" or "checkpoint".
 Result<WeightDtype> parse_weight_dtype(const std::string& name);
 const char* weight_dtype_name(WeightDtype dtype);
 // Ok where this device runs the FP8 block-scaled GEMMs (Hopper, sm_90), else why not.
