@@ -5,7 +5,8 @@
 //    widened) against the dequantized weights on the host, layer by layer of an official-layout
 //    checkpoint, with planted scale bugs that must fail the same bound;
 //  - the engine streamed from that checkpoint against the CPU engine's dequantized forward, and
-//    its refusals of tensors stored otherwise, by name.
+//    its refusals of tensors stored otherwise, by name;
+//  - a layer pipeline's stages on one GPU against one engine, bit for bit.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -353,6 +355,83 @@ TEST_F(CheckpointPrecisionTest, LoadingRefusesUnknownStorageByName) {
   EXPECT_NE(bad.status().message().find("shape"), std::string::npos) << bad.status().to_string();
   rewrite([](TensorMap&) {});
   EXPECT_TRUE(Dsv4CudaEngine::load(dir.path, o).is_ok());
+}
+
+// A layer pipeline's stages on one GPU (the same code a multi-GPU pipeline runs, apart from the
+// transport): two and three stages handing the residual on give every layer's attention input
+// bit for bit as one engine does, for host-uploaded bf16 weights and for random weights in the
+// checkpoint's precision (drawn the same whichever stage holds a layer), over chunk schedules
+// that carry compressor state across calls.
+TEST_F(CheckpointPrecisionTest, StagesHandingTheResidualOnGiveTheSameBits) {
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
+  const Dsv4Weights w = random_dsv4_model(c, 17);
+  const int64_t T = 260;
+  std::mt19937 rng(2);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
+  for (cuda::WeightDtype dtype : {cuda::WeightDtype::kBf16, cuda::WeightDtype::kCheckpoint}) {
+    Dsv4CudaOptions o;
+    o.host_tap = true;
+    o.weight_dtype = dtype;
+    auto make = [&](int64_t first, int64_t end) {
+      Dsv4CudaOptions so = o;
+      so.first_layer = first, so.end_layer = end;
+      return dtype == cuda::WeightDtype::kBf16 ? Dsv4CudaEngine::create(w, so)
+                                               : Dsv4CudaEngine::random(c, 5, so);
+    };
+    auto whole = make(0, -1);
+    ASSERT_TRUE(whole.is_ok()) << whole.status().to_string();
+    for (const std::vector<int64_t>& cuts : std::vector<std::vector<int64_t>>{{0, 2, 5},
+                                                                             {0, 1, 3, 5}}) {
+      std::vector<std::unique_ptr<Dsv4CudaEngine>> stages;
+      int64_t held = 0;
+      for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+        auto s = make(cuts[i], cuts[i + 1]);
+        ASSERT_TRUE(s.is_ok()) << s.status().to_string();
+        held += (*s)->weight_bytes();
+        stages.push_back(std::move(*s));
+      }
+      EXPECT_EQ(held, (*whole)->weight_bytes());  // the embedding once, each layer once
+      for (const std::vector<int64_t>& schedule :
+           std::vector<std::vector<int64_t>>{{T}, {37, 37, 37, 37, 37, 37, 37}, {5, 3, 120, 1}}) {
+        Status st;
+        const auto want = dsv4_taps(**whole, ids, schedule, &st);
+        ASSERT_TRUE(st.is_ok()) << st.message();
+        std::vector<std::vector<uint16_t>> got(static_cast<size_t>(c.layers),
+                                               std::vector<uint16_t>(static_cast<size_t>(T * c.hidden)));
+        auto tap = [&](const TapEvent& ev) {
+          std::copy(ev.x_bf16, ev.x_bf16 + ev.n_tokens * ev.hidden,
+                    got[static_cast<size_t>(ev.layer)].begin() + ev.pos0 * c.hidden);
+        };
+        for (auto& s : stages) ASSERT_TRUE(s->reset().is_ok());
+        int64_t at = 0;
+        for (size_t i = 0; at < T; ++i) {
+          const int64_t len = i < schedule.size() ? std::min(schedule[i], T - at) : T - at;
+          const std::vector<int32_t> chunk(ids.begin() + at, ids.begin() + at + len);
+          const uint16_t* h = nullptr;
+          for (auto& s : stages) {
+            ASSERT_TRUE(s->prefill_stage(chunk, h, tap).is_ok());
+            ASSERT_TRUE(s->synchronize().is_ok());
+            h = s->residual();
+          }
+          at += len;
+        }
+        for (size_t l = 0; l < got.size(); ++l)
+          EXPECT_EQ(got[l], want[l]) << cuda::weight_dtype_name(dtype) << ", " << cuts.size() - 1
+                                     << " stages, " << schedule.size() << " chunks, layer " << l;
+      }
+    }
+    // A later stage needs a residual; the first refuses one.
+    auto later = make(2, 5);
+    ASSERT_TRUE(later.is_ok());
+    EXPECT_EQ((*later)->prefill_chunk({1, 2, 3}, {}).code(), Code::kFailedPrecondition);
+    EXPECT_EQ((*later)->prefill_stage({1, 2, 3}, nullptr, {}).code(), Code::kInvalidArgument);
+  }
+  Dsv4CudaOptions bad;
+  bad.first_layer = 3, bad.end_layer = 3;
+  EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
+  bad.first_layer = 0, bad.end_layer = 6;
+  EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
 }
 
 }  // namespace

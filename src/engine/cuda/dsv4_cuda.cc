@@ -174,13 +174,18 @@ Status Dsv4CudaEngine::init() {
   HETERO_RETURN_IF_ERROR(put(m.local_freqs, lf));
   HETERO_RETURN_IF_ERROR(m.alloc(m.compress_freqs, cf.size() * 4, "rope frequencies"));
   HETERO_RETURN_IF_ERROR(put(m.compress_freqs, cf));
-  HETERO_RETURN_IF_ERROR(
-      m.alloc(m.embed, static_cast<size_t>(c.vocab * c.hidden) * 2, "the embedding"));
-  weight_bytes_ = static_cast<int64_t>(m.embed.bytes());
+  m.first = options_.first_layer;
+  m.end = options_.end_layer < 0 ? c.layers : options_.end_layer;
+  weight_bytes_ = 0;
+  if (m.first == 0) {  // the first stage embeds the ids
+    HETERO_RETURN_IF_ERROR(
+        m.alloc(m.embed, static_cast<size_t>(c.vocab * c.hidden) * 2, "the embedding"));
+    weight_bytes_ = static_cast<int64_t>(m.embed.bytes());
+  }
   m.layers.resize(static_cast<size_t>(c.layers));
-  for (int64_t l = 0; l < c.layers; ++l) {
+  for (int64_t l = 0; l < c.layers; ++l) m.layers[static_cast<size_t>(l)].ratio = c.compress_ratios[static_cast<size_t>(l)];
+  for (int64_t l = m.first; l < m.end; ++l) {
     DLayer& L = m.layers[static_cast<size_t>(l)];
-    L.ratio = c.compress_ratios[static_cast<size_t>(l)];
     for (const Spec& s : layer_specs(L, c, l)) {
       const Form form = form_of(s, options_.weight_dtype);
       if (form == Form::kFp8) {
@@ -265,6 +270,11 @@ Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions&
     return invalid_argument("grouped_experts runs every expert in one call: expert_streams 1");
   if (options.device_memory_budget_bytes < 0)
     return invalid_argument("the device-memory budget must be >= 0 bytes");
+  const int64_t end = options.end_layer < 0 ? c.layers : options.end_layer;
+  if (options.first_layer < 0 || options.first_layer >= end || end > c.layers)
+    return invalid_argument("the layer range [" + std::to_string(options.first_layer) + ", " +
+                            std::to_string(end) + ") is not inside the model's " +
+                            std::to_string(c.layers) + " layers");
   HETERO_RETURN_IF_ERROR(
       cuda::check_forward_shapes(c.hidden, c.hc_mult, c.n_routed_experts, c.experts_per_tok));
   HETERO_RETURN_IF_ERROR(cuda::check_attention_shapes(c.head_dim, c.index_n_heads));
@@ -325,7 +335,7 @@ Status Dsv4CudaEngine::reset() {
   for (Impl::Lane& l : m.lanes) HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(l.stream.get()));
   HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream.get()));
   m.state.resize(m.layers.size());
-  for (size_t i = 0; i < m.layers.size(); ++i) {
+  for (size_t i = static_cast<size_t>(m.first); i < static_cast<size_t>(m.end); ++i) {
     DState& s = m.state[i];
     const DLayer& L = m.layers[i];
     s.tail_rows = 0;
@@ -381,7 +391,7 @@ Status Dsv4CudaEngine::reserve(int64_t tokens, int64_t max_chunk_tokens) {
   auto take = [&]() -> Status {
     HETERO_RETURN_IF_ERROR(size_scratch(chunk));
     int64_t stage = 0;  // a compressor's staged rows: the chunk plus a window's pending rows
-    for (size_t i = 0; i < m.layers.size(); ++i) {
+    for (size_t i = static_cast<size_t>(m.first); i < static_cast<size_t>(m.end); ++i) {
       DState& s = m.state[i];
       for (DPool* p : {&s.pool, &s.ipool}) {
         if (p->ratio == 0) continue;
@@ -483,19 +493,37 @@ Status Dsv4CudaEngine::size_scratch(int64_t n) {
 
 Status Dsv4CudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
                                      const AttentionInputTap& tap) {
+  if (impl_->first != 0)
+    return failed_precondition("a stage that does not hold layer 0 starts from a residual "
+                               "(prefill_stage)");
+  return prefill_stage(ids, nullptr, tap);
+}
+
+const uint16_t* Dsv4CudaEngine::residual() const { return bf(impl_->h); }
+
+Status Dsv4CudaEngine::prefill_stage(const std::vector<int32_t>& ids, const uint16_t* h_in,
+                                     const AttentionInputTap& tap) {
   const Dsv4Config& c = config_;
   HETERO_RETURN_IF_ERROR(check_token_ids(ids, c.vocab));
   Impl& m = *impl_;
   if (ids.empty()) return Status::ok();
+  if ((m.first == 0) != (h_in == nullptr))
+    return invalid_argument(m.first == 0 ? "the first stage embeds its ids: no residual in"
+                                         : "a later stage needs the previous stage's residual");
   cudaStream_t st = m.stream.get();
   const int64_t n = static_cast<int64_t>(ids.size()), pos0 = n_cached_, H = c.hidden;
   const float eps = static_cast<float>(c.rms_norm_eps);
   HETERO_RETURN_IF_ERROR(size_scratch(n));
   HETERO_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(m.ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, st));
-  cuda::embed_rows(bf(m.embed), m.ids.get<int32_t>(), n, c.hc_mult, H, bf(m.h), st);
+  if (h_in)
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.h.get(), h_in,
+                                                static_cast<size_t>(n * c.hc_mult * H) * 2,
+                                                cudaMemcpyDeviceToDevice, st));
+  else
+    cuda::embed_rows(bf(m.embed), m.ids.get<int32_t>(), n, c.hc_mult, H, bf(m.h), st);
 
-  for (int64_t l = 0; l < c.layers; ++l) {
+  for (int64_t l = m.first; l < m.end; ++l) {
     const DLayer& L = m.layers[static_cast<size_t>(l)];
     auto hc = [&](const DHc& d) {
       return cuda::HcParams{f32(d.fn),

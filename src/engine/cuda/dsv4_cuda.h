@@ -70,6 +70,12 @@ struct Dsv4CudaOptions {
   // faster end to end than 1 with bf16 experts and 8% with FP8 ones (H200, 4 Flash layers, 8K to
   // 128K tokens; bench/gpu/dsv4_layer_bench --expert-streams).
   int expert_streams = 4;
+  // The layers this engine holds and runs, [first_layer, end_layer) (end_layer -1: through the
+  // last): a stage of a layer pipeline. Only the stage holding layer 0 holds the embedding and
+  // takes prefill_chunk; a later stage runs prefill_stage from the previous stage's residual.
+  // Taps carry the model's layer numbers. Random weights are the same values whichever range
+  // holds a layer.
+  int64_t first_layer = 0, end_layer = -1;
   // Device memory the engine's allocations (weights, state, scratch) may hold, in bytes; 0: no
   // budget beyond the device. An allocation past it fails as a cudaMalloc out of memory does.
   int64_t device_memory_budget_bytes = 0;
@@ -110,6 +116,17 @@ class Dsv4CudaEngine {
   // are refused before anything changes. Returns once the chunk is enqueued (and, with host_tap,
   // each tap has run on its host copy); call synchronize() to wait for the device.
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap);
+  // A pipeline stage's chunk: prefill_chunk for the layers this engine holds, starting from
+  // h_in, the previous stage's residual() after the same chunk (bf16 [ids.size(), hc_mult,
+  // hidden], on this engine's device, complete before the call (the caller orders the two
+  // streams: an event or a synchronize) and left unchanged until stream() has copied it; null
+  // for the stage holding layer 0). Every stage gets the chunk's ids (hash routing reads
+  // them) and counts its positions itself.
+  Status prefill_stage(const std::vector<int32_t>& ids, const uint16_t* h_in,
+                       const AttentionInputTap& tap);
+  // The residual after this engine's last layer for the last chunk (device, bf16 [n, hc_mult,
+  // hidden]), valid until the next chunk; the next stage's h_in. Ordered on stream().
+  const uint16_t* residual() const;
   // Waits for everything enqueued on the compute stream.
   Status synchronize();
   void* stream() const;  // the compute stream (cudaStream_t)

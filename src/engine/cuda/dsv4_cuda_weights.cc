@@ -148,9 +148,9 @@ Status Dsv4CudaEngine::upload(const Dsv4Weights& w) {
         "checkpoint-precision weights are streamed from the checkpoint (Dsv4CudaEngine::load), "
         "not uploaded from host weights");
   cudaStream_t st = m.stream.get();
-  HETERO_RETURN_IF_ERROR(put(m.embed, w.embed));
+  if (m.embed) HETERO_RETURN_IF_ERROR(put(m.embed, w.embed));
   const int64_t E = c.n_routed_experts, I = c.moe_inter, H = c.hidden;
-  for (int64_t l = 0; l < c.layers; ++l) {
+  for (int64_t l = m.first; l < m.end; ++l) {
     DLayer& D = m.layers[static_cast<size_t>(l)];
     const Dsv4LayerWeights& L = w.layers[static_cast<size_t>(l)];
     const std::pair<cuda::DeviceBuffer*, const Tensor*> plain[] = {
@@ -231,14 +231,15 @@ Status Dsv4CudaEngine::fill_random(uint64_t seed) {
   Impl& m = *impl_;
   const Dsv4Config& c = config_;
   cudaStream_t st = m.stream.get();
-  cuda::fill_random_bf16(bf(m.embed), c.vocab * c.hidden, 1.0f, seed, st);
-  uint64_t k = seed * 1000;
+  if (m.embed) cuda::fill_random_bf16(bf(m.embed), c.vocab * c.hidden, 1.0f, seed, st);
+  uint64_t k = seed * 1000;  // each weight's stream: the same whichever layers a stage holds
   // Quantized forms: each matrix drawn in bf16 into scratch, then quantized (FP8 under kFp8
   // with float32 scales; under kCheckpoint into the official forms with UE8M0 scales).
   cuda::DeviceBuffer scratch, e8m0;
   for (int64_t l = 0; l < c.layers; ++l) {
     for (const Spec& s : layer_specs(m.layers[static_cast<size_t>(l)], c, l)) {
       ++k;
+      if (l < m.first || l >= m.end) continue;
       const Form form = form_of(s, options_.weight_dtype);
       const float sc = 1.0f / std::sqrt(static_cast<float>(std::max<int64_t>(1, s.fan_in)));
       if (form != Form::kBf16OrF32) {
@@ -296,7 +297,7 @@ Status Dsv4CudaEngine::fill_random(uint64_t seed) {
   }
   HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // Norm weights near one: fill 1 + N(0, 0.1) by adding one on the host side of a small copy.
-  for (int64_t l = 0; l < c.layers; ++l)
+  for (int64_t l = m.first; l < m.end; ++l)
     for (const Spec& s : layer_specs(m.layers[static_cast<size_t>(l)], c, l)) {
       if (s.init != Init::kNorm) continue;
       std::vector<uint16_t> v(static_cast<size_t>(s.count));
@@ -394,12 +395,12 @@ Status Dsv4CudaEngine::stream_checkpoint(const std::string& model_dir) {
   HETERO_RETURN_IF_ERROR(stage.init(st));
   // UE8M0 scales and the FP8 codes of wo_a on their way to their device form.
   cuda::DeviceBuffer tmp_scale, tmp_codes;
-  {
+  if (m.embed) {
     HETERO_ASSIGN_OR_RETURN(const TensorEntry* e,
                             expect(r, "embed.weight", {DType::kBF16}, {c.vocab, c.hidden}));
     HETERO_RETURN_IF_ERROR(stage.copy(r, *e, m.embed.get()));
   }
-  for (int64_t l = 0; l < c.layers; ++l) {
+  for (int64_t l = m.first; l < m.end; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     for (const Spec& s : layer_specs(m.layers[static_cast<size_t>(l)], c, l)) {
       const Form form = form_of(s, options_.weight_dtype);
