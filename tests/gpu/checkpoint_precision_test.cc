@@ -176,9 +176,9 @@ double worst_feature_error(const std::vector<uint16_t>& got, const std::vector<d
 }
 
 // What the GEMMs may differ from the dequantized reference by: the activations' e4m3 rounding
-// (3 mantissa bits, per-token-group scales), accumulated over k. Measured on an H200 (see the
-// printed table): the correct path's worst feature stays below about half of this; each planted
-// bug lands above 3x it.
+// (3 mantissa bits, per-token-group scales), accumulated over k. Measured on an H200 (1398cea):
+// the correct path's worst feature is 0.038-0.041 per layer; every planted bug must land above
+// the bound (one doubled group among k = 128 inputs moves its feature by ~0.5).
 constexpr double kGemmBound = 0.12;
 
 TEST_F(CheckpointPrecisionTest, GemmsMatchTheDequantizedWeightsLayerByLayer) {
@@ -263,9 +263,11 @@ TEST_F(CheckpointPrecisionTest, GemmsMatchTheDequantizedWeightsLayerByLayer) {
 
 // The layer inputs of the engine streamed from the official checkpoint, against the CPU
 // engine's dequantized forward of the same files. Every projection but wo_a, the compressors
-// and the router runs on FP8 activations here, so the bound is wider than the bf16 engine's.
-// Measured on an H200 (printed): see kTolCheckpoint.
-constexpr double kTolCheckpoint = 0.15;
+// and the router runs on FP8 activations here, so the drift is wider than the bf16 engine's.
+// Measured on an H200 (1398cea), both schedules: rel RMS 0.053 / 0.075 / 0.090 / 0.112 at
+// layers 1-4 (the bf16 engine from the same files: 0.008 / 0.021 / 0.026 / 0.036); the bound,
+// kTolCheckpoint * sqrt(layer), is about 1.9x those.
+constexpr double kTolCheckpoint = 0.10;
 
 TEST_F(CheckpointPrecisionTest, EngineStreamedFromTheCheckpointTracksTheCpuEngine) {
   const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/true);
@@ -381,8 +383,8 @@ TEST_F(CheckpointPrecisionTest, StagesHandingTheResidualOnGiveTheSameBits) {
     };
     auto whole = make(0, -1);
     ASSERT_TRUE(whole.is_ok()) << whole.status().to_string();
-    for (const std::vector<int64_t>& cuts : std::vector<std::vector<int64_t>>{{0, 2, 5},
-                                                                             {0, 1, 3, 5}}) {
+    for (const std::vector<int64_t>& cuts :
+         std::vector<std::vector<int64_t>>{{0, 2, 5}, {0, 1, 3, 5}}) {
       std::vector<std::unique_ptr<Dsv4CudaEngine>> stages;
       int64_t held = 0;
       for (size_t i = 0; i + 1 < cuts.size(); ++i) {
@@ -397,8 +399,9 @@ TEST_F(CheckpointPrecisionTest, StagesHandingTheResidualOnGiveTheSameBits) {
         Status st;
         const auto want = dsv4_taps(**whole, ids, schedule, &st);
         ASSERT_TRUE(st.is_ok()) << st.message();
-        std::vector<std::vector<uint16_t>> got(static_cast<size_t>(c.layers),
-                                               std::vector<uint16_t>(static_cast<size_t>(T * c.hidden)));
+        std::vector<std::vector<uint16_t>> got(
+            static_cast<size_t>(c.layers),
+            std::vector<uint16_t>(static_cast<size_t>(T * c.hidden)));
         auto tap = [&](const TapEvent& ev) {
           std::copy(ev.x_bf16, ev.x_bf16 + ev.n_tokens * ev.hidden,
                     got[static_cast<size_t>(ev.layer)].begin() + ev.pos0 * c.hidden);

@@ -183,7 +183,8 @@ Status Dsv4CudaEngine::init() {
     weight_bytes_ = static_cast<int64_t>(m.embed.bytes());
   }
   m.layers.resize(static_cast<size_t>(c.layers));
-  for (int64_t l = 0; l < c.layers; ++l) m.layers[static_cast<size_t>(l)].ratio = c.compress_ratios[static_cast<size_t>(l)];
+  for (int64_t l = 0; l < c.layers; ++l)
+    m.layers[static_cast<size_t>(l)].ratio = c.compress_ratios[static_cast<size_t>(l)];
   for (int64_t l = m.first; l < m.end; ++l) {
     DLayer& L = m.layers[static_cast<size_t>(l)];
     for (const Spec& s : layer_specs(L, c, l)) {
@@ -494,8 +495,9 @@ Status Dsv4CudaEngine::size_scratch(int64_t n) {
 Status Dsv4CudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
                                      const AttentionInputTap& tap) {
   if (impl_->first != 0)
-    return failed_precondition("a stage that does not hold layer 0 starts from a residual "
-                               "(prefill_stage)");
+    return failed_precondition(
+        "a stage that does not hold layer 0 starts from a residual "
+        "(prefill_stage)");
   return prefill_stage(ids, nullptr, tap);
 }
 
@@ -517,9 +519,8 @@ Status Dsv4CudaEngine::prefill_stage(const std::vector<int32_t>& ids, const uint
   HETERO_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(m.ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, st));
   if (h_in)
-    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.h.get(), h_in,
-                                                static_cast<size_t>(n * c.hc_mult * H) * 2,
-                                                cudaMemcpyDeviceToDevice, st));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        m.h.get(), h_in, static_cast<size_t>(n * c.hc_mult * H) * 2, cudaMemcpyDeviceToDevice, st));
   else
     cuda::embed_rows(bf(m.embed), m.ids.get<int32_t>(), n, c.hc_mult, H, bf(m.h), st);
 

@@ -147,7 +147,7 @@ struct Dsv4CudaEngine::Impl {
   cuda::DeviceBuffer embed, local_freqs, compress_freqs;
   int64_t rope_pairs = 0;
   std::vector<dsv4_cuda::DLayer> layers;  // all the model's; weights only in [first, end)
-  int64_t first = 0, end = 0;              // the layers this engine holds (a pipeline stage)
+  int64_t first = 0, end = 0;             // the layers this engine holds (a pipeline stage)
   std::vector<dsv4_cuda::DState> state;
   // Scratch, sized by the largest chunk (cap tokens).
   int64_t cap = 0;
