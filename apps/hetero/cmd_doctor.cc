@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "common/http_json.h"
 #include "common/secret.h"
+#include "common/sysmem.h"
 #include "front/front.h"
 
 namespace hetero {
@@ -78,6 +79,14 @@ int cmd_doctor(int argc, char** argv) {
   auto prefill = http_json_ok(phost, pport, "/health", json(), 5000);
   c.report(prefill.is_ok(), "prefill host :" + std::to_string(pport),
            prefill.is_ok() ? prefill->dump() : prefill.status().message());
+  if (prefill.is_ok() && prefill->contains("gpu_memory"))
+    for (const json& g : (*prefill)["gpu_memory"]) {
+      auto bytes = [&](const char* k) { return format_bytes(g.value(k, int64_t{0})); };
+      c.report(true, "prefill GPU " + std::to_string(g.value("device", -1)) + " memory",
+               "weights " + bytes("weights_bytes") + ", state and activations " +
+                   bytes("state_and_activations_bytes") + ", capture " + bytes("capture_bytes") +
+                   "; " + bytes("free_bytes") + " free of " + bytes("total_bytes"));
+    }
   if (info.is_ok() && prefill.is_ok()) {
     const std::string a = info->value("fingerprint", ""), b = prefill->value("fingerprint", "");
     c.report(!a.empty() && a == b, "fingerprints agree", "decoder " + a + ", prefill " + b);

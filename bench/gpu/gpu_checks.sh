@@ -2,7 +2,8 @@
 # On the GPU machine: every GPU test, then memory admission on the served path. `hetero prefill
 # --backend cuda` under a device-memory budget gets a prompt too long for it: it must answer
 # HTTP 507 with a JSON error before any byte streams. Then a short prompt on the same host must
-# stream to a complete manifest.
+# stream to a complete manifest, and GET /health must report the GPU's memory (weights within the
+# budget, the capture's slots, the device's free and total).
 #
 # Carry: .devkit/lib (scripts/devkit.sh), build/hetero, build/hetero_gpu_tests, out/gpu-model
 # (made here by: bench/gpu/gpu_checks.sh --make-model). Writes $OUT/gpu_tests.log and
@@ -76,6 +77,15 @@ with open(out, "a") as f:
         f.write(json.dumps(r) + "\n")
 ok = all((r["status"] == 507 and r["body"]["error"]["code"] == "resource_exhausted")
          if r["tokens"] > 300 else (r["status"] == 200 and r["manifest_complete"]) for r in rows)
+# /health reports the GPU's memory: the engine's weights within the budget, the capture's slots.
+gpu = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/health")).get("gpu_memory", [])
+print("gpu_memory:", json.dumps(gpu))
+with open(out, "a") as f:
+    f.write(json.dumps({"budget_mb": budget, "gpu_memory": gpu}) + "\n")
+g = gpu[0] if gpu else {}
+ok = ok and g.get("weights_bytes", 0) > 0 and g.get("capture_bytes", 0) > 0 and \
+    0 < g["weights_bytes"] + g["state_and_activations_bytes"] <= budget << 20 and \
+    g.get("total_bytes", 0) > g.get("free_bytes", -1) >= 0
 print("admission:", "ok" if ok else "FAILED")
 sys.exit(0 if ok else 1)
 PY

@@ -22,6 +22,7 @@ struct PrefillStack {
   // "exact": the engine and program reproduce the decoder's arithmetic (the CPU backend, and the
   // cuda backend's exact llama engine); "fast": the rows are within a tolerance of the decoder's.
   std::string arith = "exact";
+  GpuMemoryReport gpu_memory;   // GPU stacks: each device's bytes (GET /health)
   std::shared_ptr<void> owned;  // the engine and the decoder weights behind the pointers above
 };
 

@@ -63,6 +63,31 @@ Result<std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeig
   s.engine = std::make_unique<EngineAdapter<Engine>>(owned->engine.get());
   s.layout = owned->weights.layout;
   s.capture = owned->capture.get();
+  const int engine_device = backend.device;
+  const int capture_device = backend.program_device >= 0 ? backend.program_device : backend.device;
+  std::weak_ptr<GpuOwned<Engine, Weights, GpuWeights>> weak = owned;
+  s.gpu_memory = [weak, engine_device, capture_device]() {
+    std::vector<GpuMemory> out;
+    auto o = weak.lock();
+    if (!o) return out;
+    auto on = [&](int device) -> GpuMemory& {
+      for (GpuMemory& g : out)
+        if (g.device == device) return g;
+      GpuMemory g;
+      g.device = device;
+      size_t free = 0, total = 0;
+      cuda::DeviceGuard guard(device);
+      if (cudaMemGetInfo(&free, &total) != cudaSuccess) cudaGetLastError();
+      g.free = static_cast<int64_t>(free), g.total = static_cast<int64_t>(total);
+      return out.emplace_back(g);
+    };
+    const int64_t weights = static_cast<int64_t>(o->engine->weight_bytes());
+    on(engine_device).weights = weights;
+    on(engine_device).state_and_activations =
+        static_cast<int64_t>(o->engine->device_bytes()) - weights;
+    on(capture_device).capture = static_cast<int64_t>(o->capture->device_bytes());
+    return out;
+  };
   s.owned = owned;
   return std::pair{std::move(s), owned};
 }

@@ -231,6 +231,17 @@ Status PrefillService::start(const std::string& host, int port) {
               {"family", layout_.family},
               {"fingerprint", layout_.fingerprint},
               {"layers", layout_.layers}};
+    if (gpu_memory_) {
+      json gpus = json::array();
+      for (const GpuMemory& g : gpu_memory_())
+        gpus.push_back({{"device", g.device},
+                        {"weights_bytes", g.weights},
+                        {"state_and_activations_bytes", g.state_and_activations},
+                        {"capture_bytes", g.capture},
+                        {"free_bytes", g.free},
+                        {"total_bytes", g.total}});
+      j["gpu_memory"] = std::move(gpus);
+    }
     res.set_content(j.dump(), "application/json");
   }));
   server_->Post(

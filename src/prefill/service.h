@@ -109,6 +109,16 @@ Result<FaultSpec> parse_fault(const std::string& text);
 // A mismatch would make the program read tap rows with the wrong width; it is refused here.
 Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLayout& layout);
 
+// Device memory a GPU stack holds on one GPU (GET /health's "gpu_memory", `hetero doctor`): the
+// engine's weights, the rest of the engine's allocations (its state and activations), the
+// capture's slots; and what the driver says the device has free and in all.
+struct GpuMemory {
+  int device = 0;
+  int64_t weights = 0, state_and_activations = 0, capture = 0;
+  int64_t free = 0, total = 0;
+};
+using GpuMemoryReport = std::function<std::vector<GpuMemory>()>;
+
 class PrefillService {
  public:
   PrefillService(PrefillEngine* engine, DecoderCacheLayout layout, ProgramFactory programs,
@@ -120,6 +130,8 @@ class PrefillService {
   void set_capture(CaptureStore* capture) { capture_ = capture; }
   // What every manifest says of the rows' arithmetic (PrefillStack::arith).
   void set_arith(std::string arith) { arith_ = std::move(arith); }
+  // A GPU stack's memory, reported by GET /health (safe to call while a prefill runs).
+  void set_gpu_memory(GpuMemoryReport report) { gpu_memory_ = std::move(report); }
   // The stack's shared secret (common/secret.h); "" leaves /v1/prefill open. Before start().
   void set_secret(std::string secret) { secret_ = std::move(secret); }
   // Connections served at once, per client, and how fast requests must come
@@ -146,6 +158,7 @@ class PrefillService {
   // memory that is already faulted in (idle: up to 3 frames, ~0.8 GB at 8K-token 1B segments).
   std::shared_ptr<FrameBufferPool> buffers_ = std::make_shared<FrameBufferPool>(3);
   std::string arith_ = "exact";
+  GpuMemoryReport gpu_memory_;
   std::string secret_;
   int64_t default_chunk_, max_tokens_;
   ConnectionLimits limits_;

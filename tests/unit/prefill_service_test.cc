@@ -329,3 +329,45 @@ TEST_F(PrefillServiceTest, WithASecretOnlyAuthenticatedPrefillsRun) {
 
 }  // namespace
 }  // namespace hetero
+
+namespace hetero {
+namespace {
+
+// A GPU stack's memory report reaches GET /health as numbers per device; a CPU stack has none.
+TEST_F(PrefillServiceTest, HealthReportsEachGpusMemory) {
+  httplib::Client cli("127.0.0.1", service_->bound_port());
+  auto before = cli.Get("/health");
+  ASSERT_TRUE(before);
+  EXPECT_FALSE(nlohmann::json::parse(before->body).contains("gpu_memory"));
+  PrefillService gpu(
+      &engine_, test_layout(),
+      [](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+        return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>());
+      },
+      4, 1000);
+  std::atomic<int64_t> state{100};
+  gpu.set_gpu_memory([&state] {
+    GpuMemory a;
+    a.device = 0, a.weights = 11878819976, a.state_and_activations = state.load(), a.capture = 7;
+    a.free = 1, a.total = 2;
+    GpuMemory b;
+    b.device = 1, b.capture = 268435456;
+    return std::vector<GpuMemory>{a, b};
+  });
+  ASSERT_TRUE(gpu.start("127.0.0.1", 0).is_ok());
+  httplib::Client g("127.0.0.1", gpu.bound_port());
+  state = 4443645202;  // read when asked, not when set
+  auto r = g.Get("/health");
+  ASSERT_TRUE(r);
+  const auto j = nlohmann::json::parse(r->body);
+  ASSERT_EQ(j["gpu_memory"].size(), 2u);
+  EXPECT_EQ(j["gpu_memory"][0]["weights_bytes"], 11878819976);
+  EXPECT_EQ(j["gpu_memory"][0]["state_and_activations_bytes"], 4443645202);
+  EXPECT_EQ(j["gpu_memory"][0]["total_bytes"], 2);
+  EXPECT_EQ(j["gpu_memory"][1]["device"], 1);
+  EXPECT_EQ(j["gpu_memory"][1]["capture_bytes"], 268435456);
+  gpu.stop();
+}
+
+}  // namespace
+}  // namespace hetero
