@@ -20,7 +20,7 @@ devkit_libs() {
       elif [[ -f .devkit/lib/$name.xz ]]; then
         python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' \
           ".devkit/lib/$name.xz" "$lib/$name" && added=1
-      elif [[ $name == libcu* || $name == libnv* ]]; then
+      elif [[ $name == libcu* || $name == libnv* || $name == libnccl* ]]; then
         for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
                  $(python3 -c 'import glob, site
 print(" ".join(sorted(glob.glob(site.getsitepackages()[0] + "/nvidia/*/lib"))))' 2>/dev/null); do

@@ -1,0 +1,161 @@
+// DeepSeek-V4 as a layer pipeline (engine/cuda/dsv4_pipeline.h) at Flash shapes, random weights
+// drawn on each stage's GPU: whole-prompt prefill time through the pipeline, and, where the
+// layers fit one GPU, through one engine in the same run.
+//
+//   --devices 0,1 (one per stage; all different: NCCL links; all the same: device copies)
+//   --layers 8 --weights checkpoint|fp8|bf16 --t 8192,32768 --chunk 8192 --repeats 3 --rev REV
+//   [--no-single] (skip the one-engine reference, e.g. when the layers do not fit one GPU)
+//
+// One JSON line per T: the pipeline's and the single engine's wall time (median, min, max of
+// --repeats after one warmup), the implied tok/s for 43 layers (time scaled by 43 / layers), their
+// ratio, the stages' layer ranges and weight bytes, and the bytes each chunk sends per link.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "dsv4_flash_decoder.h"
+#include "engine/cuda/dsv4_pipeline.h"
+
+namespace hetero {
+namespace {
+
+std::vector<int64_t> parse_list(const std::string& s) {
+  std::vector<int64_t> v;
+  std::stringstream in(s);
+  for (std::string x; std::getline(in, x, ',');) v.push_back(std::atoll(x.c_str()));
+  return v;
+}
+
+struct Times {
+  double median = 0, min = 0, max = 0;
+};
+
+template <class F>
+Result<Times> time_runs(int repeats, F&& run) {
+  std::vector<double> t;
+  for (int r = 0; r <= repeats; ++r) {  // the first is the warmup
+    const auto t0 = std::chrono::steady_clock::now();
+    HETERO_RETURN_IF_ERROR(run());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) t.push_back(s);
+  }
+  std::sort(t.begin(), t.end());
+  return Times{t[t.size() / 2], t.front(), t.back()};
+}
+
+int run(int argc, char** argv) {
+  std::vector<int64_t> devices = {0, 0}, Ts = {8192, 32768};
+  int64_t layers = 8, chunk = 8192;
+  int repeats = 3;
+  bool single = true;
+  std::string weights = "checkpoint", rev = "unknown";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    if (a == "--devices")
+      devices = parse_list(next());
+    else if (a == "--layers")
+      layers = std::atoll(next().c_str());
+    else if (a == "--weights")
+      weights = next();
+    else if (a == "--t")
+      Ts = parse_list(next());
+    else if (a == "--chunk")
+      chunk = std::atoll(next().c_str());
+    else if (a == "--repeats")
+      repeats = std::atoi(next().c_str());
+    else if (a == "--rev")
+      rev = next();
+    else if (a == "--no-single")
+      single = false;
+    else
+      return std::fprintf(stderr, "see the header of bench/gpu/dsv4_pipeline_bench.cc\n"), 2;
+  }
+  const Dsv4Config c = bench::flash_config(layers);
+  Dsv4PipelineOptions po;
+  for (int64_t d : devices) po.devices.push_back(static_cast<int>(d));
+  auto wdt = cuda::parse_weight_dtype(weights);
+  if (!wdt.is_ok()) return std::fprintf(stderr, "%s\n", wdt.status().to_string().c_str()), 2;
+  po.engine.weight_dtype = *wdt;
+  auto p = Dsv4Pipeline::random(c, 7, po);
+  if (!p.is_ok()) return std::fprintf(stderr, "pipeline: %s\n", p.status().to_string().c_str()), 1;
+  std::string stages = "[";
+  for (int64_t s = 0; s < (*p)->stages(); ++s) {
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "%s{\"device\":%d,\"weight_gb\":%.2f}", s ? "," : "",
+                  po.devices[static_cast<size_t>(s)], (*p)->stage(s).weight_bytes() / 1e9);
+    stages += buf;
+  }
+  stages += "]";
+  std::fprintf(stderr, "%s, %lld layers, %lld stages (%s), weights %s\n", bench::gpu_name().c_str(),
+               static_cast<long long>(layers), static_cast<long long>((*p)->stages()),
+               (*p)->transport(), weights.c_str());
+  for (int64_t T : Ts) {
+    std::mt19937 rng(static_cast<uint32_t>(T));
+    std::vector<int32_t> ids(static_cast<size_t>(T));
+    for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
+    const std::vector<int64_t> chunks((T + chunk - 1) / chunk, chunk);
+    Status st = (*p)->reserve(T, chunk);
+    if (!st.is_ok()) return std::fprintf(stderr, "reserve: %s\n", st.to_string().c_str()), 1;
+    auto tp = time_runs(repeats, [&]() -> Status {
+      HETERO_RETURN_IF_ERROR((*p)->reset());
+      return (*p)->prefill(ids, chunks, {});
+    });
+    if (!tp.is_ok())
+      return std::fprintf(stderr, "pipeline: %s\n", tp.status().to_string().c_str()), 1;
+    Times ts;
+    if (single) {  // one engine on the first stage's GPU, the pipeline's memory given back first
+      cudaSetDevice(po.devices[0]);
+      Dsv4CudaOptions o = po.engine;
+      p.value().reset();  // the pipeline's memory given back for the one engine
+      auto one = Dsv4CudaEngine::random(c, 7, o);
+      if (!one.is_ok())
+        return std::fprintf(stderr, "single: %s\n", one.status().to_string().c_str()), 1;
+      if (!(st = (*one)->reserve(T, chunk)).is_ok())
+        return std::fprintf(stderr, "single reserve: %s\n", st.to_string().c_str()), 1;
+      auto r = time_runs(repeats, [&]() -> Status {
+        HETERO_RETURN_IF_ERROR((*one)->reset());
+        for (int64_t at = 0; at < T; at += chunk)
+          HETERO_RETURN_IF_ERROR(
+              (*one)->prefill_chunk({ids.begin() + at, ids.begin() + std::min(T, at + chunk)}, {}));
+        return (*one)->synchronize();
+      });
+      if (!r.is_ok())
+        return std::fprintf(stderr, "single: %s\n", r.status().to_string().c_str()), 1;
+      ts = *r;
+      p = Dsv4Pipeline::random(c, 7, po);  // back for the next T
+      if (!p.is_ok())
+        return std::fprintf(stderr, "pipeline: %s\n", p.status().to_string().c_str()), 1;
+    }
+    const double scale = 43.0 / static_cast<double>(layers);
+    const double tok_p = T / (tp->median * scale), tok_s = single ? T / (ts.median * scale) : 0;
+    std::fprintf(stderr, "  T %7lld  pipeline %.3f s (%.0f tok/s, 43 layers)  one engine %s\n",
+                 static_cast<long long>(T), tp->median, tok_p,
+                 single ? (std::to_string(ts.median) + " s").c_str() : "-");
+    std::printf(
+        "{\"bench\":\"dsv4_pipeline\",\"gpu\":\"%s\",\"rev\":\"%s\",\"weights\":\"%s\","
+        "\"layers\":%lld,\"stages\":%s,\"transport\":\"%s\",\"T\":%lld,\"chunk\":%lld,"
+        "\"repeats\":%d,\"pipeline_s_median\":%.4f,\"pipeline_s_min\":%.4f,\"pipeline_s_max\":%.4f,"
+        "\"single_s_median\":%s,\"implied_43_layer_tok_s\":%.1f,\"single_implied_tok_s\":%s,"
+        "\"link_bytes_per_chunk\":%lld}\n",
+        bench::gpu_name().c_str(), rev.c_str(), weights.c_str(), static_cast<long long>(layers),
+        stages.c_str(), (*p)->transport(), static_cast<long long>(T), static_cast<long long>(chunk),
+        repeats, tp->median, tp->min, tp->max, single ? std::to_string(ts.median).c_str() : "null",
+        tok_p, single ? std::to_string(tok_s).c_str() : "null",
+        static_cast<long long>(std::min(T, chunk) * c.hc_mult * c.hidden * 2));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace hetero
+
+int main(int argc, char** argv) { return hetero::run(argc, argv); }
