@@ -33,9 +33,10 @@ struct PrefillBackend {
   std::string kv_dtype = "fp8";  // cuda: the engine's own cache, "fp8" or "bf16"
   std::string arith = "exact";   // cuda, llama: "exact" (the decoder's) or "fast" (tensor cores)
   int device = 0;                // cuda: which GPU
-  // cuda, fast: the large weights on the GPU, "bf16" or "fp8" (e4m3 with a float32 scale per
-  // 128x128 block, quantized at load; cuBLASLt block-scaled GEMMs): llama's projections,
-  // deepseek_v4's experts.
+  // cuda, fast: the large weights on the GPU, "bf16", "fp8" (e4m3 with a float32 scale per
+  // 128x128 block, quantized at load; cuBLASLt block-scaled GEMMs: llama's projections,
+  // deepseek_v4's experts) or "checkpoint" (deepseek_v4: the official FP8 projections and FP4
+  // experts as stored, streamed from the shards).
   std::string weights = "bf16";
   // cuda: the GPU the cache program runs on (-1: the engine's). Another GPU than the engine's
   // keeps the program's work off the engine's SMs; the tap's rows cross peer to peer.

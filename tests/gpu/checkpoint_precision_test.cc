@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../common/dsv4_model_weights.h"
+#include "../common/temp_dir.h"
 #include "common/safetensors.h"
 #include "cuda_test_base.h"
 #include "engine/cuda/dsv4_cuda.h"
@@ -29,18 +30,7 @@
 namespace hetero {
 namespace {
 
-namespace fs = std::filesystem;
-
 class CheckpointPrecisionTest : public CudaDeviceTest {};
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/hetero-ckpt-gpu-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 template <class T>
 struct Dev {

@@ -8,21 +8,11 @@
 #include <filesystem>
 
 #include "../common/dsv4_model_weights.h"
+#include "../common/temp_dir.h"
 #include "common/safetensors.h"
 
 namespace hetero {
 namespace {
-
-namespace fs = std::filesystem;
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/hetero-ckpt-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 TEST(Dsv4CheckpointWriter, WritesTheOfficialLayoutTheLoadersRead) {
   const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);

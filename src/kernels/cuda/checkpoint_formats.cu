@@ -3,6 +3,7 @@
 #include <cuda_fp8.h>
 
 #include "kernels/cuda/checkpoint_formats.h"
+#include "kernels/cuda/fp8_block.cuh"
 
 namespace hetero::cuda {
 namespace {
@@ -150,18 +151,7 @@ __global__ void quantize_fp8_kernel(const uint16_t* __restrict__ w, int64_t n, i
   const int64_t r0 = bn * kFp8Block, c0 = bk * kFp8Block;
   const int64_t rows = n - r0 < kFp8Block ? n - r0 : kFp8Block;
   const int64_t cols = k - c0 < kFp8Block ? k - c0 : kFp8Block;
-  float amax = 0.f;
-  for (int i = threadIdx.x; i < kFp8Block * kFp8Block; i += kThreads) {
-    const int r = i / kFp8Block, c = i % kFp8Block;
-    if (r < rows && c < cols) amax = fmaxf(amax, fabsf(bf(w[(r0 + r) * k + c0 + c])));
-  }
-  __shared__ float part[kThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = 0.f;
-  for (int i = 0; i < kThreads / 32; ++i) amax = fmaxf(amax, part[i]);
-  const uint8_t e = pow2_scale_byte(amax, kE4m3Max);
+  const uint8_t e = pow2_scale_byte(block_amax<kThreads>(w, n, k, r0, c0), kE4m3Max);
   if (threadIdx.x == 0) e8m0[bn * gridDim.x + bk] = e;
   for (int i = threadIdx.x; i < kFp8Block * kFp8Block; i += kThreads) {
     const int r = i / kFp8Block, c = i % kFp8Block;

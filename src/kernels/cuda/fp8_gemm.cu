@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "kernels/cuda/fp8_block.cuh"
 #include "kernels/cuda/fp8_gemm.h"
 
 namespace hetero::cuda {
@@ -13,11 +14,6 @@ __device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float(uint32_
 // Round to nearest even, saturating to ±448: what cvt.rn.satfinite.e4m3x2 does. Low byte = a.
 __device__ __forceinline__ uint16_t e4m3x2(float a, float b) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
 }
 
 // x / (amax / 448): the division as DeepSeek's quantizers write it (not a reciprocal multiply),
@@ -36,18 +32,7 @@ __global__ void quantize_weight_kernel(const uint16_t* __restrict__ w, int64_t n
   const int64_t r0 = bn * kFp8Block, c0 = bk * kFp8Block;
   const int64_t rows = n - r0 < kFp8Block ? n - r0 : kFp8Block;
   const int64_t cols = k - c0 < kFp8Block ? k - c0 : kFp8Block;
-  float amax = 0.f;
-  for (int i = threadIdx.x; i < kFp8Block * kFp8Block; i += kWeightThreads) {
-    const int r = i / kFp8Block, c = i % kFp8Block;
-    if (r < rows && c < cols) amax = fmaxf(amax, fabsf(bf(w[(r0 + r) * k + c0 + c])));
-  }
-  __shared__ float part[kWeightThreads / 32];
-  amax = warp_max(amax);
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = 0.f;
-  for (int i = 0; i < kWeightThreads / 32; ++i) amax = fmaxf(amax, part[i]);
-  const float s = block_scale(amax);
+  const float s = block_scale(block_amax<kWeightThreads>(w, n, k, r0, c0));
   if (threadIdx.x == 0) scale[bn * scale_ld + bk] = s;
   // The row's padding past ceil(k/128) is never read; keep it defined.
   if (bk == 0)
