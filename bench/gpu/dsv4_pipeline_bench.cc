@@ -7,8 +7,9 @@
 //   [--no-single] (skip the one-engine reference, e.g. when the layers do not fit one GPU)
 //
 // One JSON line per T: the pipeline's and the single engine's wall time (median, min, max of
-// --repeats after one warmup), the implied tok/s for 43 layers (time scaled by 43 / layers), their
-// ratio, the stages' layer ranges and weight bytes, and the bytes each chunk sends per link.
+// --repeats after one warmup) and tok/s for these layers (not scaled to 43: the first layers'
+// mix of ratios is not the model's; dsv4_layer_bench weighs per ratio), their ratio, the stages'
+// devices and weight bytes, and the bytes each chunk sends per link.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -134,21 +135,22 @@ int run(int argc, char** argv) {
       if (!p.is_ok())
         return std::fprintf(stderr, "pipeline: %s\n", p.status().to_string().c_str()), 1;
     }
-    const double scale = 43.0 / static_cast<double>(layers);
-    const double tok_p = T / (tp->median * scale), tok_s = single ? T / (ts.median * scale) : 0;
-    std::fprintf(stderr, "  T %7lld  pipeline %.3f s (%.0f tok/s, 43 layers)  one engine %s\n",
+    const double tok_p = T / tp->median, tok_s = single ? T / ts.median : 0;
+    std::fprintf(stderr, "  T %7lld  pipeline %.3f s (%.0f tok/s)  one engine %s  ratio %s\n",
                  static_cast<long long>(T), tp->median, tok_p,
-                 single ? (std::to_string(ts.median) + " s").c_str() : "-");
+                 single ? (std::to_string(ts.median) + " s").c_str() : "-",
+                 single ? std::to_string(tp->median / ts.median).c_str() : "-");
     std::printf(
         "{\"bench\":\"dsv4_pipeline\",\"gpu\":\"%s\",\"rev\":\"%s\",\"weights\":\"%s\","
         "\"layers\":%lld,\"stages\":%s,\"transport\":\"%s\",\"T\":%lld,\"chunk\":%lld,"
         "\"repeats\":%d,\"pipeline_s_median\":%.4f,\"pipeline_s_min\":%.4f,\"pipeline_s_max\":%.4f,"
-        "\"single_s_median\":%s,\"implied_43_layer_tok_s\":%.1f,\"single_implied_tok_s\":%s,"
+        "\"single_s_median\":%s,\"tok_s\":%.1f,\"single_tok_s\":%s,\"pipeline_vs_single\":%s,"
         "\"link_bytes_per_chunk\":%lld}\n",
         bench::gpu_name().c_str(), rev.c_str(), weights.c_str(), static_cast<long long>(layers),
         stages.c_str(), (*p)->transport(), static_cast<long long>(T), static_cast<long long>(chunk),
         repeats, tp->median, tp->min, tp->max, single ? std::to_string(ts.median).c_str() : "null",
         tok_p, single ? std::to_string(tok_s).c_str() : "null",
+        single ? std::to_string(tp->median / ts.median).c_str() : "null",
         static_cast<long long>(std::min(T, chunk) * c.hc_mult * c.hidden * 2));
     std::fflush(stdout);
   }
