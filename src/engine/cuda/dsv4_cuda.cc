@@ -149,18 +149,17 @@ Status Dsv4CudaEngine::init() {
     for (auto [n, k] : shapes)
       if (n > 0 && k > 0) HETERO_RETURN_IF_ERROR(m.fp8_gemm->prepare(16, n, k));
   }
-  if (m.ckpt) {  // one expert's widened weights per stream that runs experts
-    const size_t q =
-        static_cast<size_t>(std::max(2 * c.moe_inter, c.hidden) * std::max(c.moe_inter, c.hidden));
-    const size_t sc =
-        static_cast<size_t>(cuda::fp8_blocks(std::max(2 * c.moe_inter, c.hidden)) *
-                            cuda::fp8_weight_scale_ld(std::max(c.moe_inter, c.hidden)) * 4);
-    auto widened = [&](Impl::Widened& w) -> Status {
-      HETERO_RETURN_IF_ERROR(m.alloc(w.q, q, "a widened FP4 expert"));
-      return m.alloc(w.scale, sc, "a widened FP4 expert");
-    };
-    HETERO_RETURN_IF_ERROR(widened(m.widened));
-    for (Impl::Lane& lane : m.lanes) HETERO_RETURN_IF_ERROR(widened(lane.widened));
+  if (m.ckpt) {  // the widened experts of one projection, the active list, the loss counter
+    const int64_t I = c.moe_inter, H = c.hidden;
+    const size_t q = static_cast<size_t>(c.n_routed_experts * std::max(2 * I * H, H * I));
+    const size_t sc = static_cast<size_t>(
+        c.n_routed_experts * std::max(cuda::fp8_blocks(2 * I) * cuda::fp8_weight_scale_ld(H),
+                                      cuda::fp8_blocks(H) * cuda::fp8_weight_scale_ld(I)) *
+        4);
+    HETERO_RETURN_IF_ERROR(m.alloc(m.wide_q, q, "widened FP4 experts"));
+    HETERO_RETURN_IF_ERROR(m.alloc(m.wide_scale, sc, "widened FP4 experts"));
+    HETERO_RETURN_IF_ERROR(m.alloc(m.active, E * 4, "active experts"));
+    HETERO_RETURN_IF_ERROR(m.host_active.allocate(E * 4, "active experts"));
     HETERO_RETURN_IF_ERROR(m.alloc(m.lossy, sizeof(unsigned long long), "a counter"));
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemset(m.lossy.get(), 0, sizeof(unsigned long long)));
   }

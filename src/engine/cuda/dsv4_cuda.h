@@ -53,9 +53,10 @@ struct Dsv4CudaOptions {
   // or random()) keeps DeepSeek's own forms: the FP8 e4m3 projections (wq_a, wq_b, wkv, wo_b,
   // the indexer's wq_b, the shared expert) with their UE8M0 128x128 scales run on the FP8 GEMMs
   // as stored (their inputs quantized per token and 128 columns), wo_a is dequantized to bf16
-  // (the grouped einsum's operand, as in the reference), the routed experts stay FP4 and each
-  // is widened to FP8 just before its GEMM into a per-stream scratch (fp4_lossy_groups() counts
-  // any inexact group); the rest stays as stored (bf16 / f32). Loading streams the shards tensor
+  // (the grouped einsum's operand, as in the reference), the routed experts stay FP4 and a
+  // layer's active ones are widened to FP8 in one launch, just before their GEMMs, into a
+  // scratch of one projection's experts (fp4_lossy_groups() counts any inexact group); the rest
+  // stays as stored (bf16 / f32). Loading streams the shards tensor
   // by tensor through a 64 MiB pinned buffer, refusing, by name, a tensor stored otherwise.
   // Otherwise: how the experts' weights (routed and shared: ~98% of a Flash layer's bytes) live
   // on the device. kFp8 quantizes them at upload into the 128x128 block-scaled e4m3 format

@@ -166,13 +166,12 @@ struct Dsv4CudaEngine::Impl {
   bool fp8 = false;
   std::unique_ptr<cuda::Fp8Gemm> fp8_gemm;
   bool ckpt = false;  // WeightDtype::kCheckpoint: FP8 projections, FP4 experts widened per expert
-  // One expert widened from FP4 (per lane, and one for the compute stream), and the count of
-  // groups whose widening was not exact (device, unsigned long long).
-  struct Widened {
-    cuda::DeviceBuffer q, scale;
-  };
-  Widened widened;
-  cuda::DeviceBuffer lossy;
+  // The layer's active FP4 experts widened to FP8 (one projection at a time: [E] matrices of the
+  // larger shape), the active experts' ids (host and device), and the count of groups whose
+  // widening was not exact (device, unsigned long long).
+  cuda::DeviceBuffer wide_q, wide_scale, active, lossy;
+  cuda::PinnedBuffer host_active;  // int32 [E]
+  int64_t active_count = 0;
   cuda::DeviceBuffer act_q, act_scale;
   cuda::PinnedBuffer host_pad;  // int32 [E + 1]: each expert's first row in act_q, padded
   cuda::DeviceBuffer pad;       // its device copy
@@ -186,7 +185,6 @@ struct Dsv4CudaEngine::Impl {
     std::unique_ptr<cuda::Fp8Gemm> fp8;
     cuda::Event done;
     cuda::DeviceBuffer spill;
-    Widened widened;
   };
   std::vector<Lane> lanes;
   cuda::Event fork;

@@ -197,6 +197,10 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
   const int32_t* host_pad = m.host_pad.get<int32_t>();
   cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
                                   m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get());
+  if (m.ckpt)  // every active expert's FP4 weight widened at once, ahead of the GEMMs
+    cuda::widen_fp4_experts_to_fp8(w4.at(0), m.active.get<int32_t>(), m.active_count,
+                                   m.wide_q.get<uint8_t>(), f32(m.wide_scale),
+                                   m.lossy.get<unsigned long long>(), m.stream.get());
   std::vector<int64_t> last(m.lanes.size(), -1);  // each lane's last expert with rows
   if (!m.lanes.empty()) {
     const std::vector<int64_t> cut = split_by_rows(off, E, m.lanes.size());
@@ -211,13 +215,12 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
     const bool spills =
         lane >= 0 && last[static_cast<size_t>(lane)] == e && cuda::fp8_act_rows(rows) != rows;
     uint16_t* out = spills ? bf(m.lanes[static_cast<size_t>(lane)].spill) : y + off[e] * wn;
-    cuda::Fp8BlockWeight w = m.ckpt ? cuda::Fp8BlockWeight{} : w8.at(e);
-    if (m.ckpt) {  // this expert's FP4 weight widened into the stream's own scratch
-      const Impl::Widened& wd = lane < 0 ? m.widened : m.lanes[static_cast<size_t>(lane)].widened;
-      cuda::widen_fp4_to_fp8(w4.at(e), wd.q.get<uint8_t>(), f32(wd.scale),
-                             m.lossy.get<unsigned long long>(), st);
-      w = {wd.q.get<uint8_t>(), f32(wd.scale), wn, wk};
-    }
+    const cuda::Fp8BlockWeight w =
+        m.ckpt ? cuda::Fp8BlockWeight{m.wide_q.get<uint8_t>() + e * wn * wk,
+                                      f32(m.wide_scale) +
+                                          e * cuda::fp8_blocks(wn) * cuda::fp8_weight_scale_ld(wk),
+                                      wn, wk}
+               : w8.at(e);
     HETERO_RETURN_IF_ERROR(
         g.run(m.act_q.get<uint8_t>() + p * wk, f32(m.act_scale) + p * groups, rows, w, out, st));
     if (spills)
@@ -440,6 +443,15 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
     // The previous layer's copy of host_pad is done: the stream was waited for above.
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.pad.get(), host_pad, sizeof(int32_t) * (E + 1),
                                                 cudaMemcpyHostToDevice, st));
+    if (m.ckpt) {  // the experts with rows, whose FP4 weights get widened (host_active: as above)
+      int32_t* active = m.host_active.get<int32_t>();
+      m.active_count = 0;
+      for (int64_t e = 0; e < E; ++e)
+        if (off[e + 1] > off[e]) active[m.active_count++] = static_cast<int32_t>(e);
+      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.active.get(), active,
+                                                  sizeof(int32_t) * m.active_count,
+                                                  cudaMemcpyHostToDevice, st));
+    }
     HETERO_RETURN_IF_ERROR(
         expert_gemms_fp8(m, E, off, dev_off, bf(m.xe), L.w13_8, L.w13_4, bf(m.gu)));
   } else {

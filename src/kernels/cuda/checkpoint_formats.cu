@@ -84,11 +84,17 @@ __global__ void ue8m0_scales_kernel(const uint8_t* __restrict__ e8m0, int64_t nb
 }
 
 // One CUDA block per 128x128 block of the weight; each thread widens whole 32-element groups.
+// blockIdx.z picks the matrix: experts[z] of the matrices laid back to back (null: the one).
 __global__ void widen_fp4_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ sc,
                                  int64_t n, int64_t k, uint8_t* __restrict__ q,
                                  float* __restrict__ scale, int64_t scale_ld,
-                                 unsigned long long* lossy) {
+                                 unsigned long long* lossy, const int32_t* __restrict__ experts) {
   const int64_t bk = blockIdx.x, bn = blockIdx.y;
+  if (experts) {
+    const int64_t e = experts[blockIdx.z];
+    codes += e * n * (k / 2), sc += e * n * (k / kFp4Group);
+    q += e * n * k, scale += e * ((n + kFp8Block - 1) / kFp8Block) * scale_ld;
+  }
   const int64_t r0 = bn * kFp8Block, c0 = bk * kFp8Block;
   const int64_t rows = n - r0 < kFp8Block ? n - r0 : kFp8Block;
   const int64_t gpr = k / kFp4Group;                    // groups per row
@@ -195,7 +201,18 @@ void widen_fp4_to_fp8(const Fp4GroupWeight& w, uint8_t* q, float* scale,
   if (w.n <= 0 || w.k <= 0) return;
   const dim3 grid(static_cast<unsigned>(fp8_blocks(w.k)), static_cast<unsigned>(fp8_blocks(w.n)));
   widen_fp4_kernel<<<grid, kThreads, 0, stream>>>(w.codes, w.scale, w.n, w.k, q, scale,
-                                                  fp8_weight_scale_ld(w.k), lossy_groups);
+                                                  fp8_weight_scale_ld(w.k), lossy_groups, nullptr);
+}
+
+void widen_fp4_experts_to_fp8(const Fp4GroupWeight& w0, const int32_t* experts, int64_t count,
+                              uint8_t* q, float* scale, unsigned long long* lossy_groups,
+                              cudaStream_t stream) {
+  if (w0.n <= 0 || w0.k <= 0 || count <= 0) return;
+  const dim3 grid(static_cast<unsigned>(fp8_blocks(w0.k)), static_cast<unsigned>(fp8_blocks(w0.n)),
+                  static_cast<unsigned>(count));
+  widen_fp4_kernel<<<grid, kThreads, 0, stream>>>(w0.codes, w0.scale, w0.n, w0.k, q, scale,
+                                                  fp8_weight_scale_ld(w0.k), lossy_groups,
+                                                  experts);
 }
 
 void dequant_fp8_ue8m0_to_bf16(const uint8_t* codes, const uint8_t* e8m0, int64_t n, int64_t k,

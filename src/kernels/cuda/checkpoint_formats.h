@@ -5,8 +5,9 @@
 //        The codes are Fp8BlockWeight's as they are; only the scales are widened to float32
 //        (exactly: a UE8M0 byte e is 2^(e-127)) into Fp8BlockWeight's padded rows.
 //   FP4  codes [n, k/2] (e2m1, element 2j in the low nibble of byte j) with UE8M0 scales
-//        [n, k/32]: the routed experts. Hopper has no FP4 tensor cores, so an expert is widened
-//        just before its GEMM into a scratch Fp8BlockWeight: per 128x128 block the float32 scale
+//        [n, k/32]: the routed experts. Hopper has no FP4 tensor cores, so a layer's active
+//        experts are widened just before their GEMMs into a scratch of Fp8BlockWeights (one
+//        launch for all of them, at the device's bandwidth): per 128x128 block the float32 scale
 //        is 2^(max exponent - 133), and each element q * 2^(s-127) becomes the e4m3 code
 //        q * 2^d with d = s - 127 - (max - 133) <= 6 (6 * 2^6 = 384 <= 448). That is exact
 //        whenever d >= -8 (e4m3's subnormals are multiples of 2^-9 and q a multiple of 0.5),
@@ -49,6 +50,14 @@ struct Fp4GroupWeight {
 // number of 32-element groups with a nonzero code whose widening was not exact.
 void widen_fp4_to_fp8(const Fp4GroupWeight& w, uint8_t* q, float* scale,
                       unsigned long long* lossy_groups, cudaStream_t stream);
+
+// widen_fp4_to_fp8 for several matrices in one launch: of the FP4 matrices [n, k] laid back to
+// back from w0 (codes, then scales, each matrix's after the last's), those listed in experts
+// (device int32 [count]), each into its own place: matrix e's codes at q + e * n * k and its
+// scales at scale + e * fp8_blocks(n) * fp8_weight_scale_ld(k).
+void widen_fp4_experts_to_fp8(const Fp4GroupWeight& w0, const int32_t* experts, int64_t count,
+                              uint8_t* q, float* scale, unsigned long long* lossy_groups,
+                              cudaStream_t stream);
 
 // FP8 codes [n, k] with UE8M0 block scales -> bf16 [n, k] (exact: every product is a bf16).
 void dequant_fp8_ue8m0_to_bf16(const uint8_t* codes, const uint8_t* e8m0, int64_t n, int64_t k,
