@@ -152,10 +152,11 @@ Status Dsv4CudaEngine::init() {
   if (m.ckpt) {  // the widened experts of one projection, the active list, the loss counter
     const int64_t I = c.moe_inter, H = c.hidden;
     const size_t q = static_cast<size_t>(c.n_routed_experts * std::max(2 * I * H, H * I));
-    const size_t sc = static_cast<size_t>(
-        c.n_routed_experts * std::max(cuda::fp8_blocks(2 * I) * cuda::fp8_weight_scale_ld(H),
-                                      cuda::fp8_blocks(H) * cuda::fp8_weight_scale_ld(I)) *
-        4);
+    const size_t sc =
+        static_cast<size_t>(c.n_routed_experts *
+                            std::max(cuda::fp8_blocks(2 * I) * cuda::fp8_weight_scale_ld(H),
+                                     cuda::fp8_blocks(H) * cuda::fp8_weight_scale_ld(I)) *
+                            4);
     HETERO_RETURN_IF_ERROR(m.alloc(m.wide_q, q, "widened FP4 experts"));
     HETERO_RETURN_IF_ERROR(m.alloc(m.wide_scale, sc, "widened FP4 experts"));
     HETERO_RETURN_IF_ERROR(m.alloc(m.active, E * 4, "active experts"));

@@ -448,9 +448,8 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
       m.active_count = 0;
       for (int64_t e = 0; e < E; ++e)
         if (off[e + 1] > off[e]) active[m.active_count++] = static_cast<int32_t>(e);
-      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.active.get(), active,
-                                                  sizeof(int32_t) * m.active_count,
-                                                  cudaMemcpyHostToDevice, st));
+      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          m.active.get(), active, sizeof(int32_t) * m.active_count, cudaMemcpyHostToDevice, st));
     }
     HETERO_RETURN_IF_ERROR(
         expert_gemms_fp8(m, E, off, dev_off, bf(m.xe), L.w13_8, L.w13_4, bf(m.gu)));

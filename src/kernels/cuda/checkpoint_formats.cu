@@ -211,8 +211,7 @@ void widen_fp4_experts_to_fp8(const Fp4GroupWeight& w0, const int32_t* experts, 
   const dim3 grid(static_cast<unsigned>(fp8_blocks(w0.k)), static_cast<unsigned>(fp8_blocks(w0.n)),
                   static_cast<unsigned>(count));
   widen_fp4_kernel<<<grid, kThreads, 0, stream>>>(w0.codes, w0.scale, w0.n, w0.k, q, scale,
-                                                  fp8_weight_scale_ld(w0.k), lossy_groups,
-                                                  experts);
+                                                  fp8_weight_scale_ld(w0.k), lossy_groups, experts);
 }
 
 void dequant_fp8_ue8m0_to_bf16(const uint8_t* codes, const uint8_t* e8m0, int64_t n, int64_t k,
