@@ -7,7 +7,7 @@
 //   FP4  codes [n, k/2] (e2m1, element 2j in the low nibble of byte j) with UE8M0 scales
 //        [n, k/32]: the routed experts. Hopper has no FP4 tensor cores, so a layer's active
 //        experts are widened just before their GEMMs into a scratch of Fp8BlockWeights (one
-//        launch for all of them, at the device's bandwidth): per 128x128 block the float32 scale
+//        launch for all of them): per 128x128 block the float32 scale
 //        is 2^(max exponent - 133), and each element q * 2^(s-127) becomes the e4m3 code
 //        q * 2^d with d = s - 127 - (max - 133) <= 6 (6 * 2^6 = 384 <= 448). That is exact
 //        whenever d >= -8 (e4m3's subnormals are multiples of 2^-9 and q a multiple of 0.5),
