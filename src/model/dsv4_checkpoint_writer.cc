@@ -47,18 +47,25 @@ uint64_t stream_seed(uint64_t seed, const std::string& name) {
 
 // fn(i, rng) for i in [0, n), over the host's cores in contiguous slices, each slice its own
 // stream (the values depend on the seed, the name and the number of slices, fixed below).
+// Small tensors (most of a tiny model's) run their slices in the calling thread: the same
+// streams, without a thread per slice.
 template <class F>
 void parallel_fill(int64_t n, uint64_t seed, F&& fn) {
-  constexpr int64_t kSlices = 16;
+  constexpr int64_t kSlices = 16, kThreadedFrom = int64_t{1} << 20;
   const int64_t per = (n + kSlices - 1) / kSlices;
+  auto slice = [&](int64_t s) {
+    Rng rng{seed + static_cast<uint64_t>(s) * 0x632be59bd9b4e019ull};
+    for (int64_t i = s * per; i < std::min(n, (s + 1) * per); ++i) fn(i, rng);
+  };
+  if (n < kThreadedFrom) {
+    for (int64_t s = 0; s < kSlices; ++s) slice(s);
+    return;
+  }
   std::vector<std::thread> threads;
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   for (int64_t s0 = 0; s0 < kSlices; s0 += cores) {
     for (int64_t s = s0; s < std::min<int64_t>(kSlices, s0 + cores); ++s)
-      threads.emplace_back([&, s] {
-        Rng rng{seed + static_cast<uint64_t>(s) * 0x632be59bd9b4e019ull};
-        for (int64_t i = s * per; i < std::min(n, (s + 1) * per); ++i) fn(i, rng);
-      });
+      threads.emplace_back(slice, s);
     for (auto& t : threads) t.join();
     threads.clear();
   }

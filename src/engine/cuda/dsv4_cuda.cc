@@ -17,18 +17,6 @@ using namespace dsv4_cuda;
 
 namespace {
 
-// Host bytes into a buffer of exactly that size.
-Status put(cuda::DeviceBuffer& b, const void* src, size_t bytes) {
-  if (bytes != b.bytes())
-    return internal_error("a copy of " + std::to_string(bytes) + " bytes into a buffer of " +
-                          std::to_string(b.bytes()));
-  HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.get(), src, bytes, cudaMemcpyHostToDevice));
-  return Status::ok();
-}
-Status put(cuda::DeviceBuffer& b, const std::vector<float>& v) {
-  return put(b, v.data(), v.size() * sizeof(float));
-}
-
 // A cuBLAS handle on `stream`, with no bf16 reductions inside split-k: every sum stays float32.
 Result<cuda::BlasHandle> blas_on(cudaStream_t stream) {
   HETERO_ASSIGN_OR_RETURN(cuda::BlasHandle h, cuda::BlasHandle::create(stream));

@@ -207,6 +207,10 @@ using Impl = Dsv4CudaEngine::Impl;
 // out, float32 accumulation. beta = 1 adds the bf16 values already in y inside the float32 sum.
 Status gemm(cublasHandle_t h, const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t n,
             uint16_t* y, int64_t ldx = -1, int64_t ldo = -1, float beta = 0.0f);
+// Host bytes into a buffer sized for exactly them (from the config): a weight of another size,
+// a checkpoint disagreeing with its own config, is refused.
+Status put(cuda::DeviceBuffer& b, const void* src, size_t bytes);
+Status put(cuda::DeviceBuffer& b, const std::vector<float>& v);
 // y = x [m, k] @ W^T with W [n, k]: the FP8 form's GEMM when w8 holds one (y then holds
 // fp8_act_rows(m) rows), else the bf16 buffer's.
 Status proj(Impl& m, const uint16_t* x, int64_t rows, int64_t k, const cuda::DeviceBuffer& w,

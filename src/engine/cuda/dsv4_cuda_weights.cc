@@ -102,12 +102,6 @@ Form form_of(const Spec& s, cuda::WeightDtype dtype) {
   return Form::kBf16OrF32;
 }
 
-}  // namespace dsv4_cuda
-
-namespace {
-
-// Host bytes into a weight's buffer, which layer_specs sized from the config: a checkpoint whose
-// tensor disagrees with its own config is refused.
 Status put(cuda::DeviceBuffer& b, const void* src, size_t bytes) {
   if (bytes != b.bytes())
     return failed_precondition("a weight of " + std::to_string(bytes) +
@@ -115,11 +109,17 @@ Status put(cuda::DeviceBuffer& b, const void* src, size_t bytes) {
   HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.get(), src, bytes, cudaMemcpyHostToDevice));
   return Status::ok();
 }
-Status put(cuda::DeviceBuffer& b, const Tensor& t) {
-  return put(b, t.bytes.data(), t.bytes.size());
-}
 Status put(cuda::DeviceBuffer& b, const std::vector<float>& v) {
   return put(b, v.data(), v.size() * sizeof(float));
+}
+
+}  // namespace dsv4_cuda
+
+namespace {
+
+using dsv4_cuda::put;
+Status put(cuda::DeviceBuffer& b, const Tensor& t) {
+  return dsv4_cuda::put(b, t.bytes.data(), t.bytes.size());
 }
 Status put_hc(DHc& d, const Dsv4HyperConnection& hc) {
   HETERO_RETURN_IF_ERROR(put(d.fn, hc.fn));

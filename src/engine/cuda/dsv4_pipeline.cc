@@ -183,10 +183,11 @@ Status Dsv4Pipeline::reserve(int64_t tokens, int64_t max_chunk_tokens) {
     cuda::DeviceGuard on(devices_[s]);
     HETERO_RETURN_IF_ERROR(engines_[s]->reserve(tokens, max_chunk_tokens));
   }
-  const size_t bytes =
-      static_cast<size_t>(std::max<int64_t>(1, std::min(tokens, max_chunk_tokens)) *
-                          config_.hc_mult * config_.hidden) *
-      2;
+  return size_links(std::max<int64_t>(1, std::min(tokens, max_chunk_tokens)));
+}
+
+Status Dsv4Pipeline::size_links(int64_t chunk_tokens) {
+  const size_t bytes = static_cast<size_t>(chunk_tokens * config_.hc_mult * config_.hidden) * 2;
   for (size_t s = 0; s < links_.size(); ++s) {
     cuda::DeviceGuard on(devices_[s + 1]);
     if (links_[s]->buf.bytes() < bytes)
@@ -210,15 +211,8 @@ Status Dsv4Pipeline::prefill(const std::vector<int32_t>& ids, const std::vector<
   }
   int64_t widest = 0;
   for (auto [at, len] : plan) widest = std::max(widest, len);
-  const size_t need = static_cast<size_t>(widest * config_.hc_mult * config_.hidden) * 2;
-  for (size_t s = 0; s < links_.size(); ++s) {
-    Link& L = *links_[s];
-    L.open();
-    if (L.buf.bytes() < need) {
-      cuda::DeviceGuard on(devices_[s + 1]);
-      HETERO_RETURN_IF_ERROR(L.buf.allocate(need, "a pipeline link"));
-    }
-  }
+  HETERO_RETURN_IF_ERROR(size_links(widest));
+  for (auto& l : links_) l->open();
   std::mutex mu;
   Status first_error;
   std::atomic<bool> failed{false};

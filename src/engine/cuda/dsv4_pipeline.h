@@ -70,6 +70,9 @@ class Dsv4Pipeline {
       const Dsv4Config& config, const Dsv4PipelineOptions& options,
       const std::function<Result<std::unique_ptr<Dsv4CudaEngine>>(const Dsv4CudaOptions&)>& one);
 
+  // Every link's buffer holds a chunk of this many tokens.
+  Status size_links(int64_t chunk_tokens);
+
   Dsv4Config config_;
   std::vector<int> devices_;
   std::vector<std::unique_ptr<Dsv4CudaEngine>> engines_;
