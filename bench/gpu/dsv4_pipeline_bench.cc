@@ -4,12 +4,16 @@
 //
 //   --devices 0,1 (one per stage; all different: NCCL links; all the same: device copies)
 //   --layers 8 --weights checkpoint|fp8|bf16 --t 8192,32768 --chunk 8192 --repeats 3 --rev REV
+//   [--bridge off,on] (on: the bridge behind the pipeline as served: each stage's taps captured
+//   and its layers' cache program run on its own GPU, one producer framing the segments; the
+//   decoder's program weights drawn at Flash widths)
 //   [--no-single] (skip the one-engine reference, e.g. when the layers do not fit one GPU)
 //
-// One JSON line per T: the pipeline's and the single engine's wall time (median, min, max of
-// --repeats after one warmup) and tok/s for these layers (not scaled to 43: the first layers'
-// mix of ratios is not the model's; dsv4_layer_bench weighs per ratio), their ratio, the stages'
-// devices and weight bytes, and the bytes each chunk sends per link.
+// One JSON line per T and bridge mode: the pipeline's wall time (median, min, max of --repeats
+// after one warmup) and tok/s for these layers (not scaled to 43 unless --layers 43: the first
+// layers' mix of ratios is not the model's; dsv4_layer_bench weighs per ratio), the bridge's cost
+// against off and its wire bytes per token, the stages' devices and weight bytes, the bytes each
+// chunk sends per link; with bridge off, the single engine's time and the ratio.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +25,8 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "bridge/cuda/staged_bridge.h"
+#include "bridge/producer.h"
 #include "dsv4_flash_decoder.h"
 #include "engine/cuda/dsv4_pipeline.h"
 
@@ -57,6 +63,7 @@ int run(int argc, char** argv) {
   int repeats = 3;
   bool single = true;
   std::string weights = "checkpoint", rev = "unknown";
+  std::vector<std::string> bridge_modes = {"off"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -76,7 +83,14 @@ int run(int argc, char** argv) {
       rev = next();
     else if (a == "--no-single")
       single = false;
-    else
+    else if (a == "--bridge") {
+      bridge_modes.clear();
+      std::stringstream in(next());
+      for (std::string m; std::getline(in, m, ',');) {
+        if (m != "off" && m != "on") return std::fprintf(stderr, "--bridge takes off,on\n"), 2;
+        bridge_modes.push_back(m);
+      }
+    } else
       return std::fprintf(stderr, "see the header of bench/gpu/dsv4_pipeline_bench.cc\n"), 2;
   }
   const Dsv4Config c = bench::flash_config(layers);
@@ -98,6 +112,21 @@ int run(int argc, char** argv) {
   std::fprintf(stderr, "%s, %lld layers, %lld stages (%s), weights %s\n", bench::gpu_name().c_str(),
                static_cast<long long>(layers), static_cast<long long>((*p)->stages()),
                (*p)->transport(), weights.c_str());
+  // The bridge as served (prefill/families_cuda.cc): each stage's layers on its own GPU.
+  std::unique_ptr<cuda::Dsv4StagedBridge> bridge;
+  std::unique_ptr<Dsv4DecoderWeights> decoder;
+  if (std::find(bridge_modes.begin(), bridge_modes.end(), "on") != bridge_modes.end()) {
+    decoder = std::make_unique<Dsv4DecoderWeights>(bench::flash_decoder_weights(
+        std::vector<int64_t>(c.compress_ratios.begin(), c.compress_ratios.end())));
+    std::vector<cuda::BridgeStage> bs;
+    for (int64_t s = 0; s < (*p)->stages(); ++s)
+      bs.push_back({(*p)->device(s), (*p)->device(s), (*p)->first_layer(s), (*p)->end_layer(s)});
+    auto made = cuda::Dsv4StagedBridge::create(decoder.get(), bs);
+    if (!made.is_ok())
+      return std::fprintf(stderr, "bridge: %s\n", made.status().to_string().c_str()), 1;
+    bridge = std::move(made.value());
+  }
+  FrameBufferPool frame_buffers(3);
   for (int64_t T : Ts) {
     std::mt19937 rng(static_cast<uint32_t>(T));
     std::vector<int32_t> ids(static_cast<size_t>(T));
@@ -105,54 +134,77 @@ int run(int argc, char** argv) {
     const std::vector<int64_t> chunks((T + chunk - 1) / chunk, chunk);
     Status st = (*p)->reserve(T, chunk);
     if (!st.is_ok()) return std::fprintf(stderr, "reserve: %s\n", st.to_string().c_str()), 1;
-    auto tp = time_runs(repeats, [&]() -> Status {
-      HETERO_RETURN_IF_ERROR((*p)->reset());
-      return (*p)->prefill(ids, chunks, {});
-    });
-    if (!tp.is_ok())
-      return std::fprintf(stderr, "pipeline: %s\n", tp.status().to_string().c_str()), 1;
-    Times ts;
-    if (single) {  // one engine on the first stage's GPU, the pipeline's memory given back first
-      cudaSetDevice(po.devices[0]);
-      Dsv4CudaOptions o = po.engine;
-      p.value().reset();  // the pipeline's memory given back for the one engine
-      auto one = Dsv4CudaEngine::random(c, 7, o);
-      if (!one.is_ok())
-        return std::fprintf(stderr, "single: %s\n", one.status().to_string().c_str()), 1;
-      if (!(st = (*one)->reserve(T, chunk)).is_ok())
-        return std::fprintf(stderr, "single reserve: %s\n", st.to_string().c_str()), 1;
-      auto r = time_runs(repeats, [&]() -> Status {
-        HETERO_RETURN_IF_ERROR((*one)->reset());
-        for (int64_t at = 0; at < T; at += chunk)
-          HETERO_RETURN_IF_ERROR(
-              (*one)->prefill_chunk({ids.begin() + at, ids.begin() + std::min(T, at + chunk)}, {}));
-        return (*one)->synchronize();
+    double off_median = 0;
+    for (const std::string& mode : bridge_modes) {
+      const bool on = mode == "on";
+      double wire_bytes = 0;
+      bool complete = true;
+      auto tp = time_runs(repeats, [&]() -> Status {
+        HETERO_RETURN_IF_ERROR((*p)->reset());
+        if (!on) return (*p)->prefill(ids, chunks, {});
+        // As the served host cuts the prompt: the decoder's schedule is the chunk plan.
+        HETERO_ASSIGN_OR_RETURN(auto program, bridge->program(chunks));
+        double bytes = 0;
+        BridgeProducer producer(program.get(), bench::counting_sink(&bytes, &frame_buffers), 4,
+                                bridge->capture(), &frame_buffers);
+        const Status ran = (*p)->prefill(ids, chunks, producer.tap());
+        complete = producer.finish(T, ran).complete && complete;
+        wire_bytes = bytes;
+        return ran;
       });
-      if (!r.is_ok())
-        return std::fprintf(stderr, "single: %s\n", r.status().to_string().c_str()), 1;
-      ts = *r;
-      p = Dsv4Pipeline::random(c, 7, po);  // back for the next T
-      if (!p.is_ok())
-        return std::fprintf(stderr, "pipeline: %s\n", p.status().to_string().c_str()), 1;
+      if (!tp.is_ok())
+        return std::fprintf(stderr, "pipeline: %s\n", tp.status().to_string().c_str()), 1;
+      if (!on) off_median = tp->median;
+      Times ts;
+      const bool with_single = single && !on;
+      if (with_single) {  // one engine on the first stage's GPU, the pipeline's memory given back
+        cudaSetDevice(po.devices[0]);
+        Dsv4CudaOptions o = po.engine;
+        p.value().reset();
+        auto one = Dsv4CudaEngine::random(c, 7, o);
+        if (!one.is_ok())
+          return std::fprintf(stderr, "single: %s\n", one.status().to_string().c_str()), 1;
+        if (!(st = (*one)->reserve(T, chunk)).is_ok())
+          return std::fprintf(stderr, "single reserve: %s\n", st.to_string().c_str()), 1;
+        auto r = time_runs(repeats, [&]() -> Status {
+          HETERO_RETURN_IF_ERROR((*one)->reset());
+          for (int64_t at = 0; at < T; at += chunk)
+            HETERO_RETURN_IF_ERROR((*one)->prefill_chunk(
+                {ids.begin() + at, ids.begin() + std::min(T, at + chunk)}, {}));
+          return (*one)->synchronize();
+        });
+        if (!r.is_ok())
+          return std::fprintf(stderr, "single: %s\n", r.status().to_string().c_str()), 1;
+        ts = *r;
+        one.value().reset();
+        p = Dsv4Pipeline::random(c, 7, po);  // back for the next mode and T
+        if (!p.is_ok())
+          return std::fprintf(stderr, "pipeline: %s\n", p.status().to_string().c_str()), 1;
+        if (!(st = (*p)->reserve(T, chunk)).is_ok())
+          return std::fprintf(stderr, "reserve: %s\n", st.to_string().c_str()), 1;
+      }
+      const double tok_p = T / tp->median, tok_s = with_single ? T / ts.median : 0;
+      auto num = [](bool have, double v) { return have ? std::to_string(v) : std::string("null"); };
+      std::fprintf(stderr, "  T %7lld  bridge %-3s  pipeline %.3f s (%.0f tok/s)  one engine %s\n",
+                   static_cast<long long>(T), mode.c_str(), tp->median, tok_p,
+                   num(with_single, ts.median).c_str());
+      std::printf(
+          "{\"bench\":\"dsv4_pipeline\",\"gpu\":\"%s\",\"rev\":\"%s\",\"weights\":\"%s\","
+          "\"layers\":%lld,\"stages\":%s,\"transport\":\"%s\",\"T\":%lld,\"chunk\":%lld,"
+          "\"repeats\":%d,\"bridge\":\"%s\",\"manifest_complete\":%s,\"pipeline_s_median\":%.4f,"
+          "\"pipeline_s_min\":%.4f,\"pipeline_s_max\":%.4f,\"tok_s\":%.1f,"
+          "\"bridge_cost_vs_off\":%s,\"wire_bytes_per_token\":%s,\"single_s_median\":%s,"
+          "\"single_tok_s\":%s,\"pipeline_vs_single\":%s,\"link_bytes_per_chunk\":%lld}\n",
+          bench::gpu_name().c_str(), rev.c_str(), weights.c_str(), static_cast<long long>(layers),
+          stages.c_str(), (*p)->transport(), static_cast<long long>(T),
+          static_cast<long long>(chunk), repeats, mode.c_str(),
+          on ? (complete ? "true" : "false") : "null", tp->median, tp->min, tp->max, tok_p,
+          num(on && off_median > 0, tp->median / off_median - 1).c_str(),
+          num(on, wire_bytes / static_cast<double>(T)).c_str(), num(with_single, ts.median).c_str(),
+          num(with_single, tok_s).c_str(), num(with_single, tp->median / ts.median).c_str(),
+          static_cast<long long>(std::min(T, chunk) * c.hc_mult * c.hidden * 2));
+      std::fflush(stdout);
     }
-    const double tok_p = T / tp->median, tok_s = single ? T / ts.median : 0;
-    std::fprintf(stderr, "  T %7lld  pipeline %.3f s (%.0f tok/s)  one engine %s  ratio %s\n",
-                 static_cast<long long>(T), tp->median, tok_p,
-                 single ? (std::to_string(ts.median) + " s").c_str() : "-",
-                 single ? std::to_string(tp->median / ts.median).c_str() : "-");
-    std::printf(
-        "{\"bench\":\"dsv4_pipeline\",\"gpu\":\"%s\",\"rev\":\"%s\",\"weights\":\"%s\","
-        "\"layers\":%lld,\"stages\":%s,\"transport\":\"%s\",\"T\":%lld,\"chunk\":%lld,"
-        "\"repeats\":%d,\"pipeline_s_median\":%.4f,\"pipeline_s_min\":%.4f,\"pipeline_s_max\":%.4f,"
-        "\"single_s_median\":%s,\"tok_s\":%.1f,\"single_tok_s\":%s,\"pipeline_vs_single\":%s,"
-        "\"link_bytes_per_chunk\":%lld}\n",
-        bench::gpu_name().c_str(), rev.c_str(), weights.c_str(), static_cast<long long>(layers),
-        stages.c_str(), (*p)->transport(), static_cast<long long>(T), static_cast<long long>(chunk),
-        repeats, tp->median, tp->min, tp->max, single ? std::to_string(ts.median).c_str() : "null",
-        tok_p, single ? std::to_string(tok_s).c_str() : "null",
-        single ? std::to_string(tp->median / ts.median).c_str() : "null",
-        static_cast<long long>(std::min(T, chunk) * c.hc_mult * c.hidden * 2));
-    std::fflush(stdout);
   }
   return 0;
 }

@@ -123,6 +123,7 @@ void BridgeProducer::program_one(Work& w, const DecoderCacheLayout& layout, void
       segments_.push(std::move(open));
     }
   }
+  if (stream) stream = program_->layer_stream(w.layer);
   Result<const uint16_t*> x =
       w.slot >= 0 ? capture_->ready(w.slot, stream) : Result<const uint16_t*>(w.x.data());
   auto& layer_arrays = p.arrays[static_cast<size_t>(w.layer)];

@@ -42,6 +42,12 @@ class SegmentProgram {
   // must have enqueued every read of it on that stream when it returns (the rows' slot is reused
   // once those reads are done). Null (the default): x is in host memory.
   virtual void* device_stream() const { return nullptr; }
+  // The stream that reads a layer's rows, where a program's layers run on several (a layer
+  // pipeline's stages, each on its GPU). Default: device_stream().
+  virtual void* layer_stream(int64_t layer) const {
+    (void)layer;
+    return device_stream();
+  }
   // Called on the encoding thread before a segment's arrays are read: a program whose arrays
   // are still being filled asynchronously (a GPU program's device-to-host copies) waits for them
   // here, and reports a device error. Default: the arrays are ready when run() returns.

@@ -1,6 +1,9 @@
 // The prefill backend's option spec: see backend_options.h.
 #include "prefill/backend_options.h"
 
+#include <algorithm>
+#include <cstdlib>
+
 namespace hetero {
 
 std::vector<OptionSpec> prefill_backend_specs() {
@@ -42,6 +45,10 @@ std::vector<OptionSpec> prefill_backend_specs() {
        false,
        {"ordered", "blas"}},
       {"device", "HETERO_PREFILL_DEVICE", "0", "cuda: the GPU the forward runs on"},
+      {"gpus", "HETERO_PREFILL_GPUS", "",
+       "cuda, deepseek_v4: the GPUs of a layer pipeline, one stage each in order, e.g. 0,1 (the "
+       "layers split evenly; NCCL between GPUs; a GPU named twice holds two stages); each "
+       "stage's cache program runs on its own GPU. Empty: one stage on --device"},
       {"program-device", "HETERO_PREFILL_PROGRAM_DEVICE", "-1",
        "cuda: the GPU the cache program runs on (-1: the forward's); another GPU keeps its work "
        "off the forward's"},
@@ -74,6 +81,20 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
   if (o.chunk_tokens <= 0) return invalid_argument("--chunk must be a positive integer");
   b.device = static_cast<int>(device);
   b.program_device = static_cast<int>(program_device);
+  const std::string gpus = opts.get("gpus");
+  for (size_t at = 0; !gpus.empty() && at <= gpus.size();) {
+    const size_t comma = std::min(gpus.find(',', at), gpus.size());
+    const std::string one = gpus.substr(at, comma - at);
+    char* end = nullptr;
+    const long g = std::strtol(one.c_str(), &end, 10);
+    if (one.empty() || *end != '\0' || g < 0 || g > 1024)
+      return invalid_argument("--gpus must be GPU indices separated by commas (e.g. 0,1), not '" +
+                              gpus + "'");
+    b.gpus.push_back(static_cast<int>(g));
+    at = comma + 1;
+  }
+  if (!b.gpus.empty() && b.name != "cuda") return invalid_argument("--gpus is for --backend cuda");
+  if (!b.gpus.empty() && device != 0) return invalid_argument("pass --gpus or --device, not both");
   return o;
 }
 

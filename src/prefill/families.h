@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "bridge/dsv4_program.h"
 #include "model/dsv4.h"
@@ -33,6 +34,9 @@ struct PrefillBackend {
   std::string kv_dtype = "fp8";  // cuda: the engine's own cache, "fp8" or "bf16"
   std::string arith = "exact";   // cuda, llama: "exact" (the decoder's) or "fast" (tensor cores)
   int device = 0;                // cuda: which GPU
+  // cuda, deepseek_v4: the GPUs of a layer pipeline, one stage per entry in order (the layers
+  // split evenly; a GPU named twice holds two stages). Empty: one stage on `device`.
+  std::vector<int> gpus;
   // cuda, fast: the large weights on the GPU, "bf16", "fp8" (e4m3 with a float32 scale per
   // 128x128 block, quantized at load; cuBLASLt block-scaled GEMMs: llama's projections,
   // deepseek_v4's experts) or "checkpoint" (deepseek_v4: the official FP8 projections and FP4

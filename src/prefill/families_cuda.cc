@@ -4,7 +4,9 @@
 #include <utility>
 
 #include "bridge/cuda/gpu_programs.h"
+#include "bridge/cuda/staged_bridge.h"
 #include "engine/cuda/dsv4_cuda.h"
+#include "engine/cuda/dsv4_pipeline.h"
 #include "engine/cuda/llama_cuda.h"
 #include "prefill/families.h"
 
@@ -24,6 +26,19 @@ Status check_device(int device) {
     return invalid_argument("CUDA device " + std::to_string(device) + " does not exist (" +
                             std::to_string(n) + " present)");
   return Status::ok();
+}
+
+// A device's entry in a memory report (added, with what the driver says is free, on first use).
+GpuMemory& gpu_entry(std::vector<GpuMemory>& out, int device) {
+  for (GpuMemory& g : out)
+    if (g.device == device) return g;
+  GpuMemory g;
+  g.device = device;
+  size_t free = 0, total = 0;
+  cuda::DeviceGuard guard(device);
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) cudaGetLastError();
+  g.free = static_cast<int64_t>(free), g.total = static_cast<int64_t>(total);
+  return out.emplace_back(g);
 }
 
 // f() with the cache program's GPU current (its weights, its stream and scratch live there).
@@ -70,22 +85,11 @@ Result<std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeig
     std::vector<GpuMemory> out;
     auto o = weak.lock();
     if (!o) return out;
-    auto on = [&](int device) -> GpuMemory& {
-      for (GpuMemory& g : out)
-        if (g.device == device) return g;
-      GpuMemory g;
-      g.device = device;
-      size_t free = 0, total = 0;
-      cuda::DeviceGuard guard(device);
-      if (cudaMemGetInfo(&free, &total) != cudaSuccess) cudaGetLastError();
-      g.free = static_cast<int64_t>(free), g.total = static_cast<int64_t>(total);
-      return out.emplace_back(g);
-    };
     const int64_t weights = static_cast<int64_t>(o->engine->weight_bytes());
-    on(engine_device).weights = weights;
-    on(engine_device).state_and_activations =
+    gpu_entry(out, engine_device).weights = weights;
+    gpu_entry(out, engine_device).state_and_activations =
         static_cast<int64_t>(o->engine->device_bytes()) - weights;
-    on(capture_device).capture = static_cast<int64_t>(o->capture->device_bytes());
+    gpu_entry(out, capture_device).capture = static_cast<int64_t>(o->capture->device_bytes());
     return out;
   };
   s.owned = owned;
@@ -95,7 +99,13 @@ Result<std::pair<PrefillStack, std::shared_ptr<GpuOwned<Engine, Weights, GpuWeig
 }  // namespace
 
 Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::string& weights_dir,
-                                     const PrefillBackend& backend) {
+                                     const PrefillBackend& requested) {
+  if (requested.gpus.size() > 1)
+    return invalid_argument(
+        "llama runs on one GPU (--device); --gpus with several is for "
+        "deepseek_v4's layer pipeline");
+  PrefillBackend backend = requested;
+  if (!requested.gpus.empty()) backend.device = requested.gpus.front();
   HETERO_RETURN_IF_ERROR(check_device(backend.device));
   if (backend.program_device >= 0) HETERO_RETURN_IF_ERROR(check_device(backend.program_device));
   HETERO_ASSIGN_OR_RETURN(cuda::KvDtype kv, cuda::parse_kv_dtype(backend.kv_dtype));
@@ -130,45 +140,78 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   return std::move(s);
 }
 
+// What a deepseek_v4 GPU stack owns: the pipeline, the decoder's export, and the bridge built
+// on it (which reads the export: it goes first).
+struct Dsv4Owned {
+  std::unique_ptr<Dsv4Pipeline> pipeline;
+  Dsv4DecoderWeights weights;
+  std::unique_ptr<cuda::Dsv4StagedBridge> bridge;
+};
+
 Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::string& weights_dir,
                                     const PrefillBackend& backend) {
-  HETERO_RETURN_IF_ERROR(check_device(backend.device));
-  if (backend.program_device >= 0) HETERO_RETURN_IF_ERROR(check_device(backend.program_device));
+  const std::vector<int> gpus =
+      backend.gpus.empty() ? std::vector<int>{backend.device} : backend.gpus;
+  for (int g : gpus) HETERO_RETURN_IF_ERROR(check_device(g));
+  if (backend.program_device >= 0) {
+    if (gpus.size() > 1)
+      return invalid_argument(
+          "--program-device is for one stage; with --gpus each stage's cache program runs on "
+          "its stage's GPU");
+    HETERO_RETURN_IF_ERROR(check_device(backend.program_device));
+  }
   if (backend.arith != "fast")
     return failed_precondition(
         "deepseek_v4 on the cuda backend has only fast arithmetic (its caches agree with the "
         "decoder's within a tolerance, not bit for bit); pass --arith fast to accept that, or "
         "use --backend cpu for bit-exact caches");
-  if (backend.device != 0)
-    return invalid_argument(
-        "deepseek_v4 on the cuda backend runs its forward on device 0 only, not " +
-        std::to_string(backend.device) + " (--program-device can put the cache program elsewhere)");
-  Dsv4CudaOptions options;
-  HETERO_ASSIGN_OR_RETURN(options.weight_dtype, cuda::parse_weight_dtype(backend.weights));
-  options.device_memory_budget_bytes = backend.device_memory_budget_bytes;
-  HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
-  HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CudaEngine::load(model_dir, options));
-  HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
-  HETERO_ASSIGN_OR_RETURN(auto gpu_weights, on_program_device(backend, [&] {
-                            return cuda::upload_dsv4_weights(weights);
-                          }));
-  HETERO_ASSIGN_OR_RETURN(
-      auto stack, gpu_stack(std::string("deepseek_v4"), std::string("fast"), std::move(engine),
-                            std::move(weights), std::move(gpu_weights), backend));
-  auto& [s, owned] = stack;
-  const Dsv4DecoderWeights* w = &owned->weights;
-  const cuda::Dsv4GpuWeights* gw = owned->gpu_weights.get();
-  s.programs = [w, gw,
-                backend](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+  Dsv4PipelineOptions po;
+  po.devices = gpus;
+  HETERO_ASSIGN_OR_RETURN(po.engine.weight_dtype, cuda::parse_weight_dtype(backend.weights));
+  po.engine.device_memory_budget_bytes = backend.device_memory_budget_bytes;
+  auto owned = std::make_shared<Dsv4Owned>();
+  HETERO_ASSIGN_OR_RETURN(owned->weights, load_dsv4_decoder_weights(weights_dir));
+  HETERO_ASSIGN_OR_RETURN(owned->pipeline, Dsv4Pipeline::load(model_dir, po));
+  const Dsv4Pipeline& p = *owned->pipeline;
+  HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(p.config(), owned->weights));
+  std::vector<cuda::BridgeStage> stages;
+  for (int64_t st = 0; st < p.stages(); ++st)
+    stages.push_back({p.device(st),
+                      backend.program_device >= 0 ? backend.program_device : p.device(st),
+                      p.first_layer(st), p.end_layer(st)});
+  HETERO_ASSIGN_OR_RETURN(owned->bridge, cuda::Dsv4StagedBridge::create(&owned->weights, stages));
+  PrefillStack s;
+  s.family = "deepseek_v4";
+  s.arith = "fast";
+  s.engine = std::make_unique<EngineAdapter<Dsv4Pipeline>>(owned->pipeline.get());
+  s.layout = owned->weights.layout;
+  s.capture = owned->bridge->capture();
+  std::weak_ptr<Dsv4Owned> weak = owned;
+  s.gpu_memory = [weak]() {
+    std::vector<GpuMemory> out;
+    auto o = weak.lock();
+    if (!o) return out;
+    for (int64_t st = 0; st < o->pipeline->stages(); ++st) {
+      Dsv4CudaEngine& e = o->pipeline->stage(st);
+      GpuMemory& g = gpu_entry(out, o->pipeline->device(st));
+      g.weights += e.weight_bytes();
+      g.state_and_activations += e.device_bytes() - e.weight_bytes();
+    }
+    for (const cuda::BridgeStage& b : o->bridge->stages()) {
+      GpuMemory& g = gpu_entry(out, b.program_device);
+      g.capture = static_cast<int64_t>(o->bridge->capture()->device_bytes(b.program_device));
+    }
+    return out;
+  };
+  const cuda::Dsv4StagedBridge* bridge = owned->bridge.get();
+  s.programs = [bridge](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
     HETERO_RETURN_IF_ERROR(require_decoder_calls(req));
-    return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
-      HETERO_ASSIGN_OR_RETURN(auto program,
-                              cuda::Dsv4GpuSegmentProgram::create(w, gw, req.decoder_calls));
-      return std::unique_ptr<SegmentProgram>(std::move(program));
-    });
+    HETERO_ASSIGN_OR_RETURN(auto program, bridge->program(req.decoder_calls));
+    return std::unique_ptr<SegmentProgram>(std::move(program));
   };
   s.chunk_plan = [](const PrefillRequest& req, int64_t) { return req.decoder_calls; };
-  return std::move(s);
+  s.owned = owned;
+  return s;
 }
 
 }  // namespace hetero

@@ -195,18 +195,13 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
                           program.value()->device_stream() ? capture_ : nullptr, buffers_.get());
   producer.set_arith(arith_);
   Status st;
-  int64_t p = 0;
   try {
-    for (int64_t n : plan) {
-      if (!st.is_ok() || producer.cancelled()) break;
-      std::vector<int32_t> part(req.ids.begin() + p, req.ids.begin() + p + n);
-      st = engine_->prefill_chunk(part, producer.tap());
-      p += n;
-    }
+    st = engine_->prefill_plan(req.ids, plan, producer.tap(),
+                               [&producer] { return producer.cancelled(); });
     if (st.is_ok()) st = engine_->finish();
   } catch (const std::bad_alloc&) {  // the request ends, sealed by its manifest; the host serves on
-    st = resource_exhausted("out of host memory at token " + std::to_string(p) + " of " +
-                            std::to_string(T));
+    st = resource_exhausted("out of host memory during the prefill of " + std::to_string(T) +
+                            " tokens");
   }
   if (!st.is_ok()) log_line("prefill", "a prefill failed: " + st.to_string());
   return producer.finish(T, st);

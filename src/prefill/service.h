@@ -46,6 +46,22 @@ class PrefillEngine {
     return Status::ok();
   }
   virtual Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) = 0;
+  // A request's ids in chunks of the plan's lengths (they sum to ids.size()); stop is asked
+  // before each chunk, and once it says true no further chunk starts (OK: the caller knows why
+  // it stopped). Default: prefill_chunk for each chunk in turn. An engine that overlaps chunks
+  // (a layer pipeline) runs the plan its own way.
+  virtual Status prefill_plan(const std::vector<int32_t>& ids, const std::vector<int64_t>& plan,
+                              const AttentionInputTap& tap, const std::function<bool()>& stop) {
+    size_t at = 0;
+    for (int64_t n : plan) {
+      if (stop()) break;
+      const std::vector<int32_t> part(ids.begin() + static_cast<std::ptrdiff_t>(at),
+                                      ids.begin() + static_cast<std::ptrdiff_t>(at + n));
+      HETERO_RETURN_IF_ERROR(prefill_chunk(part, tap));
+      at += static_cast<size_t>(n);
+    }
+    return Status::ok();
+  }
   virtual int64_t vocab() const = 0;
   // Waits for work the engine enqueued asynchronously (a GPU engine) and reports its errors.
   virtual Status finish() { return Status::ok(); }
@@ -70,7 +86,17 @@ class EngineAdapter : public PrefillEngine {
       return Status::ok();
   }
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) override {
-    return engine_->prefill_chunk(ids, tap);
+    if constexpr (requires(Engine & e) { e.prefill_chunk(ids, tap); })
+      return engine_->prefill_chunk(ids, tap);
+    else
+      return engine_->prefill(ids, {static_cast<int64_t>(ids.size())}, tap);
+  }
+  Status prefill_plan(const std::vector<int32_t>& ids, const std::vector<int64_t>& plan,
+                      const AttentionInputTap& tap, const std::function<bool()>& stop) override {
+    if constexpr (requires(Engine & e) { e.prefill(ids, plan, tap, stop); })
+      return engine_->prefill(ids, plan, tap, stop);
+    else
+      return PrefillEngine::prefill_plan(ids, plan, tap, stop);
   }
   int64_t vocab() const override { return engine_->config().vocab; }
   Status finish() override {

@@ -1,14 +1,21 @@
 // The DeepSeek-V4 layer pipeline (engine/cuda/dsv4_pipeline.h) against one engine: every layer's
 // attention input, bit for bit, with the stages on one GPU (device-copy links) and, where the
-// machine has two GPUs, on two (NCCL), while chunks overlap across the stages.
+// machine has two GPUs, on two (NCCL), while chunks overlap across the stages. The bridge behind
+// it (bridge/cuda/staged_bridge.h: each stage's layers captured and programmed on its GPU, one
+// producer) against the one-stage bridge: the same frames, byte for byte. A stop mid-prompt.
 #include "engine/cuda/dsv4_pipeline.h"
 
 #include <gtest/gtest.h>
 
 #include <mutex>
 #include <random>
+#include <set>
+#include <string>
 
 #include "../common/dsv4_model_weights.h"
+#include "../common/dsv4_test_weights.h"
+#include "bridge/cuda/staged_bridge.h"
+#include "bridge/producer.h"
 #include "cuda_test_base.h"
 
 namespace hetero {
@@ -78,6 +85,96 @@ TEST_F(Dsv4PipelineTest, StagesOnTwoGpusOverNcclGiveOneEnginesBits) {
   if (n < 2) GTEST_SKIP() << "one GPU: no second device for the second stage";
   expect_same_as_one_engine({0, 1}, cuda::WeightDtype::kBf16);
   expect_same_as_one_engine({0, 1}, cuda::WeightDtype::kCheckpoint);
+}
+
+// The frames a bridged prefill streams, with the pipeline's stages on `devices` and each stage's
+// program on its own GPU.
+std::vector<std::string> bridged_frames(const std::vector<int>& devices) {
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
+  const Dsv4Weights w = random_dsv4_model(c, 23);
+  Dsv4TestShape shape;
+  shape.hidden = c.hidden;
+  shape.ratios = {c.compress_ratios.begin(), c.compress_ratios.end()};
+  const Dsv4DecoderWeights decoder = random_dsv4_weights(shape);
+  Dsv4PipelineOptions po;
+  po.devices = devices;
+  auto p = Dsv4Pipeline::create(w, po);
+  EXPECT_TRUE(p.is_ok()) << p.status().to_string();
+  if (!p.is_ok()) return {};
+  std::vector<cuda::BridgeStage> stages;
+  for (int64_t s = 0; s < (*p)->stages(); ++s)
+    stages.push_back({(*p)->device(s), (*p)->device(s), (*p)->first_layer(s), (*p)->end_layer(s)});
+  auto bridge = cuda::Dsv4StagedBridge::create(&decoder, stages);
+  EXPECT_TRUE(bridge.is_ok()) << bridge.status().to_string();
+  if (!bridge.is_ok()) return {};
+  // Each stage's program weights hold its layers only, on its GPU.
+  size_t held = 0;
+  for (int d : std::set<int>(devices.begin(), devices.end())) held += (*bridge)->weight_bytes(d);
+  EXPECT_GT(held, 0u);
+  const int64_t T = 301;
+  std::mt19937 rng(5);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
+  const std::vector<int64_t> calls = {64, 64, 3, 1, 100, 69};  // the decoder's, as served
+  auto program = (*bridge)->program(calls);
+  EXPECT_TRUE(program.is_ok()) << program.status().to_string();
+  if (!program.is_ok()) return {};
+  std::vector<std::string> frames;
+  BridgeProducer producer(
+      program->get(),
+      [&](std::string f) {
+        frames.push_back(std::move(f));
+        return true;
+      },
+      4, (*bridge)->capture());
+  EXPECT_TRUE((*p)->reset().is_ok());
+  const Status ran = (*p)->prefill(ids, calls, producer.tap());
+  EXPECT_TRUE(ran.is_ok()) << ran.to_string();
+  const Manifest m = producer.finish(T, ran);
+  EXPECT_TRUE(m.complete) << m.reason;
+  EXPECT_EQ(m.segments, static_cast<int64_t>(calls.size()));
+  return frames;
+}
+
+TEST_F(Dsv4PipelineTest, BridgeAcrossStagesStreamsTheOneStageFrames) {
+  const auto want = bridged_frames({0});
+  ASSERT_EQ(want.size(), 7u);  // six segments and the manifest
+  for (const std::vector<int>& devices : {std::vector<int>{0, 0}, std::vector<int>{0, 0, 0}}) {
+    const auto got = bridged_frames(devices);
+    ASSERT_EQ(got.size(), want.size()) << devices.size() << " stages";
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_TRUE(got[i] == want[i]) << devices.size() << " stages, frame " << i;
+  }
+  int n = 0;
+  cudaGetDeviceCount(&n);
+  if (n < 2) GTEST_SKIP() << "one GPU: the stages on two GPUs are not run";
+  EXPECT_TRUE(bridged_frames({0, 1}) == want) << "stages on GPUs 0 and 1";
+}
+
+TEST_F(Dsv4PipelineTest, StopLetsNoFurtherChunkInAndFinishesTheOnesInFlight) {
+  const Dsv4Config c = tiny_dsv4_config();
+  Dsv4PipelineOptions po;
+  po.devices = {0, 0, 0};
+  auto p = Dsv4Pipeline::random(c, 3, po);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  std::vector<int32_t> ids(200, 7);
+  int asked = 0;
+  std::mutex mu;
+  std::vector<int64_t> tapped(static_cast<size_t>(c.layers), 0);
+  const Status st = (*p)->prefill(
+      ids, {50, 50, 50, 50},
+      [&](const TapEvent& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        tapped[static_cast<size_t>(e.layer)] += e.n_tokens;
+      },
+      [&] { return ++asked > 2; });
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (int64_t s = 0; s < (*p)->stages(); ++s) EXPECT_EQ((*p)->stage(s).cached_tokens(), 100);
+  for (int64_t t : tapped) EXPECT_EQ(t, 100);
+  // The next prompt runs whole.
+  ASSERT_TRUE((*p)->reset().is_ok());
+  ASSERT_TRUE((*p)->prefill(ids, {50, 50, 50, 50}, {}).is_ok());
+  EXPECT_EQ((*p)->cached_tokens(), 200);
 }
 
 TEST_F(Dsv4PipelineTest, SplitsAndRefusals) {

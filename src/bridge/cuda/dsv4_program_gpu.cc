@@ -83,8 +83,16 @@ bool layer_has_dense(const Dsv4GpuLayer& L) {
 
 }  // namespace
 
-Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWeights& w) {
+Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWeights& w,
+                                                            int64_t first_layer,
+                                                            int64_t end_layer) {
+  const int64_t layers = static_cast<int64_t>(w.layers.size());
+  if (end_layer < 0) end_layer = layers;
+  if (first_layer < 0 || first_layer >= end_layer || end_layer > layers)
+    return invalid_argument("decoder layers [" + std::to_string(first_layer) + ", " +
+                            std::to_string(end_layer) + ") of " + std::to_string(layers));
   auto g = std::make_unique<Dsv4GpuWeights>();
+  g->first_layer = first_layer, g->end_layer = end_layer;
   g->layout = w.layout;
   g->eps = static_cast<float>(w.rms_norm_eps);
   g->window = w.window;
@@ -94,7 +102,7 @@ Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWei
   HETERO_RETURN_IF_ERROR(upload(w.freqs_local, &g->freqs_local, &total));
   HETERO_RETURN_IF_ERROR(upload(w.freqs_compressed, &g->freqs_compressed, &total));
   g->layers.resize(w.layers.size());
-  for (size_t i = 0; i < w.layers.size(); ++i) {
+  for (auto i = static_cast<size_t>(first_layer); i < static_cast<size_t>(end_layer); ++i) {
     const Dsv4ProgramLayer& L = w.layers[i];
     Dsv4GpuLayer& G = g->layers[i];
     G.ratio = L.ratio;
@@ -116,6 +124,16 @@ Dsv4GpuCacheProgram::Dsv4GpuCacheProgram(const Dsv4GpuWeights* weights,
     : w_(weights), stream_(stream), block_rows_(std::max<int64_t>(1, block_rows)) {
   sched_ = dsv4_schedule(decoder_calls, w_->window);
   state_.resize(static_cast<size_t>(w_->layout.layers));
+}
+
+Status Dsv4GpuCacheProgram::check_held(int64_t layer) const {
+  HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
+  if (layer < w_->first_layer || layer >= w_->end_layer)
+    return invalid_argument("layer " + std::to_string(layer) +
+                            "'s decoder weights are not on this program's GPU (it holds [" +
+                            std::to_string(w_->first_layer) + ", " + std::to_string(w_->end_layer) +
+                            "))");
+  return Status::ok();
 }
 
 // Frees are stream-ordered: they run after every op this program enqueued.
@@ -310,7 +328,7 @@ Status Dsv4GpuCacheProgram::feed_device(int64_t layer, int64_t pos0, int64_t n, 
 Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                      bool on_device, Dsv4NewRows* out) {
   std::lock_guard<std::mutex> lock(mu_);
-  HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
+  HETERO_RETURN_IF_ERROR(check_held(layer));
   LayerState& s = state_[static_cast<size_t>(layer)];
   HETERO_RETURN_IF_ERROR(check_dsv4_rows(layer, s.fed, pos0, n, sched_.tokens));
   const Dsv4GpuLayer& L = w_->layers[static_cast<size_t>(layer)];
@@ -371,7 +389,7 @@ Status Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c, const PoolSt
 
 Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::finish_layer(int64_t layer) {
   std::lock_guard<std::mutex> lock(mu_);
-  HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
+  HETERO_RETURN_IF_ERROR(check_held(layer));
   LayerState& s = state_[static_cast<size_t>(layer)];
   HETERO_RETURN_IF_ERROR(check_dsv4_complete(layer, s.fed, sched_.tokens));
   if (s.finished)

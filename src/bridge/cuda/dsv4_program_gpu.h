@@ -61,13 +61,17 @@ struct Dsv4GpuWeights {
   int64_t window = 0;
   int64_t rope_pairs_local = 0, rope_pairs_compressed = 0;
   DeviceBuffer freqs_local, freqs_compressed;  // f32, dsv4_rope_freqs as exported
-  std::vector<Dsv4GpuLayer> layers;
+  std::vector<Dsv4GpuLayer> layers;  // every layer's slot; only [first_layer, end_layer) filled
+  int64_t first_layer = 0, end_layer = 0;
   size_t device_bytes = 0;
 };
 
-// Copies w to the current device (synchronously, plain cudaMalloc). Out of device memory is
-// kResourceExhausted; the host weights may be freed afterwards.
-Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWeights& w);
+// Copies w's layers [first_layer, end_layer) (end_layer -1: through the last) to the current
+// device (synchronously, plain cudaMalloc): a pipeline stage's program holds its own layers
+// only. Out of device memory is kResourceExhausted; the host weights may be freed afterwards.
+Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWeights& w,
+                                                            int64_t first_layer = 0,
+                                                            int64_t end_layer = -1);
 
 class Dsv4GpuCacheProgram {
  public:
@@ -116,6 +120,8 @@ class Dsv4GpuCacheProgram {
     PoolState pool, index;
   };
 
+  // The layer exists and its weights are in w_ (a stage's program holds only its own).
+  Status check_held(int64_t layer) const;
   Status feed_any(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x, bool on_device,
                   Dsv4NewRows* out);
   Status prepare(const Dsv4GpuLayer& L, LayerState& s);

@@ -368,29 +368,89 @@ Status LlamaGpuSegmentProgram::segment_ready(int64_t pos0, int64_t n) {
 
 // ---- deepseek_v4 ----
 
+struct Dsv4GpuSegmentProgram::Running {
+  int device = 0;
+  int64_t first_layer = 0, end_layer = 0;
+  Stream stream;
+  std::unique_ptr<Dsv4GpuCacheProgram> program;
+};
+
+Result<std::unique_ptr<Dsv4GpuSegmentProgram>> Dsv4GpuSegmentProgram::create(
+    const Dsv4DecoderWeights* host, const std::vector<Part>& parts,
+    const std::vector<int64_t>& decoder_calls) {
+  std::unique_ptr<Dsv4GpuSegmentProgram> p(new Dsv4GpuSegmentProgram(host));
+  int64_t next = 0;
+  for (const Part& part : parts) {
+    if (part.weights->first_layer != next)
+      return invalid_argument(
+          "the program's parts must hold the layers in order, each once: a "
+          "part starts at layer " +
+          std::to_string(part.weights->first_layer) + ", not " + std::to_string(next));
+    auto r = std::make_unique<Running>();
+    r->device = part.device;
+    r->first_layer = part.weights->first_layer, r->end_layer = next = part.weights->end_layer;
+    DeviceGuard on(part.device);
+    HETERO_ASSIGN_OR_RETURN(r->stream, Stream::create());
+    r->program =
+        std::make_unique<Dsv4GpuCacheProgram>(part.weights, decoder_calls, r->stream.get());
+    p->parts_.push_back(std::move(r));
+  }
+  if (next != host->layout.layers)
+    return invalid_argument("the program's parts hold " + std::to_string(next) + " of " +
+                            std::to_string(host->layout.layers) + " layers");
+  return p;
+}
+
 Result<std::unique_ptr<Dsv4GpuSegmentProgram>> Dsv4GpuSegmentProgram::create(
     const Dsv4DecoderWeights* host, const Dsv4GpuWeights* weights,
     const std::vector<int64_t>& decoder_calls) {
-  HETERO_ASSIGN_OR_RETURN(Stream stream, Stream::create());
-  return std::unique_ptr<Dsv4GpuSegmentProgram>(
-      new Dsv4GpuSegmentProgram(host, weights, decoder_calls, std::move(stream)));
+  return create(host, {Part{weights, current_device()}}, decoder_calls);
+}
+
+Dsv4GpuSegmentProgram::Dsv4GpuSegmentProgram(const Dsv4DecoderWeights* host) : host_(host) {}
+
+// A part's program frees its state stream-ordered: on its own GPU.
+Dsv4GpuSegmentProgram::~Dsv4GpuSegmentProgram() {
+  for (auto& r : parts_) {
+    DeviceGuard on(r->device);
+    r->program.reset();
+  }
+}
+
+Dsv4GpuSegmentProgram::Running& Dsv4GpuSegmentProgram::part_of(int64_t layer) const {
+  for (const auto& r : parts_)
+    if (layer < r->end_layer) return *r;
+  return *parts_.back();  // past the last layer: its program refuses it by number
+}
+
+void* Dsv4GpuSegmentProgram::device_stream() const { return parts_.front()->stream.get(); }
+
+void* Dsv4GpuSegmentProgram::layer_stream(int64_t layer) const {
+  return part_of(layer).stream.get();
 }
 
 Status Dsv4GpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                   std::vector<WireArray>* arrays) {
-  DeviceGuard on_program(device_);
+  Running& r = part_of(layer);
+  DeviceGuard on_program(r.device);
   Dsv4NewRows rows;
-  HETERO_RETURN_IF_ERROR(program_.feed_device(layer, pos0, n, x, &rows));
+  HETERO_RETURN_IF_ERROR(r.program->feed_device(layer, pos0, n, x, &rows));
   dsv4_feed_arrays(*host_, layer, std::move(rows), arrays);
   return Status::ok();
 }
 
 Status Dsv4GpuSegmentProgram::close_segment(int64_t pos0, int64_t n,
                                             std::vector<WireArray>* arrays) {
-  if (pos0 + n != program_.tokens()) return Status::ok();
-  DeviceGuard on_program(device_);
+  const Dsv4GpuCacheProgram& first = *parts_.front()->program;
+  if (pos0 + n != first.tokens()) return Status::ok();
+  // Every part replays the same schedule: the first one's window index is every one's.
   return dsv4_close_arrays(
-      *host_, program_.window_idx(), [this](int64_t l) { return program_.finish_layer(l); },
+      *host_, first.window_idx(),
+      [this](int64_t l) {
+        Running& r = part_of(l);
+        DeviceGuard on(r.device);
+        return r.program->finish_layer(l);
+      },
       arrays);
 }
 

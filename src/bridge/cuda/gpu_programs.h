@@ -173,27 +173,39 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
   std::map<int64_t, std::shared_ptr<PinnedPool::Block>> filling_;  // by pos0
 };
 
+// The deepseek_v4 program behind the producer, in parts: a part holds some layers' decoder
+// weights (Dsv4GpuWeights::first_layer/end_layer) on one GPU, with its own stream and its own
+// program state, and a layer's rows go to its part (a pipeline stage's layers to the program
+// on that stage's GPU). One part holding every layer is the one-GPU program. The arrays are
+// the same, bit for bit, however the layers are parted.
 class Dsv4GpuSegmentProgram : public SegmentProgram {
  public:
-  // host: the export (for names and widths); weights: its device copy, on the device current at
-  // creation, where the program runs whichever thread calls it.
+  struct Part {
+    const Dsv4GpuWeights* weights;  // on `device`; its layer range is the part's
+    int device = 0;
+  };
+  // host: the export (for names and widths); parts: cover every layer once, in order.
+  static Result<std::unique_ptr<Dsv4GpuSegmentProgram>> create(
+      const Dsv4DecoderWeights* host, const std::vector<Part>& parts,
+      const std::vector<int64_t>& decoder_calls);
+  // One part on the device current now, holding every layer.
   static Result<std::unique_ptr<Dsv4GpuSegmentProgram>> create(
       const Dsv4DecoderWeights* host, const Dsv4GpuWeights* weights,
       const std::vector<int64_t>& decoder_calls);
+  ~Dsv4GpuSegmentProgram() override;
   const DecoderCacheLayout& layout() const override { return host_->layout; }
   Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
              std::vector<WireArray>* arrays) override;
   Status close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) override;
-  void* device_stream() const override { return stream_.get(); }
+  void* device_stream() const override;  // the first part's
+  void* layer_stream(int64_t layer) const override;
 
  private:
-  Dsv4GpuSegmentProgram(const Dsv4DecoderWeights* host, const Dsv4GpuWeights* weights,
-                        const std::vector<int64_t>& decoder_calls, Stream stream)
-      : host_(host), stream_(std::move(stream)), program_(weights, decoder_calls, stream_.get()) {}
+  struct Running;  // a part's stream and program
+  explicit Dsv4GpuSegmentProgram(const Dsv4DecoderWeights* host);
+  Running& part_of(int64_t layer) const;
   const Dsv4DecoderWeights* host_;
-  int device_ = current_device();
-  Stream stream_;
-  Dsv4GpuCacheProgram program_;
+  std::vector<std::unique_ptr<Running>> parts_;
 };
 
 }  // namespace hetero::cuda

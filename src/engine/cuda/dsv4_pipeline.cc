@@ -196,8 +196,16 @@ Status Dsv4Pipeline::size_links(int64_t chunk_tokens) {
   return Status::ok();
 }
 
+int64_t Dsv4Pipeline::first_layer(int64_t s) const {
+  return engines_[static_cast<size_t>(s)]->options().first_layer;
+}
+
+int64_t Dsv4Pipeline::end_layer(int64_t s) const {
+  return engines_[static_cast<size_t>(s)]->options().end_layer;
+}
+
 Status Dsv4Pipeline::prefill(const std::vector<int32_t>& ids, const std::vector<int64_t>& chunks,
-                             const AttentionInputTap& tap) {
+                             const AttentionInputTap& tap, const std::function<bool()>& stop) {
   if (broken_) return reset();
   const int64_t T = static_cast<int64_t>(ids.size()), S = stages();
   std::vector<std::pair<int64_t, int64_t>> plan;  // [at, len)
@@ -232,7 +240,16 @@ Status Dsv4Pipeline::prefill(const std::vector<int32_t>& ids, const std::vector<
     cudaStream_t stream = static_cast<cudaStream_t>(e.stream());
     Link* in = s > 0 ? links_[static_cast<size_t>(s - 1)].get() : nullptr;
     Link* out = s + 1 < S ? links_[static_cast<size_t>(s)].get() : nullptr;
+    // A stage that ends (its chunks done, or stopped) closes its output: the next stage takes
+    // what was sent and ends too.
+    struct CloseOut {
+      Link* out;
+      ~CloseOut() {
+        if (out) out->ready->close();
+      }
+    } close_out{out};
     for (size_t i = 0; i < plan.size() && !failed.load(); ++i) {
+      if (!in && stop && stop()) return;  // the first stage lets no more chunks in
       const auto [at, len] = plan[i];
       const std::vector<int32_t> chunk(ids.begin() + at, ids.begin() + at + len);
       const size_t bytes = static_cast<size_t>(len * config_.hc_mult * config_.hidden) * 2;

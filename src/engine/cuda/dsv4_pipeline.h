@@ -57,9 +57,15 @@ class Dsv4Pipeline {
   Status reset();
   Status reserve(int64_t tokens, int64_t max_chunk_tokens);
   // Runs ids in chunks of the given lengths (the last takes the rest), stages overlapping, and
-  // returns once every stage has finished them (the device work too).
+  // returns once every stage has finished them (the device work too). stop (optional) is asked
+  // before each chunk enters the first stage: once it says true no chunk enters, the chunks
+  // already in flight finish, and prefill returns OK with cached_tokens() where they ended.
   Status prefill(const std::vector<int32_t>& ids, const std::vector<int64_t>& chunks,
-                 const AttentionInputTap& tap);
+                 const AttentionInputTap& tap, const std::function<bool()>& stop = {});
+  // Stage s's GPU and its layers [first, end).
+  int device(int64_t s) const { return devices_[static_cast<size_t>(s)]; }
+  int64_t first_layer(int64_t s) const;
+  int64_t end_layer(int64_t s) const;
   int64_t cached_tokens() const;
 
   struct Link;
