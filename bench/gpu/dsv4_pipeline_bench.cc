@@ -3,7 +3,9 @@
 // layers fit one GPU, through one engine in the same run.
 //
 //   --devices 0,1 (one per stage; all different: NCCL links; all the same: device copies)
-//   --layers 8 --weights checkpoint|fp8|bf16 --t 8192,32768 --chunk 8192 --repeats 3 --rev REV
+//   --layers 8 --weights checkpoint|fp8|bf16 --t 8192,32768 --chunk 2048 --repeats 3 --rev REV
+//   (--chunk: the decoder's call length; its calls, the last token alone, are the chunks, as
+//   served)
 //   [--bridge off,on] (on: the bridge behind the pipeline as served: each stage's taps captured
 //   and its layers' cache program run on its own GPU, one producer framing the segments; the
 //   decoder's program weights drawn at Flash widths)
@@ -59,7 +61,7 @@ Result<Times> time_runs(int repeats, F&& run) {
 
 int run(int argc, char** argv) {
   std::vector<int64_t> devices = {0, 0}, Ts = {8192, 32768};
-  int64_t layers = 8, chunk = 8192;
+  int64_t layers = 8, chunk = 2048;
   int repeats = 3;
   bool single = true;
   std::string weights = "checkpoint", rev = "unknown";
@@ -131,7 +133,9 @@ int run(int argc, char** argv) {
     std::mt19937 rng(static_cast<uint32_t>(T));
     std::vector<int32_t> ids(static_cast<size_t>(T));
     for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
-    const std::vector<int64_t> chunks((T + chunk - 1) / chunk, chunk);
+    // As the served host runs a prompt: the decoder's own calls (--chunk tokens each, the last
+    // token alone) are the engine's chunks and the program's schedule.
+    const std::vector<int64_t> chunks = dsv4_server_calls(T, chunk);
     Status st = (*p)->reserve(T, chunk);
     if (!st.is_ok()) return std::fprintf(stderr, "reserve: %s\n", st.to_string().c_str()), 1;
     double off_median = 0;
@@ -168,9 +172,11 @@ int run(int argc, char** argv) {
           return std::fprintf(stderr, "single reserve: %s\n", st.to_string().c_str()), 1;
         auto r = time_runs(repeats, [&]() -> Status {
           HETERO_RETURN_IF_ERROR((*one)->reset());
-          for (int64_t at = 0; at < T; at += chunk)
-            HETERO_RETURN_IF_ERROR((*one)->prefill_chunk(
-                {ids.begin() + at, ids.begin() + std::min(T, at + chunk)}, {}));
+          for (int64_t at = 0; const int64_t n : chunks) {
+            HETERO_RETURN_IF_ERROR(
+                (*one)->prefill_chunk({ids.begin() + at, ids.begin() + at + n}, {}));
+            at += n;
+          }
           return (*one)->synchronize();
         });
         if (!r.is_ok())

@@ -9,7 +9,7 @@
 #
 # Carry: .devkit/lib, build/hetero, build/hetero_gpu_tests, build/hetero_gpu_dsv4_pipeline_bench,
 # out/dsv4-gpu-model (made here by: bench/gpu/pipeline_device.sh --make-model). Env: REV,
-# LAYERS (8), T (8192,32768), GPU_TESTS (1: run them). Writes $OUT/{env.txt,gpu_tests.log,
+# LAYERS (8), T (8192,32768), CHUNK (2048: the decoder's calls), GPU_TESTS (1: run them). Writes $OUT/{env.txt,gpu_tests.log,
 # served.jsonl,prefill-*.log,pipeline.jsonl,pipeline.err}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -111,7 +111,7 @@ for devices in 0 "$pipeline"; do
   [[ $devices == *,* ]] && single=""
   # shellcheck disable=SC2086
   timeout 400 build/hetero_gpu_dsv4_pipeline_bench --devices "$devices" --layers "${LAYERS:-8}" \
-    --weights checkpoint --t "${T:-8192,32768}" --repeats 2 --bridge off,on --rev "$REV" $single \
+    --weights checkpoint --t "${T:-8192,32768}" --chunk "${CHUNK:-2048}" --repeats 2 --bridge off,on --rev "$REV" $single \
     >>"$OUT_DIR/pipeline.jsonl" 2>>"$OUT_DIR/pipeline.err" || rc=1
 done
 cat "$OUT_DIR/pipeline.err"
