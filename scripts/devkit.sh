@@ -26,10 +26,11 @@ MODEL_FILES=(tokenizer.json tokenizer_config.json special_tokens_map.json genera
              config.json)
 # Every Linux has these, and a carried copy would shadow a newer one there (libstdc++ from an
 # older compiler breaks what the machine's own Python loads). The CUDA libraries are the
-# machine's own: its toolkit matches its driver, and cuBLAS alone is larger than the carry limit.
+# machine's own: its toolkit matches its driver, and cuBLAS alone is larger than the carry limit;
+# NCCL comes with its PyTorch (devkit_libs finds it there).
 SYSTEM_RE='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libutil|libresolv|libstdc\+\+|'
 SYSTEM_RE+='libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libnvrtc|libnvJitLink|libcufft|'
-SYSTEM_RE+='libcurand|libcusparse|libcusolver|libnvidia-[a-z-]+)\.so'
+SYSTEM_RE+='libcurand|libcusparse|libcusolver|libnccl|libnvidia-[a-z-]+)\.so'
 
 if [[ ! -x build/hetero ]]; then
   echo "devkit: build/hetero missing; build first (make build)" >&2
@@ -39,17 +40,9 @@ rm -rf "$KIT.new"
 mkdir -p "$KIT.new/whl" "$KIT.new/lib" "$KIT.new/model"
 
 # (a) wheels, at the versions requirements.txt pins.
-pins=()
-for w in "${WHEELS[@]}"; do
-  pin=$(grep -i -E "^${w}==" requirements.txt) || { echo "devkit: no pin for $w" >&2; exit 1; }
-  pins+=("$pin")
-done
-python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-  --python-version 3.12 --implementation cp \
-  --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$KIT.new/whl" "${pins[@]}"
-echo "wheels: ${pins[*]}; what they need besides each other (skip extras):"
+source scripts/pinned_wheels.sh
+pinned_wheels "$KIT.new/whl" "${WHEELS[@]}" || exit 1
+echo "what they need besides each other (skip extras):"
 for f in "$KIT.new"/whl/*.whl; do
   unzip -p "$f" '*/METADATA' | grep '^Requires-Dist' | grep -v 'extra ==' |
     grep -v -E 'Requires-Dist: mlx' | sed "s|^|  $(basename "$f"): |" || true
@@ -86,13 +79,13 @@ rev=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD -- 2>/dev/null || rev="$rev-dirty"
 echo "$rev" >"$KIT.new/REVISION"
 
-rm -rf "$KIT"
-mv "$KIT.new" "$KIT"
-size=$(du -sb "$KIT" | cut -f1)
+size=$(du -sb "$KIT.new" | cut -f1)
 printf 'devkit: %s, %s MiB (whl %s, lib %s, model %s), revision %s\n' "$KIT" \
-  "$(awk -v b="$size" 'BEGIN {printf "%.1f", b / 1048576}')" "$(du -sh "$KIT/whl" | cut -f1)" \
-  "$(du -sh "$KIT/lib" | cut -f1)" "$(du -sh "$KIT/model" | cut -f1)" "$rev"
-if ((size > LIMIT_MIB * 1048576)); then
-  echo "devkit: over ${LIMIT_MIB} MiB; it must travel with the tree within 64 MiB" >&2
+  "$(awk -v b="$size" 'BEGIN {printf "%.1f", b / 1048576}')" "$(du -sh "$KIT.new/whl" | cut -f1)" \
+  "$(du -sh "$KIT.new/lib" | cut -f1)" "$(du -sh "$KIT.new/model" | cut -f1)" "$rev"
+if ((size > LIMIT_MIB * 1048576)); then  # the kit in place stays as it was
+  echo "devkit: over ${LIMIT_MIB} MiB; it must travel with the tree within 64 MiB ($KIT.new kept)" >&2
   exit 1
 fi
+rm -rf "$KIT"
+mv "$KIT.new" "$KIT"

@@ -20,15 +20,8 @@ WHEELS=(mlx mlx-cpu mlx-lm mlx-vlm fastapi starlette uvicorn pydantic pydantic_c
         cryptography cffi pycparser)
 if [[ ${1:-} == --wheels ]]; then
   rm -rf .whl && mkdir -p .whl
-  pins=()
-  for w in "${WHEELS[@]}"; do
-    pin=$(grep -i -E "^${w//[-_]/[-_]}==" requirements.txt) || { echo "no pin for $w" >&2; exit 1; }
-    pins+=("$pin")
-  done
-  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-    --python-version 3.12 --implementation cp --platform manylinux_2_35_x86_64 \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${pins[@]}" &&
+  source scripts/pinned_wheels.sh
+  pinned_wheels .whl "${WHEELS[@]}" &&
     du -sh .whl
   exit $?
 fi
