@@ -54,7 +54,8 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "off the forward's"},
       {"device-memory-budget-mb", "HETERO_PREFILL_DEVICE_MEMORY_BUDGET_MB", "0",
        "cuda: device memory the engine may hold (weights, cache, scratch) in MiB (0: the whole "
-       "device); a request that would pass it is refused before its response starts (HTTP 507)"},
+       "device; with --gpus, each stage's engine); a request that would pass it is refused "
+       "before its response starts (HTTP 507)"},
       {"chunk", "HETERO_PREFILL_CHUNK", "512",
        "prefill chunk size in tokens (deepseek_v4 runs the decoder's own call schedule)"},
   };
