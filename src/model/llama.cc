@@ -36,13 +36,18 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
     c.rms_norm_eps = j.value("rms_norm_eps", 1e-6);
     c.rope_theta = j.value("rope_theta", 10000.0);
     // As mlx-lm reads it: llama (and mistral, which it loads as llama) and qwen2 tie when the
-    // key is absent; its qwen3 has no default, so such a config loads in no decoder.
-    const bool has_tie = j.contains("tie_word_embeddings") && !j["tie_word_embeddings"].is_null();
+    // key is absent; its qwen3 has no default, so such a config loads in no decoder. A null
+    // value is Python's None there: falsy, untied.
+    const bool has_tie = j.contains("tie_word_embeddings");
     if (!has_tie && c.model_type == "qwen3")
       return invalid_argument(model_dir +
                               "/config.json has no tie_word_embeddings, which mlx-lm's qwen3 "
                               "requires");
-    c.tie_embeddings = has_tie ? j["tie_word_embeddings"].get<bool>() : true;
+    const json& tie = has_tie ? j["tie_word_embeddings"] : json(true);
+    if (!tie.is_null() && !tie.is_boolean())
+      return invalid_argument(model_dir +
+                              "/config.json: tie_word_embeddings must be true or false");
+    c.tie_embeddings = tie.is_boolean() && tie.get<bool>();
   } catch (const json::exception& e) {
     return invalid_argument(model_dir + "/config.json: " + e.what());
   }

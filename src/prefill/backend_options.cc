@@ -47,8 +47,8 @@ std::vector<OptionSpec> prefill_backend_specs() {
       {"device", "HETERO_PREFILL_DEVICE", "0", "cuda: the GPU the forward runs on"},
       {"gpus", "HETERO_PREFILL_GPUS", "",
        "cuda, deepseek_v4: the GPUs of a layer pipeline, one stage each in order, e.g. 0,1 (the "
-       "layers split evenly; NCCL between GPUs; a GPU named twice holds two stages); each "
-       "stage's cache program runs on its own GPU. Empty: one stage on --device"},
+       "layers split evenly; NCCL between GPUs; every stage on its own GPU, or all on one, as "
+       "0,0); each stage's cache program runs on its own GPU. Empty: one stage on --device"},
       {"program-device", "HETERO_PREFILL_PROGRAM_DEVICE", "-1",
        "cuda: the GPU the cache program runs on (-1: the forward's); another GPU keeps its work "
        "off the forward's"},

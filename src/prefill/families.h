@@ -35,7 +35,7 @@ struct PrefillBackend {
   std::string arith = "exact";   // cuda, llama: "exact" (the decoder's) or "fast" (tensor cores)
   int device = 0;                // cuda: which GPU
   // cuda, deepseek_v4: the GPUs of a layer pipeline, one stage per entry in order (the layers
-  // split evenly; a GPU named twice holds two stages). Empty: one stage on `device`.
+  // split evenly; every stage on its own GPU, or all on one). Empty: one stage on `device`.
   std::vector<int> gpus;
   // cuda, fast: the large weights on the GPU, "bf16", "fp8" (e4m3 with a float32 scale per
   // 128x128 block, quantized at load; cuBLASLt block-scaled GEMMs: llama's projections,

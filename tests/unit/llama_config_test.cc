@@ -1,6 +1,6 @@
 // The llama family's config.json as mlx-lm reads it: tied embeddings when the key is absent
-// (llama, mistral, qwen2), a clear refusal where mlx-lm itself would not load (qwen3 without the
-// key), and rope scaling refused by name until it is built.
+// (llama, mistral, qwen2), untied for null (None), a clear refusal where mlx-lm itself would not
+// load (qwen3 without the key), and rope scaling refused by name until it is built.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -19,9 +19,9 @@ Result<LlamaConfig> config_of(nlohmann::json j) {
 }
 
 nlohmann::json base(const std::string& type) {
-  return {{"model_type", type},      {"hidden_size", 64}, {"intermediate_size", 128},
-          {"num_hidden_layers", 2},  {"num_attention_heads", 4},
-          {"num_key_value_heads", 2}, {"vocab_size", 100}};
+  return {{"model_type", type},     {"hidden_size", 64},        {"intermediate_size", 128},
+          {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+          {"vocab_size", 100}};
 }
 
 TEST(LlamaConfig, TiedEmbeddingsDefaultAsInMlxLm) {
@@ -32,6 +32,10 @@ TEST(LlamaConfig, TiedEmbeddingsDefaultAsInMlxLm) {
     auto j = base(type);
     j["tie_word_embeddings"] = false;
     EXPECT_FALSE(config_of(j)->tie_embeddings) << type;
+    j["tie_word_embeddings"] = nullptr;  // None in mlx-lm: falsy
+    EXPECT_FALSE(config_of(j)->tie_embeddings) << type;
+    j["tie_word_embeddings"] = "yes";
+    EXPECT_FALSE(config_of(j).is_ok()) << type;
   }
   auto q = base("qwen3");
   auto missing = config_of(q);

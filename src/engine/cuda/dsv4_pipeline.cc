@@ -7,6 +7,7 @@
 #include <functional>
 #include <mutex>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "common/queue.h"
@@ -19,9 +20,14 @@
 
 namespace hetero {
 
-// One stage boundary. The host threads go in lockstep through `ready` (chunk i's residual is on
-// its way: the sender has enqueued it) and `writable` (the receiver has taken the last one, so
-// the buffer may be written again; device copy only).
+// One stage boundary. The host threads go in lockstep through two queues.
+// - Device copy: `ready` says chunk i's residual is on its way (the sender has enqueued the copy);
+//   `writable` says the receiver has taken the last one, so the buffer may be written again.
+// - NCCL: `ready` says the sender will send chunk i; `writable` says the receiver has posted its
+//   receive. Only then is the send enqueued, so a send never waits on the device for a receive
+//   whose host thread is still busy with the chunk before: everything the sender enqueues after
+//   the send (its next chunk, the bridge's captures of it) would wait behind it, and a producer
+//   waiting for those captures could hold up the receiver's taps: a deadlock.
 struct Dsv4Pipeline::Link {
   std::unique_ptr<BoundedQueue<int64_t>> ready, writable;  // new for each prompt
   cuda::DeviceBuffer buf;                                  // the residual on the receiver's device
@@ -29,10 +35,10 @@ struct Dsv4Pipeline::Link {
   void* send_comm = nullptr;   // NCCL: the sender's and the receiver's communicators
   void* recv_comm = nullptr;
   int send_peer = 0, recv_peer = 0;  // NCCL ranks of the other side
-  void open() {
+  void open(bool nccl) {
     ready = std::make_unique<BoundedQueue<int64_t>>(1);
     writable = std::make_unique<BoundedQueue<int64_t>>(1);
-    writable->push(0);
+    if (!nccl) writable->push(0);  // the buffer starts free
   }
   void close() { ready->close(), writable->close(); }
 };
@@ -220,7 +226,7 @@ Status Dsv4Pipeline::prefill(const std::vector<int32_t>& ids, const std::vector<
   int64_t widest = 0;
   for (auto [at, len] : plan) widest = std::max(widest, len);
   HETERO_RETURN_IF_ERROR(size_links(widest));
-  for (auto& l : links_) l->open();
+  for (auto& l : links_) l->open(nccl_);
   std::mutex mu;
   Status first_error;
   std::atomic<bool> failed{false};
@@ -264,6 +270,7 @@ Status Dsv4Pipeline::prefill(const std::vector<int32_t>& ids, const std::vector<
                                    static_cast<ncclComm_t>(in->recv_comm), stream),
                           "ncclRecv");
           if (!st.is_ok()) return fail(st);
+          if (!in->writable->push(0)) return;  // posted: the sender may send
 #endif
         } else {
           const Status st =
@@ -281,10 +288,14 @@ Status Dsv4Pipeline::prefill(const std::vector<int32_t>& ids, const std::vector<
       if (!out) continue;
       if (nccl_) {
 #ifdef HETERO_HAVE_NCCL
+        if (!out->ready->push(static_cast<int64_t>(i))) return;
+        if (!out->writable->pop()) return;  // the receiver stopped before posting its receive
         st = nccl_status(ncclSend(e.residual(), bytes / 2, ncclBfloat16, out->send_peer,
                                   static_cast<ncclComm_t>(out->send_comm), stream),
                          "ncclSend");
+        if (!st.is_ok()) return fail(st);
 #endif
+        continue;
       } else {
         if (!out->writable->pop()) return;  // the receiver stopped
         st = st_of(cudaStreamWaitEvent(stream, out->consumed.get()), "wait for a read");
@@ -298,11 +309,30 @@ Status Dsv4Pipeline::prefill(const std::vector<int32_t>& ids, const std::vector<
       if (!out->ready->push(static_cast<int64_t>(i))) return;
     }
   };
+  // A stage thread ends the prompt with a Status, never the process: out of host memory there
+  // (the tap's copies among it) fails the prompt as any stage failure does.
+  auto guarded = [&](int64_t s) {
+    try {
+      run_stage(s);
+    } catch (const std::bad_alloc&) {
+      fail(resource_exhausted("out of host memory in pipeline stage " + std::to_string(s)));
+    } catch (const std::exception& ex) {
+      fail(internal_error("pipeline stage " + std::to_string(s) + ": " + ex.what()));
+    }
+  };
   std::vector<std::thread> threads;
-  for (int64_t s = 0; s < S; ++s) threads.emplace_back(run_stage, s);
+  for (int64_t s = 0; s < S; ++s) {
+    try {
+      threads.emplace_back(guarded, s);
+    } catch (const std::system_error& ex) {  // the started stages see the links close and end
+      fail(resource_exhausted(std::string("cannot start a pipeline stage's thread: ") + ex.what()));
+      break;
+    }
+  }
   for (auto& t : threads) t.join();
 #ifdef HETERO_HAVE_NCCL
-  // A send whose receive was never posted would hold its stream forever: abort the links.
+  // After a failure an operation may be left unmatched (a send whose enqueue failed after its
+  // receive was posted) and would hold a stream forever: abort the links.
   if (failed.load() && nccl_ && comms_) {
     auto* comms = static_cast<ncclComm_t*>(comms_);
     for (int64_t s = 0; s < S; ++s)
