@@ -15,6 +15,10 @@ weights N(0, 1/in) (q and k: see QK_SCALE), embeddings N(0, 0.2^2).
 
 usage: python3 scripts/make_random_llama.py --out DIR [--scale 135m|1b|3b|8b] [--seed 0]
            [--tokenizer models/smollm2-135m-instruct] [--layers N --hidden N ...]
+           [--rope-theta X] [--rope-scaling JSON] [--max-position-embeddings N]
+(e.g. Llama 3.1's rope: --rope-theta 500000 --max-position-embeddings 131072 --rope-scaling
+ '{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+ "original_max_position_embeddings": 8192}')
 """
 
 import argparse
@@ -75,6 +79,12 @@ def shape_config(base: dict, a: argparse.Namespace) -> dict:
         raise SystemExit(f"hidden {h} must be a multiple of heads {nh}, heads of kv_heads {nkv}")
     if dims:
         cfg["head_dim"] = h // nh
+    if a.rope_theta is not None:
+        cfg["rope_theta"] = a.rope_theta
+    if a.rope_scaling:
+        cfg["rope_scaling"] = json.loads(a.rope_scaling)
+    if a.max_position_embeddings is not None:
+        cfg["max_position_embeddings"] = a.max_position_embeddings
     if cfg.get("model_type") not in ("llama", "mistral"):
         raise SystemExit(f"model_type {cfg.get('model_type')!r}: only the llama layout is written")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
@@ -160,6 +170,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="same seed and shape, same bytes")
     for key in ("hidden", "layers", "heads", "kv_heads", "intermediate"):
         p.add_argument("--" + key.replace("_", "-"), type=int, help="override the scale's value")
+    p.add_argument("--rope-theta", type=float, help="override the config's rope_theta")
+    p.add_argument("--rope-scaling", help="the config's rope_scaling, as JSON")
+    p.add_argument("--max-position-embeddings", type=int)
     p.add_argument("--force", action="store_true", help="rewrite an existing checkpoint")
     a = p.parse_args()
 

@@ -20,6 +20,7 @@
 #          [--verify-timeout 600] [--bench-timeout 1800] [--out DIR] [--no-bench]
 #          [--rev REV (the carried build/hetero's revision; recorded with every result)]
 #          [--verify-args "extra verify flags, e.g. --arith fast --min-cosine 0.99 ..."]
+#          [--model-args "extra scripts/make_random_llama.py flags, e.g. a rope scaling"]
 # device tool: run(command="bench/gpu/e2e_device.sh --sizes 512,1024",
 #                   carry=[".devkit", "build/hetero"], kind="nvidia-h200")
 set -uo pipefail
@@ -40,6 +41,7 @@ BENCH_TIMEOUT=1800
 OUT_DIR=${OUT:-$ROOT/out/e2e}
 RUN_BENCH=1
 VERIFY_EXTRA=()
+MODEL_EXTRA=()
 PROMPTS=(prompts/capital.txt prompts/chat/02-code.json prompts/chat/03-system-multiturn.json
          prompts/chat/01-capital.json prompts/chat/04-notes.json)
 
@@ -58,6 +60,7 @@ while (($#)); do
     --rev) REVISION=$2; shift ;;
     --no-bench) RUN_BENCH=0 ;;
     --verify-args) read -r -a VERIFY_EXTRA <<<"$2"; shift ;;
+    --model-args) eval "MODEL_EXTRA=($2)"; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e: unknown option $1 (--help)" >&2; exit 2 ;;
   esac
@@ -157,7 +160,7 @@ export PYTHONUNBUFFERED=1
 # --- 2. checkpoint -----------------------------------------------------------------------------
 echo "== random checkpoint ($SCALE) -> $MODEL"
 step 1200 python3 scripts/make_random_llama.py --tokenizer .devkit/model --out "$MODEL" \
-  --scale "$SCALE" || die "checkpoint"
+  --scale "$SCALE" "${MODEL_EXTRA[@]}" || die "checkpoint"
 
 # --- 3. verify ---------------------------------------------------------------------------------
 fails=0
@@ -174,15 +177,16 @@ for ((i = 0; i < VERIFY_N && i < ${#PROMPTS[@]}; i++)); do
   step "$VERIFY_TIMEOUT" ./build/hetero "${args[@]}" >"$wd.json"
   rc=$?
   python3 - "$wd.json" "$rc" "$prompt" "$BACKEND" "$SCALE" "$REVISION" \
-    "$OUT_DIR/verify.jsonl" <<'EOF'
+    "$OUT_DIR/verify.jsonl" "${MODEL_EXTRA[*]}" <<'EOF'
 import json, sys
-path, rc, prompt, backend, scale, rev, out = sys.argv[1:]
+path, rc, prompt, backend, scale, rev, out, model_args = sys.argv[1:]
 try:
     r = json.load(open(path))
 except ValueError:
     r = {"pass": False, "failures": ["no report (see the log above)"]}
 r.get("arrays", {}).pop("per_layer", None)
-r.update(prompt=prompt, rc=int(rc), prefill_backend=backend, scale=scale, revision=rev)
+r.update(prompt=prompt, rc=int(rc), prefill_backend=backend, scale=scale, revision=rev,
+         model_args=model_args)
 with open(out, "a") as f:
     f.write(json.dumps(r) + "\n")
 a, c = r.get("arrays", {}), r.get("continuation", {})

@@ -77,6 +77,8 @@ LlamaConfig shape_config(const std::string& shape) {
     c.hidden = 576, c.layers = 30, c.heads = 9, c.kv_heads = 3, c.head_dim = 64;
     c.intermediate = 1536, c.vocab = 49152;
   }
+  c.rope_config.base = c.rope_theta, c.rope_config.dims = c.head_dim;
+  c.rope = llama_rope(c.rope_config).value();
   return c;
 }
 

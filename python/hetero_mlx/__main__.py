@@ -50,6 +50,18 @@ def _parser() -> argparse.ArgumentParser:
         "--tie", action=argparse.BooleanOptionalAction, default=True, help="tie lm_head to embed"
     )
     tiny.add_argument("--rope-theta", type=float, default=100000.0)
+    tiny.add_argument(
+        "--rope-scaling",
+        default="",
+        help='the config\'s rope_scaling as JSON, e.g. \'{"rope_type": "llama3", "factor": 8.0}\'',
+    )
+    tiny.add_argument("--rope-traditional", action="store_true", help="llama/qwen2 only")
+    tiny.add_argument(
+        "--rope-parameters",
+        action="store_true",
+        help="qwen3: rope_theta and the scaling in a transformers-v5 rope_parameters block",
+    )
+    tiny.add_argument("--max-position-embeddings", type=int, default=32768)
 
     dsv4 = sub.add_parser(
         "tiny-dsv4", help="tiny random DeepSeek-V4 checkpoint: fp8/ (official), bf16/, mxfp4/"
@@ -156,6 +168,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             intermediate=args.intermediate,
             tie=args.tie,
             rope_theta=args.rope_theta,
+            rope_scaling=args.rope_scaling,
+            rope_traditional=args.rope_traditional,
+            rope_parameters=args.rope_parameters,
+            max_position_embeddings=args.max_position_embeddings,
         )
         try:
             made = make_tiny_llama(args.tokenizer, args.out, args.seed, shape)

@@ -52,17 +52,28 @@ def _weight_dtype(linear: nn.Module) -> mx.Dtype:
 def rope_params(rope: nn.Module, args: Any) -> Dict[str, Any]:
     """The rope parameters the attention module was built with.
 
-    Rope classes that bake the base into precomputed frequencies (llama3, yarn) carry no
-    `base`; the config's rope_theta plus the scaling dict then pin them down.
+    Rope classes that bake the base into precomputed frequencies (llama3, yarn, longrope,
+    proportional) carry no `base`; the config's rope_theta plus the scaling dict then pin them
+    down, and the frequencies themselves travel in the export (`rope.freqs`, see kv_weights) so
+    the prefill host can check its own against them. A scaled rope also names what else its
+    module computes with: max_position_embeddings (longrope) and the factor it multiplies its
+    input by (yarn's mscale, longrope's scale). An unscaled rope's dict is what it always was,
+    so its fingerprint stays.
     """
     dims = getattr(rope, "dims", None) or getattr(rope, "dim")
-    return {
+    out = {
         "dims": int(dims),
         "base": float(getattr(rope, "base", None) or args.rope_theta),
         "scale": float(getattr(rope, "scale", 1.0)),
         "traditional": bool(getattr(rope, "traditional", getattr(args, "rope_traditional", False))),
         "scaling": getattr(args, "rope_scaling", None),
     }
+    if out["scaling"] is not None:
+        mpe = getattr(args, "max_position_embeddings", None)
+        out["max_position_embeddings"] = int(mpe) if mpe is not None else None
+        input_scale = getattr(rope, "_scale", getattr(rope, "mscale", 1.0))
+        out["input_scale"] = float(input_scale)
+    return out
 
 
 def _setting(module: nn.Module) -> Dict[str, Any]:
@@ -164,6 +175,9 @@ def kv_weights(model: nn.Module) -> Dict[str, mx.array]:
                 out[f"layers.{i}.{name}.bias"] = proj.bias
         if "k_norm" in attn:
             out[f"layers.{i}.k_norm.weight"] = attn.k_norm.weight
+    freqs = getattr(model.layers[0].self_attn.rope, "_freqs", None)
+    if freqs is not None:
+        out["rope.freqs"] = freqs.astype(mx.float32)
     return out
 
 

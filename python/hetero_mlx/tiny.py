@@ -60,6 +60,13 @@ class TinyShape:
     tie: bool = True
     rope_theta: float = 100000.0
     rms_norm_eps: float = 1e-5
+    # The config's rope_scaling as JSON text ("" for none), as real checkpoints carry it (e.g.
+    # Llama 3.1's llama3 block); rope_traditional as llama/qwen2 read it; rope_parameters puts
+    # rope_theta and the scaling in a transformers-v5 rope_parameters block instead (qwen3).
+    rope_scaling: str = ""
+    rope_traditional: bool = False
+    rope_parameters: bool = False
+    max_position_embeddings: int = 32768
 
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden // self.heads
@@ -80,6 +87,10 @@ class TinyShape:
         # the decoder and a head_dim-honoring loader would read differently.
         if self.model_type == "qwen2" and self.resolved_head_dim() * self.heads != self.hidden:
             raise ValueError("qwen2 needs head_dim * heads == hidden (mlx-lm derives head_dim)")
+        if self.rope_scaling and not isinstance(json.loads(self.rope_scaling), dict):
+            raise ValueError("rope_scaling must be a JSON object")
+        if self.rope_parameters and self.model_type != "qwen3":
+            raise ValueError("only mlx-lm's qwen3 reads a rope_parameters block")
 
 
 def _config(shape: TinyShape, vocab_size: int) -> Dict:
@@ -95,8 +106,8 @@ def _config(shape: TinyShape, vocab_size: int) -> Dict:
         "vocab_size": vocab_size,
         "rms_norm_eps": shape.rms_norm_eps,
         "rope_theta": shape.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": 32768,
+        "rope_scaling": json.loads(shape.rope_scaling) if shape.rope_scaling else None,
+        "max_position_embeddings": shape.max_position_embeddings,
         "tie_word_embeddings": shape.tie,
         "torch_dtype": "bfloat16",
     }
@@ -107,6 +118,12 @@ def _config(shape: TinyShape, vocab_size: int) -> Dict:
         config["sliding_window"] = None  # a window would make mlx-lm build rotating caches
     if shape.model_type == "qwen2":
         del config["head_dim"]  # real Qwen2 configs have none; mlx-lm derives it
+    if shape.rope_traditional:
+        config["rope_traditional"] = True
+    if shape.rope_parameters:
+        params = {"rope_theta": config.pop("rope_theta"), "rope_type": "default"}
+        params.update(config.pop("rope_scaling") or {})
+        config["rope_parameters"] = params
     return config
 
 

@@ -1,8 +1,10 @@
 // Loading and validating the decoder-weights export. Anything the program cannot reproduce
-// exactly (rope scaling, partial rotary dims, traditional rope) is refused with a message.
+// exactly (a rope type it lacks, partial rotary dims) is refused with a message, and a rope whose
+// computed frequencies or scales differ from the decoder module's own is refused too.
 #include "bridge/decoder_weights.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -10,6 +12,7 @@
 
 #include "common/safetensors.h"
 #include "kernels/cpu_ops.h"
+#include "model/llama_rope.h"
 
 namespace hetero {
 namespace fs = std::filesystem;
@@ -131,6 +134,8 @@ Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
   HETERO_ASSIGN_OR_RETURN(std::string text, read_export_json(dir, "llama"));
   const json j = json::parse(text);
   LlamaDecoderWeights d;
+  LlamaRopeConfig rope;
+  double exported_scale = 1.0, exported_input_scale = 1.0;
   try {
     d.layout.family = "llama";
     d.layout.fingerprint = j.at("fingerprint").get<std::string>();
@@ -141,20 +146,50 @@ Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
     d.layout.quantization = j.value("quantization", json());
     d.rms_norm_eps = j.at("rms_norm_eps").get<double>();
     const json& r = j.at("rope");
-    d.rope_base = r.at("base").get<double>();
-    d.rope_scale = r.value("scale", 1.0);
-    d.rope_dims = r.at("dims").get<int64_t>();
-    d.rope_traditional = r.value("traditional", false);
-    if (r.contains("scaling") && !r["scaling"].is_null())
-      return invalid_argument(dir + ": rope scaling " + r["scaling"].dump() +
-                              " is not supported by the llama cache program yet");
+    rope.base = r.at("base").get<double>();
+    rope.dims = r.at("dims").get<int64_t>();
+    rope.traditional = r.value("traditional", false);
+    rope.scaling = r.contains("scaling") ? r["scaling"] : json();
+    if (r.contains("max_position_embeddings") && r["max_position_embeddings"].is_number_integer())
+      rope.max_position_embeddings = r["max_position_embeddings"].get<int64_t>();
+    exported_scale = r.value("scale", 1.0);
+    exported_input_scale = r.value("input_scale", 1.0);
   } catch (const json::exception& e) {
     return invalid_argument(dir + "/decoder.json: " + e.what());
   }
-  if (d.rope_traditional || d.rope_dims != d.layout.head_dim || d.rope_scale != 1.0)
-    return invalid_argument(dir + ": only full-width rotate-half rope with scale 1 is supported");
+  if (rope.dims != d.layout.head_dim)
+    return invalid_argument(dir + ": the decoder ropes " + std::to_string(rope.dims) + " of " +
+                            std::to_string(d.layout.head_dim) +
+                            " head dims; the llama family "
+                            "cache program ropes whole heads");
+  {
+    Result<RopeSpec> spec = llama_rope(rope);
+    if (!spec.is_ok()) return invalid_argument(dir + ": " + spec.status().message());
+    d.rope = std::move(spec.value());
+  }
+  // The module's own numbers must be the ones computed here, or every key would be off.
+  if (static_cast<float>(exported_scale) != d.rope.scale ||
+      static_cast<float>(exported_input_scale) != (d.rope.scales_input ? d.rope.input_scale : 1.0f))
+    return failed_precondition(dir + ": the decoder's rope (" + describe_rope(rope) +
+                               ") scales by " + std::to_string(exported_scale) + " and " +
+                               std::to_string(exported_input_scale) +
+                               ", not what its config computes to; refusing to write caches");
   HETERO_ASSIGN_OR_RETURN(SafetensorsFile f,
                           read_safetensors((fs::path(dir) / "weights.safetensors").string()));
+  if (!d.rope.freqs.empty()) {
+    Tensor freqs;
+    HETERO_RETURN_IF_ERROR(take_weight(f.tensors, "rope.freqs",
+                                       {static_cast<int64_t>(d.rope.freqs.size())}, false, &freqs));
+    if (freqs.dtype != DType::kF32)
+      return invalid_argument(dir + ": rope.freqs is " + dtype_name(freqs.dtype) + ", not f32");
+    for (size_t i = 0; i < d.rope.freqs.size(); ++i)
+      if (std::memcmp(freqs.data<float>() + i, &d.rope.freqs[i], 4) != 0)
+        return failed_precondition(dir + ": the decoder's rope frequency " + std::to_string(i) +
+                                   " (" + std::to_string(freqs.data<float>()[i]) +
+                                   ") differs from the one computed for " + describe_rope(rope) +
+                                   " (" + std::to_string(d.rope.freqs[i]) +
+                                   "); refusing to write caches with it");
+  }
   const int64_t H = d.layout.hidden, kvd = d.layout.kv_heads * d.layout.head_dim;
   d.layers.resize(static_cast<size_t>(d.layout.layers));
   for (int64_t i = 0; i < d.layout.layers; ++i) {

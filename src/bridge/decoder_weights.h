@@ -11,6 +11,7 @@
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "common/tensor.h"
+#include "kernels/cpu_ops.h"
 
 namespace hetero {
 
@@ -47,9 +48,7 @@ struct LlamaProgramLayer {
 struct LlamaDecoderWeights {
   DecoderCacheLayout layout;
   double rms_norm_eps = 1e-5;
-  double rope_base = 10000.0, rope_scale = 1.0;
-  int64_t rope_dims = 0;
-  bool rope_traditional = false;
+  RopeSpec rope;  // the decoder's rope, checked against the frequencies its export carries
   std::vector<LlamaProgramLayer> layers;
 };
 

@@ -31,7 +31,7 @@ LlamaDecoderWeights llama_decoder_weights_of(const LlamaWeights& w, std::string 
   d.layout.fingerprint = std::move(fingerprint);
   d.layout.layers = c.layers, d.layout.kv_heads = c.kv_heads, d.layout.head_dim = c.head_dim;
   d.layout.hidden = c.hidden;
-  d.rms_norm_eps = c.rms_norm_eps, d.rope_base = c.rope_theta;
+  d.rms_norm_eps = c.rms_norm_eps, d.rope = c.rope;
   for (const LlamaLayerWeights& L : w.layers) {
     LlamaProgramLayer p;
     const Tensor wk = as_bf16(L.wk), wv = as_bf16(L.wv);
@@ -53,7 +53,7 @@ KvRows LlamaCacheProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint
   if (maybe(L.k_norm))
     rms_norm(k.data(), n * kvh, hd, L.k_norm.data<uint16_t>(), static_cast<float>(w_->rms_norm_eps),
              k.data());
-  rope_rotate_half(k.data(), n, kvh, hd, pos0, static_cast<float>(w_->rope_base));
+  rope_apply(k.data(), n, kvh, hd, pos0, w_->rope);
   return KvRows{kv_rows_head_major(k, n, kvh, hd), kv_rows_head_major(v, n, kvh, hd)};
 }
 

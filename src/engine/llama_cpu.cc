@@ -99,6 +99,9 @@ Status LlamaCpuEngine::prefill_chunk(const std::vector<int32_t>& ids,
                                      const AttentionInputTap& tap) {
   const LlamaConfig& c = w_.config;
   HETERO_RETURN_IF_ERROR(check_token_ids(ids, c.vocab));
+  if (c.rope.dims != c.head_dim)
+    return failed_precondition("the config's rope was not built (llama_rope) for head_dim " +
+                               std::to_string(c.head_dim));
   if (ids.empty()) return Status::ok();
   const int64_t n = static_cast<int64_t>(ids.size()), pos0 = n_cached_, H = c.hidden;
   const int64_t hd = c.head_dim, qd = c.heads * hd, kvd = c.kv_heads * hd;
@@ -125,8 +128,8 @@ Status LlamaCpuEngine::prefill_chunk(const std::vector<int32_t>& ids,
       rms_norm(q.data(), n * c.heads, hd, L.q_norm.data<uint16_t>(), eps, q.data());
       rms_norm(k.data(), n * c.kv_heads, hd, L.k_norm.data<uint16_t>(), eps, k.data());
     }
-    rope_rotate_half(q.data(), n, c.heads, hd, pos0, static_cast<float>(c.rope_theta));
-    rope_rotate_half(k.data(), n, c.kv_heads, hd, pos0, static_cast<float>(c.rope_theta));
+    rope_apply(q.data(), n, c.heads, hd, pos0, c.rope);
+    rope_apply(k.data(), n, c.kv_heads, hd, pos0, c.rope);
     std::memcpy(&k_cache_[static_cast<size_t>(l)][static_cast<size_t>(pos0 * kvd)], k.data(),
                 k.size() * 2);
     std::memcpy(&v_cache_[static_cast<size_t>(l)][static_cast<size_t>(pos0 * kvd)], v.data(),

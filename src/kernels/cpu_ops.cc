@@ -217,16 +217,30 @@ void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float 
   }
 }
 
-void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
-                      float base) {
-  const int64_t half = head_dim / 2;
-  const float c = std::log(base) / static_cast<float>(half);
-  std::vector<float> inv(static_cast<size_t>(half)), cs(static_cast<size_t>(half)),
-      sn(static_cast<size_t>(half));
+std::vector<float> rope_inverse_frequencies(const RopeSpec& r) {
+  const int64_t half = r.dims / 2;
+  std::vector<float> inv(static_cast<size_t>(half));
+  if (!r.freqs.empty()) {
+    for (int64_t i = 0; i < half; ++i) inv[static_cast<size_t>(i)] = 1.0f / r.freqs[i];
+    return inv;
+  }
+  const float c = std::log(r.base) / static_cast<float>(half);
   for (int64_t i = 0; i < half; ++i)
     inv[static_cast<size_t>(i)] = mlx_exp(static_cast<float>(-i) * c);
+  return inv;
+}
+
+void rope_apply(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
+                const RopeSpec& r) {
+  const int64_t half = r.dims / 2;
+  const std::vector<float> inv = rope_inverse_frequencies(r);
+  const float in_scale = round_bf16(r.input_scale);
+  // Rotate-half pairs (i, i + half); traditional pairs (2i, 2i + 1).
+  const int64_t stride = r.traditional ? 2 : 1, second = r.traditional ? 1 : half;
+  std::vector<float> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
   for (int64_t t = 0; t < tokens; ++t) {
-    const float pos = static_cast<float>(t) + static_cast<float>(pos0);
+    // The decoder multiplies the position by scale even when it is 1 (a no-op then).
+    const float pos = (static_cast<float>(t) + static_cast<float>(pos0)) * r.scale;
     for (int64_t i = 0; i < half; ++i) {
       const float theta = pos * inv[static_cast<size_t>(i)];
       cs[static_cast<size_t>(i)] = round_bf16(mlx_sincos(theta, false));
@@ -234,11 +248,15 @@ void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_d
     }
     for (int64_t h = 0; h < heads; ++h) {
       uint16_t* row = x + (t * heads + h) * head_dim;
+      if (r.scales_input)
+        for (int64_t j = 0; j < r.dims; ++j) row[j] = f32_to_bf16(bf16_to_f32(row[j]) * in_scale);
       for (int64_t i = 0; i < half; ++i) {
-        const float x1 = bf16_to_f32(row[i]), x2 = bf16_to_f32(row[i + half]);
+        uint16_t& a = row[i * stride];
+        uint16_t& b = row[i * stride + second];
+        const float x1 = bf16_to_f32(a), x2 = bf16_to_f32(b);
         const float co = cs[static_cast<size_t>(i)], si = sn[static_cast<size_t>(i)];
-        row[i] = f32_to_bf16(round_bf16(x1 * co) - round_bf16(x2 * si));
-        row[i + half] = f32_to_bf16(round_bf16(x1 * si) + round_bf16(x2 * co));
+        a = f32_to_bf16(round_bf16(x1 * co) - round_bf16(x2 * si));
+        b = f32_to_bf16(round_bf16(x1 * si) + round_bf16(x2 * co));
       }
     }
   }

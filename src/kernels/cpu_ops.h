@@ -48,10 +48,30 @@ void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float 
 // + eps), each step rounded as MLX's CPU backend rounds it.
 float rms_scale(const uint16_t* x, int64_t d, float eps);
 
-// Rotate-half RoPE (traditional = false, full head_dim, scale 1) on [tokens, heads, head_dim]
-// rows, row t at position pos0 + t.
-void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
-                      float base);
+// mx.fast.rope as the decoder calls it (MLX's CPU fallback, docs/findings/rope-variants-in-mlx.md):
+// either the base path (inverse frequencies from `base`) or the freqs path (one frequency per
+// rotated pair; +inf leaves the pair as it is), the position multiplied by `scale`, and for the
+// rope classes that scale their input first (YaRN's mscale, longrope) `input_scale` applied to
+// the rotated dims, rounded to bf16 as the decoder rounds it.
+struct RopeSpec {
+  int64_t dims = 0;          // the leading dims of each head that rotate (even)
+  bool traditional = false;  // pairs (2i, 2i+1) instead of (i, i + dims/2)
+  float base = 10000.0f;     // base path, when freqs is empty
+  float scale = 1.0f;        // position multiplier (linear scaling: 1/factor)
+  std::vector<float> freqs;  // freqs path: dims/2 entries
+  bool scales_input = false;
+  float input_scale = 1.0f;  // x[..., :dims] *= bf16(input_scale) before the rotation
+
+  bool operator==(const RopeSpec&) const = default;
+};
+
+// The per-pair inverse frequencies mx.fast.rope uses: mlx_exp(-i * logf(base) / (dims/2)) on the
+// base path, 1/freqs[i] on the freqs path.
+std::vector<float> rope_inverse_frequencies(const RopeSpec& r);
+
+// Applies the rope in place to [tokens, heads, head_dim] bf16 rows, row t at position pos0 + t.
+void rope_apply(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
+                const RopeSpec& r);
 
 // out = bf16(silu(gate) * up) with the decoder's sigmoid. In place is allowed.
 void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out);

@@ -34,7 +34,35 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
                                                                     : c.hidden / c.heads;
     c.vocab = j.at("vocab_size").get<int64_t>();
     c.rms_norm_eps = j.value("rms_norm_eps", 1e-6);
-    c.rope_theta = j.value("rope_theta", 10000.0);
+    // mlx-lm's defaults: llama (and mistral) 10000, qwen2 1e6; qwen3 requires it, taking it
+    // from a transformers-v5 rope_parameters block when the top level lacks it.
+    const json* rope_params = j.contains("rope_parameters") && j["rope_parameters"].is_object() &&
+                                      !j["rope_parameters"].empty()
+                                  ? &j["rope_parameters"]
+                                  : nullptr;
+    if (c.model_type == "qwen3") {
+      const json* theta = j.contains("rope_theta") && !j["rope_theta"].is_null() ? &j["rope_theta"]
+                          : rope_params && rope_params->contains("rope_theta")
+                              ? &(*rope_params)["rope_theta"]
+                              : nullptr;
+      if (!theta)
+        return invalid_argument(model_dir +
+                                "/config.json has no rope_theta, which mlx-lm's qwen3 "
+                                "requires");
+      c.rope_theta = theta->get<double>();
+    } else {
+      c.rope_theta = j.value("rope_theta", c.model_type == "qwen2" ? 1000000.0 : 10000.0);
+    }
+    LlamaRopeConfig& r = c.rope_config;
+    r.base = c.rope_theta, r.dims = c.head_dim;
+    r.scaling = j.contains("rope_scaling") ? j["rope_scaling"] : json();
+    if (r.scaling.is_null() && c.model_type == "qwen3" && rope_params) r.scaling = *rope_params;
+    // qwen3 rotates halves whatever the config says; llama and qwen2 read rope_traditional.
+    r.traditional = c.model_type != "qwen3" && j.value("rope_traditional", false);
+    const char* mpe = "max_position_embeddings";
+    r.max_position_embeddings = j.contains(mpe) && j[mpe].is_number_integer()
+                                    ? j[mpe].get<int64_t>()
+                                    : (c.model_type == "qwen2" ? 32768 : 0);
     // As mlx-lm reads it: llama (and mistral, which it loads as llama) and qwen2 tie when the
     // key is absent; its qwen3 has no default, so such a config loads in no decoder. A null
     // value is Python's None there: falsy, untied.
@@ -53,9 +81,17 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
   }
   c.qkv_bias = c.model_type == "qwen2" || j.value("attention_bias", false);
   c.qk_norm = c.model_type == "qwen3";
-  c.has_rope_scaling = j.contains("rope_scaling") && !j["rope_scaling"].is_null();
-  if (c.has_rope_scaling)
-    return invalid_argument("rope_scaling is not supported yet by the CPU engine");
+  {
+    Result<RopeSpec> rope = llama_rope(c.rope_config);
+    if (!rope.is_ok())
+      return invalid_argument(model_dir + "/config.json: " + rope.status().message());
+    c.rope = std::move(rope.value());
+  }
+  if (j.contains("layer_types") && j["layer_types"].is_array())
+    for (const json& t : j["layer_types"])
+      if (t != "full_attention")
+        return invalid_argument(model_dir + "/config.json: layer type " + t.dump() +
+                                " (sliding-window attention) is not supported yet");
   if (c.heads % c.kv_heads != 0)
     return invalid_argument("num_attention_heads must be a multiple of num_key_value_heads");
   return c;

@@ -9,6 +9,7 @@
 
 #include "common/status.h"
 #include "common/tensor.h"
+#include "model/llama_rope.h"
 
 namespace hetero {
 
@@ -19,12 +20,14 @@ struct LlamaConfig {
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
   bool tie_embeddings = false;
-  bool qkv_bias = false;  // Qwen2: q/k/v projections carry a bias
-  bool qk_norm = false;   // Qwen3: RMSNorm over head_dim of q and k before RoPE
-  bool has_rope_scaling = false;
+  bool qkv_bias = false;        // Qwen2: q/k/v projections carry a bias
+  bool qk_norm = false;         // Qwen3: RMSNorm over head_dim of q and k before RoPE
+  LlamaRopeConfig rope_config;  // as the config gives it (rope_scaling, max_position_embeddings)
+  RopeSpec rope;                // what the decoder's rope module computes with
 };
 
-// Parses config.json. Unsupported features (rope scaling, sliding windows) are refused with a
+// Parses config.json as mlx-lm reads it (defaults per model type). Unsupported features (a rope
+// type mlx-lm lacks or that depends on the call schedule, sliding windows) are refused with a
 // message rather than silently computed wrong.
 Result<LlamaConfig> load_llama_config(const std::string& model_dir);
 

@@ -10,7 +10,9 @@
 #include "common/bf16.h"
 #include "cuda_test_base.h"
 #include "kernels/cpu_ops.h"
+#include "kernels/cuda/device_rope.h"
 #include "kernels/cuda/ops.h"
+#include "model/llama_rope.h"
 
 namespace hetero {
 namespace {
@@ -113,15 +115,33 @@ TEST_F(CudaOps, RmsNormRopeSiluAddAreBitIdentical) {
   cuda::rms_norm(dx, m, d, dw, 1e-5f, dout, nullptr);
   EXPECT_EQ(count_diff(to_host(dout, cpu.size()), cpu), 0u) << "rms_norm";
 
-  for (int64_t pos0 : {0, 2047, 100000}) {
-    auto q = random_bf16(size_t(5) * 9 * 64, 1.f, 6);
-    auto cq = q;
-    rope_rotate_half(cq.data(), 5, 9, 64, pos0, 100000.f);
-    uint16_t* dq = to_device(q);
-    cuda::rope_rotate_half(dq, 5, 9, 64, pos0, 100000.f, nullptr);
-    EXPECT_EQ(count_diff(to_host(dq, q.size()), cq), 0u) << "rope at " << pos0;
-    cudaFree(dq);
-  }
+  // Every rope shape the llama family has: base path (plain, linear), freqs path (llama3, yarn
+  // with its input scale, proportional's +inf pairs), traditional pairs.
+  const nlohmann::json scalings[] = {
+      nullptr,
+      {{"type", "linear"}, {"factor", 3.0}},
+      {{"rope_type", "llama3"}, {"factor", 8.0}, {"original_max_position_embeddings", 8192}},
+      {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 4096}},
+      {{"rope_type", "proportional"}, {"partial_rotary_factor", 0.5}}};
+  for (const nlohmann::json& scaling : scalings)
+    for (bool traditional : {false, true}) {
+      LlamaRopeConfig rc;
+      rc.scaling = scaling, rc.base = 100000.0, rc.dims = 64, rc.traditional = traditional;
+      const RopeSpec spec = llama_rope(rc).value();
+      cuda::DeviceRope rope;
+      ASSERT_TRUE(rope.upload(spec).is_ok());
+      for (int64_t pos0 : {0, 2047, 100000}) {
+        auto q = random_bf16(size_t(5) * 9 * 64, 1.f, 6);
+        auto cq = q;
+        rope_apply(cq.data(), 5, 9, 64, pos0, spec);
+        uint16_t* dq = to_device(q);
+        cuda::rope_apply(dq, 5, 9, 64, pos0, rope.table(), nullptr);
+        EXPECT_EQ(count_diff(to_host(dq, q.size()), cq), 0u)
+            << "rope " << describe_rope(rc) << (traditional ? " traditional" : "") << " at "
+            << pos0;
+        cudaFree(dq);
+      }
+    }
 
   auto g = random_bf16(4096, 3.f, 7), u = random_bf16(4096, 1.f, 8);
   std::vector<uint16_t> s(4096), a(4096);

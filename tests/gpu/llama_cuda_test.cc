@@ -62,10 +62,24 @@ struct Case {
   std::string type;
   int64_t head_dim;
   cuda::KvDtype kv;
+  bool scaled = false;  // llama: llama3 rope on traditional pairs; qwen2: YaRN
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
-  *os << c.type << " head_dim " << c.head_dim << " " << cuda::kv_dtype_name(c.kv);
+  *os << c.type << " head_dim " << c.head_dim << " " << cuda::kv_dtype_name(c.kv)
+      << (c.scaled ? " scaled rope" : "");
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& i) {
+  return i.param.type + "_d" + std::to_string(i.param.head_dim) + "_" +
+         cuda::kv_dtype_name(i.param.kv) + (i.param.scaled ? "_scaled" : "");
+}
+
+nlohmann::json scaling_of(const Case& k) {
+  if (!k.scaled) return nullptr;
+  if (k.type == "llama")
+    return {{"rope_type", "llama3"}, {"factor", 8.0}, {"original_max_position_embeddings", 64}};
+  return {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 128}};
 }
 
 class LlamaCudaVsCpu : public CudaDeviceTest, public ::testing::WithParamInterface<Case> {};
@@ -74,7 +88,8 @@ class LlamaCudaVsCpu : public CudaDeviceTest, public ::testing::WithParamInterfa
 // attention input and the last token's logits within tol (2 tol for the logits) in relative RMS.
 void expect_close_to_cpu(const Case& k, const cuda::LlamaCudaOptions& o, double tol,
                          const std::vector<std::vector<int64_t>>& schedules, const char* label) {
-  const LlamaWeights w = tiny_llama(k.type, k.head_dim, 7);
+  const LlamaWeights w =
+      tiny_llama(k.type, k.head_dim, 7, scaling_of(k), k.scaled && k.type == "llama");
   const LlamaConfig& c = w.config;
   const std::vector<int32_t> ids = random_ids(300, c.vocab, 11);
   LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
@@ -121,11 +136,10 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaVsCpu,
                                            Case{"llama", 64, cuda::KvDtype::kFp8},
                                            Case{"llama", 128, cuda::KvDtype::kFp8},
                                            Case{"qwen2", 64, cuda::KvDtype::kBf16},
-                                           Case{"qwen3", 128, cuda::KvDtype::kBf16}),
-                         [](const ::testing::TestParamInfo<Case>& i) {
-                           return i.param.type + "_d" + std::to_string(i.param.head_dim) + "_" +
-                                  cuda::kv_dtype_name(i.param.kv);
-                         });
+                                           Case{"qwen3", 128, cuda::KvDtype::kBf16},
+                                           Case{"llama", 64, cuda::KvDtype::kBf16, true},
+                                           Case{"qwen2", 64, cuda::KvDtype::kFp8, true}),
+                         case_name);
 
 class LlamaCudaFp8Weights : public CudaDeviceTest, public ::testing::WithParamInterface<Case> {};
 
@@ -144,10 +158,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaFp8Weights,
                          ::testing::Values(Case{"llama", 64, cuda::KvDtype::kBf16},
                                            Case{"qwen2", 64, cuda::KvDtype::kFp8},
                                            Case{"qwen3", 128, cuda::KvDtype::kBf16}),
-                         [](const ::testing::TestParamInfo<Case>& i) {
-                           return i.param.type + "_d" + std::to_string(i.param.head_dim) + "_" +
-                                  cuda::kv_dtype_name(i.param.kv);
-                         });
+                         case_name);
 
 class LlamaCudaEngineTest : public CudaDeviceTest {};
 
@@ -197,8 +208,18 @@ TEST(LlamaCudaOptionsTest, WeightDtypeNames) {
 
 // The exact path reproduces the CPU engine (and so the decoder) bit for bit, whatever the chunks.
 TEST_F(LlamaCudaEngineTest, ExactArithmeticIsBitIdenticalToCpu) {
-  for (const std::string type : {"llama", "qwen2", "qwen3"}) {
-    const LlamaWeights w = tiny_llama(type, 64, 13);
+  // The variants, and the rope scalings checkpoints carry (llama3 on traditional pairs, YaRN
+  // with its input scale, linear).
+  const std::vector<std::pair<std::string, nlohmann::json>> cases = {
+      {"llama", nullptr},
+      {"qwen2", nullptr},
+      {"qwen3", nullptr},
+      {"llama",
+       {{"rope_type", "llama3"}, {"factor", 8.0}, {"original_max_position_embeddings", 64}}},
+      {"qwen2", {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 128}}},
+      {"qwen3", {{"type", "linear"}, {"factor", 2.0}}}};
+  for (const auto& [type, scaling] : cases) {
+    const LlamaWeights w = tiny_llama(type, 64, 13, scaling, type == "llama" && !scaling.is_null());
     const LlamaConfig& c = w.config;
     const std::vector<int32_t> ids = random_ids(260, c.vocab, 17);
     LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
@@ -216,7 +237,7 @@ TEST_F(LlamaCudaEngineTest, ExactArithmeticIsBitIdenticalToCpu) {
       ASSERT_TRUE(run_schedule(**gpu, ids, chunks, c.layers, c.hidden, &got).is_ok());
       for (int64_t l = 0; l < c.layers; ++l)
         EXPECT_TRUE(got[static_cast<size_t>(l)] == want[static_cast<size_t>(l)])
-            << type << " layer " << l << " chunks " << chunks.size();
+            << type << " " << scaling.dump() << " layer " << l << " chunks " << chunks.size();
     }
   }
 }

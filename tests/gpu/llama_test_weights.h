@@ -2,12 +2,14 @@
 #pragma once
 
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "common/bf16.h"
 #include "model/llama.h"
+#include "model/llama_rope.h"
 
 namespace hetero {
 
@@ -20,8 +22,10 @@ inline Tensor random_tensor(std::vector<int64_t> shape, float scale, float mean,
   return t;
 }
 
-// A small model of the given variant with random weights (norm weights near 1).
-inline LlamaWeights tiny_llama(const std::string& type, int64_t head_dim, uint32_t seed) {
+// A small model of the given variant with random weights (norm weights near 1), its rope built
+// from `scaling` (a config's rope_scaling; null: plain) as the loader builds it.
+inline LlamaWeights tiny_llama(const std::string& type, int64_t head_dim, uint32_t seed,
+                               const nlohmann::json& scaling = nullptr, bool traditional = false) {
   std::mt19937 rng(seed);
   LlamaWeights w;
   LlamaConfig& c = w.config;
@@ -31,6 +35,10 @@ inline LlamaWeights tiny_llama(const std::string& type, int64_t head_dim, uint32
   c.qkv_bias = type == "qwen2";
   c.qk_norm = type == "qwen3";
   c.tie_embeddings = type != "llama";
+  c.rope_config.scaling = scaling, c.rope_config.base = c.rope_theta;
+  c.rope_config.dims = head_dim, c.rope_config.traditional = traditional;
+  c.rope_config.max_position_embeddings = 131072;
+  c.rope = llama_rope(c.rope_config).value();
   const int64_t H = c.hidden, qd = c.heads * head_dim, kvd = c.kv_heads * head_dim;
   const float ws = 1.f / std::sqrt(static_cast<float>(H));
   w.embed = random_tensor({c.vocab, H}, 1.f, 0.f, rng);

@@ -171,22 +171,39 @@ class Stack:
         return p
 
     def clear(self) -> None:
-        r = requests.post(self.url(self.decoder.port, "/hetero/clear"), json={}, timeout=30)
-        assert r.status_code == 200, r.text
+        Decoder(self.decoder.port).clear()
 
     def cached(self, ids: List[int]) -> int:
-        r = requests.post(self.url(self.decoder.port, "/hetero/cached_prefix"), json={"ids": ids},
-                          timeout=30)
+        return Decoder(self.decoder.port).cached(ids)
+
+    def native(self, body: dict, path: str = "/v1/chat/completions") -> dict:
+        return Decoder(self.decoder.port).native(body, path)
+
+
+class Decoder:
+    """Direct calls to a decoder's seam and server (with the stack's secret when it has one)."""
+
+    def __init__(self, port: int, secret: str = ""):
+        self.port = port
+        self.headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+
+    def post(self, path: str, body: dict, timeout: float = 30) -> dict:
+        r = requests.post(Stack.url(self.port, path), json=body, headers=self.headers,
+                          timeout=timeout)
         assert r.status_code == 200, r.text
-        return r.json()["cached_tokens"]
+        return r.json()
+
+    def clear(self) -> None:
+        self.post("/hetero/clear", {})
+
+    def cached(self, ids: List[int]) -> int:
+        return self.post("/hetero/cached_prefix", {"ids": ids})["cached_tokens"]
 
     def native(self, body: dict, path: str = "/v1/chat/completions") -> dict:
         """The decoder's own answer to body, computed cold; leaves the prompt cache empty."""
-        ids = requests.post(self.url(self.decoder.port, "/hetero/tokenize"), json=body,
-                            timeout=60).json()["ids"]
+        ids = self.post("/hetero/tokenize", body, timeout=60)["ids"]
         self.clear()
-        r = requests.post(self.url(self.decoder.port, path), json=body, timeout=600)
-        assert r.status_code == 200, r.text
+        reply = self.post(path, body, timeout=600)
         # mlx-lm stores prompt + completion in its prompt cache after the reply has gone out
         # (and the prompt's segments before it): wait for that last insert, then clear, or the
         # front would find this prompt warm. An entry longer than the prompt is the last one:
@@ -198,7 +215,7 @@ class Stack:
             time.sleep(0.02)
         self.clear()
         assert self.cached(ids) == 0
-        return r.json()
+        return reply
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -215,6 +232,42 @@ def running_stack(model: Path, tmp: Path, what: str) -> Iterator[Stack]:
         yield stack
     finally:
         stack.stop()
+
+
+def kill_with_children(proc: subprocess.Popen) -> None:
+    """Stops a `hetero up` that did not stop itself, and what it started, by pid."""
+    if proc.poll() is not None:
+        return
+    kids = children_of(proc.pid)
+    proc.kill()
+    proc.wait()
+    for k in kids:
+        try:
+            os.kill(k, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_up(tmp_path: Path, model: Path = TINY):
+    """A `hetero up` on `model`, waited for until it says it is up: (process, log, ports)."""
+    need(HETERO, "hetero binary")
+    need(model / "config.json", "the model")
+    port, dport, pport = free_port(), free_port(), free_port()
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen(
+            [str(HETERO), "up", "--port", str(port), "--decoder-port", str(dport),
+             "--prefill-port", str(pport), "--work-dir", str(tmp_path / "work"), "--model",
+             str(model), "--python", PY], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while "hetero is up" not in log_path.read_text(errors="replace"):
+            assert up.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+    except BaseException:
+        kill_with_children(up)
+        raise
+    return up, log_path, (port, dport, pport)
 
 
 # ---------------------------------------------------------------- requests and prompts

@@ -1,7 +1,8 @@
 """Bit-exactness of the llama-family cache against the decoder's own (mlx-lm on MLX CPU, bf16).
 
 For tiny random checkpoints of each llama-family variant (llama with GQA 3 and head_dim 64,
-qwen2 with q/k/v biases, qwen3 with q/k norms and head_dim*heads != hidden, mistral), and
+qwen2 with q/k/v biases, qwen3 with q/k norms and head_dim*heads != hidden, mistral, and each
+rope scaling mlx-lm implements but the schedule-dependent "dynamic"), and
 awkward prompt lengths T, the truth is the decoder's native cache after a prefill done the way
 mlx-lm's server does it (make_prompt_cache, steps of 2048). Each layer's attention input is
 recorded on the way by wrapping `layer.self_attn` here in the test; the decoder is unmodified.
@@ -19,7 +20,8 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Dict, List, NamedTuple
+from dataclasses import replace
+from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
 import pytest
@@ -46,6 +48,17 @@ class Variant(NamedTuple):
     shape: TinyShape
     seed: int
     lengths: tuple
+    # None: all of PROGRAM_CHUNKINGS / PREFILL_CHUNKS; the rope variants take a subset.
+    program_chunkings: Optional[tuple] = None
+    prefill_chunks: Optional[tuple] = None
+
+
+def _scaled(shape: TinyShape, mpe: int = 131072, **scaling) -> TinyShape:
+    return replace(shape, rope_scaling=json.dumps(scaling), max_position_embeddings=mpe)
+
+
+ROPE_PROGRAM_CHUNKINGS = ("T", "100,27")
+ROPE_PREFILL_CHUNKS = (97, 2048)
 
 
 VARIANTS: Dict[str, Variant] = {
@@ -68,6 +81,84 @@ VARIANTS: Dict[str, Variant] = {
         14,
         (128, 2047),
     ),
+    # The rope scalings mlx-lm implements (docs/findings/rope-variants-in-mlx.md), with the
+    # settings real checkpoints carry, over prompts that reach every band they change.
+    "llama31": Variant(  # Llama 3.1 / 3.2 / 3.3
+        _scaled(
+            TinyShape("llama", 2, 128, 2, 1, 64, 256, tie=True, rope_theta=500000.0),
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        21,
+        (129, 2049, 5003),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+    ),
+    "llama-linear-traditional": Variant(
+        replace(
+            _scaled(TinyShape("llama", 2, 64, 4, 2, 16, 128), type="linear", factor=2.0),
+            rope_traditional=True,
+        ),
+        22,
+        (127, 2049),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+    ),
+    "qwen2-yarn": Variant(  # Qwen2.5's long-context setting: YaRN, which also scales q and k
+        _scaled(
+            TinyShape("qwen2", 2, 128, 4, 2, 0, 256, rope_theta=1000000.0),
+            type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=32768,
+        ),
+        23,
+        (129, 2049),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+    ),
+    "qwen3-yarn-v5": Variant(  # Qwen3's YaRN, written the transformers-v5 way
+        replace(
+            _scaled(
+                TinyShape("qwen3", 2, 96, 4, 1, 32, 192, tie=True, rope_theta=1000000.0),
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=32768,
+            ),
+            rope_parameters=True,
+        ),
+        24,
+        (2, 2049),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+    ),
+    "llama-longrope": Variant(  # Phi-3-style, per-pair long factors
+        _scaled(
+            TinyShape("llama", 2, 64, 4, 2, 16, 128),
+            type="longrope",
+            original_max_position_embeddings=4096,
+            short_factor=[1.0] * 8,
+            long_factor=[1.0 + 0.37 * i for i in range(8)],
+        ),
+        25,
+        (128, 2047),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+    ),
+    "llama-proportional": Variant(  # the last pairs stay unrotated
+        _scaled(
+            TinyShape("llama", 2, 64, 4, 2, 16, 128),
+            rope_type="proportional",
+            partial_rotary_factor=0.5,
+            factor=2.0,
+        ),
+        26,
+        (129,),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+    ),
 }
 
 # Program chunkings, repeated by the program to cover T; "T" is the whole prompt at once.
@@ -75,9 +166,13 @@ PROGRAM_CHUNKINGS = ("T", "1", "100,27", "127,1,2048", "129,2047,3")
 PREFILL_CHUNKS = (97, 2048, 1)
 
 
-def _cases(chunkings) -> List:
+def _cases(kind: str) -> List:
     out = []
     for name, variant in VARIANTS.items():
+        if kind == "program":
+            chunkings = variant.program_chunkings or PROGRAM_CHUNKINGS
+        else:
+            chunkings = variant.prefill_chunks or PREFILL_CHUNKS
         for T in variant.lengths:
             for chunking in chunkings:
                 marks = [pytest.mark.slow] if T == SLOW_T else []
@@ -244,7 +339,7 @@ def assert_bit_exact(hetero_bin: Path, got: Path, want: Path, layers: int, what:
 # ---- same input: the cache program alone ---------------------------------------------------
 
 
-@pytest.mark.parametrize("name,T,chunking", _cases(PROGRAM_CHUNKINGS))
+@pytest.mark.parametrize("name,T,chunking", _cases("program"))
 def test_program_same_input(lab, hetero_bin, tmp_path, name, T, chunking):
     native = lab.native(name, T)
     chunks = str(T) if chunking == "T" else chunking
@@ -261,7 +356,7 @@ def test_program_same_input(lab, hetero_bin, tmp_path, name, T, chunking):
 # ---- end to end: our prefill engine, tap, program, wire, verifier --------------------------
 
 
-@pytest.mark.parametrize("name,T,chunk", _cases(PREFILL_CHUNKS))
+@pytest.mark.parametrize("name,T,chunk", _cases("prefill"))
 def test_prefill_end_to_end(lab, hetero_bin, tmp_path, name, T, chunk):
     native = lab.native(name, T)
     out = tmp_path / "prefill.safetensors"
@@ -353,3 +448,42 @@ def test_prefill_refuses_weights_of_another_model(lab, hetero_bin, tmp_path):
     )  # fmt: skip
     assert res.returncode != 0, f"prefill accepted another model's decoder weights: {res.stdout}"
     assert "does not match the model" in res.stderr
+
+
+def test_program_refuses_an_export_whose_rope_frequencies_differ(lab, hetero_bin, tmp_path):
+    """The export carries the decoder module's own frequencies; one that differs from what the
+    config computes to (a stale or edited export) is refused, never used."""
+    lab.model("llama31")
+    doctored = tmp_path / "export"
+    doctored.mkdir()
+    src = lab.export_dir("llama31")
+    (doctored / "decoder.json").write_text((src / "decoder.json").read_text())
+    arrays = mx.load(str(src / "weights.safetensors"))
+    freqs = np.array(arrays["rope.freqs"])
+    freqs[5] = np.nextafter(freqs[5], np.float32(np.inf))
+    arrays["rope.freqs"] = mx.array(freqs)
+    mx.save_safetensors(str(doctored / "weights.safetensors"), arrays)
+    native = lab.native("llama31", 129)
+    res = _run(
+        hetero_bin, "program", "--weights", doctored, "--inputs", native.inputs,
+        "--chunks", "64", "--out", tmp_path / "out.safetensors",
+    )  # fmt: skip
+    assert res.returncode != 0, f"program used a doctored rope: {res.stdout}"
+    assert "rope frequency 5" in res.stderr, res.stderr
+
+
+def test_dynamic_rope_is_refused_at_start_by_name(lab, hetero_bin, tmp_path):
+    """mlx-lm's dynamic NTK rope recomputes its base per call once past max_position_embeddings:
+    its keys depend on the decoder's call schedule, so the prefill host refuses it by name."""
+    shape = _scaled(TinyShape("llama", 1, 64, 4, 2, 16, 128), mpe=4096, type="dynamic", factor=2.0)
+    model = tmp_path / "hf"
+    make_tiny_llama(lab.tokenizer_dir, model, 27, shape)
+    export(str(model), tmp_path / "export")
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, 3]")
+    res = _run(
+        hetero_bin, "prefill", "--model", model, "--weights", tmp_path / "export",
+        "--ids-file", ids, "--out", tmp_path / "out.safetensors",
+    )  # fmt: skip
+    assert res.returncode != 0, f"prefill ran a dynamic rope: {res.stdout}"
+    assert "'dynamic'" in res.stderr, res.stderr

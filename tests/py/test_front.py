@@ -27,8 +27,8 @@ from typing import Dict, List
 import pytest
 from frontstack import (CHUNK, ENV, HETERO, MIN_TOKENS, MODEL_NAME, PY, REAL, ROOT, TINY, Proc,
                         Stack, answer, cached_tokens, chat, children_of, export_weights, free_port,
-                        metrics, need, openai_chat, post_front, requests, running_stack, text,
-                        verdict_of)
+                        kill_with_children, metrics, need, openai_chat, post_front, requests,
+                        running_stack, start_up, text, verdict_of)
 
 
 @pytest.fixture(scope="module")
@@ -539,20 +539,6 @@ def test_metrics_count_verdicts(tiny, main_front) -> None:
 # ---------------------------------------------------------------- 8. hetero up / doctor
 
 
-def kill_with_children(proc: subprocess.Popen) -> None:
-    """Stops a `hetero up` that did not stop itself, and what it started, by pid."""
-    if proc.poll() is not None:
-        return
-    kids = children_of(proc.pid)
-    proc.kill()
-    proc.wait()
-    for k in kids:
-        try:
-            os.kill(k, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -581,28 +567,6 @@ def test_up_exit_when_ready(tmp_path) -> None:
     out = log_path.read_text(errors="replace")
     assert rc == 0, out
     assert f"http://127.0.0.1:{port}/v1" in out, out
-
-
-def start_up(tmp_path: Path):
-    """A `hetero up` on the tiny model, waited for until it says it is up: (process, log, ports)."""
-    need(HETERO, "hetero binary")
-    need(TINY / "config.json", "tiny test model")
-    port, dport, pport = free_port(), free_port(), free_port()
-    log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        up = subprocess.Popen(
-            [str(HETERO), "up", "--port", str(port), "--decoder-port", str(dport),
-             "--prefill-port", str(pport), "--work-dir", str(tmp_path / "work"), "--model",
-             str(TINY), "--python", PY], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
-    try:
-        deadline = time.monotonic() + 300
-        while "hetero is up" not in log_path.read_text(errors="replace"):
-            assert up.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
-    except BaseException:
-        kill_with_children(up)
-        raise
-    return up, log_path, (port, dport, pport)
 
 
 def wait_gone(pids: List[int], seconds: float) -> None:

@@ -39,7 +39,9 @@ TEST(CpuOps, RopeAtPositionZeroIsIdentity) {
   for (size_t i = 0; i < x.size(); ++i)
     x[i] = f32_to_bf16(0.25f * static_cast<float>(i % 7) - 0.5f);
   auto y = x;
-  rope_rotate_half(y.data(), 1, 3, 8, 0, 10000.f);
+  RopeSpec r;
+  r.dims = 8;
+  rope_apply(y.data(), 1, 3, 8, 0, r);
   for (size_t i = 0; i < 24; ++i) EXPECT_EQ(y[i], x[i]);
 }
 

@@ -1,8 +1,10 @@
 // The llama family's config.json as mlx-lm reads it: tied embeddings when the key is absent
 // (llama, mistral, qwen2), untied for null (None), a clear refusal where mlx-lm itself would not
-// load (qwen3 without the key), and rope scaling refused by name until it is built.
+// load (qwen3 without the key), the rope types mlx-lm builds (their bits are checked against the
+// decoder in tests/py/test_exactness.py) and a clear refusal for the ones that cannot be bridged.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -38,6 +40,7 @@ TEST(LlamaConfig, TiedEmbeddingsDefaultAsInMlxLm) {
     EXPECT_FALSE(config_of(j).is_ok()) << type;
   }
   auto q = base("qwen3");
+  q["rope_theta"] = 1e6;
   auto missing = config_of(q);
   ASSERT_FALSE(missing.is_ok());
   EXPECT_EQ(missing.status().code(), Code::kInvalidArgument);
@@ -46,12 +49,86 @@ TEST(LlamaConfig, TiedEmbeddingsDefaultAsInMlxLm) {
   EXPECT_TRUE(config_of(q)->tie_embeddings);
 }
 
-TEST(LlamaConfig, RopeScalingIsRefused) {
+TEST(LlamaConfig, RopeThetaDefaultsAsInMlxLm) {
+  EXPECT_EQ(config_of(base("llama"))->rope_theta, 10000.0);
+  EXPECT_EQ(config_of(base("qwen2"))->rope_theta, 1000000.0);
+  auto q = base("qwen3");
+  q["tie_word_embeddings"] = true;
+  auto missing = config_of(q);
+  ASSERT_FALSE(missing.is_ok());
+  EXPECT_NE(missing.status().message().find("rope_theta"), std::string::npos);
+  // transformers v5 nests it (and the scaling) under rope_parameters.
+  q["rope_parameters"] = {{"rope_theta", 5e6}, {"rope_type", "linear"}, {"factor", 2.0}};
+  auto c = config_of(q);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->rope_theta, 5e6);
+  EXPECT_EQ(c->rope.scale, 0.5f);
+  EXPECT_FALSE(c->rope.traditional);
+}
+
+TEST(LlamaConfig, RopeTypesBecomeTheDecodersSpec) {
+  auto with = [](nlohmann::json scaling) {
+    auto j = base("llama");
+    j["rope_scaling"] = std::move(scaling);
+    j["max_position_embeddings"] = 131072;
+    return config_of(j);
+  };
+  auto plain = config_of(base("llama"));
+  ASSERT_TRUE(plain.is_ok());
+  EXPECT_TRUE(plain->rope.freqs.empty());
+  EXPECT_EQ(plain->rope.dims, 16);
+  EXPECT_EQ(plain->rope.scale, 1.0f);
+
+  auto linear = with({{"type", "linear"}, {"factor", 4.0}});
+  ASSERT_TRUE(linear.is_ok());
+  EXPECT_EQ(linear->rope.scale, 0.25f);
+
+  // llama3: the highest frequencies keep their wavelength, the lowest are stretched by factor.
+  auto l3 =
+      with({{"rope_type", "llama3"}, {"factor", 8.0}, {"original_max_position_embeddings", 64}});
+  ASSERT_TRUE(l3.is_ok()) << l3.status().to_string();
+  ASSERT_EQ(l3->rope.freqs.size(), 8u);
+  EXPECT_EQ(l3->rope.freqs[0], 1.0f);
+  const float last = std::pow(10000.0f, 14.0f / 16.0f);
+  EXPECT_EQ(l3->rope.freqs[7], last * 8.0f);
+
+  // yarn with factor > 1 scales its input by 0.1 ln(factor) + 1.
+  auto y = with({{"rope_type", "yarn"}, {"factor", 4.0}});
+  ASSERT_TRUE(y.is_ok()) << y.status().to_string();
+  EXPECT_TRUE(y->rope.scales_input);
+  EXPECT_FLOAT_EQ(y->rope.input_scale, static_cast<float>(0.1 * std::log(4.0) + 1.0));
+
+  auto longrope = with({{"type", "longrope"},
+                        {"original_max_position_embeddings", 4096},
+                        {"short_factor", 1.0},
+                        {"long_factor", std::vector<double>(8, 2.0)}});
+  ASSERT_TRUE(longrope.is_ok()) << longrope.status().to_string();
+  EXPECT_TRUE(longrope->rope.scales_input);
+  EXPECT_EQ(longrope->rope.freqs[0], 2.0f);
+
+  auto prop = with({{"rope_type", "proportional"}, {"partial_rotary_factor", 0.5}});
+  ASSERT_TRUE(prop.is_ok());
+  EXPECT_TRUE(std::isinf(prop->rope.freqs[7]));
+  EXPECT_FALSE(std::isinf(prop->rope.freqs[3]));
+
+  // Refused by name: the schedule-dependent one, an unknown one, a missing key.
+  for (const auto& [scaling, word] : std::vector<std::pair<nlohmann::json, std::string>>{
+           {{{"type", "dynamic"}, {"factor", 2.0}}, "dynamic"},
+           {{{"rope_type", "su"}}, "'su'"},
+           {{{"rope_type", "llama3"}}, "factor"},
+           {{{"type", "longrope"}, {"original_max_position_embeddings", 4096}}, "short_factor"}}) {
+    auto c = with(scaling);
+    ASSERT_FALSE(c.is_ok()) << scaling.dump();
+    EXPECT_NE(c.status().message().find(word), std::string::npos) << c.status().message();
+  }
+}
+
+TEST(LlamaConfig, SlidingWindowLayersAreRefused) {
   auto j = base("llama");
-  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  j["layer_types"] = {"full_attention", "sliding_attention"};
   auto c = config_of(j);
   ASSERT_FALSE(c.is_ok());
-  EXPECT_NE(c.status().message().find("rope_scaling"), std::string::npos);
+  EXPECT_NE(c.status().message().find("sliding"), std::string::npos);
 }
 
 }  // namespace

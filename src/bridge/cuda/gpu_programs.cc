@@ -142,7 +142,8 @@ Result<std::unique_ptr<LlamaGpuWeights>> upload_llama_weights(const LlamaDecoder
   auto g = std::make_unique<LlamaGpuWeights>();
   g->layout = w.layout;
   g->eps = static_cast<float>(w.rms_norm_eps);
-  g->rope_base = static_cast<float>(w.rope_base);
+  HETERO_RETURN_IF_ERROR(g->rope.upload(w.rope));
+  g->device_bytes += g->rope.bytes();
   g->layers.resize(w.layers.size());
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LlamaProgramLayer& L = w.layers[l];
@@ -208,7 +209,7 @@ Status LlamaGpuCacheProgram::enqueue(int64_t layer, int64_t pos0, int64_t n, con
   if (L.k_norm.bytes())
     rms_norm(k_.get<uint16_t>(), n * kvh, hd, L.k_norm.get<uint16_t>(), w_->eps, k_.get<uint16_t>(),
              stream_);
-  rope_rotate_half(k_.get<uint16_t>(), n, kvh, hd, pos0, w_->rope_base, stream_);
+  rope_apply(k_.get<uint16_t>(), n, kvh, hd, pos0, w_->rope.table(), stream_);
   // The decoder's layout on the device, then straight into the caller's page-locked memory.
   heads_major(k_.get<uint16_t>(), n, kvh, hd, kt_.get<uint16_t>(), stream_);
   heads_major(v_.get<uint16_t>(), n, kvh, hd, vt_.get<uint16_t>(), stream_);

@@ -17,6 +17,7 @@
 #include "bridge/llama_program.h"
 #include "bridge/producer.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/device_rope.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/resource.h"
 
@@ -68,7 +69,8 @@ class GpuCaptureStore : public CaptureStore {
 // kernels/cuda/ops.h): bit-identical to LlamaCacheProgram given the same x.
 struct LlamaGpuWeights {
   DecoderCacheLayout layout;
-  float eps = 1e-5f, rope_base = 10000.f;
+  float eps = 1e-5f;
+  DeviceRope rope;
   struct Layer {
     DeviceBuffer wk_t, wv_t;       // f32 [hidden, kv_heads*head_dim]
     DeviceBuffer bk, bv, k_norm;   // bf16, empty when absent

@@ -150,6 +150,10 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
 
 Status LlamaCudaEngine::upload(const LlamaWeights& w) {
   const LlamaConfig& c = config_;
+  if (c.rope.dims != c.head_dim)
+    return failed_precondition("the config's rope was not built (llama_rope) for head_dim " +
+                               std::to_string(c.head_dim));
+  HETERO_RETURN_IF_ERROR(rope_.upload(c.rope));
   // Concatenated row blocks (each a bf16 [rows, cols] tensor) copied into one device array.
   auto put = [&](std::initializer_list<const Tensor*> parts, const uint16_t** out) -> Status {
     size_t bytes = 0;
@@ -481,8 +485,7 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
     PagedKvView kv{pages_->table[static_cast<size_t>(l)].get<KvPageRef>(), options_.kv_dtype,
                    static_cast<int>(c.kv_heads), static_cast<int>(hd)};
     HETERO_RETURN_IF_ERROR(linear(xn, n, L.wqkv, qkv));
-    qkv_rope_store(qkv, n, static_cast<int>(c.heads), pos0, static_cast<float>(c.rope_theta),
-                   L.extra, q, kv, st);
+    qkv_rope_store(qkv, n, static_cast<int>(c.heads), pos0, rope_.table(), L.extra, q, kv, st);
     attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, st);
     HETERO_RETURN_IF_ERROR(linear(attn, n, L.wo, tmp));
     add_rms_norm_rows(h, tmp, n, H, L.post_norm, eps, xn, st);
@@ -596,7 +599,7 @@ Status LlamaCudaEngine::prefill_exact(const std::vector<int32_t>& ids,
   HETERO_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(ids_.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, st));
   embed_rows(embed_, ids_.get<const int32_t>(), n, H, h, st);
-  const float eps = static_cast<float>(c.rms_norm_eps), theta = static_cast<float>(c.rope_theta);
+  const float eps = static_cast<float>(c.rms_norm_eps);
   for (int64_t l = 0; l < c.layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     const Exact::Layer& E = X.layers[static_cast<size_t>(l)];
@@ -611,8 +614,8 @@ Status LlamaCudaEngine::prefill_exact(const std::vector<int32_t>& ids,
       hetero::cuda::rms_norm(q, n * c.heads, hd, L.extra.q_norm, eps, q, st);
       hetero::cuda::rms_norm(k, n * c.kv_heads, hd, L.extra.k_norm, eps, k, st);
     }
-    rope_rotate_half(q, n, c.heads, hd, pos0, theta, st);
-    rope_rotate_half(k, n, c.kv_heads, hd, pos0, theta, st);
+    rope_apply(q, n, c.heads, hd, pos0, rope_.table(), st);
+    rope_apply(k, n, c.kv_heads, hd, pos0, rope_.table(), st);
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
         kc + pos0 * kvd, k, static_cast<size_t>(n * kvd) * 2, cudaMemcpyDeviceToDevice, st));
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(

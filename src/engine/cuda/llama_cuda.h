@@ -32,6 +32,7 @@
 
 #include "common/status.h"
 #include "engine/tap.h"
+#include "kernels/cuda/device_rope.h"
 #include "kernels/cuda/fast_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/resource.h"
@@ -140,6 +141,7 @@ class LlamaCudaEngine {
   std::unique_ptr<Fp8Gemm> fp8_;
   DeviceBuffer staging_;  // bf16 projection weights on their way to FP8 (upload only)
   std::vector<DeviceBuffer> weights_;
+  DeviceRope rope_;
   std::vector<Layer> layers_;
   const uint16_t* embed_ = nullptr;
   const uint16_t* lm_head_ = nullptr;

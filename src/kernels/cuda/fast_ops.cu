@@ -64,7 +64,7 @@ __global__ void add_rms_norm_kernel(uint16_t* h, const uint16_t* delta, const ui
 
 // One block per (token, head) of q, k and v; d/2 threads, thread i owns elements i and i+d/2.
 __global__ void qkv_rope_store_kernel(const uint16_t* qkv, int heads, int kv_heads, int d,
-                                      int64_t pos0, float log_theta, QkvBiasNorm extra,
+                                      int64_t pos0, RopeTable rope, QkvBiasNorm extra,
                                       uint16_t* q_out, const KvPageRef* pages, bool fp8) {
   __shared__ float red[32];
   const int64_t t = blockIdx.x;
@@ -76,22 +76,23 @@ __global__ void qkv_rope_store_kernel(const uint16_t* qkv, int heads, int kv_hea
   const uint16_t* src = qkv + t * width + (is_q ? int64_t(head) * d : int64_t(heads + head) * d);
   const uint16_t* bias = is_q ? extra.bq : extra.bk;
   const uint16_t* norm = is_q ? extra.q_norm : extra.k_norm;
-  float x1 = bf(src[i]), x2 = bf(src[i + half]);
-  if (bias)
-    x1 = round_bf(x1 + bf(bias[head * d + i])), x2 = round_bf(x2 + bf(bias[head * d + i + half]));
+  // This thread's rotated pair: (i, i + half), or (2i, 2i + 1) for a traditional rope.
+  const int a = rope.traditional ? 2 * i : i, b = rope.traditional ? 2 * i + 1 : i + half;
+  float x1 = bf(src[a]), x2 = bf(src[b]);
+  if (bias) x1 = round_bf(x1 + bf(bias[head * d + a])), x2 = round_bf(x2 + bf(bias[head * d + b]));
   if (norm) {
     const float r = rsqrtf(block_reduce<false>(x1 * x1 + x2 * x2, red) / d + extra.eps);
-    x1 = round_bf(round_bf(x1 * r) * bf(norm[i]));
-    x2 = round_bf(round_bf(x2 * r) * bf(norm[i + half]));
+    x1 = round_bf(round_bf(x1 * r) * bf(norm[a]));
+    x2 = round_bf(round_bf(x2 * r) * bf(norm[b]));
   }
-  const float pos = static_cast<float>(pos0 + t);
-  const float inv = expf(-static_cast<float>(i) * log_theta / static_cast<float>(half));
+  if (rope.scales_input) x1 = round_bf(x1 * rope.input_scale), x2 = round_bf(x2 * rope.input_scale);
+  const float pos = static_cast<float>(pos0 + t) * rope.scale;
   float sn, cs;
-  sincosf(pos * inv, &sn, &cs);
+  sincosf(pos * rope.inv[i], &sn, &cs);
   const float y1 = x1 * cs - x2 * sn, y2 = x1 * sn + x2 * cs;
   if (is_q) {
     uint16_t* dst = q_out + (t * heads + head) * d;
-    dst[i] = to_bf(y1), dst[i + half] = to_bf(y2);
+    dst[a] = to_bf(y1), dst[b] = to_bf(y2);
     return;
   }
   const int64_t p = pos0 + t;
@@ -106,7 +107,7 @@ __global__ void qkv_rope_store_kernel(const uint16_t* qkv, int heads, int kv_hea
   if (!fp8) {
     uint16_t* kd = static_cast<uint16_t*>(pg.k) + slot * d;
     uint16_t* vd = static_cast<uint16_t*>(pg.v) + slot * d;
-    kd[i] = to_bf(k1), kd[i + half] = to_bf(k2), vd[i] = to_bf(v1), vd[i + half] = to_bf(v2);
+    kd[a] = to_bf(k1), kd[b] = to_bf(k2), vd[i] = to_bf(v1), vd[i + half] = to_bf(v2);
     return;
   }
   const float ka = block_reduce<true>(fmaxf(fabsf(k1), fabsf(k2)), red);
@@ -114,7 +115,7 @@ __global__ void qkv_rope_store_kernel(const uint16_t* qkv, int heads, int kv_hea
   const float ks = ka > 0.f ? ka / 448.f : 1.f, vs = va > 0.f ? va / 448.f : 1.f;
   __nv_fp8_e4m3* kd = static_cast<__nv_fp8_e4m3*>(pg.k) + slot * d;
   __nv_fp8_e4m3* vd = static_cast<__nv_fp8_e4m3*>(pg.v) + slot * d;
-  kd[i] = __nv_fp8_e4m3(k1 / ks), kd[i + half] = __nv_fp8_e4m3(k2 / ks);
+  kd[a] = __nv_fp8_e4m3(k1 / ks), kd[b] = __nv_fp8_e4m3(k2 / ks);
   vd[i] = __nv_fp8_e4m3(v1 / vs), vd[i + half] = __nv_fp8_e4m3(v2 / vs);
   if (i == 0) pg.k_scale[slot] = ks, pg.v_scale[slot] = vs;
 }
@@ -407,13 +408,13 @@ void add_rms_norm_rows(uint16_t* h, const uint16_t* delta, int64_t m, int64_t d,
       h, delta, nullptr, d, w, eps, out);
 }
 
-void qkv_rope_store(const uint16_t* qkv, int64_t n, int heads, int64_t pos0, float theta,
+void qkv_rope_store(const uint16_t* qkv, int64_t n, int heads, int64_t pos0, const RopeTable& rope,
                     const QkvBiasNorm& extra, uint16_t* q, const PagedKvView& kv,
                     cudaStream_t stream) {
   if (n == 0) return;
   const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(heads + kv.kv_heads));
   qkv_rope_store_kernel<<<grid, kv.head_dim / 2, 0, stream>>>(qkv, heads, kv.kv_heads, kv.head_dim,
-                                                              pos0, logf(theta), extra, q, kv.pages,
+                                                              pos0, rope, extra, q, kv.pages,
                                                               kv.dtype == KvDtype::kFp8);
 }
 

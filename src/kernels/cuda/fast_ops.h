@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/ops.h"
+
 namespace hetero::cuda {
 
 // The engine's KV cache: pages of kKvPageTokens rows, each page one block per kind holding
@@ -48,7 +50,7 @@ void add_rms_norm_rows(uint16_t* h, const uint16_t* delta, int64_t m, int64_t d,
 
 // From the fused projection qkv [n][heads*d + 2*kv_heads*d] (q | k | v): adds the biases (when
 // given), applies the per-head q/k RMSNorm (when given), rotates q and k (rotate-half RoPE,
-// base theta, rows at positions pos0..), writes q [n][heads][d] and stores k and v into the
+// the RopeTable, rows at positions pos0..), writes q [n][heads][d] and stores k and v into the
 // paged cache at their positions (quantizing to FP8 where the cache is FP8).
 struct QkvBiasNorm {
   const uint16_t* bq = nullptr;
@@ -58,7 +60,7 @@ struct QkvBiasNorm {
   const uint16_t* k_norm = nullptr;
   float eps = 1e-6f;
 };
-void qkv_rope_store(const uint16_t* qkv, int64_t n, int heads, int64_t pos0, float theta,
+void qkv_rope_store(const uint16_t* qkv, int64_t n, int heads, int64_t pos0, const RopeTable& rope,
                     const QkvBiasNorm& extra, uint16_t* q, const PagedKvView& kv,
                     cudaStream_t stream);
 

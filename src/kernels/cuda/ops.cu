@@ -253,21 +253,22 @@ __global__ void rms_norm_kernel(const uint16_t* x, int64_t d, const uint16_t* w,
   }
 }
 
-// One thread per (token, head, i < half).
+// One thread per (token, head, rotated pair).
 __global__ void rope_kernel(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim,
-                            int64_t pos0, float c) {
-  const int64_t half = head_dim / 2;
+                            int64_t pos0, RopeTable r) {
+  const int64_t half = r.dims / 2;
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (id >= tokens * heads * half) return;
   const int64_t i = id % half, h = (id / half) % heads, t = id / (half * heads);
-  const float inv = mlx_exp(__fmul_rn(float(-i), c));
-  const float pos = __fadd_rn(float(t), float(pos0));
-  const float theta = __fmul_rn(pos, inv);
+  const float pos = __fmul_rn(__fadd_rn(float(t), float(pos0)), r.scale);
+  const float theta = __fmul_rn(pos, r.inv[i]);
   const float co = rb(mlx_sincos(theta, false)), si = rb(mlx_sincos(theta, true));
   uint16_t* row = x + (t * heads + h) * head_dim;
-  const float x1 = b2f(row[i]), x2 = b2f(row[i + half]);
-  row[i] = f2b(__fsub_rn(rb(__fmul_rn(x1, co)), rb(__fmul_rn(x2, si))));
-  row[i + half] = f2b(__fadd_rn(rb(__fmul_rn(x1, si)), rb(__fmul_rn(x2, co))));
+  const int64_t a = r.traditional ? 2 * i : i, b = r.traditional ? 2 * i + 1 : i + half;
+  float x1 = b2f(row[a]), x2 = b2f(row[b]);
+  if (r.scales_input) x1 = rb(__fmul_rn(x1, r.input_scale)), x2 = rb(__fmul_rn(x2, r.input_scale));
+  row[a] = f2b(__fsub_rn(rb(__fmul_rn(x1, co)), rb(__fmul_rn(x2, si))));
+  row[b] = f2b(__fadd_rn(rb(__fmul_rn(x1, si)), rb(__fmul_rn(x2, co))));
 }
 
 __global__ void silu_mul_kernel(const uint16_t* gate, const uint16_t* up, int64_t n,
@@ -400,12 +401,11 @@ void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float 
   if (m > 0) rms_norm_kernel<<<unsigned(m), 128, 0, stream>>>(x, d, w, eps, out);
 }
 
-void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
-                      float base, cudaStream_t stream) {
-  const float c = std::log(base) / float(head_dim / 2);  // host logf, as the CPU op
-  const int64_t work = tokens * heads * (head_dim / 2);
+void rope_apply(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
+                const RopeTable& r, cudaStream_t stream) {
+  const int64_t work = tokens * heads * (r.dims / 2);
   if (work > 0)
-    rope_kernel<<<blocks(work, 256), 256, 0, stream>>>(x, tokens, heads, head_dim, pos0, c);
+    rope_kernel<<<blocks(work, 256), 256, 0, stream>>>(x, tokens, heads, head_dim, pos0, r);
 }
 
 void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out,

@@ -37,8 +37,19 @@ void round_linear_output(const float* acc, int64_t m, int64_t n, const uint16_t*
                          uint16_t* out, cudaStream_t stream);
 void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps, uint16_t* out,
               cudaStream_t stream);
-void rope_rotate_half(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
-                      float base, cudaStream_t stream);
+// hetero::RopeSpec on the device (kernels/cuda/device_rope.h makes one): its inverse
+// frequencies, computed on the host as the CPU op computes them, and its scalars.
+struct RopeTable {
+  const float* inv = nullptr;  // [dims / 2]
+  int dims = 0;
+  bool traditional = false;
+  float scale = 1.0f;  // position multiplier
+  bool scales_input = false;
+  float input_scale = 1.0f;  // already rounded to bf16
+};
+// The CPU op rope_apply on [tokens, heads, head_dim] rows at positions pos0...
+void rope_apply(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0,
+                const RopeTable& r, cudaStream_t stream);
 void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out,
               cudaStream_t stream);
 void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out, cudaStream_t stream);

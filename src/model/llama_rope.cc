@@ -1,0 +1,191 @@
+// llama-family rope construction: see llama_rope.h. Each step is written in the precision and
+// order the decoder's Python/MLX code runs it: Python doubles where mlx-lm computes scalars,
+// float32 (rounded per operation) where it computes arrays, scalars meeting an array rounded to
+// float32 first.
+#include "model/llama_rope.h"
+
+#include <cmath>
+#include <vector>
+
+namespace hetero {
+namespace {
+
+using nlohmann::json;
+
+constexpr double kPi = 3.141592653589793;
+
+Result<double> number(const json& s, const char* key) {
+  if (!s.contains(key) || !s[key].is_number())
+    return invalid_argument(std::string("rope_scaling needs a number '") + key + "' for type '" +
+                            rope_type_of(s) + "'");
+  return s[key].get<double>();
+}
+
+double number_or(const json& s, const char* key, double fallback) {
+  return s.contains(key) && s[key].is_number() ? s[key].get<double>() : fallback;
+}
+
+// base ** (arange(0, rotated, 2) / dims) in float32: mx.power of the base rounded to f32.
+std::vector<float> powers(double base, int64_t rotated, int64_t dims) {
+  std::vector<float> p;
+  for (int64_t i = 0; i < rotated; i += 2)
+    p.push_back(
+        std::pow(static_cast<float>(base), static_cast<float>(i) / static_cast<float>(dims)));
+  return p;
+}
+
+RopeSpec base_path(const LlamaRopeConfig& c, double scale) {
+  RopeSpec r;
+  r.dims = c.dims, r.traditional = c.traditional;
+  r.base = static_cast<float>(c.base), r.scale = static_cast<float>(scale);
+  return r;
+}
+
+RopeSpec freqs_path(const LlamaRopeConfig& c, std::vector<float> freqs) {
+  RopeSpec r;
+  r.dims = c.dims, r.traditional = c.traditional;
+  r.freqs = std::move(freqs);
+  return r;
+}
+
+Result<RopeSpec> llama3(const LlamaRopeConfig& c) {
+  const json& s = c.scaling;
+  HETERO_ASSIGN_OR_RETURN(const double factor, number(s, "factor"));
+  const double lf = number_or(s, "low_freq_factor", 1.0),
+               hf = number_or(s, "high_freq_factor", 4.0);
+  const double old_len = number_or(s, "original_max_position_embeddings", 8192);
+  const float low_w = static_cast<float>(old_len / lf), high_w = static_cast<float>(old_len / hf);
+  const float two_pi = static_cast<float>(2 * kPi), f_factor = static_cast<float>(factor);
+  std::vector<float> freqs = powers(c.base, c.dims, c.dims);
+  for (float& f : freqs) {
+    const float w = two_pi * f;
+    const float scaled = w > low_w ? f * f_factor : f;
+    const bool medium = w > high_w && w < low_w;
+    const float smooth =
+        (static_cast<float>(old_len) / w - static_cast<float>(lf)) / static_cast<float>(hf - lf);
+    f = medium ? scaled / ((1.0f - smooth) / f_factor + smooth) : scaled;
+  }
+  return freqs_path(c, std::move(freqs));
+}
+
+double yarn_mscale(double scale, double m) {
+  return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+}
+
+Result<RopeSpec> yarn(const LlamaRopeConfig& c) {
+  const json& s = c.scaling;
+  HETERO_ASSIGN_OR_RETURN(const double factor, number(s, "factor"));
+  const double orig = number_or(s, "original_max_position_embeddings", 4096);
+  const double beta_fast = number_or(s, "beta_fast", 32), beta_slow = number_or(s, "beta_slow", 1);
+  const double mscale = number_or(s, "mscale", 1), mscale_all = number_or(s, "mscale_all_dim", 0);
+  const auto correction = [&](double rotations) {
+    return (static_cast<double>(c.dims) * std::log(orig / (rotations * 2 * kPi))) /
+           (2 * std::log(c.base));
+  };
+  const double low = std::max(std::floor(correction(beta_fast)), 0.0);
+  double high = std::min(std::ceil(correction(beta_slow)), static_cast<double>(c.dims - 1));
+  if (low == high) high += 0.001;
+  const float f_low = static_cast<float>(low), span = static_cast<float>(high - low);
+  const float f_factor = static_cast<float>(factor);
+  std::vector<float> extra = powers(c.base, c.dims, c.dims), freqs(extra.size());
+  for (size_t i = 0; i < extra.size(); ++i) {
+    const float ramp = std::min(std::max((static_cast<float>(i) - f_low) / span, 0.0f), 1.0f);
+    const float mask = 1.0f - ramp;
+    const float inter = f_factor * extra[i];
+    freqs[i] = (inter * extra[i]) / (inter * mask + extra[i] * (1.0f - mask));
+  }
+  RopeSpec r = freqs_path(c, std::move(freqs));
+  const double m = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all);
+  if (m != 1.0) r.scales_input = true, r.input_scale = static_cast<float>(m);
+  return r;
+}
+
+Result<RopeSpec> longrope(const LlamaRopeConfig& c) {
+  const json& s = c.scaling;
+  HETERO_ASSIGN_OR_RETURN(const double orig, number(s, "original_max_position_embeddings"));
+  if (!s.contains("short_factor"))
+    return invalid_argument("rope_scaling needs 'short_factor' for type 'longrope'");
+  if (c.max_position_embeddings <= 0)
+    return invalid_argument("longrope needs max_position_embeddings in the config");
+  std::vector<float> freqs = powers(c.base, c.dims, c.dims);
+  const json& lf = s.contains("long_factor") ? s["long_factor"] : json();
+  if (lf.is_number()) {
+    for (float& f : freqs) f = static_cast<float>(lf.get<double>()) * f;
+  } else if (lf.is_array() && lf.size() == freqs.size()) {
+    for (size_t i = 0; i < freqs.size(); ++i) {
+      if (!lf[i].is_number()) return invalid_argument("rope_scaling.long_factor must be numbers");
+      freqs[i] = static_cast<float>(lf[i].get<double>()) * freqs[i];
+    }
+  } else {
+    return invalid_argument("rope_scaling.long_factor must be a number or " +
+                            std::to_string(freqs.size()) + " numbers (head_dim / 2)");
+  }
+  const double ratio = static_cast<double>(c.max_position_embeddings) / orig;
+  RopeSpec r = freqs_path(c, std::move(freqs));
+  r.traditional = false;  // SuScaledRoPE always rotates halves
+  r.scales_input = true;  // it multiplies its input even by 1 (a no-op then)
+  r.input_scale =
+      static_cast<float>(ratio <= 1.0 ? 1.0 : std::sqrt(1 + std::log(ratio) / std::log(orig)));
+  return r;
+}
+
+Result<RopeSpec> proportional(const LlamaRopeConfig& c) {
+  const json& s = c.scaling;
+  const double prf = number_or(s, "partial_rotary_factor", 1.0),
+               factor = number_or(s, "factor", 1.0);
+  const auto rotated = static_cast<int64_t>(static_cast<double>(c.dims) * prf);
+  if (rotated > c.dims || rotated < 0)
+    return invalid_argument("rope_scaling.partial_rotary_factor must be in [0, 1]");
+  std::vector<float> freqs = powers(c.base, rotated, c.dims);
+  for (float& f : freqs) f = static_cast<float>(factor) * f;
+  freqs.resize(freqs.size() + static_cast<size_t>((c.dims - rotated) / 2), INFINITY);
+  return freqs_path(c, std::move(freqs));
+}
+
+}  // namespace
+
+std::string rope_type_of(const json& scaling) {
+  if (!scaling.is_object()) return "default";
+  for (const char* key : {"type", "rope_type"})
+    if (scaling.contains(key) && scaling[key].is_string() &&
+        !scaling[key].get<std::string>().empty())
+      return scaling[key].get<std::string>();
+  return "default";
+}
+
+std::string describe_rope(const LlamaRopeConfig& c) {
+  const std::string type = rope_type_of(c.scaling);
+  if (c.scaling.is_object() && c.scaling.contains("factor") && c.scaling["factor"].is_number())
+    return type + " (factor " + c.scaling["factor"].dump() + ")";
+  return type;
+}
+
+Result<RopeSpec> llama_rope(const LlamaRopeConfig& c) {
+  if (c.dims <= 0 || c.dims % 2) return invalid_argument("rope dims must be positive and even");
+  if (!(c.base > 0)) return invalid_argument("rope_theta must be positive");
+  if (!c.scaling.is_null() && !c.scaling.is_object())
+    return invalid_argument("rope_scaling must be an object or null");
+  const std::string type = rope_type_of(c.scaling);
+  if (type == "default") return base_path(c, 1.0);
+  if (type == "linear") {
+    HETERO_ASSIGN_OR_RETURN(const double factor, number(c.scaling, "factor"));
+    return base_path(c, 1 / factor);
+  }
+  if (type == "mrope") {
+    const json& sec = c.scaling.contains("mrope_section") ? c.scaling["mrope_section"] : json();
+    if (!sec.is_array() || sec.size() != 3)
+      return invalid_argument("rope_scaling type 'mrope' needs a 3-entry mrope_section");
+    return base_path(c, 1.0);
+  }
+  if (type == "llama3") return llama3(c);
+  if (type == "yarn" || type == "deepseek_yarn" || type == "telechat3-yarn") return yarn(c);
+  if (type == "longrope") return longrope(c);
+  if (type == "proportional") return proportional(c);
+  if (type == "dynamic")
+    return invalid_argument(
+        "rope_scaling type 'dynamic' is not supported: the decoder recomputes its base per call "
+        "past max_position_embeddings, so its keys depend on how it cut the prompt into calls");
+  return invalid_argument("rope_scaling type '" + type + "' is not one mlx-lm implements");
+}
+
+}  // namespace hetero

@@ -1,0 +1,36 @@
+// The llama family's rope as mlx-lm 0.32.2 builds it (`models/rope_utils.py`, initialize_rope):
+// every variant it implements reduced to the one RopeSpec mx.fast.rope is called with, computed
+// in the same float32 steps, so the engine's and the cache program's keys are the decoder's bits.
+// The formulas and their rounding points: docs/findings/rope-variants-in-mlx.md.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "common/status.h"
+#include "kernels/cpu_ops.h"
+
+namespace hetero {
+
+// What a llama-family rope depends on, as the model's config (or the decoder's export) gives it.
+struct LlamaRopeConfig {
+  nlohmann::json scaling;  // the rope_scaling object, or null
+  double base = 10000.0;   // rope_theta
+  int64_t dims = 0;        // head_dim
+  bool traditional = false;
+  int64_t max_position_embeddings = 0;  // 0: absent from the config
+};
+
+// The scaling's type as mlx-lm reads it: "type", else "rope_type", else "default".
+std::string rope_type_of(const nlohmann::json& scaling);
+
+// The RopeSpec the decoder's rope module calls mx.fast.rope with. Refuses, naming it, a type
+// mlx-lm does not implement and "dynamic" (its keys depend on how the decoder cuts a prompt into
+// calls once past max_position_embeddings), and a scaling missing a key the decoder requires.
+Result<RopeSpec> llama_rope(const LlamaRopeConfig& c);
+
+// "default", "llama3 (factor 8)", ... for messages.
+std::string describe_rope(const LlamaRopeConfig& c);
+
+}  // namespace hetero

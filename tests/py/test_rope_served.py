@@ -1,0 +1,64 @@
+"""Checkpoints as people run them, served: tiny random models with Llama 3.1's and Qwen3's real
+rope settings (llama3 scaling at theta 500000; YaRN x4 over 32768, written the transformers-v5
+way) behind `hetero up`. A prompt long enough to bridge gets the decoder's own answer: verdict
+complete, the decoder's usage shows every prompt token but the last cached, and the text equals
+the decoder's native answer to the same request.
+
+Needs HETERO_TOKENIZER (the checkpoints are random; the tokenizer is real) and the binary.
+"""
+
+import json
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from frontstack import Decoder, answer, chat, kill_with_children, openai_chat, start_up, text
+
+pytest.importorskip("mlx_lm")
+
+from hetero_mlx.tiny import TinyShape, make_tiny_llama  # noqa: E402
+
+MODELS = {
+    "llama31": TinyShape(
+        "llama", 2, 128, 2, 1, 64, 256, tie=True, rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rope_scaling=json.dumps({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192,
+                                 "rope_type": "llama3"})),
+    "qwen3-yarn": TinyShape(
+        "qwen3", 2, 96, 4, 1, 32, 192, tie=True, rope_theta=1000000.0,
+        max_position_embeddings=131072, rope_parameters=True,
+        rope_scaling=json.dumps({"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 32768})),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def served(request, tmp_path_factory, tokenizer_dir):
+    tmp = tmp_path_factory.mktemp(request.param)
+    model = tmp / "model"
+    make_tiny_llama(tokenizer_dir, model, seed=31, shape=MODELS[request.param])
+    up, _, (port, dport, _) = start_up(tmp, model)
+    try:
+        secret = (tmp / "work" / "secret").read_text().strip()
+        yield request.param, port, Decoder(dport, secret)
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=30)
+        except Exception:
+            kill_with_children(up)
+
+
+def test_bridged_answer_is_the_decoders_own(served) -> None:
+    name, port, decoder = served
+    body = chat(text(f"rope-{name}", 400), max_tokens=24)
+    native = decoder.native(body)
+    assert native["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    got, v, usage = openai_chat(SimpleNamespace(port=port), body, stream=False)
+    T = native["usage"]["prompt_tokens"]
+    assert T >= 300, T  # past the front's bridge-min-tokens default (256)
+    assert v["verdict"] == "complete" and (v["B"], v["T"]) == (T - 1, T), v
+    assert usage.prompt_tokens_details.cached_tokens == T - 1
+    assert got == answer(native), (got, answer(native))
