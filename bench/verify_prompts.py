@@ -8,6 +8,11 @@ Writes bench/results/verify-<revision>.jsonl and prints a markdown table.
 usage: python bench/verify_prompts.py [--chunks 7,512,13,100,1000] [--max-tokens 64]
        python bench/verify_prompts.py --model models/dsv4-tiny/native \
            --prefill-model models/dsv4-tiny/fp8 --max-tokens 32 --tag dsv4
+       python bench/verify_prompts.py --quantize 4 --tag q4   # mlx-lm's own 4-bit conversion
+
+--quantize BITS[,GROUP] first converts --model with mlx-lm's converter (`mlx_lm.convert -q`,
+affine, group 64 unless given) into out/quantized/ (kept; converted once) and verifies that: the
+decoder and the prefill host then both run the quantized checkpoint.
 """
 
 import argparse
@@ -26,7 +31,16 @@ def main() -> int:
     p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     p.add_argument("--prefill-model", default="", help="the prefill host's checkpoint")
     p.add_argument("--tag", default="", help="results file: verify-[<tag>-]<revision>.jsonl")
+    p.add_argument("--quantize", default="", help="BITS[,GROUP]: verify mlx-lm's conversion")
     a = p.parse_args()
+    if a.quantize:
+        bits, group = (int(v) for v in (a.quantize + ",64").split(",")[:2])
+        out = ROOT / "out" / "quantized" / f"{Path(a.model).name}-q{bits}-g{group}"
+        if not (out / "config.json").exists():
+            from mlx_lm import convert  # the decoder's own converter, from the pinned venv
+
+            convert(a.model, str(out), quantize=True, q_bits=bits, q_group_size=group)
+        a.model = str(out)
     prompts = sorted((ROOT / "prompts" / "chat").glob("*.json"))
     chunks = [int(c) for c in a.chunks.split(",")]
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from .quantized import linear_weights
+
 FAMILY = "llama"
 
 # mlx-lm model types whose attention is q/k/v projections (+ optional k_norm, biases) and RoPE.
@@ -26,20 +28,6 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
-
-
-def dense_weight(linear: nn.Module) -> mx.array:
-    """The projection weight as the decoder sees it: dequantized when the model is quantized."""
-    if isinstance(linear, nn.QuantizedLinear):
-        return mx.dequantize(
-            linear.weight,
-            linear.scales,
-            linear.get("biases"),
-            group_size=linear.group_size,
-            bits=linear.bits,
-            mode=linear.mode,
-        )
-    return linear.weight
 
 
 def _weight_dtype(linear: nn.Module) -> mx.Dtype:
@@ -164,13 +152,15 @@ def describe(model: nn.Module) -> Dict[str, Any]:
 
 
 def kv_weights(model: nn.Module) -> Dict[str, mx.array]:
-    """Exactly the weights the llama cache program needs, per layer, as the decoder uses them."""
+    """Exactly the weights the llama cache program needs, per layer, as the decoder uses them:
+    k/v projections dense or as a quantized module's element values and scales (quantized.py),
+    biases, k_norm, and the rope's own frequencies when it has them."""
     out = {}
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         for name in ("k_proj", "v_proj"):
             proj = getattr(attn, name)
-            out[f"layers.{i}.{name}.weight"] = dense_weight(proj)
+            linear_weights(f"layers.{i}.{name}.", proj, out)
             if "bias" in proj:
                 out[f"layers.{i}.{name}.bias"] = proj.bias
         if "k_norm" in attn:

@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "common/bf16.h"
 #include "common/safetensors.h"
 #include "kernels/cpu_ops.h"
 #include "model/llama_rope.h"
@@ -30,6 +31,60 @@ Status take_weight(TensorMap& all, const std::string& name, const std::vector<in
   *out = std::move(it->second);
   all.erase(it);
   return Status::ok();
+}
+
+Status load_decoder_linear(TensorMap& all, const std::string& p, int64_t n, int64_t k,
+                           DecoderLinear* l) {
+  l->n = n;
+  l->k = k;
+  if (all.count(p + "weight")) {
+    Tensor w;
+    HETERO_RETURN_IF_ERROR(take_weight(all, p + "weight", {n, k}, true, &w));
+    l->mode = DecoderLinear::Mode::kDense;
+    l->wt = transposed_f32(w.data<uint16_t>(), n, k);
+    return Status::ok();
+  }
+  auto it = all.find(p + "scales");
+  if (it == all.end() || it->second.shape.size() != 2 || it->second.shape[1] <= 0 ||
+      k % it->second.shape[1] != 0)
+    return not_found("decoder weights have neither '" + p + "weight' nor valid '" + p + "scales'");
+  l->group = k / it->second.shape[1];
+  Tensor q, s, b;
+  HETERO_RETURN_IF_ERROR(take_weight(all, p + "qvalues", {n, k}, false, &q));
+  HETERO_RETURN_IF_ERROR(take_weight(all, p + "scales", {n, k / l->group}, false, &s));
+  l->q = to_f32(q);
+  l->scales = to_f32(s);
+  if (all.count(p + "biases")) {
+    HETERO_RETURN_IF_ERROR(take_weight(all, p + "biases", {n, k / l->group}, false, &b));
+    l->biases = to_f32(b);
+    l->mode = DecoderLinear::Mode::kAffine;
+  } else {
+    l->mode = DecoderLinear::Mode::kMx;
+  }
+  return Status::ok();
+}
+
+void DecoderLinear::apply(const uint16_t* x, int64_t m, uint16_t* out, const uint16_t* bias) const {
+  switch (mode) {
+    case Mode::kDense:
+      linear_decoder_order(x, m, k, wt.data(), n, bias, out);
+      return;
+    case Mode::kMx:
+      linear_quantized_mx(x, m, k, q.data(), scales.data(), n, group, out);
+      break;
+    case Mode::kAffine:
+      linear_quantized_affine(x, m, k, q.data(), scales.data(), biases.data(), n, group, out);
+      break;
+  }
+  if (bias)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j)
+        out[i * n + j] = f32_to_bf16(bf16_to_f32(out[i * n + j]) + bf16_to_f32(bias[j]));
+}
+
+std::string DecoderLinear::describe() const {
+  if (mode == Mode::kDense) return "dense";
+  return std::string(mode == Mode::kMx ? "mx" : "affine") + ", group " + std::to_string(group);
 }
 
 Result<DecoderCacheLayout> layout_from_json(const json& j) {
@@ -195,11 +250,8 @@ Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
   for (int64_t i = 0; i < d.layout.layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     auto& L = d.layers[static_cast<size_t>(i)];
-    Tensor wk, wv;
-    HETERO_RETURN_IF_ERROR(take_weight(f.tensors, p + "k_proj.weight", {kvd, H}, true, &wk));
-    HETERO_RETURN_IF_ERROR(take_weight(f.tensors, p + "v_proj.weight", {kvd, H}, true, &wv));
-    L.wk_t = transposed_f32(wk.data<uint16_t>(), wk.shape[0], wk.shape[1]);
-    L.wv_t = transposed_f32(wv.data<uint16_t>(), wv.shape[0], wv.shape[1]);
+    HETERO_RETURN_IF_ERROR(load_decoder_linear(f.tensors, p + "k_proj.", kvd, H, &L.wk));
+    HETERO_RETURN_IF_ERROR(load_decoder_linear(f.tensors, p + "v_proj.", kvd, H, &L.wv));
     if (f.tensors.count(p + "k_proj.bias")) {
       HETERO_RETURN_IF_ERROR(take_weight(f.tensors, p + "k_proj.bias", {kvd}, true, &L.bk));
       HETERO_RETURN_IF_ERROR(take_weight(f.tensors, p + "v_proj.bias", {kvd}, true, &L.bv));

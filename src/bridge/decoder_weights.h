@@ -1,6 +1,7 @@
 // The decoder-weights export as the prefill host reads it: `decoder.json` (layout, rope, eps,
-// fingerprint) and `weights.safetensors` with exactly the weights the cache program needs,
-// dequantized the way the decoder dequantizes them. Written by `python -m hetero_mlx export`.
+// fingerprint) and `weights.safetensors` with exactly the weights the cache program needs, as
+// the decoder holds them (dense, or a quantized module's element values and scales). Written by
+// `python -m hetero_mlx export`.
 #pragma once
 
 #include <cstdint>
@@ -39,10 +40,30 @@ Result<DecoderCacheLayout> layout_from_json(const nlohmann::json& j);
 // 16 quantizable modules dense".
 std::string describe_quantization(const nlohmann::json& q);
 
+// A projection as the decoder holds it: dense bf16, or quantized (MLX mx or affine modes),
+// applied with the decoder's own arithmetic for that kind.
+struct DecoderLinear {
+  enum class Mode { kDense, kMx, kAffine };
+  Mode mode = Mode::kDense;
+  int64_t n = 0, k = 0, group = 0;
+  std::vector<float> wt;                 // dense: f32 [k, n] (transposed)
+  std::vector<float> q, scales, biases;  // quantized: [n, k] element values, [n, k/group]
+  // out[m, n] = x @ W^T, + bias (bf16 [n], or null) as the decoder adds one: inside the float32
+  // sum for a dense Linear (addmm), a separate bf16 add after a QuantizedLinear's matmul.
+  void apply(const uint16_t* x, int64_t m, uint16_t* out, const uint16_t* bias = nullptr) const;
+  // "dense", "4-bit affine, group 64"-style, for messages.
+  std::string describe() const;
+};
+
+// `p.weight` (dense bf16 [n, k]) or `p.qvalues` [n, k] + `p.scales` (+ `p.biases` for affine), as
+// python/hetero_mlx/quantized.py `linear_weights` exports a module; moved out of `all`.
+Status load_decoder_linear(TensorMap& all, const std::string& p, int64_t n, int64_t k,
+                           DecoderLinear* l);
+
 struct LlamaProgramLayer {
-  std::vector<float> wk_t, wv_t;  // float32 [hidden, kv_heads*head_dim] (transposed)
-  Tensor bk, bv;                  // bf16 [kv_heads*head_dim] or empty
-  Tensor k_norm;                  // bf16 [head_dim] or empty
+  DecoderLinear wk, wv;  // [kv_heads*head_dim, hidden]
+  Tensor bk, bv;         // bf16 [kv_heads*head_dim] or empty
+  Tensor k_norm;         // bf16 [head_dim] or empty
 };
 
 struct LlamaDecoderWeights {

@@ -126,45 +126,14 @@ Status take_bf16(TensorMap& all, const std::string& name, std::vector<int64_t> s
   return take_weight(all, name, shape, true, out);
 }
 
-// `p.weight` (dense bf16) or `p.qvalues` + `p.scales` (+ `p.biases` for affine).
-Status load_linear(TensorMap& all, const std::string& p, int64_t n, int64_t k, DecoderLinear* l) {
-  l->n = n;
-  l->k = k;
-  if (all.count(p + "weight")) {
-    Tensor w;
-    HETERO_RETURN_IF_ERROR(take_bf16(all, p + "weight", {n, k}, &w));
-    l->mode = DecoderLinear::Mode::kDense;
-    l->wt = transposed_f32(w.data<uint16_t>(), n, k);
-    return Status::ok();
-  }
-  auto it = all.find(p + "scales");
-  if (it == all.end() || it->second.shape.size() != 2 || it->second.shape[1] <= 0 ||
-      k % it->second.shape[1] != 0)
-    return not_found("decoder weights have neither '" + p + "weight' nor valid '" + p + "scales'");
-  l->group = k / it->second.shape[1];
-  Tensor q, s, b;
-  HETERO_RETURN_IF_ERROR(take(all, p + "qvalues", {n, k}, &q));
-  HETERO_RETURN_IF_ERROR(take(all, p + "scales", {n, k / l->group}, &s));
-  l->q = to_f32(q);
-  l->scales = to_f32(s);
-  if (all.count(p + "biases")) {
-    HETERO_RETURN_IF_ERROR(take(all, p + "biases", {n, k / l->group}, &b));
-    l->biases = to_f32(b);
-    l->mode = DecoderLinear::Mode::kAffine;
-  } else {
-    l->mode = DecoderLinear::Mode::kMx;
-  }
-  return Status::ok();
-}
-
 Status load_compressor(TensorMap& all, const std::string& p, int64_t ratio, int64_t hd,
                        int64_t hidden, Dsv4ProgramCompressor* c) {
   c->ratio = ratio;
   c->head_dim = hd;
   c->out_dim = ratio == 4 ? 2 * hd : hd;
   Tensor ape;
-  HETERO_RETURN_IF_ERROR(load_linear(all, p + "wkv.", c->out_dim, hidden, &c->wkv));
-  HETERO_RETURN_IF_ERROR(load_linear(all, p + "wgate.", c->out_dim, hidden, &c->wgate));
+  HETERO_RETURN_IF_ERROR(load_decoder_linear(all, p + "wkv.", c->out_dim, hidden, &c->wkv));
+  HETERO_RETURN_IF_ERROR(load_decoder_linear(all, p + "wgate.", c->out_dim, hidden, &c->wgate));
   HETERO_RETURN_IF_ERROR(take(all, p + "ape", {ratio, c->out_dim}, &ape));
   HETERO_RETURN_IF_ERROR(take_bf16(all, p + "norm.weight", {hd}, &c->norm));
   c->ape = to_f32(ape);
@@ -177,20 +146,6 @@ bool same_bits(const std::vector<float>& a, const Tensor& b) {
 }
 
 }  // namespace
-
-void DecoderLinear::apply(const uint16_t* x, int64_t m, uint16_t* out) const {
-  switch (mode) {
-    case Mode::kDense:
-      linear_decoder_order(x, m, k, wt.data(), n, nullptr, out);
-      break;
-    case Mode::kMx:
-      linear_quantized_mx(x, m, k, q.data(), scales.data(), n, group, out);
-      break;
-    case Mode::kAffine:
-      linear_quantized_affine(x, m, k, q.data(), scales.data(), biases.data(), n, group, out);
-      break;
-  }
-}
 
 Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir) {
   HETERO_ASSIGN_OR_RETURN(std::string text, read_export_json(dir, "deepseek_v4"));
@@ -268,7 +223,7 @@ Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir) {
     if (L.ratio != 0 && L.ratio != 4 && L.ratio != 128)
       return invalid_argument(dir + ": layer " + std::to_string(i) + " has ratio " +
                               std::to_string(L.ratio) + " (want 0, 4 or 128)");
-    HETERO_RETURN_IF_ERROR(load_linear(f.tensors, p + "wkv.", hd, H, &L.wkv));
+    HETERO_RETURN_IF_ERROR(load_decoder_linear(f.tensors, p + "wkv.", hd, H, &L.wkv));
     HETERO_RETURN_IF_ERROR(take_bf16(f.tensors, p + "kv_norm.weight", {hd}, &L.kv_norm));
     if (L.ratio > 0)
       HETERO_RETURN_IF_ERROR(

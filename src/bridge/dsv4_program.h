@@ -24,17 +24,6 @@
 
 namespace hetero {
 
-// A projection as the decoder holds it: dense bf16, or quantized (MLX mx or affine modes),
-// applied with the decoder's own arithmetic for that kind.
-struct DecoderLinear {
-  enum class Mode { kDense, kMx, kAffine };
-  Mode mode = Mode::kDense;
-  int64_t n = 0, k = 0, group = 0;
-  std::vector<float> wt;                 // dense: f32 [k, n] (transposed)
-  std::vector<float> q, scales, biases;  // quantized: [n, k] element values, [n, k/group]
-  void apply(const uint16_t* x, int64_t m, uint16_t* out) const;
-};
-
 struct Dsv4ProgramCompressor {
   int64_t ratio = 0, head_dim = 0, out_dim = 0;  // out_dim = 2*head_dim at ratio 4 (overlap)
   DecoderLinear wkv, wgate;                      // [out_dim, hidden]

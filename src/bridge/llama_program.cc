@@ -13,6 +13,21 @@ const uint16_t* maybe(const Tensor& t) {
   return t.numel() > 0 && !t.shape.empty() ? t.data<uint16_t>() : nullptr;
 }
 
+// The model's projection as the decoder holds it: dense, or quantized as stored.
+DecoderLinear decoder_linear(const Tensor& dense, const AffineWeight& q) {
+  DecoderLinear l;
+  if (!q.empty()) {
+    l.mode = DecoderLinear::Mode::kAffine;
+    l.n = q.n, l.k = q.k, l.group = q.group;
+    l.q = q.q, l.scales = q.scales, l.biases = q.biases;
+    return l;
+  }
+  const Tensor w = as_bf16(dense);
+  l.n = w.shape[0], l.k = w.shape[1];
+  l.wt = transposed_f32(w.data<uint16_t>(), l.n, l.k);
+  return l;
+}
+
 }  // namespace
 
 Tensor kv_rows_head_major(const std::vector<uint16_t>& rows, int64_t n, int64_t heads, int64_t hd) {
@@ -34,9 +49,8 @@ LlamaDecoderWeights llama_decoder_weights_of(const LlamaWeights& w, std::string 
   d.rms_norm_eps = c.rms_norm_eps, d.rope = c.rope;
   for (const LlamaLayerWeights& L : w.layers) {
     LlamaProgramLayer p;
-    const Tensor wk = as_bf16(L.wk), wv = as_bf16(L.wv);
-    p.wk_t = transposed_f32(wk.data<uint16_t>(), wk.shape[0], wk.shape[1]);
-    p.wv_t = transposed_f32(wv.data<uint16_t>(), wv.shape[0], wv.shape[1]);
+    p.wk = decoder_linear(L.wk, L.qwk);
+    p.wv = decoder_linear(L.wv, L.qwv);
     p.bk = L.bk, p.bv = L.bv, p.k_norm = L.k_norm;
     d.layers.push_back(std::move(p));
   }
@@ -45,11 +59,11 @@ LlamaDecoderWeights llama_decoder_weights_of(const LlamaWeights& w, std::string 
 
 KvRows LlamaCacheProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x) const {
   const auto& L = w_->layers[static_cast<size_t>(layer)];
-  const int64_t H = w_->layout.hidden, kvh = w_->layout.kv_heads, hd = w_->layout.head_dim;
+  const int64_t kvh = w_->layout.kv_heads, hd = w_->layout.head_dim;
   const int64_t kvd = kvh * hd;
   std::vector<uint16_t> k(static_cast<size_t>(n * kvd)), v(k.size());
-  linear_decoder_order(x, n, H, L.wk_t.data(), kvd, maybe(L.bk), k.data());
-  linear_decoder_order(x, n, H, L.wv_t.data(), kvd, maybe(L.bv), v.data());
+  L.wk.apply(x, n, k.data(), maybe(L.bk));
+  L.wv.apply(x, n, v.data(), maybe(L.bv));
   if (maybe(L.k_norm))
     rms_norm(k.data(), n * kvh, hd, L.k_norm.data<uint16_t>(), static_cast<float>(w_->rms_norm_eps),
              k.data());

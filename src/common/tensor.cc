@@ -17,6 +17,7 @@ int64_t dtype_size(DType dtype) {
     case DType::kBF16:
       return 2;
     case DType::kI32:
+    case DType::kU32:
       return 4;
     case DType::kI64:
       return 8;
@@ -39,6 +40,8 @@ const char* dtype_name(DType dtype) {
       return "BF16";
     case DType::kI32:
       return "I32";
+    case DType::kU32:
+      return "U32";
     case DType::kI64:
       return "I64";
     case DType::kU8:
@@ -58,6 +61,7 @@ Result<DType> dtype_from_name(const std::string& name) {
   if (name == "F16") return DType::kF16;
   if (name == "BF16") return DType::kBF16;
   if (name == "I32") return DType::kI32;
+  if (name == "U32") return DType::kU32;
   if (name == "I64") return DType::kI64;
   if (name == "U8") return DType::kU8;
   if (name == "I8") return DType::kI8;
@@ -86,6 +90,8 @@ float Tensor::at_f32(int64_t i) const {
       return bf16_to_f32(data<uint16_t>()[i]);
     case DType::kI32:
       return static_cast<float>(data<int32_t>()[i]);
+    case DType::kU32:
+      return static_cast<float>(data<uint32_t>()[i]);
     case DType::kI64:
       return static_cast<float>(data<int64_t>()[i]);
     case DType::kU8:

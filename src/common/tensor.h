@@ -22,6 +22,7 @@ enum class DType : int32_t {
   kI8 = 6,
   kF8E4M3 = 7,  // OCP e4m3fn: bias 7, no infinities, 0x7f/0xff are NaN
   kF8E8M0 = 8,  // unsigned exponent only: 2^(e - 127), 0xff is NaN
+  kU32 = 9,     // MLX's packed quantized weights
 };
 
 int64_t dtype_size(DType dtype);

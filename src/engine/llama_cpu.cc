@@ -17,6 +17,7 @@ constexpr int64_t kKvBlockTokens = 256;  // the engine's cache grows in blocks o
 
 // float32 copy of a [out, in] weight, transposed to [in, out] when asked.
 std::vector<float> widen(const Tensor& t, bool transpose) {
+  if (t.numel() == 0 || t.shape.size() != 2) return {};  // a quantized projection's dense slot
   std::vector<float> f = to_f32(t);
   if (!transpose) return f;
   const int64_t n = t.shape[0], k = t.shape[1];
@@ -55,8 +56,11 @@ LlamaCpuEngine::LlamaCpuEngine(LlamaWeights weights, Gemm gemm)
 void LlamaCpuEngine::reset() { n_cached_ = 0; }
 
 void LlamaCpuEngine::linear(const uint16_t* x, int64_t m, int64_t k, const std::vector<float>& w,
-                            int64_t n, const uint16_t* bias, uint16_t* out) const {
-  if (gemm_ == Gemm::kOrdered) {
+                            const AffineWeight& q, int64_t n, const uint16_t* bias,
+                            uint16_t* out) const {
+  if (!q.empty()) {  // the decoder's quantized matmul, whichever GEMM was asked for
+    affine_linear(x, m, q, bias, out);
+  } else if (gemm_ == Gemm::kOrdered) {
     linear_decoder_order(x, m, k, w.data(), n, bias, out);
   } else {
     linear_blas(x, m, k, w.data(), n, bias, out);
@@ -121,9 +125,9 @@ Status LlamaCpuEngine::prefill_chunk(const std::vector<int32_t>& ids,
     const float eps = static_cast<float>(c.rms_norm_eps);
     rms_norm(h.data(), n, H, L.input_norm.data<uint16_t>(), eps, xn.data());
     if (tap) tap(TapEvent{static_cast<int32_t>(l), pos0, n, H, xn.data()});
-    linear(xn.data(), n, H, F.wq, qd, bf16_or_null(L.bq), q.data());
-    linear(xn.data(), n, H, F.wk, kvd, bf16_or_null(L.bk), k.data());
-    linear(xn.data(), n, H, F.wv, kvd, bf16_or_null(L.bv), v.data());
+    linear(xn.data(), n, H, F.wq, L.qwq, qd, bf16_or_null(L.bq), q.data());
+    linear(xn.data(), n, H, F.wk, L.qwk, kvd, bf16_or_null(L.bk), k.data());
+    linear(xn.data(), n, H, F.wv, L.qwv, kvd, bf16_or_null(L.bv), v.data());
     if (c.qk_norm) {
       rms_norm(q.data(), n * c.heads, hd, L.q_norm.data<uint16_t>(), eps, q.data());
       rms_norm(k.data(), n * c.kv_heads, hd, L.k_norm.data<uint16_t>(), eps, k.data());
@@ -137,13 +141,13 @@ Status LlamaCpuEngine::prefill_chunk(const std::vector<int32_t>& ids,
     attention_causal(q.data(), n, c.heads, k_cache_[static_cast<size_t>(l)].data(),
                      v_cache_[static_cast<size_t>(l)].data(), c.kv_heads, hd, pos0,
                      1.0f / std::sqrt(static_cast<float>(hd)), attn.data());
-    linear(attn.data(), n, qd, F.wo, H, nullptr, tmp.data());
+    linear(attn.data(), n, qd, F.wo, L.qwo, H, nullptr, tmp.data());
     add_bf16(h.data(), tmp.data(), n * H, h.data());
     rms_norm(h.data(), n, H, L.post_norm.data<uint16_t>(), eps, xn.data());
-    linear(xn.data(), n, H, F.w_gate, c.intermediate, nullptr, gate.data());
-    linear(xn.data(), n, H, F.w_up, c.intermediate, nullptr, up.data());
+    linear(xn.data(), n, H, F.w_gate, L.qw_gate, c.intermediate, nullptr, gate.data());
+    linear(xn.data(), n, H, F.w_up, L.qw_up, c.intermediate, nullptr, up.data());
     silu_mul(gate.data(), up.data(), n * c.intermediate, gate.data());
-    linear(gate.data(), n, c.intermediate, F.w_down, H, nullptr, tmp.data());
+    linear(gate.data(), n, c.intermediate, F.w_down, L.qw_down, H, nullptr, tmp.data());
     add_bf16(h.data(), tmp.data(), n * H, h.data());
   }
   last_hidden_.resize(static_cast<size_t>(H));

@@ -45,8 +45,9 @@ class LlamaCpuEngine {
     // float32 copies: [in, out] for kOrdered, [out, in] for kBlas.
     std::vector<float> wq, wk, wv, wo, w_gate, w_up, w_down;
   };
-  void linear(const uint16_t* x, int64_t m, int64_t k, const std::vector<float>& w, int64_t n,
-              const uint16_t* bias, uint16_t* out) const;
+  // The dense weight w (as LayerF32 holds it) or, when q is not empty, the quantized one.
+  void linear(const uint16_t* x, int64_t m, int64_t k, const std::vector<float>& w,
+              const AffineWeight& q, int64_t n, const uint16_t* bias, uint16_t* out) const;
   void ensure_kv_capacity(int64_t tokens);
 
   LlamaWeights w_;

@@ -87,6 +87,12 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
       return invalid_argument(model_dir + "/config.json: " + rope.status().message());
     c.rope = std::move(rope.value());
   }
+  if (j.contains("quantization") && j["quantization"].is_object()) {
+    const std::string mode = j["quantization"].value("mode", "affine");
+    if (mode != "affine")
+      return invalid_argument(model_dir + "/config.json: quantization mode '" + mode +
+                              "' is not read by the llama engine (affine only)");
+  }
   if (j.contains("layer_types") && j["layer_types"].is_array())
     for (const json& t : j["layer_types"])
       if (t != "full_attention")
@@ -124,6 +130,36 @@ Status take(TensorMap& all, const std::string& name, std::vector<int64_t> shape,
   return Status::ok();
 }
 
+// `name.weight` dense, or quantized as mlx-lm stores it (`name.weight` U32 + `.scales` +
+// `.biases`): into *q, with *dense left empty.
+Status take_linear(TensorMap& all, const std::string& name, std::vector<int64_t> shape,
+                   Tensor* dense, AffineWeight* q, std::string* quantization) {
+  auto s = all.find(name + ".scales");
+  if (s == all.end()) return take(all, name + ".weight", std::move(shape), dense);
+  auto w = all.find(name + ".weight"), b = all.find(name + ".biases");
+  if (w == all.end() || b == all.end())
+    return not_found("quantized tensor '" + name + "' needs .weight, .scales and .biases");
+  HETERO_ASSIGN_OR_RETURN(*q, unpack_affine(name, w->second, s->second, b->second, shape[1]));
+  if (q->n != shape[0])
+    return invalid_argument("quantized tensor '" + name + "' has " + std::to_string(q->n) +
+                            " rows, config wants " + std::to_string(shape[0]));
+  if (quantization->empty()) *quantization = q->describe();
+  all.erase(w), all.erase(s), all.erase(b);
+  return Status::ok();
+}
+
+// A table the decoder reads by rows (the embedding; lm_head for logits), dequantized when stored
+// quantized.
+Status take_table(TensorMap& all, const std::string& name, std::vector<int64_t> shape, Tensor* out,
+                  std::string* quantization) {
+  AffineWeight q;
+  HETERO_RETURN_IF_ERROR(take_linear(all, name, shape, out, &q, quantization));
+  if (q.empty()) return Status::ok();
+  *out = Tensor(DType::kBF16, shape);
+  for (int64_t r = 0; r < q.n; ++r) dequantize_row(q, r, out->data<uint16_t>() + r * q.k);
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<LlamaWeights> load_llama_weights(const std::string& model_dir) {
@@ -132,20 +168,22 @@ Result<LlamaWeights> load_llama_weights(const std::string& model_dir) {
   HETERO_ASSIGN_OR_RETURN(TensorMap all, read_checkpoint_tensors(model_dir));
   const LlamaConfig& c = w.config;
   const int64_t h = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
-  HETERO_RETURN_IF_ERROR(take(all, "model.embed_tokens.weight", {c.vocab, h}, &w.embed));
+  std::string* qz = &w.quantization;
+  HETERO_RETURN_IF_ERROR(take_table(all, "model.embed_tokens", {c.vocab, h}, &w.embed, qz));
   HETERO_RETURN_IF_ERROR(take(all, "model.norm.weight", {h}, &w.final_norm));
   if (!c.tie_embeddings)
-    HETERO_RETURN_IF_ERROR(take(all, "lm_head.weight", {c.vocab, h}, &w.lm_head));
+    HETERO_RETURN_IF_ERROR(take_table(all, "lm_head", {c.vocab, h}, &w.lm_head, qz));
   w.layers.resize(static_cast<size_t>(c.layers));
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     auto& L = w.layers[static_cast<size_t>(i)];
     HETERO_RETURN_IF_ERROR(take(all, p + "input_layernorm.weight", {h}, &L.input_norm));
     HETERO_RETURN_IF_ERROR(take(all, p + "post_attention_layernorm.weight", {h}, &L.post_norm));
-    HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.q_proj.weight", {q, h}, &L.wq));
-    HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.k_proj.weight", {kv, h}, &L.wk));
-    HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.v_proj.weight", {kv, h}, &L.wv));
-    HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.o_proj.weight", {h, q}, &L.wo));
+    const std::string a = p + "self_attn.", m = p + "mlp.";
+    HETERO_RETURN_IF_ERROR(take_linear(all, a + "q_proj", {q, h}, &L.wq, &L.qwq, qz));
+    HETERO_RETURN_IF_ERROR(take_linear(all, a + "k_proj", {kv, h}, &L.wk, &L.qwk, qz));
+    HETERO_RETURN_IF_ERROR(take_linear(all, a + "v_proj", {kv, h}, &L.wv, &L.qwv, qz));
+    HETERO_RETURN_IF_ERROR(take_linear(all, a + "o_proj", {h, q}, &L.wo, &L.qwo, qz));
     if (c.qkv_bias) {
       HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.q_proj.bias", {q}, &L.bq));
       HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.k_proj.bias", {kv}, &L.bk));
@@ -155,9 +193,10 @@ Result<LlamaWeights> load_llama_weights(const std::string& model_dir) {
       HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.q_norm.weight", {c.head_dim}, &L.q_norm));
       HETERO_RETURN_IF_ERROR(take(all, p + "self_attn.k_norm.weight", {c.head_dim}, &L.k_norm));
     }
-    HETERO_RETURN_IF_ERROR(take(all, p + "mlp.gate_proj.weight", {c.intermediate, h}, &L.w_gate));
-    HETERO_RETURN_IF_ERROR(take(all, p + "mlp.up_proj.weight", {c.intermediate, h}, &L.w_up));
-    HETERO_RETURN_IF_ERROR(take(all, p + "mlp.down_proj.weight", {h, c.intermediate}, &L.w_down));
+    const int64_t f = c.intermediate;
+    HETERO_RETURN_IF_ERROR(take_linear(all, m + "gate_proj", {f, h}, &L.w_gate, &L.qw_gate, qz));
+    HETERO_RETURN_IF_ERROR(take_linear(all, m + "up_proj", {f, h}, &L.w_up, &L.qw_up, qz));
+    HETERO_RETURN_IF_ERROR(take_linear(all, m + "down_proj", {h, f}, &L.w_down, &L.qw_down, qz));
   }
   return w;
 }

@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "common/tensor.h"
 #include "model/llama_rope.h"
+#include "model/mlx_quant.h"
 
 namespace hetero {
 
@@ -39,6 +40,9 @@ struct LlamaLayerWeights {
   Tensor bq, bk, bv;             // [out] when qkv_bias
   Tensor q_norm, k_norm;         // [head_dim] when qk_norm
   Tensor w_gate, w_up, w_down;   // [inter, hidden], [inter, hidden], [hidden, inter]
+  // An mlx-lm-quantized checkpoint's projections as stored (model/mlx_quant.h); each one in
+  // place of its dense tensor above, which is then empty (mlx-lm may leave some modules dense).
+  AffineWeight qwq, qwk, qwv, qwo, qw_gate, qw_up, qw_down;
 };
 
 struct LlamaWeights {
@@ -46,6 +50,10 @@ struct LlamaWeights {
   Tensor embed;  // [vocab, hidden]
   Tensor final_norm;
   Tensor lm_head;  // [vocab, hidden]; empty when tied to embed
+  // "" for a dense checkpoint, else how its first quantized projection is stored ("4-bit
+  // affine, group 64"). A quantized embedding and lm_head are dequantized at load (the decoder's
+  // embedding lookup dequantizes its rows the same way).
+  std::string quantization;
   std::vector<LlamaLayerWeights> layers;
 };
 

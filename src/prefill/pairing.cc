@@ -9,6 +9,7 @@
 #include "bridge/decoder_weights.h"
 #include "common/bf16.h"
 #include "model/llama.h"
+#include "model/mlx_quant.h"
 
 namespace hetero {
 namespace fs = std::filesystem;
@@ -128,16 +129,76 @@ Status refuse_weights_differ(const WeightDifference& d, const PairingSides& side
                              decoder + "; prefill: " + prefill_storage + "). " + why);
 }
 
+namespace {
+
+Tensor f32_tensor(const std::vector<float>& v, std::vector<int64_t> shape) {
+  Tensor t(DType::kF32, std::move(shape));
+  std::copy(v.begin(), v.end(), t.data<float>());
+  return t;
+}
+
+// One k or v projection: the decoder's (dense, or its quantized module's values) against the
+// checkpoint's as the engine loads it (dense as bf16; mlx-lm-quantized unpacked, its values
+// formed the way the decoder's are). A quantized decoder against a dense checkpoint, or the
+// reverse, is refused naming both: their matmuls differ even where the values agree.
+Status check_llama_projection(const TensorMap& exported, const TensorMap& checkpoint,
+                              const std::string& e, const std::string& c, const PairingSides& sides,
+                              const std::string& why) {
+  auto w = checkpoint.find(c + "weight");
+  if (w == checkpoint.end()) {
+    if (exported.count(e + "weight") == 0 && exported.count(e + "qvalues") == 0)
+      return Status::ok();
+    return refuse_weights_differ(missing(c + "weight", true), sides, "absent", why);
+  }
+  HETERO_ASSIGN_OR_RETURN(Tensor decoder, decoder_projection(exported, e));
+  const bool decoder_quantized = exported.count(e + "qvalues") > 0;
+  auto s = checkpoint.find(c + "scales");
+  Tensor prefill;
+  std::string storage;
+  if (s != checkpoint.end()) {
+    auto b = checkpoint.find(c + "biases");
+    if (b == checkpoint.end())
+      return refuse_weights_differ(missing(c + "biases", true), sides, "absent", why);
+    const int64_t k = decoder.shape.size() == 2 ? decoder.shape[1] : 0;
+    HETERO_ASSIGN_OR_RETURN(AffineWeight q, unpack_affine(c.substr(0, c.size() - 1), w->second,
+                                                          s->second, b->second, k));
+    storage = q.describe();
+    const int64_t groups = q.k / q.group;
+    const TensorMap as_export = {{"qvalues", f32_tensor(q.q, {q.n, q.k})},
+                                 {"scales", f32_tensor(q.scales, {q.n, groups})},
+                                 {"biases", f32_tensor(q.biases, {q.n, groups})}};
+    HETERO_ASSIGN_OR_RETURN(prefill, decoder_projection(as_export, ""));
+  } else {
+    storage = lower_dtype(w->second.dtype);
+    prefill = as_bf16(w->second);
+  }
+  if (decoder_quantized != (s != checkpoint.end())) {
+    std::string decoder = describe_quantization(sides.decoder_quantization);
+    if (!sides.decoder_model.empty()) decoder += ", from " + sides.decoder_model;
+    return failed_precondition(
+        "the decoder (" + decoder + ") and the prefill checkpoint " + sides.prefill_model + " (" +
+        c + "weight: " + storage + ") are not the same checkpoint: " +
+        (decoder_quantized ? "the decoder is quantized and the prefill checkpoint is not"
+                           : "the prefill checkpoint is quantized and the decoder is not") +
+        ", and a quantized matmul's outputs differ from a dense one's. " + why);
+  }
+  if (auto d = compare_weight(c + "weight", decoder, prefill))
+    return refuse_weights_differ(*d, sides, storage, why);
+  return Status::ok();
+}
+
+}  // namespace
+
 Status check_llama_pairing(const TensorMap& exported, const TensorMap& checkpoint, int64_t layers,
                            const PairingSides& sides) {
-  const bool quantized = sides.decoder_quantization.is_object();
-  const std::string why = quantized ? "A quantized decoder cannot be bridged exactly yet"
-                                    : "Serve the decoder and the prefill host from one checkpoint";
+  const std::string why = "Serve the decoder and the prefill host from one checkpoint";
   for (int64_t i = 0; i < layers; ++i) {
     const std::string e = "layers." + std::to_string(i) + ".";
     const std::string c = "model.layers." + std::to_string(i) + ".self_attn.";
-    for (const char* part :
-         {"k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "k_norm.weight"}) {
+    for (const char* proj : {"k_proj.", "v_proj."})
+      HETERO_RETURN_IF_ERROR(
+          check_llama_projection(exported, checkpoint, e + proj, c + proj, sides, why));
+    for (const char* part : {"k_proj.bias", "v_proj.bias", "k_norm.weight"}) {
       auto x = exported.find(e + part);
       auto y = checkpoint.find(c + part);
       if (x == exported.end() && y == checkpoint.end()) continue;
@@ -149,18 +210,6 @@ Status check_llama_pairing(const TensorMap& exported, const TensorMap& checkpoin
       if (auto d = compare_weight(c + part, x->second, as_bf16(y->second)))
         return refuse_weights_differ(*d, sides, lower_dtype(y->second.dtype), why);
     }
-  }
-  if (quantized) {
-    std::string decoder = describe_quantization(sides.decoder_quantization);
-    if (!sides.decoder_model.empty()) decoder += ", from " + sides.decoder_model;
-    return failed_precondition(
-        "the decoder (" + decoder +
-        ") is quantized: its k and v come out of quantized matmuls, which neither this prefill "
-        "host's engine nor the llama cache program computes, so even with the prefill "
-        "checkpoint " +
-        sides.prefill_model +
-        " holding the same k/v values its caches would not be the decoder's. A quantized "
-        "decoder cannot be bridged exactly yet");
   }
   return Status::ok();
 }

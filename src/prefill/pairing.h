@@ -52,14 +52,13 @@ std::optional<WeightDifference> compare_weight(const std::string& name, const Te
 Status refuse_weights_differ(const WeightDifference& d, const PairingSides& sides,
                              const std::string& prefill_storage, const std::string& why);
 
-// llama. `exported`: the export's weights.safetensors (layers.N.{k,v}_proj.{weight,bias},
-// layers.N.k_norm.weight); `checkpoint`: the checkpoint's tensors as stored, at least
-// model.layers.N.self_attn.* of those names, compared as the engine loads them (bf16). Every
-// value is compared: k/v projections are a few percent of a llama checkpoint (GQA), reading them
-// costs far less than the engine's own load. With every value equal, a quantized decoder is
-// refused all the same: its k and v come out of quantized matmuls, which neither the llama
-// engine nor its cache program computes (they differ from a dense matmul with the dequantized
-// weight in most outputs).
+// llama. `exported`: the export's weights.safetensors (layers.N.{k,v}_proj as `weight` or a
+// quantized module's `qvalues`/`scales`/`biases`, their biases, layers.N.k_norm.weight);
+// `checkpoint`: the checkpoint's tensors as stored, at least model.layers.N.self_attn.* of
+// those names (dense, or mlx-lm-quantized: U32 `weight` + `scales` + `biases`), compared as the
+// engine loads them. Every value is compared: k/v projections are a few percent of a llama
+// checkpoint (GQA), reading them costs far less than the engine's own load. A quantized decoder
+// against a dense prefill checkpoint, or the reverse, is refused naming both.
 Status check_llama_pairing(const TensorMap& exported, const TensorMap& checkpoint, int64_t layers,
                            const PairingSides& sides);
 

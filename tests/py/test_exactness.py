@@ -31,6 +31,7 @@ nn = pytest.importorskip("mlx.nn")
 pytest.importorskip("mlx_lm")
 
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm import convert  # noqa: E402
 from mlx_lm.utils import load  # noqa: E402
 
 from hetero_mlx.export import export  # noqa: E402
@@ -51,6 +52,9 @@ class Variant(NamedTuple):
     # None: all of PROGRAM_CHUNKINGS / PREFILL_CHUNKS; the rope variants take a subset.
     program_chunkings: Optional[tuple] = None
     prefill_chunks: Optional[tuple] = None
+    # (bits, group): the checkpoint both sides run is mlx-lm's own quantization of the tiny one
+    # (mlx_lm.convert -q), as people run models on their Macs.
+    quantize: Optional[tuple] = None
 
 
 def _scaled(shape: TinyShape, mpe: int = 131072, **scaling) -> TinyShape:
@@ -147,6 +151,32 @@ VARIANTS: Dict[str, Variant] = {
         ROPE_PROGRAM_CHUNKINGS,
         ROPE_PREFILL_CHUNKS,
     ),
+    # mlx-lm-quantized decoders (affine): the engine and the cache program compute the quantized
+    # matmuls as the decoder does (embedding, every projection; qwen2's biases after them).
+    "llama-q4": Variant(
+        TinyShape("llama", 2, 128, 2, 1, 64, 256, tie=False, rope_theta=500000.0),
+        31,
+        (129, 2049),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+        quantize=(4, 64),
+    ),
+    "qwen2-q8": Variant(
+        TinyShape("qwen2", 2, 128, 4, 2, 0, 256, rope_theta=1000000.0),
+        32,
+        (127, 2048),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+        quantize=(8, 32),
+    ),
+    "qwen3-q4": Variant(
+        TinyShape("qwen3", 2, 128, 4, 1, 32, 256, tie=True, rope_theta=1000000.0),
+        33,
+        (2, 129),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+        quantize=(4, 32),
+    ),
     "llama-proportional": Variant(  # the last pairs stay unrotated
         _scaled(
             TinyShape("llama", 2, 64, 4, 2, 16, 128),
@@ -221,11 +251,25 @@ class Lab:
     def model(self, name: str):
         if name not in self._models:
             variant = VARIANTS[name]
-            make_tiny_llama(self.tokenizer_dir, self.model_dir(name), variant.seed, variant.shape)
+            if variant.quantize:
+                source = self.root / name / "bf16"
+                make_tiny_llama(self.tokenizer_dir, source, variant.seed, variant.shape)
+                bits, group = variant.quantize
+                convert(str(source), str(self.model_dir(name)), quantize=True, q_bits=bits,
+                        q_group_size=group)
+            else:
+                make_tiny_llama(self.tokenizer_dir, self.model_dir(name), variant.seed,
+                                variant.shape)
             meta = export(str(self.model_dir(name)), self.export_dir(name))
             assert meta["model_type"] == variant.shape.model_type
             assert meta["qk_norm"] == (variant.shape.model_type == "qwen3")
             assert meta["kv_bias"] == (variant.shape.model_type == "qwen2")
+            if variant.quantize:
+                bits, group = variant.quantize
+                assert meta["quantization"]["bits"] == bits, meta["quantization"]
+                assert meta["quantization"]["group_size"] == group, meta["quantization"]
+            else:
+                assert meta["quantization"] is None, meta["quantization"]
             self._models[name], _ = load(str(self.model_dir(name)))
         return self._models[name]
 
@@ -487,3 +531,24 @@ def test_dynamic_rope_is_refused_at_start_by_name(lab, hetero_bin, tmp_path):
     )  # fmt: skip
     assert res.returncode != 0, f"prefill ran a dynamic rope: {res.stdout}"
     assert "'dynamic'" in res.stderr, res.stderr
+
+
+def test_quantized_decoder_and_dense_checkpoint_are_refused_naming_both(lab, hetero_bin, tmp_path):
+    """mlx-lm's 4-bit conversion against its own bf16 original, both ways: a quantized matmul's
+    outputs are not a dense one's, so the prefill host refuses to start, naming both sides."""
+    lab.model("llama-q4")
+    bf16 = lab.root / "llama-q4" / "bf16"
+    export(str(bf16), tmp_path / "bf16-export")
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, 3]")
+    for model, weights, words in (
+        (bf16, lab.export_dir("llama-q4"), ("4-bit affine, group 64", "bf16")),
+        (lab.model_dir("llama-q4"), tmp_path / "bf16-export", ("unquantized", "4-bit affine")),
+    ):
+        res = _run(
+            hetero_bin, "prefill", "--model", model, "--weights", weights, "--ids-file", ids,
+            "--out", tmp_path / "out.safetensors",
+        )  # fmt: skip
+        assert res.returncode != 0, f"prefill paired {model} with {weights}: {res.stdout}"
+        for word in words:
+            assert word in res.stderr, res.stderr

@@ -2,12 +2,13 @@
 // weight the decoder's export carries is equal, value for value, to the checkpoint's tensor of
 // the same name after each side's dequantization. Equal weights pass; one flipped value is
 // refused naming the tensor, the share and the first index; a decoder quantized from the
-// checkpoint (4-bit affine, group 64, as mlx-lm's converter makes it) is refused naming its
-// quantization; a quantized llama decoder is refused even when its k/v values are equal.
+// checkpoint (4-bit affine, group 64, as mlx-lm's converter makes it) is refused naming both
+// sides, even against its own values stored dense; the same quantized checkpoint passes.
 #include "prefill/pairing.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -60,19 +61,65 @@ LlamaPair llama_pair() {
 }
 
 // What mlx-lm's converter does to a weight at 4 bits, affine, group 64: per group scale
-// (max - min) / 15 and bias min, codes round((w - bias) / scale), the decoder's value
-// code * scale + bias (in bf16, the model's dtype).
-Tensor q4_affine(const Tensor& w) {
-  std::vector<float> v = to_f32(w);
-  const int64_t group = 64;
-  for (size_t g = 0; g < v.size(); g += group) {
-    float lo = v[g], hi = v[g];
-    for (size_t i = g; i < g + group; ++i) lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
+// (max - min) / 15 and bias min (bf16, the model's dtype), codes round((w - bias) / scale). As
+// the export carries it (python/hetero_mlx/quantized.py: codes, scales and biases as float32
+// values) and as the converted checkpoint stores it (codes packed 8 to a U32 word, bf16 scales
+// and biases); `values` is what the decoder's dequantize gives, bf16(bf16(code * s) + b).
+struct Q4 {
+  Tensor codes, scales, biases;       // export: F32 [n, k], [n, k/64], [n, k/64]
+  Tensor packed, scales16, biases16;  // checkpoint: U32 [n, k/8], BF16 [n, k/64] twice
+  Tensor values;                      // BF16 [n, k]
+};
+
+Q4 q4_affine(const Tensor& w) {
+  const int64_t n = w.shape[0], k = w.shape[1], group = 64, groups = k / group;
+  const std::vector<float> v = to_f32(w);
+  Q4 q{Tensor(DType::kF32, {n, k}),       Tensor(DType::kF32, {n, groups}),
+       Tensor(DType::kF32, {n, groups}),  Tensor(DType::kU32, {n, k / 8}),
+       Tensor(DType::kBF16, {n, groups}), Tensor(DType::kBF16, {n, groups}),
+       Tensor(DType::kBF16, {n, k})};
+  for (int64_t g = 0; g < n * groups; ++g) {
+    float lo = v[g * group], hi = lo;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i)
+      lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
     const float scale = round_bf16((hi - lo) / 15.f), bias = round_bf16(lo);
-    for (size_t i = g; i < g + group; ++i)
-      v[i] = round_bf16(std::round((v[i] - bias) / scale) * scale + bias);
+    q.scales.data<float>()[g] = scale, q.biases.data<float>()[g] = bias;
+    q.scales16.data<uint16_t>()[g] = f32_to_bf16(scale);
+    q.biases16.data<uint16_t>()[g] = f32_to_bf16(bias);
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+      const float code = std::clamp(std::round((v[i] - bias) / scale), 0.f, 15.f);
+      q.codes.data<float>()[i] = code;
+      q.packed.data<uint32_t>()[i / 8] |= static_cast<uint32_t>(code) << (4 * (i % 8));
+      q.values.data<uint16_t>()[i] = f32_to_bf16(round_bf16(code * scale) + bias);
+    }
   }
-  return bf16_tensor(w.shape, v);
+  return q;
+}
+
+const nlohmann::json kQ4 = {
+    {"mode", "affine"}, {"bits", 4}, {"group_size", 64}, {"modules", 4}, {"overrides", {}}};
+
+// The pair with the decoder quantized: its export carries the q4 form of each projection; the
+// checkpoint keeps what the test puts there.
+LlamaPair quantized_pair(bool checkpoint_packed) {
+  LlamaPair p = llama_pair();
+  p.sides.decoder_quantization = kQ4;
+  for (int64_t i = 0; i < kLayers; ++i)
+    for (const char* proj : {"k_proj.", "v_proj."}) {
+      const std::string e = "layers." + std::to_string(i) + "." + proj;
+      const std::string c = "model.layers." + std::to_string(i) + ".self_attn." + proj;
+      const Q4 q = q4_affine(p.exported[e + "weight"]);
+      p.exported.erase(e + "weight");
+      p.exported[e + "qvalues"] = q.codes, p.exported[e + "scales"] = q.scales;
+      p.exported[e + "biases"] = q.biases;
+      if (checkpoint_packed) {
+        p.checkpoint[c + "weight"] = q.packed;
+        p.checkpoint[c + "scales"] = q.scales16, p.checkpoint[c + "biases"] = q.biases16;
+      } else {
+        p.checkpoint[c + "weight"] = q.values;  // the decoder's own values, dense
+      }
+    }
+  return p;
 }
 
 TEST(LlamaPairing, EqualWeightsPass) {
@@ -108,36 +155,50 @@ TEST(LlamaPairing, OneFlippedValueIsRefusedNamingTheTensor) {
   EXPECT_NE(m.find("decoder: unquantized, from /x/decoder; prefill: bf16"), std::string::npos) << m;
 }
 
-TEST(LlamaPairing, PlantedQuantizationIsRefusedNamingIt) {
-  LlamaPair p = llama_pair();
-  for (auto& [name, t] : p.exported)
-    if (name.find("_proj.weight") != std::string::npos) t = q4_affine(t);
-  p.sides.decoder_quantization = {
-      {"mode", "affine"}, {"bits", 4}, {"group_size", 64}, {"modules", 4}, {"overrides", {}}};
-  auto d = compare_weight("k", p.exported["layers.0.k_proj.weight"],
-                          p.checkpoint["model.layers.0.self_attn.k_proj.weight"]);
-  ASSERT_TRUE(d.has_value());
-  EXPECT_GT(d->differing, d->total / 2);  // rounding to 16 levels moves almost every value
+// mlx-lm's conversion of the checkpoint, against the checkpoint itself.
+TEST(LlamaPairing, AQuantizedDecoderAgainstItsDenseOriginalIsRefusedNamingBoth) {
+  LlamaPair p = quantized_pair(false);
+  const LlamaPair dense = llama_pair();
+  p.checkpoint = dense.checkpoint;
   Status st = check_llama_pairing(p.exported, p.checkpoint, kLayers, p.sides);
   ASSERT_EQ(st.code(), Code::kFailedPrecondition);
   const std::string m = st.message();
-  EXPECT_NE(m.find("model.layers.0.self_attn.k_proj.weight differs in"), std::string::npos) << m;
-  EXPECT_NE(m.find("(decoder: 4-bit affine, group 64, from /x/decoder; prefill: bf16)"),
-            std::string::npos)
+  EXPECT_NE(m.find("the decoder (4-bit affine, group 64, from /x/decoder)"), std::string::npos)
       << m;
-  EXPECT_NE(m.find("A quantized decoder cannot be bridged exactly yet"), std::string::npos) << m;
+  EXPECT_NE(m.find("/x/prefill (model.layers.0.self_attn.k_proj.weight: bf16)"), std::string::npos)
+      << m;
+  EXPECT_NE(m.find("the decoder is quantized and the prefill checkpoint is not"), std::string::npos)
+      << m;
 }
 
-// Equal k/v values do not make a quantized decoder's caches reproducible: its k and v come out
-// of quantized matmuls.
-TEST(LlamaPairing, QuantizedDecoderWithEqualValuesIsStillRefused) {
-  LlamaPair p = llama_pair();
-  p.sides.decoder_quantization = {
-      {"mode", "affine"}, {"bits", 4}, {"group_size", 64}, {"modules", 4}, {"overrides", {}}};
+// Equal k/v values do not make a quantized decoder's caches reproducible by a dense forward: its
+// k and v come out of quantized matmuls.
+TEST(LlamaPairing, AQuantizedDecoderAgainstItsOwnValuesDenseIsStillRefused) {
+  LlamaPair p = quantized_pair(false);
   Status st = check_llama_pairing(p.exported, p.checkpoint, kLayers, p.sides);
   ASSERT_EQ(st.code(), Code::kFailedPrecondition);
-  EXPECT_NE(st.message().find("quantized matmuls"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("quantized matmul"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("4-bit affine, group 64, from /x/decoder"), std::string::npos);
+}
+
+// The quantized checkpoint the decoder was loaded from: the prefill host runs it as stored.
+TEST(LlamaPairing, TheSameQuantizedCheckpointPassesAndOneCodeIsNot) {
+  LlamaPair p = quantized_pair(true);
+  EXPECT_TRUE(check_llama_pairing(p.exported, p.checkpoint, kLayers, p.sides).is_ok());
+  // The dense decoder against the quantized checkpoint: refused the other way round.
+  LlamaPair dense = llama_pair();
+  Status reverse = check_llama_pairing(dense.exported, p.checkpoint, kLayers, dense.sides);
+  ASSERT_EQ(reverse.code(), Code::kFailedPrecondition);
+  EXPECT_NE(reverse.message().find("decoder (unquantized, from /x/decoder)"), std::string::npos)
+      << reverse.message();
+  EXPECT_NE(reverse.message().find("4-bit affine, group 64"), std::string::npos);
+  // One code moved in the checkpoint's packed words.
+  p.checkpoint["model.layers.1.self_attn.v_proj.weight"].data<uint32_t>()[3] ^= 1u;
+  Status st = check_llama_pairing(p.exported, p.checkpoint, kLayers, p.sides);
+  ASSERT_EQ(st.code(), Code::kFailedPrecondition);
+  EXPECT_NE(st.message().find("model.layers.1.self_attn.v_proj.weight differs in"),
+            std::string::npos)
+      << st.message();
 }
 
 TEST(LlamaPairing, ABiasOnOneSideOnlyIsRefused) {

@@ -148,13 +148,17 @@ Result<std::unique_ptr<LlamaGpuWeights>> upload_llama_weights(const LlamaDecoder
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LlamaProgramLayer& L = w.layers[l];
     LlamaGpuWeights::Layer& D = g->layers[l];
-    HETERO_RETURN_IF_ERROR(upload(L.wk_t.data(), L.wk_t.size() * 4, &D.wk_t, &g->device_bytes));
-    HETERO_RETURN_IF_ERROR(upload(L.wv_t.data(), L.wv_t.size() * 4, &D.wv_t, &g->device_bytes));
+    for (const DecoderLinear* p : {&L.wk, &L.wv})
+      if (p->mode != DecoderLinear::Mode::kDense)
+        return invalid_argument("the decoder's k/v projections are quantized (" + p->describe() +
+                                "); the llama cache program runs them on the cpu backend only");
+    HETERO_RETURN_IF_ERROR(upload(L.wk.wt.data(), L.wk.wt.size() * 4, &D.wk_t, &g->device_bytes));
+    HETERO_RETURN_IF_ERROR(upload(L.wv.wt.data(), L.wv.wt.size() * 4, &D.wv_t, &g->device_bytes));
     HETERO_RETURN_IF_ERROR(upload_tensor(L.bk, &D.bk, &g->device_bytes));
     HETERO_RETURN_IF_ERROR(upload_tensor(L.bv, &D.bv, &g->device_bytes));
     HETERO_RETURN_IF_ERROR(upload_tensor(L.k_norm, &D.k_norm, &g->device_bytes));
-    D.wk_range = weight_range(L.wk_t.data(), static_cast<int64_t>(L.wk_t.size()));
-    D.wv_range = weight_range(L.wv_t.data(), static_cast<int64_t>(L.wv_t.size()));
+    D.wk_range = weight_range(L.wk.wt.data(), static_cast<int64_t>(L.wk.wt.size()));
+    D.wv_range = weight_range(L.wv.wt.data(), static_cast<int64_t>(L.wv.wt.size()));
   }
   return g;
 }

@@ -150,6 +150,9 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
 
 Status LlamaCudaEngine::upload(const LlamaWeights& w) {
   const LlamaConfig& c = config_;
+  if (!w.quantization.empty())
+    return invalid_argument("the checkpoint is quantized (" + w.quantization +
+                            "); the CUDA engine reads dense checkpoints only (use --backend cpu)");
   if (c.rope.dims != c.head_dim)
     return failed_precondition("the config's rope was not built (llama_rope) for head_dim " +
                                std::to_string(c.head_dim));

@@ -1,0 +1,64 @@
+// mlx-lm's affine quantization as the llama loader reads it: the word packing, the shapes that
+// give bits and group, the refusals, and the decoder's dequantized value bf16(bf16(s*q) + b).
+// (Against MLX itself: the quantized variants of tests/py/test_exactness.py.)
+#include "model/mlx_quant.h"
+
+#include <gtest/gtest.h>
+
+#include "common/bf16.h"
+
+namespace hetero {
+namespace {
+
+Tensor bf16_of(std::vector<float> v, std::vector<int64_t> shape) {
+  Tensor t(DType::kBF16, std::move(shape));
+  for (size_t i = 0; i < v.size(); ++i) t.data<uint16_t>()[i] = f32_to_bf16(v[i]);
+  return t;
+}
+
+TEST(MlxQuant, UnpacksFourBitWordsLowNibbleFirst) {
+  // One row of 16 values 0..15 in two words: element c in bits [4 (c % 8), +4) of word c / 8.
+  Tensor packed(DType::kU32, {1, 2});
+  packed.data<uint32_t>()[0] = 0x76543210u;
+  packed.data<uint32_t>()[1] = 0xfedcba98u;
+  auto w = unpack_affine("x", packed, bf16_of({0.5f, 2.0f}, {1, 2}),
+                         bf16_of({-1.0f, 0.25f}, {1, 2}), 16);
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  EXPECT_EQ(w->bits, 4);
+  EXPECT_EQ(w->group, 8);
+  for (int c = 0; c < 16; ++c) EXPECT_EQ(w->q[c], static_cast<float>(c));
+  std::vector<uint16_t> row(16);
+  dequantize_row(*w, 0, row.data());
+  EXPECT_EQ(bf16_to_f32(row[3]), 0.5f * 3 - 1.0f);
+  EXPECT_EQ(bf16_to_f32(row[9]), 2.0f * 9 + 0.25f);
+  EXPECT_EQ(w->describe(), "4-bit affine, group 8");
+}
+
+TEST(MlxQuant, EightBitAndItsRounding) {
+  Tensor packed(DType::kU32, {1, 1});
+  packed.data<uint32_t>()[0] = 0x000000ffu | (3u << 8);
+  // 255 * 1.00390625 = 255.99609375: bf16 rounds it to 256 before the bias is added.
+  auto w = unpack_affine("x", packed, bf16_of({1.00390625f}, {1, 1}), bf16_of({0.5f}, {1, 1}), 4);
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  EXPECT_EQ(w->bits, 8);
+  std::vector<uint16_t> row(4);
+  dequantize_row(*w, 0, row.data());
+  EXPECT_EQ(bf16_to_f32(row[0]), 256.0f);  // bf16(bf16(255.996) + 0.5) = bf16(256.5) = 256
+  EXPECT_EQ(bf16_to_f32(row[1]), 3.5f);
+}
+
+TEST(MlxQuant, RefusesWhatItCannotRead) {
+  const Tensor s = bf16_of({1.f}, {1, 1}), b = bf16_of({0.f}, {1, 1});
+  Tensor three(DType::kU32, {1, 3});  // 32 columns in 3 words: 3 bits
+  auto w = unpack_affine("model.layers.0.mlp.up_proj", three, s, b, 32);
+  ASSERT_FALSE(w.is_ok());
+  EXPECT_NE(w.status().message().find("3 bits"), std::string::npos) << w.status().message();
+  EXPECT_NE(w.status().message().find("up_proj"), std::string::npos);
+  Tensor f32(DType::kF32, {1, 4});
+  EXPECT_FALSE(unpack_affine("x", f32, s, b, 32).is_ok());
+  Tensor four(DType::kU32, {1, 4});
+  EXPECT_FALSE(unpack_affine("x", four, bf16_of({1.f, 1.f, 1.f}, {1, 3}), b, 32).is_ok());
+}
+
+}  // namespace
+}  // namespace hetero
