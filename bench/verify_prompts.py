@@ -32,6 +32,7 @@ def main() -> int:
     p.add_argument("--prefill-model", default="", help="the prefill host's checkpoint")
     p.add_argument("--tag", default="", help="results file: verify-[<tag>-]<revision>.jsonl")
     p.add_argument("--quantize", default="", help="BITS[,GROUP]: verify mlx-lm's conversion")
+    p.add_argument("--prompts", default="", help="only these, by name prefix: e.g. 01,02,03")
     a = p.parse_args()
     if a.quantize:
         bits, group = (int(v) for v in (a.quantize + ",64").split(",")[:2])
@@ -42,6 +43,8 @@ def main() -> int:
             convert(a.model, str(out), quantize=True, q_bits=bits, q_group_size=group)
         a.model = str(out)
     prompts = sorted((ROOT / "prompts" / "chat").glob("*.json"))
+    if a.prompts:
+        prompts = [p for p in prompts if any(p.name.startswith(w) for w in a.prompts.split(","))]
     chunks = [int(c) for c in a.chunks.split(",")]
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()

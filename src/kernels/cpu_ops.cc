@@ -167,22 +167,34 @@ void linear_quantized_mx(const uint16_t* x, int64_t m, int64_t k, const float* q
 void linear_quantized_affine(const uint16_t* x, int64_t m, int64_t k, const float* q,
                              const float* scales, const float* biases, int64_t n, int64_t group,
                              uint16_t* out) {
+  // Each output's sum runs in ascending t as the decoder's does; kBlock outputs advance side by
+  // side (independent sums: one vector lane each), their weights interleaved [t][block].
+  constexpr int64_t kBlock = 16;
   const int64_t groups = k / group;
 #pragma omp parallel for schedule(static)
-  for (int64_t j = 0; j < n; ++j) {
-    const float* qj = q + j * k;
-    std::vector<float> w(static_cast<size_t>(k));
-    for (int64_t t = 0; t < k; ++t) {
-      const int64_t g = t / group;
-      w[static_cast<size_t>(t)] =
-          round_bf16(round_bf16(scales[j * groups + g] * qj[t]) + biases[j * groups + g]);
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t nj = std::min(kBlock, n - j0);
+    std::vector<float> w(static_cast<size_t>(k * kBlock), 0.0f);
+    for (int64_t jj = 0; jj < nj; ++jj) {
+      const int64_t j = j0 + jj;
+      const float* qj = q + j * k;
+      for (int64_t t = 0; t < k; ++t) {
+        const int64_t g = j * groups + t / group;
+        w[static_cast<size_t>(t * kBlock + jj)] =
+            round_bf16(round_bf16(scales[g] * qj[t]) + biases[g]);
+      }
     }
     for (int64_t i = 0; i < m; ++i) {
       const uint16_t* xi = x + i * k;
-      float sum = 0.0f;
-      for (int64_t t = 0; t < k; ++t)
-        sum = round_bf16(sum + round_bf16(bf16_to_f32(xi[t]) * w[static_cast<size_t>(t)]));
-      out[i * n + j] = f32_to_bf16(sum);
+      float sum[kBlock] = {};
+      for (int64_t t = 0; t < k; ++t) {
+        const float xv = bf16_to_f32(xi[t]);
+        const float* wt = &w[static_cast<size_t>(t * kBlock)];
+#pragma omp simd
+        for (int64_t jj = 0; jj < kBlock; ++jj)
+          sum[jj] = round_bf16(sum[jj] + round_bf16(xv * wt[jj]));
+      }
+      for (int64_t jj = 0; jj < nj; ++jj) out[i * n + j0 + jj] = f32_to_bf16(sum[jj]);
     }
   }
 }

@@ -48,8 +48,8 @@ void dequantize_row(const AffineWeight& w, int64_t r, uint16_t* out) {
   const int64_t groups = w.k / w.group;
   for (int64_t c = 0; c < w.k; ++c) {
     const size_t g = static_cast<size_t>(r * groups + c / w.group);
-    out[c] = f32_to_bf16(round_bf16(w.scales[g] * w.q[static_cast<size_t>(r * w.k + c)]) +
-                         w.biases[g]);
+    out[c] =
+        f32_to_bf16(round_bf16(w.scales[g] * w.q[static_cast<size_t>(r * w.k + c)]) + w.biases[g]);
   }
 }
 

@@ -25,15 +25,9 @@ LlamaDecoderWeights export_of(const LlamaWeights& w) { return llama_decoder_weig
 class GpuProgramsTest : public CudaDeviceTest {};
 
 TEST_F(GpuProgramsTest, LlamaProgramBitIdenticalToCpu) {
-  const std::vector<std::pair<std::string, nlohmann::json>> cases = {
-      {"llama", nullptr},
-      {"qwen2", nullptr},
-      {"qwen3", nullptr},
-      {"llama",
-       {{"rope_type", "llama3"}, {"factor", 8.0}, {"original_max_position_embeddings", 64}}},
-      {"qwen2", {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 128}}}};
-  for (const auto& [type, scaling] : cases) {
-    const LlamaWeights w = tiny_llama(type, 64, 21, scaling, type == "llama" && !scaling.is_null());
+  for (const VariantCase& v : variant_cases()) {
+    const std::string& type = v.type;
+    const LlamaWeights w = tiny_llama(type, 64, 21, v.scaling, v.traditional);
     const LlamaDecoderWeights d = export_of(w);
     auto gw = cuda::upload_llama_weights(d);
     ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();

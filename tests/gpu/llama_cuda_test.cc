@@ -208,18 +208,10 @@ TEST(LlamaCudaOptionsTest, WeightDtypeNames) {
 
 // The exact path reproduces the CPU engine (and so the decoder) bit for bit, whatever the chunks.
 TEST_F(LlamaCudaEngineTest, ExactArithmeticIsBitIdenticalToCpu) {
-  // The variants, and the rope scalings checkpoints carry (llama3 on traditional pairs, YaRN
-  // with its input scale, linear).
-  const std::vector<std::pair<std::string, nlohmann::json>> cases = {
-      {"llama", nullptr},
-      {"qwen2", nullptr},
-      {"qwen3", nullptr},
-      {"llama",
-       {{"rope_type", "llama3"}, {"factor", 8.0}, {"original_max_position_embeddings", 64}}},
-      {"qwen2", {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 128}}},
-      {"qwen3", {{"type", "linear"}, {"factor", 2.0}}}};
-  for (const auto& [type, scaling] : cases) {
-    const LlamaWeights w = tiny_llama(type, 64, 13, scaling, type == "llama" && !scaling.is_null());
+  for (const VariantCase& v : variant_cases()) {
+    const std::string& type = v.type;
+    const nlohmann::json& scaling = v.scaling;
+    const LlamaWeights w = tiny_llama(type, 64, 13, scaling, v.traditional);
     const LlamaConfig& c = w.config;
     const std::vector<int32_t> ids = random_ids(260, c.vocab, 17);
     LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);

@@ -70,6 +70,24 @@ inline LlamaWeights tiny_llama(const std::string& type, int64_t head_dim, uint32
   return w;
 }
 
+// The family's variants, and the rope scalings checkpoints carry: llama3 on traditional pairs,
+// YaRN with its input scale, linear.
+struct VariantCase {
+  std::string type;
+  nlohmann::json scaling;
+  bool traditional = false;
+};
+inline std::vector<VariantCase> variant_cases() {
+  return {{"llama", nullptr},
+          {"qwen2", nullptr},
+          {"qwen3", nullptr},
+          {"llama",
+           {{"rope_type", "llama3"}, {"factor", 8.0}, {"original_max_position_embeddings", 64}},
+           true},
+          {"qwen2", {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 128}}},
+          {"qwen3", {{"type", "linear"}, {"factor", 2.0}}}};
+}
+
 inline std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<int32_t> ids(static_cast<size_t>(n));
