@@ -190,7 +190,6 @@ void linear_quantized_affine(const uint16_t* x, int64_t m, int64_t k, const floa
       for (int64_t t = 0; t < k; ++t) {
         const float xv = bf16_to_f32(xi[t]);
         const float* wt = &w[static_cast<size_t>(t * kBlock)];
-#pragma omp simd
         for (int64_t jj = 0; jj < kBlock; ++jj)
           sum[jj] = round_bf16(sum[jj] + round_bf16(xv * wt[jj]));
       }

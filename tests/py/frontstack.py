@@ -179,6 +179,10 @@ class Stack:
     def native(self, body: dict, path: str = "/v1/chat/completions") -> dict:
         return Decoder(self.decoder.port).native(body, path)
 
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
 
 class Decoder:
     """Direct calls to a decoder's seam and server (with the stack's secret when it has one)."""
@@ -216,10 +220,6 @@ class Decoder:
         self.clear()
         assert self.cached(ids) == 0
         return reply
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
 
 
 @contextmanager
