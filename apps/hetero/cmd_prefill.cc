@@ -78,6 +78,17 @@ int run_dsv4_offline(const Options& opts) {
   auto engine = Dsv4CpuEngine::load(opts.get("model"), engine_options);
   if (!engine.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", engine.status().to_string().c_str()), 1;
+  std::vector<int64_t> calls;  // empty: each chunk is one decoder call
+  if (opts.has("decoder-calls")) {
+    auto parsed = chunk_schedule(opts.get("decoder-calls"), T);
+    if (!parsed.is_ok())
+      return std::fprintf(stderr, "prefill: --decoder-calls: %s\n",
+                          parsed.status().message().c_str()),
+             2;
+    calls = std::move(parsed.value());
+  }
+  if (Status st = engine.value()->set_decoder_calls(calls); !st.is_ok())
+    return std::fprintf(stderr, "prefill: %s\n", st.to_string().c_str()), 1;
   const Dsv4Config& c = engine.value()->config();
   TensorMap out;
   for (int64_t l = 0; l < c.layers; ++l)
@@ -105,6 +116,7 @@ int run_dsv4_offline(const Options& opts) {
                          {"layers", c.layers},
                          {"hidden", c.hidden},
                          {"schedule", schedule.value()},
+                         {"decoder_calls", calls},
                          {"quant_arith", dsv4_quant_arith_name(arith.value())},
                          {"seconds", secs}};
   std::ofstream(dir + "/prefill.json") << info.dump(1) << "\n";
@@ -138,7 +150,8 @@ Options prefill_options() {
       {"ids-file", "", "", "offline: JSON array of token ids to prefill instead of serving"},
       {"fingerprint", "", "", "offline: the decoder fingerprint to require (default: export's)"},
       {"decoder-calls", "", "",
-       "offline, deepseek_v4 (required): the decoder's call lengths a,b,c for the ids"},
+       "offline, deepseek_v4: the decoder's call lengths a,b,c for the ids (the last repeated; "
+       "required with --weights; without, --chunk's chunks may then span several calls)"},
       {"out", "", "",
        "offline: where to write the assembled cache (safetensors); for deepseek_v4 without "
        "--weights a directory for the attention inputs (--chunk may then be a list a,b,c, the "

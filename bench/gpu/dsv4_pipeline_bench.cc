@@ -3,9 +3,11 @@
 // layers fit one GPU, through one engine in the same run.
 //
 //   --devices 0,1 (one per stage; all different: NCCL links; all the same: device copies)
-//   --layers 8 --weights checkpoint|fp8|bf16 --t 8192,32768 --chunk 2048 --repeats 3 --rev REV
-//   (--chunk: the decoder's call length; its calls, the last token alone, are the chunks, as
-//   served)
+//   --layers 8 --weights checkpoint|fp8|bf16 --t 8192,32768 --decoder-step 2048 --chunk 8192
+//   --repeats 3 --rev REV
+//   (--decoder-step: the decoder's call length; its calls, the last token alone, are the
+//   program's schedule, as served. --chunk: the engine's chunks, those calls grouped up to that
+//   many tokens as the served host groups them; default: the decoder step, one call a chunk)
 //   [--bridge off,on] (on: the bridge behind the pipeline as served: each stage's taps captured
 //   and its layers' cache program run on its own GPU, one producer framing the segments; the
 //   decoder's program weights drawn at Flash widths)
@@ -31,6 +33,7 @@
 #include "bridge/producer.h"
 #include "dsv4_flash_decoder.h"
 #include "engine/cuda/dsv4_pipeline.h"
+#include "model/dsv4_calls.h"
 
 namespace hetero {
 namespace {
@@ -61,7 +64,7 @@ Result<Times> time_runs(int repeats, F&& run) {
 
 int run(int argc, char** argv) {
   std::vector<int64_t> devices = {0, 0}, Ts = {8192, 32768};
-  int64_t layers = 8, chunk = 2048;
+  int64_t layers = 8, step = 2048, chunk = 0;
   int repeats = 3;
   bool single = true;
   std::string weights = "checkpoint", rev = "unknown";
@@ -79,6 +82,8 @@ int run(int argc, char** argv) {
       Ts = parse_list(next());
     else if (a == "--chunk")
       chunk = std::atoll(next().c_str());
+    else if (a == "--decoder-step")
+      step = std::atoll(next().c_str());
     else if (a == "--repeats")
       repeats = std::atoi(next().c_str());
     else if (a == "--rev")
@@ -95,6 +100,7 @@ int run(int argc, char** argv) {
     } else
       return std::fprintf(stderr, "see the header of bench/gpu/dsv4_pipeline_bench.cc\n"), 2;
   }
+  if (chunk <= 0) chunk = step;
   const Dsv4Config c = bench::flash_config(layers);
   Dsv4PipelineOptions po;
   for (int64_t d : devices) po.devices.push_back(static_cast<int>(d));
@@ -133,10 +139,12 @@ int run(int argc, char** argv) {
     std::mt19937 rng(static_cast<uint32_t>(T));
     std::vector<int32_t> ids(static_cast<size_t>(T));
     for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
-    // As the served host runs a prompt: the decoder's own calls (--chunk tokens each, the last
-    // token alone) are the engine's chunks and the program's schedule.
-    const std::vector<int64_t> chunks = dsv4_server_calls(T, chunk);
-    Status st = (*p)->reserve(T, chunk);
+    // As the served host runs a prompt: the decoder's own calls (--decoder-step tokens each, the
+    // last token alone) are the program's schedule and, grouped, the engine's chunks.
+    const std::vector<int64_t> calls = dsv4_server_calls(T, step);
+    const std::vector<int64_t> chunks = dsv4_group_calls(calls, chunk);
+    const int64_t widest = *std::max_element(chunks.begin(), chunks.end());
+    Status st = (*p)->reserve(T, widest);
     if (!st.is_ok()) return std::fprintf(stderr, "reserve: %s\n", st.to_string().c_str()), 1;
     double off_median = 0;
     for (const std::string& mode : bridge_modes) {
@@ -145,9 +153,9 @@ int run(int argc, char** argv) {
       bool complete = true;
       auto tp = time_runs(repeats, [&]() -> Status {
         HETERO_RETURN_IF_ERROR((*p)->reset());
+        HETERO_RETURN_IF_ERROR((*p)->set_decoder_calls(calls));
         if (!on) return (*p)->prefill(ids, chunks, {});
-        // As the served host cuts the prompt: the decoder's schedule is the chunk plan.
-        HETERO_ASSIGN_OR_RETURN(auto program, bridge->program(chunks));
+        HETERO_ASSIGN_OR_RETURN(auto program, bridge->program(calls));
         double bytes = 0;
         BridgeProducer producer(program.get(), bench::counting_sink(&bytes, &frame_buffers), 4,
                                 bridge->capture(), &frame_buffers);
@@ -168,10 +176,11 @@ int run(int argc, char** argv) {
         auto one = Dsv4CudaEngine::random(c, 7, o);
         if (!one.is_ok())
           return std::fprintf(stderr, "single: %s\n", one.status().to_string().c_str()), 1;
-        if (!(st = (*one)->reserve(T, chunk)).is_ok())
+        if (!(st = (*one)->reserve(T, widest)).is_ok())
           return std::fprintf(stderr, "single reserve: %s\n", st.to_string().c_str()), 1;
         auto r = time_runs(repeats, [&]() -> Status {
           HETERO_RETURN_IF_ERROR((*one)->reset());
+          HETERO_RETURN_IF_ERROR((*one)->set_decoder_calls(calls));
           for (int64_t at = 0; const int64_t n : chunks) {
             HETERO_RETURN_IF_ERROR(
                 (*one)->prefill_chunk({ids.begin() + at, ids.begin() + at + n}, {}));
@@ -186,7 +195,7 @@ int run(int argc, char** argv) {
         p = Dsv4Pipeline::random(c, 7, po);  // back for the next mode and T
         if (!p.is_ok())
           return std::fprintf(stderr, "pipeline: %s\n", p.status().to_string().c_str()), 1;
-        if (!(st = (*p)->reserve(T, chunk)).is_ok())
+        if (!(st = (*p)->reserve(T, widest)).is_ok())
           return std::fprintf(stderr, "reserve: %s\n", st.to_string().c_str()), 1;
       }
       const double tok_p = T / tp->median, tok_s = with_single ? T / ts.median : 0;
@@ -196,19 +205,20 @@ int run(int argc, char** argv) {
                    num(with_single, ts.median).c_str());
       std::printf(
           "{\"bench\":\"dsv4_pipeline\",\"gpu\":\"%s\",\"rev\":\"%s\",\"weights\":\"%s\","
-          "\"layers\":%lld,\"stages\":%s,\"transport\":\"%s\",\"T\":%lld,\"chunk\":%lld,"
+          "\"layers\":%lld,\"stages\":%s,\"transport\":\"%s\",\"T\":%lld,\"decoder_step\":%lld,"
+          "\"chunk\":%lld,"
           "\"repeats\":%d,\"bridge\":\"%s\",\"manifest_complete\":%s,\"pipeline_s_median\":%.4f,"
           "\"pipeline_s_min\":%.4f,\"pipeline_s_max\":%.4f,\"tok_s\":%.1f,"
           "\"bridge_cost_vs_off\":%s,\"wire_bytes_per_token\":%s,\"single_s_median\":%s,"
           "\"single_tok_s\":%s,\"pipeline_vs_single\":%s,\"link_bytes_per_chunk\":%lld}\n",
           bench::gpu_name().c_str(), rev.c_str(), weights.c_str(), static_cast<long long>(layers),
           stages.c_str(), (*p)->transport(), static_cast<long long>(T),
-          static_cast<long long>(chunk), repeats, mode.c_str(),
+          static_cast<long long>(step), static_cast<long long>(chunk), repeats, mode.c_str(),
           on ? (complete ? "true" : "false") : "null", tp->median, tp->min, tp->max, tok_p,
           num(on && off_median > 0, tp->median / off_median - 1).c_str(),
           num(on, wire_bytes / static_cast<double>(T)).c_str(), num(with_single, ts.median).c_str(),
           num(with_single, tok_s).c_str(), num(with_single, tp->median / ts.median).c_str(),
-          static_cast<long long>(std::min(T, chunk) * c.hc_mult * c.hidden * 2));
+          static_cast<long long>(widest * c.hc_mult * c.hidden * 2));
       std::fflush(stdout);
     }
   }

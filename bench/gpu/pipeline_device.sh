@@ -9,7 +9,9 @@
 #
 # Carry: .devkit/lib, build/hetero, build/hetero_gpu_tests, build/hetero_gpu_dsv4_pipeline_bench,
 # out/dsv4-gpu-model (made here by: bench/gpu/pipeline_device.sh --make-model). Env: REV,
-# LAYERS (8), T (8192,32768), CHUNK (2048: the decoder's calls), GPU_TESTS (1: run them). Writes $OUT/{env.txt,gpu_tests.log,
+# LAYERS (8), T (8192,32768), DECODER_STEP (2048: the decoder's calls), CHUNKS (2048: the engine
+# chunks to bench, a list: each a run, the decoder's calls grouped up to it), GPU_TESTS (1: run
+# them), SERVED (1: run the served and refusal checks). Writes $OUT/{env.txt,gpu_tests.log,
 # served.jsonl,prefill-*.log,pipeline.jsonl,pipeline.err}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,6 +34,7 @@ devkit_libs /tmp/hetero-lib build/hetero build/hetero_gpu_tests \
   build/hetero_gpu_dsv4_pipeline_bench || exit 1
 export NCCL_NVLS_ENABLE=0
 REV=${REV:-unknown}
+CHUNKS=${CHUNKS:-2048}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT_DIR/env.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 rc=0
@@ -42,6 +45,7 @@ if [[ ${GPU_TESTS:-1} == 1 ]]; then
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran|pipeline \]" "$OUT_DIR/gpu_tests.log" | sort | uniq -c
 fi
 
+if [[ ${SERVED:-1} == 1 ]]; then
 echo "== served: one stage against the pipeline"
 pipeline=0,0
 ((ngpu > 1)) && pipeline=0,1
@@ -105,14 +109,20 @@ for args in "--gpus 0,$ngpu" "--gpus 0,0 --program-device 0"; do
   ((code != 0 && code != 124)) || rc=1
 done
 
+fi
+
 echo "== pipeline bench, Flash shapes, bridge off and on"
 for devices in 0 "$pipeline"; do
   single=--no-single
   [[ $devices == *,* ]] && single=""
-  # shellcheck disable=SC2086
-  timeout 400 build/hetero_gpu_dsv4_pipeline_bench --devices "$devices" --layers "${LAYERS:-8}" \
-    --weights checkpoint --t "${T:-8192,32768}" --chunk "${CHUNK:-2048}" --repeats 2 --bridge off,on --rev "$REV" $single \
-    >>"$OUT_DIR/pipeline.jsonl" 2>>"$OUT_DIR/pipeline.err" || rc=1
+  for chunk in ${CHUNKS//,/ }; do
+    echo "devices $devices, chunk $chunk" >>"$OUT_DIR/pipeline.err"
+    # shellcheck disable=SC2086
+    timeout 400 build/hetero_gpu_dsv4_pipeline_bench --devices "$devices" --layers "${LAYERS:-8}" \
+      --weights checkpoint --t "${T:-8192,32768}" --decoder-step "${DECODER_STEP:-2048}" \
+      --chunk "$chunk" --repeats 2 --bridge off,on --rev "$REV" $single \
+      >>"$OUT_DIR/pipeline.jsonl" 2>>"$OUT_DIR/pipeline.err" || rc=1
+  done
 done
 cat "$OUT_DIR/pipeline.err"
 echo "rc=$rc"

@@ -19,7 +19,6 @@ namespace hetero {
 namespace {
 
 constexpr float kBf16Lowest = -3.38953139e38f;  // finfo(bfloat16).min: a masked bf16 score
-constexpr int64_t kDecodeBlock = 8;  // the decoder runs calls of 2..8 tokens token by token
 
 using Bf16 = std::vector<uint16_t>;
 
@@ -310,6 +309,7 @@ Dsv4CpuEngine::Dsv4CpuEngine(Dsv4Weights weights, const Dsv4EngineOptions& optio
 void Dsv4CpuEngine::reset() {
   const Dsv4Config& c = w_.config;
   state_.assign(w_.layers.size(), LayerState{});
+  calls_.clear();
   for (size_t i = 0; i < w_.layers.size(); ++i) {
     const Dsv4LayerWeights& L = w_.layers[i];
     if (L.ratio > 0)
@@ -323,6 +323,12 @@ void Dsv4CpuEngine::reset() {
 Status Dsv4CpuEngine::set_full_forward(bool on) {
   if (n_cached_ != 0) return failed_precondition("full_forward changes only between sequences");
   full_forward_ = on;
+  return Status::ok();
+}
+
+Status Dsv4CpuEngine::set_decoder_calls(const std::vector<int64_t>& calls) {
+  if (n_cached_ != 0) return failed_precondition("decoder calls change only between sequences");
+  calls_.set(calls);
   return Status::ok();
 }
 
@@ -643,10 +649,9 @@ void Dsv4CpuEngine::attention(int64_t layer, const uint16_t* x, int64_t n, int64
   std::vector<float> sinks(static_cast<size_t>(Hh));
   for (int64_t h = 0; h < Hh; ++h) sinks[static_cast<size_t>(h)] = round_bf16(L.attn_sink[h]);
 
-  // The decoder's calls: the whole chunk, or one token at a time for chunks of 2..8 tokens.
-  const int64_t call_len = n > kDecodeBlock ? n : 1;
-  for (int64_t s0 = 0; s0 < n; s0 += call_len) {
-    const int64_t m = std::min(call_len, n - s0), off = pos0 + s0;
+  // The decoder's calls inside this chunk (model/dsv4_calls.h).
+  for (const auto& [s0, m] : calls_.within(pos0, n)) {
+    const int64_t off = pos0 + s0;
     // Local window: keys in the decoder's row order, and which rows each query sees.
     int64_t S, mask_shift = 0, off_clamped = std::min(win - 1, off);
     if (m > 1) {

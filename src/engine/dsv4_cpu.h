@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "engine/tap.h"
 #include "model/dsv4.h"
+#include "model/dsv4_calls.h"
 
 namespace hetero {
 
@@ -62,6 +63,10 @@ class Dsv4CpuEngine {
   // full_forward the last layer's attention and MoE run too, so that its state and the final
   // residual stream are those of the decoder. Settable only while no token is cached.
   Status set_full_forward(bool on);
+  // The decoder's call schedule for this sequence (model/dsv4_calls.h): a chunk then runs each
+  // decoder call inside it as the decoder did. Unset (and after reset()), every chunk is one
+  // call. Settable only while no token is cached.
+  Status set_decoder_calls(const std::vector<int64_t>& calls);
   // Runs the next chunk: ids are positions [cached_tokens(), +ids.size()). Ids outside the
   // vocabulary are refused before anything changes.
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap);
@@ -79,6 +84,7 @@ class Dsv4CpuEngine {
   std::vector<LayerState> state_;
   int64_t n_cached_ = 0;
   bool full_forward_ = false;
+  Dsv4Calls calls_;
 };
 
 }  // namespace hetero

@@ -57,7 +57,9 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "device; with --gpus, each stage's engine); a request that would pass it is refused "
        "before its response starts (HTTP 507)"},
       {"chunk", "HETERO_PREFILL_CHUNK", "512",
-       "prefill chunk size in tokens (deepseek_v4 runs the decoder's own call schedule)"},
+       "prefill chunk size in tokens (deepseek_v4: the decoder's own calls, grouped into chunks of "
+       "up "
+       "to this many tokens; a longer call is a chunk of its own)"},
   };
 }
 

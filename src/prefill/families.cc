@@ -8,6 +8,7 @@
 #include "common/sysmem.h"
 #include "engine/dsv4_cpu.h"
 #include "engine/llama_cpu.h"
+#include "model/dsv4_calls.h"
 #include "prefill/pairing.h"
 
 namespace hetero {
@@ -74,8 +75,11 @@ Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& 
         std::make_unique<Dsv4SegmentProgram>(w, req.decoder_calls));
   };
   // Every later layer's attention input depends on where the decoder's calls were cut (the
-  // ratio-4 overlap lane): the engine runs the decoder's own calls.
-  s.chunk_plan = [](const PrefillRequest& req, int64_t) { return req.decoder_calls; };
+  // ratio-4 overlap lane): the engine runs the decoder's own calls, grouped into chunks of up to
+  // --chunk tokens (set_decoder_calls keeps their edges inside a chunk).
+  s.chunk_plan = [](const PrefillRequest& req, int64_t chunk) {
+    return dsv4_group_calls(req.decoder_calls, chunk);
+  };
   s.owned = owned;
   return s;
 }

@@ -8,6 +8,7 @@
 #include "engine/cuda/dsv4_cuda.h"
 #include "engine/cuda/dsv4_pipeline.h"
 #include "engine/cuda/llama_cuda.h"
+#include "model/dsv4_calls.h"
 #include "prefill/families.h"
 
 namespace hetero {
@@ -209,7 +210,9 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
     HETERO_ASSIGN_OR_RETURN(auto program, bridge->program(req.decoder_calls));
     return std::unique_ptr<SegmentProgram>(std::move(program));
   };
-  s.chunk_plan = [](const PrefillRequest& req, int64_t) { return req.decoder_calls; };
+  s.chunk_plan = [](const PrefillRequest& req, int64_t chunk) {
+    return dsv4_group_calls(req.decoder_calls, chunk);
+  };
   s.owned = owned;
   return s;
 }

@@ -150,6 +150,7 @@ Status PrefillService::admit(const PrefillRequest& req, const std::vector<int64_
     st = resource_exhausted("out of host memory while admitting " + std::to_string(req.ids.size()) +
                             " tokens");
   }
+  if (st.is_ok()) st = engine_->set_decoder_calls(req.decoder_calls);
   if (!st.is_ok())
     log_line("prefill", "refused a request of " + std::to_string(req.ids.size()) +
                             " tokens: " + st.to_string());

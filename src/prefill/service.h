@@ -45,6 +45,13 @@ class PrefillEngine {
     (void)tokens, (void)max_chunk_tokens;
     return Status::ok();
   }
+  // The decoder's call schedule for this request (PrefillRequest::decoder_calls), after
+  // reserve(): an engine whose arithmetic follows the decoder's calls runs each of them inside a
+  // chunk as the decoder did (DeepSeek-V4). Default: the calls change nothing.
+  virtual Status set_decoder_calls(const std::vector<int64_t>& calls) {
+    (void)calls;
+    return Status::ok();
+  }
   virtual Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) = 0;
   // A request's ids in chunks of the plan's lengths (they sum to ids.size()); stop is asked
   // before each chunk, and once it says true no further chunk starts (OK: the caller knows why
@@ -82,6 +89,12 @@ class EngineAdapter : public PrefillEngine {
   Status reserve(int64_t tokens, int64_t max_chunk_tokens) override {
     if constexpr (requires(Engine & e) { e.reserve(tokens, max_chunk_tokens); })
       return engine_->reserve(tokens, max_chunk_tokens);
+    else
+      return Status::ok();
+  }
+  Status set_decoder_calls(const std::vector<int64_t>& calls) override {
+    if constexpr (requires(Engine & e) { e.set_decoder_calls(calls); })
+      return engine_->set_decoder_calls(calls);
     else
       return Status::ok();
   }

@@ -128,15 +128,20 @@ inline Dsv4Weights random_dsv4_model(const Dsv4Config& c, uint32_t seed) {
 }
 
 // Runs ids through `engine` (fresh) in the chunks of `schedule` (the last chunk takes the rest)
-// and returns each layer's attention inputs, bf16 [T, hidden], from the host tap.
+// and returns each layer's attention inputs, bf16 [T, hidden], from the host tap. With
+// decoder_calls, the engine is told the decoder's calls first (set_decoder_calls), so a chunk
+// may span several of them.
 template <typename Engine>
 std::vector<std::vector<uint16_t>> dsv4_taps(Engine& engine, const std::vector<int32_t>& ids,
-                                             const std::vector<int64_t>& schedule, Status* status) {
+                                             const std::vector<int64_t>& schedule, Status* status,
+                                             const std::vector<int64_t>& decoder_calls = {}) {
   const Dsv4Config& c = engine.config();
   const int64_t T = static_cast<int64_t>(ids.size()), H = c.hidden;
   std::vector<std::vector<uint16_t>> out(static_cast<size_t>(c.layers),
                                          std::vector<uint16_t>(static_cast<size_t>(T * H)));
   engine.reset();
+  *status = engine.set_decoder_calls(decoder_calls);
+  if (!status->is_ok()) return out;
   auto tap = [&](const TapEvent& ev) {
     if (!ev.x_bf16) return;
     std::copy(ev.x_bf16, ev.x_bf16 + ev.n_tokens * ev.hidden,

@@ -43,8 +43,10 @@ std::vector<int32_t> random_ids(int64_t T, int64_t vocab, uint32_t seed) {
 //   deliberately broken engines, at the first layer after the break (both configurations): q rope
 //   one position off: cosine 0.99846, 69% of tokens below 0.999; local window one row short:
 //   0.99858, 40%; overlap lane missing: 0.9919, 97%. Each fails both tests.
+// grouped: the GPU engine runs each schedule as one chunk told the decoder's calls
+// (set_decoder_calls), as the served host groups them; the CPU engine one chunk per call.
 void expect_close(const Dsv4Config& c, const Dsv4Weights& w, const Dsv4Tolerance& tol,
-                  bool online_softmax = false) {
+                  bool online_softmax = false, bool grouped = false) {
   Dsv4EngineOptions cpu_opts;
   cpu_opts.quant_arith = Dsv4QuantArith::kDequant;
   Dsv4CpuEngine cpu(w, cpu_opts);
@@ -72,7 +74,8 @@ void expect_close(const Dsv4Config& c, const Dsv4Weights& w, const Dsv4Tolerance
     Status st;
     const auto want = dsv4_taps(cpu, ids, schedule, &st);
     ASSERT_TRUE(st.is_ok()) << st.message();
-    const auto got = dsv4_taps(gpu, ids, schedule, &st);
+    const auto got =
+        grouped ? dsv4_taps(gpu, ids, {T}, &st, schedule) : dsv4_taps(gpu, ids, schedule, &st);
     ASSERT_TRUE(st.is_ok()) << st.message();
     ASSERT_EQ(gpu.cached_tokens(), T);
     const auto reports = dsv4_compare_taps(got, want, c.hidden, spec);
@@ -104,6 +107,13 @@ TEST_F(Dsv4CudaEngineTest, AttentionInputsMatchCpuDequantOnEverySchedule) {
 TEST_F(Dsv4CudaEngineTest, OnlineSoftmaxAttentionMatchesCpuDequant) {
   const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/true);
   expect_close(c, random_dsv4_model(c, 11), kDsv4HashRoutedTolerance, /*online_softmax=*/true);
+}
+
+// Several decoder calls in one engine chunk: the calls' edges kept inside it.
+TEST_F(Dsv4CudaEngineTest, SeveralDecoderCallsPerChunkMatchCpuDequant) {
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/true);
+  expect_close(c, random_dsv4_model(c, 11), kDsv4HashRoutedTolerance, /*online_softmax=*/false,
+               /*grouped=*/true);
 }
 
 // Score-routed layers: a few expert choices flip and the deviation they cause spreads through

@@ -211,7 +211,7 @@ def decoder_attention_inputs(path: Path, ids: list, schedule: list, ape_from: Pa
 
 
 def engine_attention_inputs(hetero: Path, model: Path, ids: list, spec: str,
-                            quant_arith: str = "mlx-cpu") -> list:
+                            quant_arith: str = "mlx-cpu", decoder_calls: str = "") -> list:
     import mlx.core as mx
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -220,7 +220,8 @@ def engine_attention_inputs(hetero: Path, model: Path, ids: list, spec: str,
         out = Path(tmp) / "out"
         subprocess.run(
             [str(hetero), "prefill", "--model", str(model), "--ids-file", str(ids_file),
-             "--chunk", spec, "--quant-arith", quant_arith, "--out", str(out)],
+             "--chunk", spec, "--quant-arith", quant_arith, "--out", str(out)]
+            + (["--decoder-calls", decoder_calls] if decoder_calls else []),
             check=True, capture_output=True, text=True,
         )
         info = json.loads((out / "prefill.json").read_text())
@@ -271,6 +272,31 @@ def test_fp8_checkpoint_matches_native_decoder(hetero_bin, T, spec):
     for layer, (mx_diff, frac) in enumerate(gaps(ours, theirs)):
         assert mx_diff == 0.0 and frac == 0.0, (
             f"T={T} chunks={spec} layer {layer}: max|diff| {mx_diff}, {frac:.2%} differ"
+        )
+
+
+# (T, the decoder's calls, the engine's chunks): one engine chunk spanning several decoder calls,
+# told where they were cut (--decoder-calls), as the served host groups them; the chunks' edges on
+# call edges or inside a call's tokens that run one by one.
+SPANNING_CASES = [
+    (129, "3,100,26", "129"),
+    (300, "9,130,7,1,153", "300"),
+    (300, "9,130,7,1,153", "146,154"),
+    (600, "250", "600"),
+    (600, "64,1,1,5,200", "71,529"),
+]
+
+
+@pytest.mark.parametrize("T,calls,spec", SPANNING_CASES)
+def test_chunks_spanning_decoder_calls_match_native_decoder(hetero_bin, T, calls, spec):
+    root = _model_root()
+    ids = _ids(T, _vocab(root / "fp8"))
+    theirs = decoder_attention_inputs(root / "native", ids, _schedule(calls, T))
+    ours = engine_attention_inputs(hetero_bin, root / "fp8", ids, spec, decoder_calls=calls)
+    for layer, (mx_diff, frac) in enumerate(gaps(ours, theirs)):
+        assert mx_diff == 0.0 and frac == 0.0, (
+            f"T={T} calls={calls} chunks={spec} layer {layer}: max|diff| {mx_diff}, {frac:.2%} "
+            "differ"
         )
 
 

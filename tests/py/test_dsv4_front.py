@@ -87,8 +87,11 @@ def served(stack: Stack, content: str, max_tokens: int = 16) -> dict:
     return body
 
 
-def test_front_bridges_deepseek_v4_complete(dsv4) -> None:
-    front = dsv4.front(dsv4.prefill(chunk=32, model=DSV4 / "fp8").port)
+# chunk 32: one decoder call per engine chunk; 128: the served host groups four calls into a
+# chunk and runs each inside it as the decoder did.
+@pytest.mark.parametrize("chunk", [32, 128])
+def test_front_bridges_deepseek_v4_complete(dsv4, chunk) -> None:
+    front = dsv4.front(dsv4.prefill(chunk=chunk, model=DSV4 / "fp8").port)
     body = served(dsv4, text("dsv4-bridge", 120))
     native = dsv4.native(body)
     r = post_front(front, body)

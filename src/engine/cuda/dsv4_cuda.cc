@@ -320,6 +320,7 @@ Status Dsv4CudaEngine::reset() {
   const Dsv4Config& c = config_;
   Impl& m = *impl_;
   n_cached_ = 0;
+  m.calls.clear();
   // The previous sequence's work (a failed chunk's lanes too) is done before its state is reused.
   for (Impl::Lane& l : m.lanes) HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(l.stream.get()));
   HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream.get()));
@@ -407,6 +408,12 @@ Status Dsv4CudaEngine::reserve(int64_t tokens, int64_t max_chunk_tokens) {
 Status Dsv4CudaEngine::set_full_forward(bool on) {
   if (n_cached_ != 0) return failed_precondition("full_forward changes only between sequences");
   full_forward_ = on;
+  return Status::ok();
+}
+
+Status Dsv4CudaEngine::set_decoder_calls(const std::vector<int64_t>& calls) {
+  if (n_cached_ != 0) return failed_precondition("decoder calls change only between sequences");
+  impl_->calls.set(calls);
   return Status::ok();
 }
 

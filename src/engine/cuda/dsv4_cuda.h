@@ -111,8 +111,10 @@ class Dsv4CudaEngine {
   // the next request. failed_precondition for a prompt the indexer kernel cannot select over.
   Status reserve(int64_t tokens, int64_t max_chunk_tokens);
   int64_t cached_tokens() const { return n_cached_; }
-  // As Dsv4CpuEngine::set_full_forward.
+  // As Dsv4CpuEngine::set_full_forward and set_decoder_calls (reset() and reserve() clear the
+  // calls: set them after).
   Status set_full_forward(bool on);
+  Status set_decoder_calls(const std::vector<int64_t>& calls);
   // Runs the next chunk (positions [cached_tokens(), +ids.size())); ids outside the vocabulary
   // are refused before anything changes. Returns once the chunk is enqueued (and, with host_tap,
   // each tap has run on its host copy); call synchronize() to wait for the device.

@@ -19,14 +19,13 @@
 #include "kernels/cuda/checkpoint_formats.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/resource.h"
+#include "model/dsv4_calls.h"
 
 namespace hetero {
 namespace dsv4_cuda {
 
 inline uint16_t* bf(const cuda::DeviceBuffer& b) { return b.get<uint16_t>(); }
 inline float* f32(const cuda::DeviceBuffer& b) { return b.get<float>(); }
-
-constexpr int64_t kDecodeBlock = 8;  // the decoder runs calls of 2..8 tokens token by token
 
 struct DHc {
   cuda::DeviceBuffer fn, base, scale;
@@ -149,6 +148,7 @@ struct Dsv4CudaEngine::Impl {
   std::vector<dsv4_cuda::DLayer> layers;  // all the model's; weights only in [first, end)
   int64_t first = 0, end = 0;             // the layers this engine holds (a pipeline stage)
   std::vector<dsv4_cuda::DState> state;
+  Dsv4Calls calls;  // the decoder's schedule for this sequence (set_decoder_calls)
   // Scratch, sized by the largest chunk (cap tokens).
   int64_t cap = 0;
   cuda::DeviceBuffer ids, h, x, y, mix, qr, q, attn, kv, mid, ckv, cgate, ikv, igate, iq, iw, lk,

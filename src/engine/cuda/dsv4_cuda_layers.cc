@@ -304,10 +304,9 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
   const float scale_b = round_bf16(1.0f / std::sqrt(static_cast<float>(hd)));
   uint8_t* lk = m.lk.get<uint8_t>();
 
-  // The decoder's calls: the whole chunk, or one token at a time for chunks of 2..8 tokens.
-  const int64_t call_len = n > kDecodeBlock ? n : 1;
-  for (int64_t s0 = 0; s0 < n; s0 += call_len) {
-    const int64_t cm = std::min(call_len, n - s0), off = pos0 + s0;
+  // The decoder's calls inside this chunk (model/dsv4_calls.h).
+  for (const auto& [s0, cm] : m.calls.within(pos0, n)) {
+    const int64_t off = pos0 + s0;
     // Local keys: the kept tail, then this call's rows.
     HETERO_RETURN_IF_ERROR(m.timer.mark(st, "window + compressors"));
     HETERO_RETURN_IF_ERROR(

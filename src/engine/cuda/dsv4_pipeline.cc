@@ -192,6 +192,11 @@ Status Dsv4Pipeline::reserve(int64_t tokens, int64_t max_chunk_tokens) {
   return size_links(std::max<int64_t>(1, std::min(tokens, max_chunk_tokens)));
 }
 
+Status Dsv4Pipeline::set_decoder_calls(const std::vector<int64_t>& calls) {
+  for (auto& e : engines_) HETERO_RETURN_IF_ERROR(e->set_decoder_calls(calls));
+  return Status::ok();
+}
+
 Status Dsv4Pipeline::size_links(int64_t chunk_tokens) {
   const size_t bytes = static_cast<size_t>(chunk_tokens * config_.hc_mult * config_.hidden) * 2;
   for (size_t s = 0; s < links_.size(); ++s) {
