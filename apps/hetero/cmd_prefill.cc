@@ -66,7 +66,9 @@ int run_dsv4_offline(const Options& opts) {
     ids.push_back(v.get<int32_t>());
   }
   const int64_t T = static_cast<int64_t>(ids.size());
-  auto schedule = chunk_schedule(opts.get("chunk"), T);
+  // --chunk 0 (the default) offline: the whole prompt in one chunk.
+  auto schedule =
+      chunk_schedule(opts.get("chunk") == "0" ? std::to_string(T) : opts.get("chunk"), T);
   if (!schedule.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", schedule.status().message().c_str()), 2;
   auto arith = parse_dsv4_quant_arith(opts.get("quant-arith"));
@@ -189,7 +191,7 @@ int cmd_prefill(int argc, char** argv) {
   if (!stack.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", stack.status().to_string().c_str()), 1;
   const DecoderCacheLayout layout = stack->layout;
-  const int64_t chunk = parsed->chunk_tokens;
+  const int64_t chunk = parsed->chunk_tokens > 0 ? parsed->chunk_tokens : stack->default_chunk;
   auto max_tokens = opts.get_int("max-tokens");
   if (!max_tokens.is_ok() || max_tokens.value() < 0)
     return std::fprintf(stderr, "prefill: --max-tokens must be an integer >= 0\n"), 2;

@@ -208,7 +208,8 @@ int cmd_verify(int argc, char** argv) {
       opts.has("prefill-model") ? resolve_path(opts.get("prefill-model")) : model;
   auto stack = load_prefill_stack(prefill_model, weights_dir, backend);
   if (!stack.is_ok()) return fail("prefill host", stack.status());
-  PrefillService service(stack->engine.get(), stack->layout, stack->programs, parsed->chunk_tokens,
+  const int64_t chunk = parsed->chunk_tokens > 0 ? parsed->chunk_tokens : stack->default_chunk;
+  PrefillService service(stack->engine.get(), stack->layout, stack->programs, chunk,
                          machine_max_tokens(stack.value(), backend));
   if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
   service.set_capture(stack->capture);
@@ -362,7 +363,7 @@ int cmd_verify(int argc, char** argv) {
       {"fingerprint", layout.fingerprint},
       {"T", T},
       {"B", B},
-      {"chunk", parsed->chunk_tokens},
+      {"chunk", chunk},
       {"verdict", verdict.to_json()},
       {"arrays",
        {{"count", static_cast<int64_t>(want->tensors.size())},

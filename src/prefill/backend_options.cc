@@ -56,10 +56,10 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "cuda: device memory the engine may hold (weights, cache, scratch) in MiB (0: the whole "
        "device; with --gpus, each stage's engine); a request that would pass it is refused "
        "before its response starts (HTTP 507)"},
-      {"chunk", "HETERO_PREFILL_CHUNK", "512",
-       "prefill chunk size in tokens (deepseek_v4: the decoder's own calls, grouped into chunks of "
-       "up "
-       "to this many tokens; a longer call is a chunk of its own)"},
+      {"chunk", "HETERO_PREFILL_CHUNK", "0",
+       "prefill chunk size in tokens (0: the family's default: llama 512; deepseek_v4 2048 on "
+       "cpu, 32768 on cuda). deepseek_v4 runs the decoder's own calls, grouped into chunks of up "
+       "to this many tokens (a longer call is a chunk of its own)"},
   };
 }
 
@@ -81,7 +81,7 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
   if (device < 0 || device > 1024) return invalid_argument("--device must be a GPU index");
   if (program_device < -1 || program_device > 1024)
     return invalid_argument("--program-device must be a GPU index or -1");
-  if (o.chunk_tokens <= 0) return invalid_argument("--chunk must be a positive integer");
+  if (o.chunk_tokens < 0) return invalid_argument("--chunk must be a positive integer, or 0");
   b.device = static_cast<int>(device);
   b.program_device = static_cast<int>(program_device);
   const std::string gpus = opts.get("gpus");

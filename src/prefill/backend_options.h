@@ -18,7 +18,7 @@ std::vector<OptionSpec> prefill_backend_specs();
 
 struct PrefillBackendOptions {
   PrefillBackend backend;
-  int64_t chunk_tokens = 0;  // the prefill host's default chunk
+  int64_t chunk_tokens = 0;  // the prefill host's default chunk (0: PrefillStack::default_chunk)
 };
 
 // The parsed backend of a command whose table holds prefill_backend_specs().

@@ -80,6 +80,7 @@ Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& 
   s.chunk_plan = [](const PrefillRequest& req, int64_t chunk) {
     return dsv4_group_calls(req.decoder_calls, chunk);
   };
+  s.default_chunk = 2048;  // the decoder server's own call length
   s.owned = owned;
   return s;
 }

@@ -213,6 +213,7 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
   s.chunk_plan = [](const PrefillRequest& req, int64_t chunk) {
     return dsv4_group_calls(req.decoder_calls, chunk);
   };
+  s.default_chunk = 32768;
   s.owned = owned;
   return s;
 }

@@ -56,8 +56,7 @@ TEST(Dsv4Calls, AChunkRunsTheDecoderCallsInsideIt) {
 TEST(Dsv4Calls, GroupingKeepsCallEdges) {
   EXPECT_EQ(dsv4_group_calls({2048, 2048, 2048, 2048, 903, 1}, 8192),
             (std::vector<int64_t>{8192, 904}));
-  EXPECT_EQ(dsv4_group_calls({2048, 2048, 903, 1}, 2048),
-            (std::vector<int64_t>{2048, 2048, 904}));
+  EXPECT_EQ(dsv4_group_calls({2048, 2048, 903, 1}, 2048), (std::vector<int64_t>{2048, 2048, 904}));
   EXPECT_EQ(dsv4_group_calls({3000, 10, 10}, 2048), (std::vector<int64_t>{3000, 20}));
   EXPECT_EQ(dsv4_group_calls({5, 3, 120, 1}, 1), (std::vector<int64_t>{5, 3, 120, 1}));
   EXPECT_EQ(dsv4_group_calls({}, 512), (std::vector<int64_t>{}));
