@@ -33,6 +33,8 @@ def main() -> int:
     p.add_argument("--tag", default="", help="results file: verify-[<tag>-]<revision>.jsonl")
     p.add_argument("--quantize", default="", help="BITS[,GROUP]: verify mlx-lm's conversion")
     p.add_argument("--prompts", default="", help="only these, by name prefix: e.g. 01,02,03")
+    p.add_argument("--hetero", default=str(ROOT / "build" / "hetero"),
+                   help="the hetero binary (a copy keeps a long run apart from rebuilds)")
     a = p.parse_args()
     if a.quantize:
         bits, group = (int(v) for v in (a.quantize + ",64").split(",")[:2])
@@ -50,7 +52,7 @@ def main() -> int:
                          text=True).stdout.strip()
     rows = []
     for prompt, chunk in zip(prompts, chunks * len(prompts)):
-        argv = [str(ROOT / "build" / "hetero"), "verify", "--model", a.model,
+        argv = [a.hetero, "verify", "--model", a.model,
                 "--prompt-file", str(prompt), "--chunk", str(chunk),
                 "--max-tokens", str(a.max_tokens), "--python", sys.executable]
         if a.prefill_model:
