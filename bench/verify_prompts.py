@@ -34,7 +34,8 @@ def main() -> int:
     p.add_argument("--quantize", default="", help="BITS[,GROUP]: verify mlx-lm's conversion")
     p.add_argument("--prompts", default="", help="only these, by name prefix: e.g. 01,02,03")
     p.add_argument("--hetero", default=str(ROOT / "build" / "hetero"),
-                   help="the hetero binary (a copy keeps a long run apart from rebuilds)")
+                   help="the hetero binary (a copy in a sibling of build/, e.g. build-verify/, keeps a long "
+                        "run apart from rebuilds; it finds python/ beside its parent)")
     a = p.parse_args()
     if a.quantize:
         bits, group = (int(v) for v in (a.quantize + ",64").split(",")[:2])

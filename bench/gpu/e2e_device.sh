@@ -21,6 +21,8 @@
 #          [--rev REV (the carried build/hetero's revision; recorded with every result)]
 #          [--verify-args "extra verify flags, e.g. --arith fast --min-cosine 0.99 ..."]
 #          [--model-args "extra scripts/make_random_llama.py flags, e.g. a rope scaling"]
+#          [--quantize BITS (the checkpoint then converted by mlx-lm's own converter: affine,
+#           group 64; decoder and prefill host both run the quantized one)]
 # device tool: run(command="bench/gpu/e2e_device.sh --sizes 512,1024",
 #                   carry=[".devkit", "build/hetero"], kind="nvidia-h200")
 set -uo pipefail
@@ -42,6 +44,7 @@ OUT_DIR=${OUT:-$ROOT/out/e2e}
 RUN_BENCH=1
 VERIFY_EXTRA=()
 MODEL_EXTRA=()
+QUANTIZE=""
 PROMPTS=(prompts/capital.txt prompts/chat/02-code.json prompts/chat/03-system-multiturn.json
          prompts/chat/01-capital.json prompts/chat/04-notes.json)
 
@@ -61,6 +64,7 @@ while (($#)); do
     --no-bench) RUN_BENCH=0 ;;
     --verify-args) read -r -a VERIFY_EXTRA <<<"$2"; shift ;;
     --model-args) eval "MODEL_EXTRA=($2)"; shift ;;
+    --quantize) QUANTIZE=$2; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e: unknown option $1 (--help)" >&2; exit 2 ;;
   esac
@@ -161,6 +165,14 @@ export PYTHONUNBUFFERED=1
 echo "== random checkpoint ($SCALE) -> $MODEL"
 step 1200 python3 scripts/make_random_llama.py --tokenizer .devkit/model --out "$MODEL" \
   --scale "$SCALE" "${MODEL_EXTRA[@]}" || die "checkpoint"
+if [[ -n $QUANTIZE ]]; then
+  echo "== mlx-lm's converter: affine, $QUANTIZE bits, group 64 -> $MODEL-q$QUANTIZE"
+  rm -rf "$MODEL-q$QUANTIZE"
+  step 600 "$PY" -m mlx_lm convert --hf-path "$MODEL" --mlx-path "$MODEL-q$QUANTIZE" -q \
+    --q-bits "$QUANTIZE" --q-group-size 64 || die "quantize"
+  MODEL=$MODEL-q$QUANTIZE
+  MODEL_EXTRA+=(--quantize "$QUANTIZE")  # recorded with every result
+fi
 
 # --- 3. verify ---------------------------------------------------------------------------------
 fails=0

@@ -76,10 +76,7 @@ void DecoderLinear::apply(const uint16_t* x, int64_t m, uint16_t* out, const uin
       linear_quantized_affine(x, m, k, q.data(), scales.data(), biases.data(), n, group, out);
       break;
   }
-  if (bias)
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j)
-        out[i * n + j] = f32_to_bf16(bf16_to_f32(out[i * n + j]) + bf16_to_f32(bias[j]));
+  if (bias) add_bias_bf16(out, m, n, bias);
 }
 
 std::string DecoderLinear::describe() const {

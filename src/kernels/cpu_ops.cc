@@ -164,6 +164,12 @@ void linear_quantized_mx(const uint16_t* x, int64_t m, int64_t k, const float* q
   }
 }
 
+void add_bias_bf16(uint16_t* out, int64_t m, int64_t n, const uint16_t* bias) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      out[i * n + j] = f32_to_bf16(bf16_to_f32(out[i * n + j]) + bf16_to_f32(bias[j]));
+}
+
 void linear_quantized_affine(const uint16_t* x, int64_t m, int64_t k, const float* q,
                              const float* scales, const float* biases, int64_t n, int64_t group,
                              uint16_t* out) {

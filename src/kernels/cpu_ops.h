@@ -41,6 +41,9 @@ void linear_quantized_affine(const uint16_t* x, int64_t m, int64_t k, const floa
 
 void round_linear_output(const std::vector<float>& acc, int64_t m, int64_t n, const uint16_t* bias,
                          uint16_t* out);
+// out[i, j] = bf16(out[i, j] + bias[j]) for out [m, n]: a QuantizedLinear's bias, added to its
+// quantized matmul's bf16 output as a separate bf16 add.
+void add_bias_bf16(uint16_t* out, int64_t m, int64_t n, const uint16_t* bias);
 
 // RMSNorm over the last dim d of x [m, d], weight bf16 [d]. In place is allowed.
 void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps, uint16_t* out);

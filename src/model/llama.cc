@@ -155,8 +155,7 @@ Status take_table(TensorMap& all, const std::string& name, std::vector<int64_t> 
   AffineWeight q;
   HETERO_RETURN_IF_ERROR(take_linear(all, name, shape, out, &q, quantization));
   if (q.empty()) return Status::ok();
-  *out = Tensor(DType::kBF16, shape);
-  for (int64_t r = 0; r < q.n; ++r) dequantize_row(q, r, out->data<uint16_t>() + r * q.k);
+  *out = dequantize_affine(q);
   return Status::ok();
 }
 

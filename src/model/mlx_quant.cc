@@ -53,14 +53,17 @@ void dequantize_row(const AffineWeight& w, int64_t r, uint16_t* out) {
   }
 }
 
+Tensor dequantize_affine(const AffineWeight& w) {
+  Tensor t(DType::kBF16, {w.n, w.k});
+  for (int64_t r = 0; r < w.n; ++r) dequantize_row(w, r, t.data<uint16_t>() + r * w.k);
+  return t;
+}
+
 void affine_linear(const uint16_t* x, int64_t m, const AffineWeight& w, const uint16_t* bias,
                    uint16_t* out) {
   linear_quantized_affine(x, m, w.k, w.q.data(), w.scales.data(), w.biases.data(), w.n, w.group,
                           out);
-  if (bias)
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < w.n; ++j)
-        out[i * w.n + j] = f32_to_bf16(bf16_to_f32(out[i * w.n + j]) + bf16_to_f32(bias[j]));
+  if (bias) add_bias_bf16(out, m, w.n, bias);
 }
 
 }  // namespace hetero

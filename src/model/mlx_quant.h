@@ -31,6 +31,8 @@ Result<AffineWeight> unpack_affine(const std::string& name, const Tensor& packed
 
 // Row r as mx.dequantize gives it (bf16).
 void dequantize_row(const AffineWeight& w, int64_t r, uint16_t* out);
+// The whole weight so (bf16 [n, k]): the values the decoder's quantized matmul multiplies by.
+Tensor dequantize_affine(const AffineWeight& w);
 
 // out[m, n] = x @ w^T as the decoder's quantized matmul computes it, then + bias (bf16 [n], or
 // null) as its QuantizedLinear adds one: a separate bf16 add.

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <map>
+#include <tuple>
 
 #include "bridge/llama_program.h"
 #include "bridge/producer.h"
@@ -24,30 +25,43 @@ LlamaDecoderWeights export_of(const LlamaWeights& w) { return llama_decoder_weig
 
 class GpuProgramsTest : public CudaDeviceTest {};
 
+// Every layer's K/V rows from the GPU program equal the CPU program's, byte for byte.
+void expect_program_matches_cpu(const LlamaWeights& w, const std::string& label) {
+  const LlamaDecoderWeights d = export_of(w);
+  auto gw = cuda::upload_llama_weights(d);
+  ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();
+  auto stream = cuda::Stream::create();
+  ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
+  cuda::LlamaGpuCacheProgram gpu(gw->get(), stream->get());
+  LlamaCacheProgram cpu(&d);
+  const int64_t n = 77, pos0 = 1000, H = w.config.hidden;
+  const std::vector<uint16_t> x = random_bf16(static_cast<size_t>(n * H), 1.f, 5);
+  cuda::DeviceBuffer xd;
+  ASSERT_TRUE(xd.allocate(x.size() * 2, "a test input").is_ok());
+  cudaMemcpy(xd.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice);
+  for (int64_t l = 0; l < w.config.layers; ++l) {
+    auto got = gpu.run_device(l, pos0, n, xd.get<uint16_t>());
+    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+    const KvRows want = cpu.run(l, pos0, n, x.data());
+    ASSERT_EQ(got->keys.shape, want.keys.shape);
+    EXPECT_EQ(got->keys.bytes, want.keys.bytes) << label << " layer " << l << " keys";
+    EXPECT_EQ(got->values.bytes, want.values.bytes) << label << " layer " << l << " values";
+  }
+}
+
 TEST_F(GpuProgramsTest, LlamaProgramBitIdenticalToCpu) {
-  for (const VariantCase& v : variant_cases()) {
-    const std::string& type = v.type;
-    const LlamaWeights w = tiny_llama(type, 64, 21, v.scaling, v.traditional);
-    const LlamaDecoderWeights d = export_of(w);
-    auto gw = cuda::upload_llama_weights(d);
-    ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();
-    auto stream = cuda::Stream::create();
-    ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
-    cuda::LlamaGpuCacheProgram gpu(gw->get(), stream->get());
-    LlamaCacheProgram cpu(&d);
-    const int64_t n = 77, pos0 = 1000, H = w.config.hidden;
-    const std::vector<uint16_t> x = random_bf16(static_cast<size_t>(n * H), 1.f, 5);
-    cuda::DeviceBuffer xd;
-    ASSERT_TRUE(xd.allocate(x.size() * 2, "a test input").is_ok());
-    cudaMemcpy(xd.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice);
-    for (int64_t l = 0; l < w.config.layers; ++l) {
-      auto got = gpu.run_device(l, pos0, n, xd.get<uint16_t>());
-      ASSERT_TRUE(got.is_ok()) << got.status().to_string();
-      const KvRows want = cpu.run(l, pos0, n, x.data());
-      ASSERT_EQ(got->keys.shape, want.keys.shape);
-      EXPECT_EQ(got->keys.bytes, want.keys.bytes) << type << " layer " << l << " keys";
-      EXPECT_EQ(got->values.bytes, want.values.bytes) << type << " layer " << l << " values";
-    }
+  for (const VariantCase& v : variant_cases())
+    expect_program_matches_cpu(tiny_llama(v.type, 64, 21, v.scaling, v.traditional), v.type);
+}
+
+// An mlx-lm-quantized decoder's k/v (affine, 4 and 8 bits; qwen2's biases added after the
+// quantized matmul) through MLX's quantized-matmul recipe on the device.
+TEST_F(GpuProgramsTest, QuantizedLlamaProgramBitIdenticalToCpu) {
+  for (const auto& [type, bits, group] :
+       {std::tuple{"llama", 4, 32}, {"qwen2", 8, 64}, {"qwen3", 4, 64}}) {
+    LlamaWeights w = tiny_llama(type, 64, 21);
+    quantize_projections(w, bits, group);
+    expect_program_matches_cpu(w, std::string(type) + " " + w.quantization);
   }
 }
 
@@ -107,7 +121,7 @@ void expect_cpu_programs_segments(int program_device) {
   cuda::LlamaGpuSegmentProgram& gpu_program = **on_program;
   // The program's rows and stream are on its GPU.
   cudaPointerAttributes where{};
-  ASSERT_EQ(cudaPointerGetAttributes(&where, (*gw)->layers[0].wk_t.get<float>()), cudaSuccess);
+  ASSERT_EQ(cudaPointerGetAttributes(&where, (*gw)->layers[0].wk.wt.get<float>()), cudaSuccess);
   EXPECT_EQ(where.device, program_device < 0 ? 0 : program_device);
   LlamaCacheProgram cpu_cache(&d);
   LlamaSegmentProgram cpu_program(&cpu_cache);

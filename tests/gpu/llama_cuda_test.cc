@@ -63,16 +63,19 @@ struct Case {
   int64_t head_dim;
   cuda::KvDtype kv;
   bool scaled = false;  // llama: llama3 rope on traditional pairs; qwen2: YaRN
+  int quant_bits = 0;   // > 0: an mlx-lm-quantized checkpoint (affine, group 64)
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.type << " head_dim " << c.head_dim << " " << cuda::kv_dtype_name(c.kv)
-      << (c.scaled ? " scaled rope" : "");
+      << (c.scaled ? " scaled rope" : "")
+      << (c.quant_bits ? " q" + std::to_string(c.quant_bits) : "");
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
   return i.param.type + "_d" + std::to_string(i.param.head_dim) + "_" +
-         cuda::kv_dtype_name(i.param.kv) + (i.param.scaled ? "_scaled" : "");
+         cuda::kv_dtype_name(i.param.kv) + (i.param.scaled ? "_scaled" : "") +
+         (i.param.quant_bits ? "_q" + std::to_string(i.param.quant_bits) : "");
 }
 
 nlohmann::json scaling_of(const Case& k) {
@@ -88,8 +91,8 @@ class LlamaCudaVsCpu : public CudaDeviceTest, public ::testing::WithParamInterfa
 // attention input and the last token's logits within tol (2 tol for the logits) in relative RMS.
 void expect_close_to_cpu(const Case& k, const cuda::LlamaCudaOptions& o, double tol,
                          const std::vector<std::vector<int64_t>>& schedules, const char* label) {
-  const LlamaWeights w =
-      tiny_llama(k.type, k.head_dim, 7, scaling_of(k), k.scaled && k.type == "llama");
+  LlamaWeights w = tiny_llama(k.type, k.head_dim, 7, scaling_of(k), k.scaled && k.type == "llama");
+  if (k.quant_bits) quantize_projections(w, k.quant_bits, 64);
   const LlamaConfig& c = w.config;
   const std::vector<int32_t> ids = random_ids(300, c.vocab, 11);
   LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
@@ -160,7 +163,42 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaFp8Weights,
                                            Case{"qwen3", 128, cuda::KvDtype::kBf16}),
                          case_name);
 
+// An mlx-lm-quantized checkpoint in fast arithmetic: the engine runs the projections' dequantized
+// values (exactly the decoder's) through bf16 GEMMs with f32 sums, while the decoder's (and the
+// CPU engine's) quantized matmul rounds every running sum to bf16. That difference is the tap's
+// gap against the quantized decoder's attention inputs, printed per layer; the bound is the bf16
+// cache's doubled, and a wrong dequantization (a scale or bias misplaced) is off by O(1).
+constexpr double kTolQuantized = 3e-2;
+
+class LlamaCudaQuantized : public CudaDeviceTest, public ::testing::WithParamInterface<Case> {};
+
+TEST_P(LlamaCudaQuantized, AttentionInputsWithinTolerance) {
+  const Case& k = GetParam();
+  cuda::LlamaCudaOptions o;
+  o.kv_dtype = k.kv;
+  o.host_tap = true;
+  o.arith = cuda::LlamaCudaArith::kFast;
+  expect_close_to_cpu(k, o, kTolQuantized, {{300}, {37, 200, 5, 1, 57}}, "quantized ");
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaQuantized,
+                         ::testing::Values(Case{"llama", 64, cuda::KvDtype::kBf16, false, 4},
+                                           Case{"qwen2", 64, cuda::KvDtype::kBf16, false, 8},
+                                           Case{"qwen3", 128, cuda::KvDtype::kFp8, false, 4}),
+                         case_name);
+
 class LlamaCudaEngineTest : public CudaDeviceTest {};
+
+TEST_F(LlamaCudaEngineTest, ExactArithmeticRefusesAQuantizedCheckpoint) {
+  LlamaWeights w = tiny_llama("llama", 64, 7);
+  quantize_projections(w, 4, 64);
+  cuda::LlamaCudaOptions o;
+  o.arith = cuda::LlamaCudaArith::kExact;
+  auto e = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_FALSE(e.is_ok());
+  EXPECT_NE(e.status().message().find("4-bit affine, group 64"), std::string::npos)
+      << e.status().message();
+}
 
 // FP8 weights replace the bf16 projections on the device (e4m3 bytes plus one float32 scale per
 // 128x128 block, rows padded to 4 scales); everything else is unchanged.

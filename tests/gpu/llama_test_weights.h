@@ -1,15 +1,18 @@
 // Small llama-family models with random weights, built in memory, for the GPU tests.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/bf16.h"
 #include "model/llama.h"
 #include "model/llama_rope.h"
+#include "model/mlx_quant.h"
 
 namespace hetero {
 
@@ -86,6 +89,52 @@ inline std::vector<VariantCase> variant_cases() {
            true},
           {"qwen2", {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 128}}},
           {"qwen3", {{"type", "linear"}, {"factor", 2.0}}}};
+}
+
+// mlx-lm's affine quantization of one dense bf16 [n, k] weight (per group of `group` columns:
+// scale = (max - min) / (2^bits - 1), bias = min, both bf16; q = round((w - bias) / scale)),
+// as `mlx_lm.convert -q` stores it.
+inline AffineWeight quantize_affine(const Tensor& w, int64_t bits, int64_t group) {
+  AffineWeight a;
+  a.n = w.shape[0], a.k = w.shape[1], a.group = group, a.bits = bits;
+  a.q.resize(static_cast<size_t>(a.n * a.k));
+  a.scales.resize(static_cast<size_t>(a.n * a.k / group));
+  a.biases.resize(a.scales.size());
+  const float top = static_cast<float>((1 << bits) - 1);
+  const uint16_t* p = w.data<uint16_t>();
+  for (int64_t r = 0; r < a.n; ++r)
+    for (int64_t g = 0; g < a.k / group; ++g) {
+      float lo = INFINITY, hi = -INFINITY;
+      for (int64_t c = g * group; c < (g + 1) * group; ++c)
+        lo = std::min(lo, bf16_to_f32(p[r * a.k + c])),
+        hi = std::max(hi, bf16_to_f32(p[r * a.k + c]));
+      const float s = bf16_to_f32(f32_to_bf16(std::max((hi - lo) / top, 1e-6f)));
+      const float b = bf16_to_f32(f32_to_bf16(lo));
+      a.scales[static_cast<size_t>(r * (a.k / group) + g)] = s;
+      a.biases[static_cast<size_t>(r * (a.k / group) + g)] = b;
+      for (int64_t c = g * group; c < (g + 1) * group; ++c)
+        a.q[static_cast<size_t>(r * a.k + c)] =
+            std::clamp(std::nearbyint((bf16_to_f32(p[r * a.k + c]) - b) / s), 0.0f, top);
+    }
+  return a;
+}
+
+// Every projection of w quantized so, in place of its dense tensor, as a converted checkpoint
+// loads (model/llama.h).
+inline void quantize_projections(LlamaWeights& w, int64_t bits, int64_t group) {
+  for (LlamaLayerWeights& L : w.layers) {
+    for (auto [t, q] : {std::pair{&L.wq, &L.qwq},
+                        {&L.wk, &L.qwk},
+                        {&L.wv, &L.qwv},
+                        {&L.wo, &L.qwo},
+                        {&L.w_gate, &L.qw_gate},
+                        {&L.w_up, &L.qw_up},
+                        {&L.w_down, &L.qw_down}}) {
+      *q = quantize_affine(*t, bits, group);
+      *t = Tensor();
+    }
+  }
+  w.quantization = w.layers.front().qwq.describe();
 }
 
 inline std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint32_t seed) {

@@ -21,12 +21,7 @@ namespace {
 
 template <typename T>
 Status upload(const T* host, size_t count, DeviceBuffer* out, size_t* total) {
-  HETERO_RETURN_IF_ERROR(out->allocate(count * sizeof(T), "the decoder's weights"));
-  if (count == 0) return Status::ok();
-  HETERO_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(out->get(), host, count * sizeof(T), cudaMemcpyHostToDevice));
-  *total += count * sizeof(T);
-  return Status::ok();
+  return upload_weights(host, count * sizeof(T), out, total);
 }
 
 template <typename T>
@@ -39,40 +34,18 @@ Status upload_bf16(const Tensor& t, DeviceBuffer* out, size_t* total) {
   return upload(t.data<uint16_t>(), static_cast<size_t>(t.numel()), out, total);
 }
 
-Status upload_linear(const DecoderLinear& l, Dsv4GpuLinear* g, size_t* total) {
-  g->mode = l.mode;
-  g->n = l.n;
-  g->k = l.k;
-  g->group = l.group;
-  const auto nk = static_cast<size_t>(l.n * l.k);
-  if (l.mode == DecoderLinear::Mode::kDense) {
-    HETERO_CHECK(l.wt.size() == nk);
-    g->range = weight_range(l.wt.data(), static_cast<int64_t>(nk));
-    return upload(l.wt, &g->wt, total);
-  }
-  HETERO_CHECK(l.group > 0 && l.q.size() == nk &&
-               l.scales.size() == static_cast<size_t>(l.n * (l.k / l.group)));
-  HETERO_RETURN_IF_ERROR(upload(l.q, &g->q, total));
-  HETERO_RETURN_IF_ERROR(upload(l.scales, &g->scales, total));
-  if (l.mode == DecoderLinear::Mode::kAffine) {
-    HETERO_CHECK(l.biases.size() == l.scales.size());
-    HETERO_RETURN_IF_ERROR(upload(l.biases, &g->biases, total));
-  }
-  return Status::ok();
-}
-
 Status upload_compressor(const Dsv4ProgramCompressor& c, Dsv4GpuCompressor* g, size_t* total) {
   g->ratio = c.ratio;
   g->head_dim = c.head_dim;
   g->out_dim = c.out_dim;
-  HETERO_RETURN_IF_ERROR(upload_linear(c.wkv, &g->wkv, total));
-  HETERO_RETURN_IF_ERROR(upload_linear(c.wgate, &g->wgate, total));
+  HETERO_RETURN_IF_ERROR(upload_decoder_linear(c.wkv, &g->wkv, total));
+  HETERO_RETURN_IF_ERROR(upload_decoder_linear(c.wgate, &g->wgate, total));
   HETERO_CHECK(c.ape.size() == static_cast<size_t>(c.ratio * c.out_dim));
   HETERO_RETURN_IF_ERROR(upload(c.ape, &g->ape, total));
   return upload_bf16(c.norm, &g->norm, total);
 }
 
-bool is_dense(const Dsv4GpuLinear& l) { return l.mode == DecoderLinear::Mode::kDense; }
+bool is_dense(const GpuDecoderLinear& l) { return l.dense(); }
 
 bool layer_has_dense(const Dsv4GpuLayer& L) {
   bool any = is_dense(L.wkv);
@@ -107,7 +80,7 @@ Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWei
     Dsv4GpuLayer& G = g->layers[i];
     G.ratio = L.ratio;
     G.has_index = L.has_index;
-    HETERO_RETURN_IF_ERROR(upload_linear(L.wkv, &G.wkv, &total));
+    HETERO_RETURN_IF_ERROR(upload_decoder_linear(L.wkv, &G.wkv, &total));
     HETERO_RETURN_IF_ERROR(upload_bf16(L.kv_norm, &G.kv_norm, &total));
     if (L.ratio > 0) HETERO_RETURN_IF_ERROR(upload_compressor(L.pool, &G.pool, &total));
     if (L.has_index) HETERO_RETURN_IF_ERROR(upload_compressor(L.index, &G.index, &total));
@@ -208,29 +181,10 @@ Status Dsv4GpuCacheProgram::prepare(const Dsv4GpuLayer& L, LayerState& s) {
   return Status::ok();
 }
 
-Status Dsv4GpuCacheProgram::apply(const Dsv4GpuLinear& l, const uint16_t* x, const float* xf,
+Status Dsv4GpuCacheProgram::apply(const GpuDecoderLinear& l, const uint16_t* x, const float* xf,
                                   int64_t m, uint16_t* out) {
-  switch (l.mode) {
-    case DecoderLinear::Mode::kDense:
-      // The CPU's linear_decoder_order: a zeroed f32 accumulator, ascending-k sums, one rounding
-      // (as FMAs where every product is exact: the same bits).
-      exact_products_flag(x, m * l.k, l.range, fma_.get<int>(), fma_.get<int>() + 3, stream_);
-      HETERO_CUDA_RETURN_IF_ERROR(
-          cudaMemsetAsync(acc_.get(), 0, static_cast<size_t>(m * l.n) * 4, stream_));
-      gemm_ordered(xf, m, l.k, l.wt.get<float>(), l.n, acc_.get<float>(), stream_,
-                   fma_.get<int>() + 3);
-      round_linear_output(acc_.get<float>(), m, l.n, nullptr, out, stream_);
-      break;
-    case DecoderLinear::Mode::kMx:
-      linear_quantized_mx(x, m, l.k, l.q.get<float>(), l.scales.get<float>(), l.n, l.group, out,
-                          stream_);
-      break;
-    case DecoderLinear::Mode::kAffine:
-      linear_quantized_affine(x, m, l.k, l.q.get<float>(), l.scales.get<float>(),
-                              l.biases.get<float>(), l.n, l.group, out, stream_);
-      break;
-  }
-  return Status::ok();
+  return apply_decoder_linear(l, x, xf, m, acc_.get<float>(), fma_.get<int>(), nullptr, out,
+                              stream_);
 }
 
 Status Dsv4GpuCacheProgram::feed_pool(const Dsv4GpuCompressor& c, PoolState& s, int64_t pos0,

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <vector>
 
+#include "bridge/cuda/decoder_linear_gpu.h"
 #include "bridge/dsv4_program.h"
 #include "common/status.h"
 #include "kernels/cuda/ops.h"
@@ -29,25 +30,16 @@
 
 namespace hetero::cuda {
 
-// A DecoderLinear on the device: dense wt f32 [k, n], or q f32 [n, k] with scales (and biases)
-// f32 [n, k/group] — the same arrays as the host's.
-struct Dsv4GpuLinear {
-  DecoderLinear::Mode mode = DecoderLinear::Mode::kDense;
-  int64_t n = 0, k = 0, group = 0;
-  DeviceBuffer wt, q, scales, biases;
-  BF16Range range;  // dense: for the exact-products check (FMA in the ordered GEMM)
-};
-
 struct Dsv4GpuCompressor {
   int64_t ratio = 0, head_dim = 0, out_dim = 0;
-  Dsv4GpuLinear wkv, wgate;
+  GpuDecoderLinear wkv, wgate;
   DeviceBuffer ape;   // f32 [ratio, out_dim]
   DeviceBuffer norm;  // bf16 [head_dim]
 };
 
 struct Dsv4GpuLayer {
   int64_t ratio = 0;
-  Dsv4GpuLinear wkv;
+  GpuDecoderLinear wkv;
   DeviceBuffer kv_norm;  // bf16 [head_dim]
   Dsv4GpuCompressor pool, index;
   bool has_index = false;
@@ -127,7 +119,7 @@ class Dsv4GpuCacheProgram {
   Status prepare(const Dsv4GpuLayer& L, LayerState& s);
   Status feed_block(const Dsv4GpuLayer& L, LayerState& s, int64_t pos0, int64_t m,
                     const uint16_t* x);
-  Status apply(const Dsv4GpuLinear& l, const uint16_t* x, const float* xf, int64_t m,
+  Status apply(const GpuDecoderLinear& l, const uint16_t* x, const float* xf, int64_t m,
                uint16_t* out);
   Status feed_pool(const Dsv4GpuCompressor& c, PoolState& s, int64_t pos0, int64_t m,
                    const uint16_t* x, const float* xf);

@@ -9,17 +9,9 @@
 namespace hetero::cuda {
 namespace {
 
-Status upload(const void* src, size_t bytes, DeviceBuffer* dst, size_t* total) {
-  if (bytes == 0) return Status::ok();
-  HETERO_RETURN_IF_ERROR(dst->allocate(bytes, "the decoder's weights"));
-  *total += bytes;
-  HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst->get(), src, bytes, cudaMemcpyHostToDevice));
-  return Status::ok();
-}
-
 Status upload_tensor(const Tensor& t, DeviceBuffer* dst, size_t* total) {
   if (t.numel() == 0 || t.shape.empty()) return Status::ok();
-  return upload(t.bytes.data(), static_cast<size_t>(t.nbytes()), dst, total);
+  return upload_weights(t.bytes.data(), static_cast<size_t>(t.nbytes()), dst, total);
 }
 
 const uint16_t* or_null(const DeviceBuffer& b) { return b.bytes() ? b.get<uint16_t>() : nullptr; }
@@ -148,17 +140,11 @@ Result<std::unique_ptr<LlamaGpuWeights>> upload_llama_weights(const LlamaDecoder
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LlamaProgramLayer& L = w.layers[l];
     LlamaGpuWeights::Layer& D = g->layers[l];
-    for (const DecoderLinear* p : {&L.wk, &L.wv})
-      if (p->mode != DecoderLinear::Mode::kDense)
-        return invalid_argument("the decoder's k/v projections are quantized (" + p->describe() +
-                                "); the llama cache program runs them on the cpu backend only");
-    HETERO_RETURN_IF_ERROR(upload(L.wk.wt.data(), L.wk.wt.size() * 4, &D.wk_t, &g->device_bytes));
-    HETERO_RETURN_IF_ERROR(upload(L.wv.wt.data(), L.wv.wt.size() * 4, &D.wv_t, &g->device_bytes));
+    HETERO_RETURN_IF_ERROR(upload_decoder_linear(L.wk, &D.wk, &g->device_bytes));
+    HETERO_RETURN_IF_ERROR(upload_decoder_linear(L.wv, &D.wv, &g->device_bytes));
     HETERO_RETURN_IF_ERROR(upload_tensor(L.bk, &D.bk, &g->device_bytes));
     HETERO_RETURN_IF_ERROR(upload_tensor(L.bv, &D.bv, &g->device_bytes));
     HETERO_RETURN_IF_ERROR(upload_tensor(L.k_norm, &D.k_norm, &g->device_bytes));
-    D.wk_range = weight_range(L.wk.wt.data(), static_cast<int64_t>(L.wk.wt.size()));
-    D.wv_range = weight_range(L.wv.wt.data(), static_cast<int64_t>(L.wv.wt.size()));
   }
   return g;
 }
@@ -189,27 +175,18 @@ Status LlamaGpuCacheProgram::enqueue(int64_t layer, int64_t pos0, int64_t n, con
     HETERO_RETURN_IF_ERROR(acc_.allocate(static_cast<size_t>(n * kvd) * 4, scratch));
     for (DeviceBuffer* b : {&k_, &v_, &kt_, &vt_})
       HETERO_RETURN_IF_ERROR(b->allocate(rows_bytes, scratch));
-    if (!flags_.bytes()) HETERO_RETURN_IF_ERROR(flags_.allocate(5 * sizeof(int), scratch));
+    if (!flags_.bytes()) HETERO_RETURN_IF_ERROR(flags_.allocate(4 * sizeof(int), scratch));
     rows_ = n;
   }
-  int* stats = flags_.get<int>();
-  int* fma_k = stats + 3;
-  int* fma_v = stats + 4;
-  // Whether the products are exact (then the ordered sums may use FMA: same bits), from x as
-  // bf16; then x is not read again.
-  exact_products_flag(x, n * H, L.wk_range, stats, fma_k, stream_);
-  exact_products_flag(x, n * H, L.wv_range, stats, fma_v, stream_);
-  bf16_to_f32(x, n * H, xf_.get<float>(), stream_);
-  auto project = [&](const DeviceBuffer& wt, const DeviceBuffer& bias, const int* fma,
-                     DeviceBuffer& out) -> Status {
-    HETERO_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(acc_.get(), 0, static_cast<size_t>(n * kvd) * 4, stream_));
-    gemm_ordered(xf_.get<float>(), n, H, wt.get<float>(), kvd, acc_.get<float>(), stream_, fma);
-    round_linear_output(acc_.get<float>(), n, kvd, or_null(bias), out.get<uint16_t>(), stream_);
-    return Status::ok();
-  };
-  HETERO_RETURN_IF_ERROR(project(L.wk_t, L.bk, fma_k, k_));
-  HETERO_RETURN_IF_ERROR(project(L.wv_t, L.bv, fma_v, v_));
+  // The decoder's k/v projections, dense or quantized, in its arithmetic (x is read as f32 by
+  // dense weights only).
+  if (L.wk.dense() || L.wv.dense()) bf16_to_f32(x, n * H, xf_.get<float>(), stream_);
+  HETERO_RETURN_IF_ERROR(apply_decoder_linear(L.wk, x, xf_.get<float>(), n, acc_.get<float>(),
+                                              flags_.get<int>(), or_null(L.bk), k_.get<uint16_t>(),
+                                              stream_));
+  HETERO_RETURN_IF_ERROR(apply_decoder_linear(L.wv, x, xf_.get<float>(), n, acc_.get<float>(),
+                                              flags_.get<int>(), or_null(L.bv), v_.get<uint16_t>(),
+                                              stream_));
   if (L.k_norm.bytes())
     rms_norm(k_.get<uint16_t>(), n * kvh, hd, L.k_norm.get<uint16_t>(), w_->eps, k_.get<uint16_t>(),
              stream_);

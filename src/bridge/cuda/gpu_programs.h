@@ -66,15 +66,15 @@ class GpuCaptureStore : public CaptureStore {
 };
 
 // The llama decoder's K/V rows on the GPU, in the decoder's arithmetic (the exact ops of
-// kernels/cuda/ops.h): bit-identical to LlamaCacheProgram given the same x.
+// kernels/cuda/ops.h; an mlx-lm-quantized decoder's k/v through MLX's quantized-matmul recipe,
+// bridge/cuda/decoder_linear_gpu.h): bit-identical to LlamaCacheProgram given the same x.
 struct LlamaGpuWeights {
   DecoderCacheLayout layout;
   float eps = 1e-5f;
   DeviceRope rope;
   struct Layer {
-    DeviceBuffer wk_t, wv_t;       // f32 [hidden, kv_heads*head_dim]
-    DeviceBuffer bk, bv, k_norm;   // bf16, empty when absent
-    BF16Range wk_range, wv_range;  // for the exact-products check (FMA)
+    GpuDecoderLinear wk, wv;      // dense or quantized, as the decoder holds them
+    DeviceBuffer bk, bv, k_norm;  // bf16, empty when absent
   };
   std::vector<Layer> layers;
   size_t device_bytes = 0;

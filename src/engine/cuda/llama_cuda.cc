@@ -11,6 +11,7 @@
 #include "kernels/cpu_ops.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/ops.h"
+#include "model/mlx_quant.h"
 
 namespace hetero::cuda {
 
@@ -150,9 +151,13 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
 
 Status LlamaCudaEngine::upload(const LlamaWeights& w) {
   const LlamaConfig& c = config_;
-  if (!w.quantization.empty())
+  // A quantized checkpoint runs in fast arithmetic on its own values, dequantized here as the
+  // decoder dequantizes them (model/mlx_quant.h); the exact engine reproduces MLX's dense matmul,
+  // not its quantized one, so it refuses.
+  if (!w.quantization.empty() && options_.arith == LlamaCudaArith::kExact)
     return invalid_argument("the checkpoint is quantized (" + w.quantization +
-                            "); the CUDA engine reads dense checkpoints only (use --backend cpu)");
+                            "); the exact CUDA engine reproduces dense matmuls only (use --arith "
+                            "fast, or --backend cpu for the decoder's bits)");
   if (c.rope.dims != c.head_dim)
     return failed_precondition("the config's rope was not built (llama_rope) for head_dim " +
                                std::to_string(c.head_dim));
@@ -184,10 +189,18 @@ Status LlamaCudaEngine::upload(const LlamaWeights& w) {
     HETERO_RETURN_IF_ERROR(put({&L.input_norm}, &D.in_norm));
     HETERO_RETURN_IF_ERROR(put({&L.post_norm}, &D.post_norm));
     if (options_.arith == LlamaCudaArith::kFast) {  // the exact path has its own (below)
-      HETERO_RETURN_IF_ERROR(upload_projection({&L.wq, &L.wk, &L.wv}, &D.wqkv));
-      HETERO_RETURN_IF_ERROR(upload_projection({&L.wo}, &D.wo));
-      HETERO_RETURN_IF_ERROR(upload_projection({&L.w_gate, &L.w_up}, &D.gate_up));
-      HETERO_RETURN_IF_ERROR(upload_projection({&L.w_down}, &D.down));
+      // Dense, or the quantized projection's dequantized values (bf16, as the decoder's).
+      auto d = [](const Tensor& t, const AffineWeight& q) {
+        return q.empty() ? t : dequantize_affine(q);
+      };
+      const Tensor wq = d(L.wq, L.qwq), wk = d(L.wk, L.qwk), wv = d(L.wv, L.qwv),
+                   wo = d(L.wo, L.qwo);
+      const Tensor gate = d(L.w_gate, L.qw_gate), up = d(L.w_up, L.qw_up);
+      const Tensor down = d(L.w_down, L.qw_down);
+      HETERO_RETURN_IF_ERROR(upload_projection({&wq, &wk, &wv}, &D.wqkv));
+      HETERO_RETURN_IF_ERROR(upload_projection({&wo}, &D.wo));
+      HETERO_RETURN_IF_ERROR(upload_projection({&gate, &up}, &D.gate_up));
+      HETERO_RETURN_IF_ERROR(upload_projection({&down}, &D.down));
     }
     if (c.qkv_bias && opt(L.bq)) {
       HETERO_RETURN_IF_ERROR(put({&L.bq}, &D.extra.bq));

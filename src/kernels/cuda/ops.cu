@@ -232,6 +232,12 @@ __global__ void round_linear_kernel(const float* acc, int64_t m, int64_t n, cons
   out[i] = f2b(v);
 }
 
+__global__ void add_bias_kernel(uint16_t* out, int64_t m, int64_t n, const uint16_t* bias) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= m * n) return;
+  out[i] = f2b(__fadd_rn(b2f(out[i]), b2f(bias[i % n])));
+}
+
 // One block per row: the sum of squares is sequential (thread 0), the outputs parallel.
 __global__ void rms_norm_kernel(const uint16_t* x, int64_t d, const uint16_t* w, float eps,
                                 uint16_t* out) {
@@ -394,6 +400,10 @@ void bf16_to_f32(const uint16_t* x, int64_t n, float* out, cudaStream_t stream) 
 void round_linear_output(const float* acc, int64_t m, int64_t n, const uint16_t* bias,
                          uint16_t* out, cudaStream_t stream) {
   round_linear_kernel<<<blocks(m * n, 256), 256, 0, stream>>>(acc, m, n, bias, out);
+}
+
+void add_bias_bf16(uint16_t* out, int64_t m, int64_t n, const uint16_t* bias, cudaStream_t stream) {
+  if (m * n > 0) add_bias_kernel<<<blocks(m * n, 256), 256, 0, stream>>>(out, m, n, bias);
 }
 
 void rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps, uint16_t* out,

@@ -32,6 +32,9 @@ void exact_products_flag(const uint16_t* x, int64_t count, const BF16Range& w, i
                          int* flag, cudaStream_t stream);
 // bf16 <-> f32 conversions (round to nearest even).
 void bf16_to_f32(const uint16_t* x, int64_t n, float* out, cudaStream_t stream);
+// out[i, j] = bf16(out[i, j] + bias[j]) for out [m, n]: a separate bf16 add (a QuantizedLinear's
+// bias after its quantized matmul).
+void add_bias_bf16(uint16_t* out, int64_t m, int64_t n, const uint16_t* bias, cudaStream_t stream);
 // out = bf16(acc (+ bias[j])) for acc [m, n].
 void round_linear_output(const float* acc, int64_t m, int64_t n, const uint16_t* bias,
                          uint16_t* out, cudaStream_t stream);
