@@ -166,9 +166,11 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaFp8Weights,
 // An mlx-lm-quantized checkpoint in fast arithmetic: the engine runs the projections' dequantized
 // values (exactly the decoder's) through bf16 GEMMs with f32 sums, while the decoder's (and the
 // CPU engine's) quantized matmul rounds every running sum to bf16. That difference is the tap's
-// gap against the quantized decoder's attention inputs, printed per layer; the bound is the bf16
-// cache's doubled, and a wrong dequantization (a scale or bias misplaced) is off by O(1).
-constexpr double kTolQuantized = 3e-2;
+// gap against the quantized decoder's attention inputs, printed per layer. An H200 run at
+// 4f794b8 measured 0 at layer 0, 2.2-2.3e-2 at layer 1 and 3.1-3.3e-2 at layer 2 (logits
+// 3.0-3.7e-2) for the three cases below; a wrong dequantization (a scale or bias misplaced) is
+// off by O(1).
+constexpr double kTolQuantized = 5e-2;
 
 class LlamaCudaQuantized : public CudaDeviceTest, public ::testing::WithParamInterface<Case> {};
 
