@@ -19,7 +19,8 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "exact",
        "cuda: exact (llama: the decoder's arithmetic on CUDA cores: bit-exact caches, the "
        "decoder's own answers) or fast (tensor cores, FP8 paged cache: caches within a "
-       "tolerance, answers not guaranteed; deepseek_v4 needs fast; docs/design/prefill-cuda.md)",
+       "tolerance, answers not guaranteed; deepseek_v4 and mlx-lm-quantized llama checkpoints "
+       "need fast; docs/design/prefill-cuda.md)",
        false,
        {"exact", "fast"}},
       {"kv-dtype",
