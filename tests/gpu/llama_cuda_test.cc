@@ -125,11 +125,17 @@ void expect_close_to_cpu(const Case& k, const cuda::LlamaCudaOptions& o, double 
   }
 }
 
-TEST_P(LlamaCudaVsCpu, AttentionInputsWithinTolerance) {
-  const Case& k = GetParam();
+// The engine options every tolerance test starts from: the case's cache dtype, the host tap.
+cuda::LlamaCudaOptions tap_options(const Case& k) {
   cuda::LlamaCudaOptions o;
   o.kv_dtype = k.kv;
   o.host_tap = true;
+  return o;
+}
+
+TEST_P(LlamaCudaVsCpu, AttentionInputsWithinTolerance) {
+  const Case& k = GetParam();
+  const cuda::LlamaCudaOptions o = tap_options(k);
   expect_close_to_cpu(k, o, k.kv == cuda::KvDtype::kFp8 ? kTolFp8Cache : kTolBf16Cache,
                       {{300}, {64, 64, 172}, {37, 200, 5, 1, 57}}, "");
 }
@@ -148,9 +154,7 @@ class LlamaCudaFp8Weights : public CudaDeviceTest, public ::testing::WithParamIn
 
 TEST_P(LlamaCudaFp8Weights, AttentionInputsWithinTolerance) {
   const Case& k = GetParam();
-  cuda::LlamaCudaOptions o;
-  o.kv_dtype = k.kv;
-  o.host_tap = true;
+  cuda::LlamaCudaOptions o = tap_options(k);
   o.weight_dtype = cuda::WeightDtype::kFp8;
   // One chunk, and chunks of awkward lengths (the FP8 GEMMs pad rows to 16).
   expect_close_to_cpu(k, o, k.kv == cuda::KvDtype::kFp8 ? kTolFp8WeightsFp8Cache : kTolFp8Weights,
@@ -176,9 +180,7 @@ class LlamaCudaQuantized : public CudaDeviceTest, public ::testing::WithParamInt
 
 TEST_P(LlamaCudaQuantized, AttentionInputsWithinTolerance) {
   const Case& k = GetParam();
-  cuda::LlamaCudaOptions o;
-  o.kv_dtype = k.kv;
-  o.host_tap = true;
+  cuda::LlamaCudaOptions o = tap_options(k);
   o.arith = cuda::LlamaCudaArith::kFast;
   expect_close_to_cpu(k, o, kTolQuantized, {{300}, {37, 200, 5, 1, 57}}, "quantized ");
 }
