@@ -93,11 +93,24 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
       return invalid_argument(model_dir + "/config.json: quantization mode '" + mode +
                               "' is not read by the llama engine (affine only)");
   }
-  if (j.contains("layer_types") && j["layer_types"].is_array())
-    for (const json& t : j["layer_types"])
-      if (t != "full_attention")
-        return invalid_argument(model_dir + "/config.json: layer type " + t.dump() +
-                                " (sliding-window attention) is not supported yet");
+  // mlx-lm's llama (and mistral, which it loads as llama) reads layer_types: "sliding_attention"
+  // gets a window and a RotatingKVCache, any other name full attention, and at least one
+  // "full_attention" must be there. Its qwen2 and qwen3 ignore the key: full attention always.
+  if ((c.model_type == "llama" || c.model_type == "mistral") && j.contains("layer_types") &&
+      j["layer_types"].is_array()) {
+    bool full = false;
+    for (const json& t : j["layer_types"]) {
+      if (t == "sliding_attention")
+        return invalid_argument(model_dir +
+                                "/config.json: layer type \"sliding_attention\" "
+                                "(sliding-window attention) is not supported yet");
+      full = full || t == "full_attention";
+    }
+    if (!full)
+      return invalid_argument(model_dir +
+                              "/config.json: layer_types has no \"full_attention\" layer, "
+                              "which mlx-lm's llama requires");
+  }
   if (c.heads % c.kv_heads != 0)
     return invalid_argument("num_attention_heads must be a multiple of num_key_value_heads");
   return c;

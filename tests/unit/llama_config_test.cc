@@ -124,11 +124,34 @@ TEST(LlamaConfig, RopeTypesBecomeTheDecodersSpec) {
 }
 
 TEST(LlamaConfig, SlidingWindowLayersAreRefused) {
-  auto j = base("llama");
-  j["layer_types"] = {"full_attention", "sliding_attention"};
-  auto c = config_of(j);
-  ASSERT_FALSE(c.is_ok());
-  EXPECT_NE(c.status().message().find("sliding"), std::string::npos);
+  for (const char* type : {"llama", "mistral"}) {
+    auto j = base(type);
+    j["layer_types"] = {"full_attention", "sliding_attention"};
+    auto c = config_of(j);
+    ASSERT_FALSE(c.is_ok()) << type;
+    EXPECT_NE(c.status().message().find("sliding_attention"), std::string::npos);
+    // mlx-lm's llama needs one full-attention layer to load at all.
+    j["layer_types"] = {"chunked_attention"};
+    c = config_of(j);
+    ASSERT_FALSE(c.is_ok()) << type;
+    EXPECT_NE(c.status().message().find("full_attention"), std::string::npos);
+    j["layer_types"] = {"full_attention", "full_attention"};
+    EXPECT_TRUE(config_of(j).is_ok()) << type;
+  }
+}
+
+// mlx-lm's qwen2 and qwen3 ignore layer_types (their attention is always full), so a checkpoint
+// that lists sliding layers loads in the decoder with full attention, and here too.
+TEST(LlamaConfig, QwenIgnoresLayerTypesAsTheDecoderDoes) {
+  for (const char* type : {"qwen2", "qwen3"}) {
+    auto j = base(type);
+    j["layer_types"] = {"sliding_attention", "full_attention"};
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = 4096;
+    j["tie_word_embeddings"] = true;  // qwen3 has no default for these two
+    j["rope_theta"] = 1e6;
+    EXPECT_TRUE(config_of(j).is_ok()) << type << ": " << config_of(j).status().message();
+  }
 }
 
 }  // namespace
