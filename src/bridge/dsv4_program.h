@@ -21,6 +21,7 @@
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/dsv4_ops.h"
+#include "model/dsv4_calls.h"
 
 namespace hetero {
 
@@ -59,7 +60,7 @@ Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir);
 
 // Calls of 2..tokenwise_max tokens run one token at a time in the decoder: the effective calls.
 std::vector<int64_t> dsv4_effective_calls(const std::vector<int64_t>& calls,
-                                          int64_t tokenwise_max = 8);
+                                          int64_t tokenwise_max = kDsv4DecodeBlock);
 // A generate-style call schedule for a prompt of n tokens (mlx-lm's generate_step, and mlx-vlm
 // for a cold prompt): chunks of `step` for all but the last token, then the last token alone.
 // What a mount needs is the server's schedule for the prefix it checkpoints, which the seam

@@ -296,11 +296,15 @@ Dsv4CpuEngine::Dsv4CpuEngine(Dsv4Weights weights, const Dsv4EngineOptions& optio
     P.shared_w1 = prepare(L.shared_w1, q(M.shared_w1));
     P.shared_w2 = prepare(L.shared_w2, q(M.shared_w2));
     P.shared_w3 = prepare(L.shared_w3, q(M.shared_w3));
-    // Routed experts: gather_qmm on the CPU is the same recipe per selected row.
+    // Routed experts: gather_qmm on the CPU is the same recipe per selected row. A checkpoint
+    // that stores them dense has no MX forms for them at all.
+    auto qe = [&](const std::vector<Dsv4MxMatrix>& forms, size_t e) {
+      return e < forms.size() ? q(forms[e]) : nullptr;
+    };
     for (size_t e = 0; e < L.w1.size(); ++e) {
-      P.w1.push_back(prepare(L.w1[e], q(M.w1[e])));
-      P.w2.push_back(prepare(L.w2[e], q(M.w2[e])));
-      P.w3.push_back(prepare(L.w3[e], q(M.w3[e])));
+      P.w1.push_back(prepare(L.w1[e], qe(M.w1, e)));
+      P.w2.push_back(prepare(L.w2[e], qe(M.w2, e)));
+      P.w3.push_back(prepare(L.w3[e], qe(M.w3, e)));
     }
   }
   reset();

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 
 #include "../common/dsv4_model_weights.h"
@@ -88,6 +89,19 @@ TEST(Dsv4Calls, CpuEngineRunsSeveralDecoderCallsPerChunkBitForBit) {
   const auto whole = dsv4_taps(engine, ids, {T}, &st);
   ASSERT_TRUE(st.is_ok()) << st.message();
   EXPECT_NE(whole.back(), want.back());
+}
+
+// A checkpoint with dense routed experts has no MX forms for them: the default (mlx-cpu)
+// arithmetic computes them dense (it used to read past the empty forms).
+TEST(Dsv4Calls, CpuEngineRunsDenseExpertsInTheDefaultArithmetic) {
+  const Dsv4Config c = tiny_dsv4_config();
+  Dsv4CpuEngine engine(random_dsv4_model(c, 11));
+  Status st;
+  const auto taps = dsv4_taps(engine, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, {12}, &st);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(engine.cached_tokens(), 12);
+  for (const auto& layer : taps)
+    for (uint16_t v : layer) ASSERT_TRUE(std::isfinite(bf16_to_f32(v)));
 }
 
 TEST(Dsv4Calls, CpuEngineTakesCallsOnlyBetweenSequences) {
