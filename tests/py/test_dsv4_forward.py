@@ -9,7 +9,7 @@ checkpoint directory (and on the official fp8/ one).
 
 Tolerance: none. Every layer, T and chunking must be bit-exact (max |diff| 0, no element
 differs): the forward follows the decoder's op order and rounding points throughout
-(docs/design/prefill-dsv4.md). Three comparisons:
+(docs/design/prefill-dsv4.md). Four comparisons:
 - the engine on the official fp8/ checkpoint with its default arithmetic (`--quant-arith
   mlx-cpu`) against the decoder we serve, native/: mlx-vlm's conversion that keeps the
   checkpoint's own FP8/FP4 codes as mxfp8/mxfp4 and rounds ape to bf16;
@@ -17,7 +17,9 @@ differs): the forward follows the decoder's op order and rounding points through
   quantized matrices and bf16 ape, so both compute the same);
 - the engine on fp8/ with `--quant-arith dequant` against the decoder on bf16/ with the
   compressors' `ape` set back to fp8/'s float32 values (the conversion rounds ape to bf16; every
-  other weight of bf16/ is fp8/'s exact dequantization).
+  other weight of bf16/ is fp8/'s exact dequantization);
+- the engine on fp8/ told the decoder's calls (`--decoder-calls`) with chunks that span several
+  of them, against the decoder on native/ run call by call.
 
 Skips unless HETERO_DSV4_MODEL points at the tiny checkpoint root (with fp8/, bf16/, native/).
 Run as a script for the tables: python tests/py/test_dsv4_forward.py [native|bf16|fp8]
@@ -276,8 +278,8 @@ def test_fp8_checkpoint_matches_native_decoder(hetero_bin, T, spec):
 
 
 # (T, the decoder's calls, the engine's chunks): one engine chunk spanning several decoder calls,
-# told where they were cut (--decoder-calls), as the served host groups them; the chunks' edges on
-# call edges or inside a call's tokens that run one by one.
+# told where they were cut (--decoder-calls), as the served host groups them; every chunk edge on
+# a call edge, the spanned calls including 2..8-token ones that run token by token.
 SPANNING_CASES = [
     (129, "3,100,26", "129"),
     (300, "9,130,7,1,153", "300"),
