@@ -14,7 +14,7 @@ APT_PACKAGES := cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev 
   libopenblas-dev libxxhash-dev libssl-dev zlib1g-dev libbrotli-dev clang-format python3-venv \
   clang libclang-rt-14-dev libomp-dev
 
-.PHONY: up test deps venv model tiny tiny-dsv4 prompts build unit pytest fuzz demo format format-check clean
+.PHONY: up test deps cudnn-frontend venv model tiny tiny-dsv4 prompts build unit pytest fuzz demo format format-check clean
 
 # The whole served stack on the default model: prefill host, decoder with seam, front door on
 # :8012 (Ctrl-C stops all three). Check it from another shell with ./build/hetero doctor.
@@ -68,7 +68,22 @@ $(STAMPS)/tiny-dsv4: $(MODEL)/config.json python/hetero_mlx/dsv4_tiny.py python/
 	PYTHONPATH=python $(VPY) -m hetero_mlx tiny-dsv4 --tokenizer $(MODEL) --out models/dsv4-tiny
 	@touch $@
 
-build: $(STAMPS)/deps
+# cuDNN's graph frontend (header-only, Apache-2.0) from its PyPI wheel, for the GPU engine's
+# attention (src/kernels/cuda/cudnn_attention.h). Optional: without it (no network, no wheel) the
+# build goes on with the engine's own attention kernel, and CMake says so.
+CUDNN_FE_VERSION := 1.32.0
+cudnn-frontend: $(STAMPS)/cudnn-frontend-$(CUDNN_FE_VERSION)
+$(STAMPS)/cudnn-frontend-$(CUDNN_FE_VERSION): $(STAMPS)/venv
+	@mkdir -p $(STAMPS) .deps
+	@rm -rf .deps/cudnn-frontend .deps/dl
+	@if $(VPY) -m pip download -q --disable-pip-version-check --no-deps -d .deps/dl \
+	    nvidia-cudnn-frontend==$(CUDNN_FE_VERSION); then \
+	  $(PY) -c 'import zipfile, glob; z = zipfile.ZipFile(glob.glob(".deps/dl/*.whl")[0]); \
+	    z.extractall(".deps/cudnn-frontend", [n for n in z.namelist() if n.startswith("include/")])' \
+	  && rm -rf .deps/dl && touch $@; \
+	else echo "cuDNN frontend $(CUDNN_FE_VERSION) not fetched: the GPU engine keeps its own attention"; fi
+
+build: $(STAMPS)/deps $(STAMPS)/cudnn-frontend-$(CUDNN_FE_VERSION)
 	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 	cmake --build build -j$(JOBS)
 

@@ -30,7 +30,7 @@ MODEL_FILES=(tokenizer.json tokenizer_config.json special_tokens_map.json genera
 # NCCL comes with its PyTorch (devkit_libs finds it there).
 SYSTEM_RE='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libutil|libresolv|libstdc\+\+|'
 SYSTEM_RE+='libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libnvrtc|libnvJitLink|libcufft|'
-SYSTEM_RE+='libcurand|libcusparse|libcusolver|libnccl|libnvidia-[a-z-]+)\.so'
+SYSTEM_RE+='libcurand|libcusparse|libcusolver|libcudnn[a-z_]*|libnccl|libnvidia-[a-z-]+)\.so'
 
 if [[ ! -x build/hetero ]]; then
   echo "devkit: build/hetero missing; build first (make build)" >&2

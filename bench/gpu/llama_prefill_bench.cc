@@ -16,7 +16,8 @@
 // --refcheck first compares the engine with the CPU engine on a small model (per-layer attention
 // inputs, relative RMS error against the stated bound) and refuses to report if that fails.
 //
-// --weights fp8 runs the projections with FP8 block-scaled weights (cuBLASLt), --kv the cache.
+// --weights fp8 runs the projections with FP8 block-scaled weights (cuBLASLt), --kv the cache,
+// --attention the attention kernel (auto, own, cudnn: LlamaCudaOptions::attention).
 // --program-device N runs the cache program on GPU N (the engine stays on GPU 0): the tap's rows
 // cross peer to peer and the program takes none of the engine's SMs.
 // Output: one JSON line per (T, mode) on stdout; a table on stderr.
@@ -48,7 +49,7 @@ struct Args {
   int64_t chunk = 8192;
   int repeat = 3, warmup = 1;
   std::vector<std::string> modes = {"off", "on"};
-  std::string kv = "fp8", weights = "bf16", shape = "1b", rev = "unknown";
+  std::string kv = "fp8", weights = "bf16", shape = "1b", rev = "unknown", attention = "auto";
   int64_t layers = 0;       // 0: the shape's
   int program_device = -1;  // the cache program's GPU (-1: the engine's)
   bool refcheck = false;
@@ -230,6 +231,8 @@ int main(int argc, char** argv) {
       a.modes = split(v);
     else if (k == "--kv")
       a.kv = v;
+    else if (k == "--attention")
+      a.attention = v;
     else if (k == "--weights")
       a.weights = v;
     else if (k == "--shape")
@@ -259,9 +262,15 @@ int main(int argc, char** argv) {
   if (!kv.is_ok()) return std::fprintf(stderr, "%s\n", kv.status().to_string().c_str()), 2;
   auto wdt = cuda::parse_weight_dtype(a.weights);
   if (!wdt.is_ok()) return std::fprintf(stderr, "%s\n", wdt.status().to_string().c_str()), 2;
-  auto engine =
-      cuda::LlamaCudaEngine::create(w, {*kv, false, 0, cuda::LlamaCudaArith::kFast, *wdt});
+  auto attention = cuda::parse_attention_kernel(a.attention);
+  if (!attention.is_ok())
+    return std::fprintf(stderr, "%s\n", attention.status().to_string().c_str()), 2;
+  cuda::LlamaCudaOptions options{*kv, false, 0, cuda::LlamaCudaArith::kFast, *wdt};
+  options.attention = *attention;
+  auto engine = cuda::LlamaCudaEngine::create(w, options);
   if (!engine.is_ok()) return std::fprintf(stderr, "%s\n", engine.status().to_string().c_str()), 1;
+  const std::string attention_name = (*engine)->attention_name();
+  std::fprintf(stderr, "attention: %s\n", attention_name.c_str());
   const LlamaDecoderWeights dw = llama_decoder_weights_of(w, "bench");
   if (a.program_device >= devices)
     return std::fprintf(stderr, "--program-device %d: %d GPU(s)\n", a.program_device, devices), 2;
@@ -358,7 +367,8 @@ int main(int argc, char** argv) {
       const double overhead = on && off_median > 0 ? sp.median / off_median - 1.0 : 0.0;
       std::printf(
           "{\"bench\":\"gpu_llama_prefill\",\"rev\":\"%s\",\"gpu\":\"%s\",\"shape\":\"%s\","
-          "\"layers\":%lld,\"params\":%.3e,\"weights\":\"%s\",\"kv\":\"%s\",\"T\":%lld,\"chunk\":%"
+          "\"layers\":%lld,\"params\":%.3e,\"weights\":\"%s\",\"kv\":\"%s\",\"attention\":\"%s\","
+          "\"T\":%lld,\"chunk\":%"
           "lld,\"mode\":\"%s\",\"program_device\":%d,"
           "\"repeat\":%d,\"median_s\":%.4f,\"min_s\":%.4f,\"max_s\":%.4f,\"tok_per_s\":%.0f,"
           "\"tflops\":%.1f,\"peak_tflops\":%.0f,\"peak_fraction\":%.3f,\"overhead_vs_off\":%s,"
@@ -366,7 +376,7 @@ int main(int argc, char** argv) {
           "\"capture_device_bytes\":%.0f,\"host_staging_bytes\":%.0f,\"engine_cache_bytes\":%zu,"
           "\"activation_bytes\":%zu,\"manifest_complete\":%s}\n",
           a.rev.c_str(), gpu.c_str(), a.shape.c_str(), static_cast<long long>(c.layers), params,
-          a.weights.c_str(), a.kv.c_str(), static_cast<long long>(T),
+          a.weights.c_str(), a.kv.c_str(), attention_name.c_str(), static_cast<long long>(T),
           static_cast<long long>(a.chunk), mode.c_str(), a.program_device, a.repeat, sp.median,
           sp.min, sp.max, static_cast<double>(T) / sp.median, tflops, peak, tflops / peak,
           on ? std::to_string(overhead).c_str() : "null",

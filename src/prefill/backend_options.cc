@@ -29,6 +29,14 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "cuda, fast: the engine's own cache dtype",
        false,
        {"fp8", "bf16"}},
+      {"attention",
+       "HETERO_PREFILL_ATTENTION",
+       "auto",
+       "cuda, fast, llama: the attention kernel (cudnn: cuDNN's fused SDPA over a bf16 cache, "
+       "refused where the build or machine has no cuDNN or the cache is fp8; own: the engine's "
+       "flash kernel, any cache; auto: cudnn where it can run, else own, named in the log)",
+       false,
+       {"auto", "own", "cudnn"}},
       {"weight-dtype",
        "HETERO_PREFILL_WEIGHT_DTYPE",
        "bf16",
@@ -70,6 +78,7 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
   b.name = opts.get("backend");
   b.arith = opts.get("arith");
   b.kv_dtype = opts.get("kv-dtype");
+  b.attention = opts.get("attention");
   b.weights = opts.get("weight-dtype");
   b.gemm = opts.get("gemm");
   HETERO_ASSIGN_OR_RETURN(int64_t device, opts.get_int("device"));

@@ -32,11 +32,12 @@ struct PrefillStack {
 
 // Where and how the prefill runs.
 struct PrefillBackend {
-  std::string name = "cpu";      // "cpu" or "cuda"
-  std::string gemm = "ordered";  // cpu, llama: "ordered" (the decoder's order) or "blas"
-  std::string kv_dtype = "fp8";  // cuda: the engine's own cache, "fp8" or "bf16"
-  std::string arith = "exact";   // cuda, llama: "exact" (the decoder's) or "fast" (tensor cores)
-  int device = 0;                // cuda: which GPU
+  std::string name = "cpu";        // "cpu" or "cuda"
+  std::string gemm = "ordered";    // cpu, llama: "ordered" (the decoder's order) or "blas"
+  std::string kv_dtype = "fp8";    // cuda: the engine's own cache, "fp8" or "bf16"
+  std::string attention = "auto";  // cuda, fast, llama: "auto", "own" or "cudnn"
+  std::string arith = "exact";     // cuda, llama: "exact" (the decoder's) or "fast" (tensor cores)
+  int device = 0;                  // cuda: which GPU
   // cuda, deepseek_v4: the GPUs of a layer pipeline, one stage per entry in order (the layers
   // split evenly; every stage on its own GPU, or all on one). Empty: one stage on `device`.
   std::vector<int> gpus;

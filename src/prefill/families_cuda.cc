@@ -1,4 +1,5 @@
 // The CUDA backend's prefill stacks: see families.h.
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <utility>
@@ -115,9 +116,15 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(LlamaConfig config, load_llama_config(model_dir));
   HETERO_RETURN_IF_ERROR(check_export_matches_model(config, weights.layout));
+  HETERO_ASSIGN_OR_RETURN(cuda::AttentionKernel attention,
+                          cuda::parse_attention_kernel(backend.attention));
   cuda::LlamaCudaOptions options{kv, /*host_tap=*/false, backend.device, arith, wdt};
   options.device_memory_budget_bytes = backend.device_memory_budget_bytes;
+  options.attention = attention;
   HETERO_ASSIGN_OR_RETURN(auto engine, cuda::LlamaCudaEngine::load(model_dir, options));
+  if (arith == cuda::LlamaCudaArith::kFast)
+    std::fprintf(stderr, "prefill: cuda llama engine on GPU %d, attention: %s\n", backend.device,
+                 engine->attention_name().c_str());
   HETERO_ASSIGN_OR_RETURN(auto gpu_weights, on_program_device(backend, [&] {
                             return cuda::upload_llama_weights(weights);
                           }));

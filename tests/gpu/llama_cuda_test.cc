@@ -150,6 +150,33 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaVsCpu,
                                            Case{"qwen2", 64, cuda::KvDtype::kFp8, true}),
                          case_name);
 
+// Both attention kernels over a bf16 cache, each named: cuDNN's where the build has it (a build
+// with it that cannot run it on this GPU fails here), the engine's own always. The schedules
+// cover one chunk, page-aligned chunks and ragged ones down to a single row.
+class LlamaCudaAttention : public CudaDeviceTest, public ::testing::WithParamInterface<Case> {};
+
+TEST_P(LlamaCudaAttention, OwnAndCudnnWithinTolerance) {
+  const Case& k = GetParam();
+  for (const cuda::AttentionKernel kernel :
+       {cuda::AttentionKernel::kOwn, cuda::AttentionKernel::kCudnn}) {
+    if (kernel == cuda::AttentionKernel::kCudnn && !cuda::cudnn_attention_built()) {
+      std::printf("[ this build has no cuDNN attention: the own kernel only ]\n");
+      continue;
+    }
+    cuda::LlamaCudaOptions o = tap_options(k);
+    o.attention = kernel;
+    expect_close_to_cpu(
+        k, o, kTolBf16Cache, {{300}, {64, 64, 172}, {37, 200, 5, 1, 57}},
+        kernel == cuda::AttentionKernel::kOwn ? "own attention " : "cuDNN attention ");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaAttention,
+                         ::testing::Values(Case{"llama", 64, cuda::KvDtype::kBf16},
+                                           Case{"qwen3", 128, cuda::KvDtype::kBf16},
+                                           Case{"llama", 64, cuda::KvDtype::kBf16, true}),
+                         case_name);
+
 class LlamaCudaFp8Weights : public CudaDeviceTest, public ::testing::WithParamInterface<Case> {};
 
 TEST_P(LlamaCudaFp8Weights, AttentionInputsWithinTolerance) {
@@ -348,19 +375,63 @@ TEST_F(LlamaCudaEngineTest, RefusesBadInputBeforeChangingAnything) {
 
 // A cache that spans many pages and grows across chunks (and a reset that reuses it) gives the
 // same rows as one chunk, within the tolerance.
+// One long chunk against chunks whose cache grows mid-sequence (a fresh engine: 700 rows take 16
+// pages, the last chunk grows them, by copy where cuDNN reads one slab per layer), then the
+// same engine again after reset (no growth), for each attention kernel this build has.
 TEST_F(LlamaCudaEngineTest, LongSequenceAcrossPagesAndReset) {
   const LlamaWeights w = tiny_llama("llama", 128, 5);
   const LlamaConfig& c = w.config;
   const std::vector<int32_t> ids = random_ids(2000, c.vocab, 2);
-  auto gpu = cuda::LlamaCudaEngine::create(w, {cuda::KvDtype::kBf16, true, 0});
-  ASSERT_TRUE(gpu.is_ok());
-  Taps one, many;
-  ASSERT_TRUE(run_schedule(**gpu, ids, {2000}, c.layers, c.hidden, &one).is_ok());
-  (*gpu)->reset();
-  ASSERT_TRUE(run_schedule(**gpu, ids, {700, 64, 63, 1173}, c.layers, c.hidden, &many).is_ok());
-  for (int64_t l = 0; l < c.layers; ++l)
-    EXPECT_LT(rel_rms(many[static_cast<size_t>(l)], one[static_cast<size_t>(l)]), kTolBf16Cache);
-  EXPECT_GT((*gpu)->cache_bytes(), 0u);
+  for (const cuda::AttentionKernel kernel :
+       {cuda::AttentionKernel::kOwn, cuda::AttentionKernel::kCudnn}) {
+    if (kernel == cuda::AttentionKernel::kCudnn && !cuda::cudnn_attention_built()) continue;
+    cuda::LlamaCudaOptions o{cuda::KvDtype::kBf16, true, 0};
+    o.attention = kernel;
+    auto gpu = cuda::LlamaCudaEngine::create(w, o);
+    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+    Taps one, many, again;
+    ASSERT_TRUE(run_schedule(**gpu, ids, {2000}, c.layers, c.hidden, &one).is_ok());
+    auto fresh = cuda::LlamaCudaEngine::create(w, o);
+    ASSERT_TRUE(fresh.is_ok());
+    ASSERT_TRUE(run_schedule(**fresh, ids, {700, 64, 63, 1173}, c.layers, c.hidden, &many).is_ok());
+    ASSERT_TRUE((*fresh)->reset().is_ok());
+    ASSERT_TRUE(
+        run_schedule(**fresh, ids, {700, 64, 63, 1173}, c.layers, c.hidden, &again).is_ok());
+    for (int64_t l = 0; l < c.layers; ++l) {
+      EXPECT_LT(rel_rms(many[static_cast<size_t>(l)], one[static_cast<size_t>(l)]), kTolBf16Cache)
+          << (*gpu)->attention_name() << ", layer " << l;
+      EXPECT_EQ(again[static_cast<size_t>(l)], many[static_cast<size_t>(l)])
+          << "the same schedule after reset, layer " << l;
+    }
+    EXPECT_GT((*gpu)->cache_bytes(), 0u);
+  }
+}
+
+TEST_F(LlamaCudaEngineTest, TheAttentionKernelIsChosenAndNamed) {
+  const LlamaWeights w = tiny_llama("llama", 64, 3);
+  cuda::LlamaCudaOptions o;  // kAuto, an fp8 cache
+  auto fp8 = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(fp8.is_ok());
+  EXPECT_NE((*fp8)->attention_name().find("own flash kernel"), std::string::npos);
+  EXPECT_NE((*fp8)->attention_name().find("fp8"), std::string::npos) << "says why not cuDNN's";
+  o.attention = cuda::AttentionKernel::kCudnn;
+  auto refused = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.status().message().find("bf16"), std::string::npos);
+  o.kv_dtype = cuda::KvDtype::kBf16;
+  o.attention = cuda::AttentionKernel::kAuto;
+  auto bf16 = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(bf16.is_ok());
+  const std::string name = (*bf16)->attention_name();
+  std::printf("[ auto over a bf16 cache: %s ]\n", name.c_str());
+  if (cuda::cudnn_attention_built())
+    EXPECT_EQ(name.rfind("cuDNN", 0), 0u) << "this build has cuDNN attention: " << name;
+  else
+    EXPECT_NE(name.find("own flash kernel"), std::string::npos);
+  o.arith = cuda::LlamaCudaArith::kExact;
+  auto exact = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(exact.is_ok());
+  EXPECT_EQ((*exact)->attention_name(), "-");
 }
 
 }  // namespace

@@ -38,7 +38,7 @@ struct LlamaCudaEngine::Pages {
   size_t kv_bytes = 0, scale_bytes = 0;      // per page, per kind (k or v)
   int64_t pages = 0;                         // pages per layer
   size_t slab_bytes = 0;                     // all slabs, all layers
-  std::vector<DeviceBuffer> slabs;           // every layer's, in growth order
+  std::vector<DeviceBuffer> slabs;           // every layer's, in growth order (cuDNN: [layer])
   std::vector<std::vector<KvPageRef>> host;  // [layer][page]
   std::vector<DeviceBuffer> table;           // [layer] device copies of host[layer]
   int64_t table_capacity = 0;
@@ -66,6 +66,41 @@ Result<KvDtype> parse_kv_dtype(const std::string& name) {
 }
 const char* kv_dtype_name(KvDtype dtype) { return dtype == KvDtype::kFp8 ? "fp8" : "bf16"; }
 
+Result<AttentionKernel> parse_attention_kernel(const std::string& name) {
+  if (name == "auto") return AttentionKernel::kAuto;
+  if (name == "own") return AttentionKernel::kOwn;
+  if (name == "cudnn") return AttentionKernel::kCudnn;
+  return invalid_argument("attention must be auto, own or cudnn, not '" + name + "'");
+}
+
+std::string LlamaCudaEngine::attention_name() const {
+  if (options_.arith != LlamaCudaArith::kFast) return "-";
+  if (cudnn_) return cudnn_->name();
+  return "own flash kernel (mma.sync)" + (attention_note_.empty() ? "" : "; " + attention_note_);
+}
+
+Status LlamaCudaEngine::choose_attention() {
+  const AttentionKernel want = options_.attention;
+  if (options_.arith != LlamaCudaArith::kFast || want == AttentionKernel::kOwn) return Status::ok();
+  if (options_.kv_dtype != KvDtype::kBf16) {
+    if (want == AttentionKernel::kCudnn)
+      return invalid_argument("cuDNN attention reads a bf16 cache: --kv-dtype bf16, not fp8");
+    attention_note_ = "cuDNN's reads a bf16 cache, this one is fp8";
+    return Status::ok();
+  }
+  const LlamaConfig& c = config_;
+  auto a = CudnnAttention::create(
+      static_cast<int>(c.heads), static_cast<int>(c.kv_heads), static_cast<int>(c.head_dim),
+      1.0f / std::sqrt(static_cast<float>(c.head_dim)), options_.device);
+  if (!a.is_ok()) {
+    if (want == AttentionKernel::kCudnn) return a.status();
+    attention_note_ = "not cuDNN's: " + a.status().message();
+    return Status::ok();
+  }
+  cudnn_ = std::move(a.value());
+  return Status::ok();
+}
+
 Result<LlamaCudaArith> parse_llama_cuda_arith(const std::string& name) {
   if (name == "fast") return LlamaCudaArith::kFast;
   if (name == "exact") return LlamaCudaArith::kExact;
@@ -89,6 +124,7 @@ LlamaCudaEngine::~LlamaCudaEngine() {
   pinned_x_.reset();
   pages_.reset();
   exact_.reset();
+  cudnn_.reset();
   weights_.clear();
   fp8_.reset();
   cublas_ = BlasHandle();
@@ -135,6 +171,7 @@ Result<std::unique_ptr<LlamaCudaEngine>> LlamaCudaEngine::create(const LlamaWeig
   std::unique_ptr<LlamaCudaEngine> e(new LlamaCudaEngine(c, options));
   HETERO_ASSIGN_OR_RETURN(e->stream_, Stream::create());
   HETERO_ASSIGN_OR_RETURN(e->cublas_, BlasHandle::create(e->stream_.get()));
+  HETERO_RETURN_IF_ERROR(e->choose_attention());
   if (fp8) {
     HETERO_ASSIGN_OR_RETURN(e->fp8_, Fp8Gemm::create(&e->budget_));
   }
@@ -398,20 +435,25 @@ Status LlamaCudaEngine::ensure_pages(int64_t tokens) {
 }
 
 // Adds `add` pages to every layer, or nothing (a failed allocation frees what this call took).
+// With cuDNN attention each layer's pages stay in one slab (cuDNN reads them as one container
+// from one base pointer): the slab is regrown by copy, so while it grows the old and the new
+// slab are held together; reserve() takes a request's pages at once, before its first chunk.
 Status LlamaCudaEngine::grow_pages(int64_t add) {
   Pages& P = *pages_;
   const LlamaConfig& c = config_;
+  const bool one_slab = cudnn_ != nullptr;
   const size_t elt = options_.kv_dtype == KvDtype::kFp8 ? 1 : 2;
   const size_t kv_bytes = static_cast<size_t>(c.kv_heads * kKvPageTokens * c.head_dim) * elt;
   const size_t scale_bytes =
       options_.kv_dtype == KvDtype::kFp8 ? static_cast<size_t>(c.kv_heads * kKvPageTokens) * 4 : 0;
   const size_t page_bytes = 2 * kv_bytes + 2 * scale_bytes;
   const size_t L = static_cast<size_t>(c.layers);
+  const int64_t pages = P.pages + add;
+  const int64_t slab_pages = one_slab ? pages : add;
   std::vector<DeviceBuffer> slabs(L);
   for (DeviceBuffer& slab : slabs)
     HETERO_RETURN_IF_ERROR(
-        slab.allocate(page_bytes * static_cast<size_t>(add), "the KV cache", &budget_));
-  const int64_t pages = P.pages + add;
+        slab.allocate(page_bytes * static_cast<size_t>(slab_pages), "the KV cache", &budget_));
   std::vector<DeviceBuffer> tables;
   int64_t capacity = P.table_capacity;
   if (pages > capacity) {
@@ -422,11 +464,21 @@ Status LlamaCudaEngine::grow_pages(int64_t add) {
                                         "the KV cache's page tables", &budget_));
   }
   // Every allocation succeeded: the cache takes them.
+  if (one_slab) {
+    for (size_t l = 0; l < L && P.pages > 0; ++l)
+      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(slabs[l].get(), P.slabs[l].get(),
+                                             page_bytes * static_cast<size_t>(P.pages),
+                                             cudaMemcpyDeviceToDevice));
+    P.slabs.clear();
+    P.slab_bytes = 0;
+    for (auto& h : P.host) h.clear();
+  }
+  const int64_t first = one_slab ? 0 : P.pages;
   P.kv_bytes = kv_bytes, P.scale_bytes = scale_bytes;
   P.host.resize(L);
   for (size_t l = 0; l < L; ++l) {
     char* base = slabs[l].get<char>();
-    for (int64_t i = 0; i < add; ++i) {
+    for (int64_t i = 0; i < pages - first; ++i) {
       char* pg = base + page_bytes * static_cast<size_t>(i);
       KvPageRef r;
       r.k = pg;
@@ -481,6 +533,7 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
   if (exact_) return prefill_exact(ids, tap);
   HETERO_RETURN_IF_ERROR(ensure_pages(pos0 + n));
   cudaStream_t st = stream_.get();
+  if (cudnn_) HETERO_RETURN_IF_ERROR(cudnn_->begin_chunk(n, pos0, pages_->pages, st));
   auto* h = h_.get<uint16_t>();
   auto* xn = xn_.get<uint16_t>();
   auto* qkv = qkv_.get<uint16_t>();
@@ -502,7 +555,17 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
                    static_cast<int>(c.kv_heads), static_cast<int>(hd)};
     HETERO_RETURN_IF_ERROR(linear(xn, n, L.wqkv, qkv));
     qkv_rope_store(qkv, n, static_cast<int>(c.heads), pos0, rope_.table(), L.extra, q, kv, st);
-    attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, st);
+    if (cudnn_) {
+      // One slab per layer (grow_pages): the K and V blocks of page i at i * page stride.
+      const Pages& P = *pages_;
+      const char* slab = P.slabs[static_cast<size_t>(l)].get<const char>();
+      // A bf16 page is its K block then its V block (no scales): kv_bytes bf16 elements apart.
+      const int64_t stride = static_cast<int64_t>(P.kv_bytes);
+      HETERO_RETURN_IF_ERROR(
+          cudnn_->run(q, CudnnPagedKv{slab, slab + P.kv_bytes, stride, P.pages}, attn, st));
+    } else {
+      attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, st);
+    }
     HETERO_RETURN_IF_ERROR(linear(attn, n, L.wo, tmp));
     add_rms_norm_rows(h, tmp, n, H, L.post_norm, eps, xn, st);
     HETERO_RETURN_IF_ERROR(linear(xn, n, L.gate_up, gate_up));

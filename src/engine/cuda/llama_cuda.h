@@ -2,7 +2,8 @@
 // bf16 weights in device memory, tensor-core GEMMs through cuBLAS (q|k|v and gate|up fused into
 // one GEMM each; optionally FP8 block-scaled projection weights, kernels/cuda/fp8_gemm.h), the
 // engine's own paged KV cache (pages of 64 rows, FP8 e4m3 with a scale per row and head, or bf16),
-// flash attention over it, and the attention-input tap.
+// flash attention over it (the engine's own kernel, or cuDNN's over a bf16 cache), and the
+// attention-input tap.
 //
 // All work of a chunk is enqueued on the engine's compute stream; prefill_chunk returns once it
 // is enqueued and the host waits only where it must (a host tap, last_logits, or a consumer's
@@ -32,6 +33,7 @@
 
 #include "common/status.h"
 #include "engine/tap.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/device_rope.h"
 #include "kernels/cuda/fast_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
@@ -56,6 +58,12 @@ enum class LlamaCudaArith {
 // runs those GEMMs on the FP8 tensor cores, quantizing their inputs per token and 128 columns; the
 // embedding, the norms and lm_head stay bf16. kFast only, Hopper (sm_90) only.
 
+// The fast path's attention: the engine's own flash kernel (fast_ops.h: any cache) or cuDNN's
+// fused SDPA (cudnn_attention.h: a bf16 cache, read in place). kAuto: cuDNN where the build has it,
+// it loads on the device and the cache is bf16; the engine's own kernel otherwise, saying why
+// (attention_name()). kCudnn refuses to start without it.
+enum class AttentionKernel { kAuto, kOwn, kCudnn };
+
 struct LlamaCudaOptions {
   KvDtype kv_dtype = KvDtype::kFp8;  // kFast only
   bool host_tap = false;
@@ -65,6 +73,7 @@ struct LlamaCudaOptions {
   // Device memory the engine's allocations (weights, cache, activations) may hold, in bytes; 0:
   // no budget beyond the device. An allocation past it fails as a cudaMalloc out of memory does.
   int64_t device_memory_budget_bytes = 0;
+  AttentionKernel attention = AttentionKernel::kAuto;  // kFast only
 };
 
 // "fp8" or "bf16".
@@ -72,6 +81,8 @@ Result<KvDtype> parse_kv_dtype(const std::string& name);
 const char* kv_dtype_name(KvDtype dtype);
 // "fast" or "exact".
 Result<LlamaCudaArith> parse_llama_cuda_arith(const std::string& name);
+// "auto", "own" or "cudnn".
+Result<AttentionKernel> parse_attention_kernel(const std::string& name);
 
 class LlamaCudaEngine {
  public:
@@ -86,6 +97,8 @@ class LlamaCudaEngine {
 
   const LlamaConfig& config() const { return config_; }
   const LlamaCudaOptions& options() const { return options_; }
+  // Which attention the fast path runs, and under kAuto why not cuDNN's ("-" for kExact).
+  std::string attention_name() const;
   cudaStream_t stream() const { return stream_.get(); }
   // Forgets the sequence once the device has finished its work (whose errors it returns); the
   // cache pages stay allocated for the next one.
@@ -127,6 +140,7 @@ class LlamaCudaEngine {
   Status ensure_activations(int64_t n);
   Status ensure_pages(int64_t tokens);
   Status grow_pages(int64_t add);
+  Status choose_attention();
   Status ensure_exact(int64_t n, int64_t tokens, size_t scratch_bytes);
   Status upload_projection(std::initializer_list<const Tensor*> parts, Proj* out);
   Status linear(const uint16_t* x, int64_t m, const Proj& w, uint16_t* out);
@@ -150,6 +164,8 @@ class LlamaCudaEngine {
 
   std::unique_ptr<Pages> pages_;
   std::unique_ptr<Exact> exact_;
+  std::unique_ptr<CudnnAttention> cudnn_;  // set when the fast path attends through cuDNN
+  std::string attention_note_;             // why not, under kAuto
   int64_t n_cached_ = 0;
   int64_t last_rows_ = 0;  // rows of the last chunk
 

@@ -380,6 +380,13 @@ void launch_attention(const uint16_t* q, int64_t n, int heads, int kv_heads, int
       <<<grid, kWarps * 32, smem, stream>>>(q, n, heads, kv_heads, pos0, scale_log2, pages, out);
 }
 
+__global__ void iota_i32_kernel(int32_t* dst, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) dst[i] = static_cast<int32_t>(i);
+}
+
+__global__ void set_i32_pair_kernel(int32_t* dst, int32_t a, int32_t b) { dst[0] = a, dst[1] = b; }
+
 int threads_for(int64_t d) {
   int t = 32;
   while (t < d && t < 1024) t *= 2;
@@ -445,6 +452,15 @@ void attention_paged(const uint16_t* q, int64_t n, int heads, int64_t pos0, floa
     else
       launch_attention<128, false>(q, n, heads, kvh, pos0, scale_log2, kv.pages, out, stream);
   }
+}
+
+void iota_i32(int32_t* dst, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  iota_i32_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(dst, n);
+}
+
+void set_i32_pair(int32_t* dst, int32_t a, int32_t b, cudaStream_t stream) {
+  set_i32_pair_kernel<<<1, 1, 0, stream>>>(dst, a, b);
 }
 
 }  // namespace hetero::cuda

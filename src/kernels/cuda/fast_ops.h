@@ -78,4 +78,9 @@ void attention_paged(const uint16_t* q, int64_t n, int heads, int64_t pos0, floa
 // Whether attention_paged supports this head dim.
 bool attention_paged_supports(int head_dim);
 
+// dst[i] = i for i < n; dst[0] = a, dst[1] = b (lengths and page tables for library kernels,
+// enqueued so that the host may reuse its values at once).
+void iota_i32(int32_t* dst, int64_t n, cudaStream_t stream);
+void set_i32_pair(int32_t* dst, int32_t a, int32_t b, cudaStream_t stream);
+
 }  // namespace hetero::cuda
