@@ -3,7 +3,9 @@
 // (cudnn_attention.h), in the same run on the same GPU, at the shapes a long prefill runs.
 //
 // One run = a T-token prompt's attention in --chunk sized chunks, as the engine calls it (chunk i
-// attends over rows [0, (i+1)*chunk)); --chunk 0 is one chunk of T rows. FLOPs counted: the
+// attends over rows [0, (i+1)*chunk)); --chunk 0 is one chunk of T rows (the shape libraries
+// quote). cuDNN runs twice: over the pages (as the engine calls it) and over the same bytes as
+// its dense token-major layout, which prices the paging. FLOPs counted: the
 // useful work, 4 * heads * head_dim per (query, visible key) pair. Median and spread of --repeat
 // runs after one warm-up (CUDA events). Each row also carries the relative RMS difference
 // between the two kernels' outputs on the last chunk, a sanity check (the GPU tests hold the
@@ -27,20 +29,20 @@ namespace {
 
 using bench::Draw;
 
-#define CHECK_OK(expr)                                                          \
-  do {                                                                          \
-    const Status st_ = (expr);                                                  \
-    if (!st_.is_ok()) {                                                         \
+#define CHECK_OK(expr)                                                                \
+  do {                                                                                \
+    const Status st_ = (expr);                                                        \
+    if (!st_.is_ok()) {                                                               \
       std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, st_.message().c_str()); \
-      std::exit(1);                                                             \
-    }                                                                           \
+      std::exit(1);                                                                   \
+    }                                                                                 \
   } while (0)
 
 struct Args {
   std::vector<int64_t> tokens = {8192, 32768, 131072};
   std::vector<int> dims = {64, 128};
   int heads = 32, kv_heads = 8, repeat = 5;
-  int64_t chunk = 8192;
+  std::vector<int64_t> chunks = {8192, 0};  // 0: the whole prompt in one call
   std::string rev = "unknown";
 };
 
@@ -60,14 +62,25 @@ Args parse(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     const char* v = argv[i + 1];
-    if (k == "--t") a.tokens = ints(v);
-    else if (k == "--d") { a.dims.clear(); for (int64_t d : ints(v)) a.dims.push_back(int(d)); }
-    else if (k == "--heads") a.heads = std::atoi(v);
-    else if (k == "--kv-heads") a.kv_heads = std::atoi(v);
-    else if (k == "--chunk") a.chunk = std::atoll(v);
-    else if (k == "--repeat") a.repeat = std::atoi(v);
-    else if (k == "--rev") a.rev = v;
-    else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); std::exit(2); }
+    if (k == "--t")
+      a.tokens = ints(v);
+    else if (k == "--d") {
+      a.dims.clear();
+      for (int64_t d : ints(v)) a.dims.push_back(int(d));
+    } else if (k == "--heads")
+      a.heads = std::atoi(v);
+    else if (k == "--kv-heads")
+      a.kv_heads = std::atoi(v);
+    else if (k == "--chunk")
+      a.chunks = ints(v);
+    else if (k == "--repeat")
+      a.repeat = std::atoi(v);
+    else if (k == "--rev")
+      a.rev = v;
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
+      std::exit(2);
+    }
   }
   return a;
 }
@@ -78,11 +91,12 @@ double attention_flops(int64_t T, int heads, int d) {
   return 4.0 * heads * d * (static_cast<double>(T) * (T + 1) / 2);
 }
 
-void run_shape(const Args& a, int64_t T, int d, cudaStream_t st) {
+void run_shape(const Args& a, int64_t T, int64_t chunk_arg, int d, cudaStream_t st) {
   const int H = a.heads, Hk = a.kv_heads;
-  const int64_t chunk = a.chunk > 0 ? std::min(a.chunk, T) : T;
+  const int64_t chunk = chunk_arg > 0 ? std::min(chunk_arg, T) : T;
   const int64_t pages = (T + cuda::kKvPageTokens - 1) / cuda::kKvPageTokens;
-  const size_t block = static_cast<size_t>(Hk) * cuda::kKvPageTokens * d;  // elements per K or V block
+  const size_t block =
+      static_cast<size_t>(Hk) * cuda::kKvPageTokens * d;  // elements per K or V block
   // One slab: page i = [K block | V block], as the engine lays out a bf16 cache for cuDNN.
   cuda::DeviceBuffer slab, table, q, out_own, out_cudnn;
   CHECK_OK(slab.allocate(static_cast<size_t>(pages) * 2 * block * 2, "cache"));
@@ -93,12 +107,14 @@ void run_shape(const Args& a, int64_t T, int d, cudaStream_t st) {
     Draw g{0x9e3779b97f4a7c15ull + static_cast<uint64_t>(T * 131 + d)};
     std::vector<uint16_t> host(static_cast<size_t>(pages) * 2 * block);
     for (auto& x : host) x = f32_to_bf16(g.next(1.f));
-    CHECK_OK(cuda::call_status(cudaMemcpy(slab.get(), host.data(), host.size() * 2,
-                                          cudaMemcpyHostToDevice), "copy", __FILE__, __LINE__));
+    CHECK_OK(cuda::call_status(
+        cudaMemcpy(slab.get(), host.data(), host.size() * 2, cudaMemcpyHostToDevice), "copy",
+        __FILE__, __LINE__));
     std::vector<uint16_t> hq(static_cast<size_t>(chunk) * H * d);
     for (auto& x : hq) x = f32_to_bf16(g.next(1.f));
-    CHECK_OK(cuda::call_status(cudaMemcpy(q.get(), hq.data(), hq.size() * 2,
-                                          cudaMemcpyHostToDevice), "copy", __FILE__, __LINE__));
+    CHECK_OK(
+        cuda::call_status(cudaMemcpy(q.get(), hq.data(), hq.size() * 2, cudaMemcpyHostToDevice),
+                          "copy", __FILE__, __LINE__));
   }
   std::vector<cuda::KvPageRef> refs(static_cast<size_t>(pages));
   for (int64_t i = 0; i < pages; ++i) {
@@ -107,15 +123,21 @@ void run_shape(const Args& a, int64_t T, int d, cudaStream_t st) {
     refs[static_cast<size_t>(i)].v = pg + block;
   }
   CHECK_OK(table.allocate(refs.size() * sizeof(cuda::KvPageRef), "table"));
-  CHECK_OK(cuda::call_status(cudaMemcpy(table.get(), refs.data(), refs.size() * sizeof(refs[0]),
-                                        cudaMemcpyHostToDevice), "copy", __FILE__, __LINE__));
+  CHECK_OK(cuda::call_status(
+      cudaMemcpy(table.get(), refs.data(), refs.size() * sizeof(refs[0]), cudaMemcpyHostToDevice),
+      "copy", __FILE__, __LINE__));
   const cuda::PagedKvView view{table.get<cuda::KvPageRef>(), cuda::KvDtype::kBf16, Hk, d};
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   auto cudnn = cuda::CudnnAttention::create(H, Hk, d, scale, 0);
   const cuda::CudnnPagedKv ckv{slab.get(), slab.get<uint16_t>() + block,
                                static_cast<int64_t>(2 * block), pages};
 
-  auto time_runs = [&](bool use_cudnn) {
+  // The same memory read as cuDNN's dense layout (K rows then V rows, token-major): what paging
+  // costs cuDNN. Its values differ from the paged view's, so only its time is reported.
+  const cuda::CudnnPagedKv dense{
+      slab.get(), slab.get<uint16_t>() + static_cast<size_t>(pages) * block, 0, pages, true};
+  enum Kernel { kOwn, kPaged, kDense };
+  auto time_runs = [&](Kernel kernel) {
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     std::vector<double> ms;
@@ -123,12 +145,14 @@ void run_shape(const Args& a, int64_t T, int d, cudaStream_t st) {
       cudaEventRecord(e0, st);
       for (int64_t pos0 = 0; pos0 < T; pos0 += chunk) {
         const int64_t n = std::min(chunk, T - pos0);
-        if (use_cudnn) {
+        if (kernel != kOwn) {
           CHECK_OK(cudnn.value()->begin_chunk(n, pos0, pages, st));
-          CHECK_OK(cudnn.value()->run(q.get<uint16_t>(), ckv, out_cudnn.get<uint16_t>(), st));
+          CHECK_OK(cudnn.value()->run(
+              q.get<uint16_t>(), kernel == kPaged ? ckv : dense,
+              kernel == kPaged ? out_cudnn.get<uint16_t>() : out_own.get<uint16_t>(), st));
         } else {
-          cuda::attention_paged(q.get<uint16_t>(), n, H, pos0, scale, view,
-                                out_own.get<uint16_t>(), st);
+          cuda::attention_paged(q.get<uint16_t>(), n, H, pos0, scale, view, out_own.get<uint16_t>(),
+                                st);
         }
       }
       cudaEventRecord(e1, st);
@@ -141,12 +165,13 @@ void run_shape(const Args& a, int64_t T, int d, cudaStream_t st) {
     return bench::spread(ms);
   };
   const double flops = attention_flops(T, H, d);
-  const bench::Spread own = time_runs(false);
-  bench::Spread lib{};
+  bench::Spread lib{}, lib_dense{};
   double rel_rms = -1;
   std::string lib_name = cudnn.is_ok() ? cudnn.value()->name() : cudnn.status().message();
+  if (cudnn.is_ok()) lib_dense = time_runs(kDense);
+  const bench::Spread own = time_runs(kOwn);
   if (cudnn.is_ok()) {
-    lib = time_runs(true);
+    lib = time_runs(kPaged);
     // Both kernels last ran the same final chunk: compare their outputs.
     const int64_t n_last = T - ((T - 1) / chunk) * chunk;
     std::vector<uint16_t> x(static_cast<size_t>(n_last) * H * d), y(x.size());
@@ -161,20 +186,23 @@ void run_shape(const Args& a, int64_t T, int d, cudaStream_t st) {
   }
   const double own_tf = flops / (own.median * 1e-3) / 1e12;
   const double lib_tf = cudnn.is_ok() ? flops / (lib.median * 1e-3) / 1e12 : 0;
+  const double dense_tf = cudnn.is_ok() ? flops / (lib_dense.median * 1e-3) / 1e12 : 0;
   std::printf(
       "{\"bench\":\"attention\",\"gpu\":\"%s\",\"rev\":\"%s\",\"T\":%lld,\"chunk\":%lld,"
       "\"head_dim\":%d,\"heads\":%d,\"kv_heads\":%d,\"repeat\":%d,"
       "\"own_ms\":%.3f,\"own_ms_min\":%.3f,\"own_ms_max\":%.3f,\"own_tflops\":%.1f,"
       "\"cudnn_ms\":%.3f,\"cudnn_ms_min\":%.3f,\"cudnn_ms_max\":%.3f,\"cudnn_tflops\":%.1f,"
+      "\"cudnn_dense_ms\":%.3f,\"cudnn_dense_tflops\":%.1f,"
       "\"own_over_cudnn\":%.3f,\"rel_rms\":%.2e,\"cudnn\":\"%s\"}\n",
       bench::gpu_name().c_str(), a.rev.c_str(), static_cast<long long>(T),
       static_cast<long long>(chunk), d, H, Hk, a.repeat, own.median, own.min, own.max, own_tf,
-      lib.median, lib.min, lib.max, lib_tf, lib_tf > 0 ? own_tf / lib_tf : 0.0, rel_rms,
-      lib_name.c_str());
-  std::fprintf(stderr, "%8lld %6lld %4d | own %9.2f ms %6.1f TF/s | cuDNN %9.2f ms %6.1f TF/s | "
-               "own/cuDNN %.2f | rel rms %.1e\n",
+      lib.median, lib.min, lib.max, lib_tf, lib_dense.median, dense_tf,
+      lib_tf > 0 ? own_tf / lib_tf : 0.0, rel_rms, lib_name.c_str());
+  std::fprintf(stderr,
+               "%8lld %6lld %4d | own %9.2f ms %6.1f TF/s | cuDNN paged %9.2f ms %6.1f TF/s"
+               " | dense %6.1f TF/s | own/cuDNN %.2f | rel rms %.1e\n",
                static_cast<long long>(T), static_cast<long long>(chunk), d, own.median, own_tf,
-               lib.median, lib_tf, lib_tf > 0 ? own_tf / lib_tf : 0.0, rel_rms);
+               lib.median, lib_tf, dense_tf, lib_tf > 0 ? own_tf / lib_tf : 0.0, rel_rms);
   std::fflush(stdout);
 }
 
@@ -191,7 +219,8 @@ int main(int argc, char** argv) {
   cudaStreamCreate(&st);
   std::fprintf(stderr, "       T  chunk    d |\n");
   for (int d : a.dims)
-    for (int64_t T : a.tokens) run_shape(a, T, d, st);
+    for (int64_t chunk : a.chunks)
+      for (int64_t T : a.tokens) run_shape(a, T, chunk, d, st);
   cudaStreamDestroy(st);
   return 0;
 }

@@ -35,7 +35,7 @@ echo "== the 1B forward, bf16 cache, each kernel"
 for att in own cudnn; do
   modes=off
   [[ $att == cudnn ]] && modes=off,on
-  build/hetero_gpu_llama_prefill_bench --t "$T" --kv bf16 --attention $att --modes $modes \
+  build/hetero_gpu_llama_prefill_bench --tokens "$T" --kv bf16 --attention $att --modes $modes \
     --repeat "$REPEAT" --rev "$REV" >>"$OUT_DIR/forward.jsonl" 2>"$OUT_DIR/forward-$att.log" || rc=1
   cat "$OUT_DIR/forward-$att.log"
 done

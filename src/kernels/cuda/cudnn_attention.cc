@@ -1,6 +1,7 @@
 #include "kernels/cuda/cudnn_attention.h"
 
 #include <map>
+#include <tuple>
 #include <utility>
 
 #include "kernels/cuda/device.h"
@@ -57,13 +58,13 @@ Status fe_status(fe::error_t e, const char* step) {
   if (e.is_good()) return Status::ok();
   std::string m = std::string("cuDNN attention, ") + step + ": " + e.get_message();
   return e.get_code() == fe::error_code_t::GRAPH_NOT_SUPPORTED ? failed_precondition(std::move(m))
-                                                                : internal_error(std::move(m));
+                                                               : internal_error(std::move(m));
 }
 
-#define HETERO_FE_RETURN_IF_ERROR(expr, step)        \
-  do {                                               \
-    ::hetero::Status st_ = fe_status((expr), step);  \
-    if (!st_.is_ok()) return st_;                    \
+#define HETERO_FE_RETURN_IF_ERROR(expr, step)       \
+  do {                                              \
+    ::hetero::Status st_ = fe_status((expr), step); \
+    if (!st_.is_ok()) return st_;                   \
   } while (0)
 
 std::string version_text(size_t v) {
@@ -96,15 +97,17 @@ struct CudnnAttention::Impl {
   int64_t table_pages = 0;
   int64_t n = 0, pages = 0;  // the chunk's
   int64_t page_stride = 0;   // elements between pages: the engine's page geometry
-  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<fe::graph::Graph>> graphs;
+  std::map<std::tuple<int64_t, int64_t, bool>, std::shared_ptr<fe::graph::Graph>> graphs;
   fe::graph::Graph* graph = nullptr;  // the chunk's
+  bool graph_token_major = false;
 
   ~Impl() {
     graphs.clear();
     if (handle) cudnnDestroy(handle);
   }
 
-  Result<std::shared_ptr<fe::graph::Graph>> build(int64_t n_rows, int64_t n_pages) const {
+  Result<std::shared_ptr<fe::graph::Graph>> build(int64_t n_rows, int64_t n_pages,
+                                                  bool token_major) const {
     const int64_t H = heads, Hk = kv_heads, D = head_dim, P = n_pages;
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
@@ -115,23 +118,33 @@ struct CudnnAttention::Impl {
     const std::vector<int64_t> q_dim = {1, H, n_rows, D}, q_stride = {n_rows * H * D, D, H * D, 1};
     auto q = g->tensor(TA().set_name("q").set_uid(kQ).set_dim(q_dim).set_stride(q_stride));
     // A layer's cache: one entry per page; every layer's pages share one stride (one slab per
-    // layer), so one graph serves all layers with their own base pointers.
+    // layer), so one graph serves all layers with their own base pointers. Token-major: rows.
     auto kv_tensor = [&](const char* nm, int64_t uid) {
-      return g->tensor(TA().set_name(nm).set_uid(uid).set_dim({P, Hk, kKvPageTokens, D})
-                           .set_stride({page_stride, kKvPageTokens * D, D, 1}));
+      auto t = TA().set_name(nm).set_uid(uid);
+      if (token_major)
+        t.set_dim({1, Hk, P * kKvPageTokens, D})
+            .set_stride({P * kKvPageTokens * Hk * D, D, Hk * D, 1});
+      else
+        t.set_dim({P, Hk, kKvPageTokens, D}).set_stride({page_stride, kKvPageTokens * D, D, 1});
+      return g->tensor(t);
     };
     auto k = kv_tensor("k_pages", kK);
     auto v = kv_tensor("v_pages", kV);
     auto len = [&](const char* nm, int64_t uid) {
-      return g->tensor(TA().set_name(nm).set_uid(uid).set_dim({1, 1, 1, 1}).set_stride({1, 1, 1, 1})
+      return g->tensor(TA().set_name(nm)
+                           .set_uid(uid)
+                           .set_dim({1, 1, 1, 1})
+                           .set_stride({1, 1, 1, 1})
                            .set_data_type(fe::DataType_t::INT32));
     };
     auto seq_q = len("seq_q", kSeqQ), seq_kv = len("seq_kv", kSeqKv);
     auto tab = [&](const char* nm, int64_t uid) {
-      return g->tensor(TA().set_name(nm).set_uid(uid).set_dim({1, 1, P, 1}).set_stride({P, P, 1, 1})
+      return g->tensor(TA().set_name(nm)
+                           .set_uid(uid)
+                           .set_dim({1, 1, P, 1})
+                           .set_stride({P, P, 1, 1})
                            .set_data_type(fe::DataType_t::INT32));
     };
-    auto table_k = tab("table_k", kTableK), table_v = tab("table_v", kTableV);
     auto opts = fe::graph::SDPA_attributes()
                     .set_name("attention")
                     .set_generate_stats(false)
@@ -139,10 +152,11 @@ struct CudnnAttention::Impl {
                     .set_causal_mask_bottom_right(true)
                     .set_padding_mask(true)
                     .set_seq_len_q(seq_q)
-                    .set_seq_len_kv(seq_kv)
-                    .set_paged_attention_k_table(table_k)
-                    .set_paged_attention_v_table(table_v)
-                    .set_paged_attention_max_seq_len_kv(static_cast<int>(P * kKvPageTokens));
+                    .set_seq_len_kv(seq_kv);
+    if (!token_major)
+      opts.set_paged_attention_k_table(tab("table_k", kTableK))
+          .set_paged_attention_v_table(tab("table_v", kTableV))
+          .set_paged_attention_max_seq_len_kv(static_cast<int>(P * kKvPageTokens));
     auto [o, stats] = g->sdpa(q, k, v, opts);
     (void)stats;
     o->set_output(true).set_uid(kO).set_dim(q_dim).set_stride(q_stride);
@@ -203,11 +217,11 @@ Status CudnnAttention::run(const uint16_t* q, const CudnnPagedKv& kv, uint16_t* 
                            cudaStream_t stream) {
   Impl& I = *impl_;
   if (kv.pages != I.pages) return invalid_argument("cuDNN attention: the cache grew mid-chunk");
-  if (I.graph == nullptr) {
+  if (I.graph == nullptr || I.graph_token_major != kv.token_major) {
     if (I.page_stride != kv.page_stride) I.graphs.clear(), I.page_stride = kv.page_stride;
-    auto& g = I.graphs[{I.n, I.pages}];
+    auto& g = I.graphs[{I.n, I.pages, kv.token_major}];
     if (!g) {
-      HETERO_ASSIGN_OR_RETURN(g, I.build(I.n, I.pages));
+      HETERO_ASSIGN_OR_RETURN(g, I.build(I.n, I.pages, kv.token_major));
       int64_t ws = 0;
       HETERO_FE_RETURN_IF_ERROR(g->get_workspace_size(ws), "workspace");
       if (static_cast<size_t>(ws) > I.workspace.bytes()) {
@@ -217,14 +231,18 @@ Status CudnnAttention::run(const uint16_t* q, const CudnnPagedKv& kv, uint16_t* 
       }
     }
     I.graph = g.get();
+    I.graph_token_major = kv.token_major;
   }
   HETERO_RETURN_IF_ERROR(cudnn_status(cudnnSetStream(I.handle, stream), "cudnnSetStream"));
   int32_t* len = I.lengths.get<int32_t>();
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, const_cast<uint16_t*>(q)},    {kK, const_cast<void*>(kv.k)},
-      {kV, const_cast<void*>(kv.v)},     {kO, out},
-      {kSeqQ, len},                      {kSeqKv, len + 1},
-      {kTableK, I.table.get<int32_t>()}, {kTableV, I.table.get<int32_t>()}};
+  std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<uint16_t*>(q)},
+                                             {kK, const_cast<void*>(kv.k)},
+                                             {kV, const_cast<void*>(kv.v)},
+                                             {kO, out},
+                                             {kSeqQ, len},
+                                             {kSeqKv, len + 1}};
+  if (!kv.token_major)
+    pack[kTableK] = I.table.get<int32_t>(), pack[kTableV] = I.table.get<int32_t>();
   HETERO_FE_RETURN_IF_ERROR(I.graph->execute(I.handle, pack, I.workspace.get()), "execute");
   return Status::ok();
 }

@@ -29,11 +29,14 @@ Result<std::string> cudnn_attention_runtime();
 
 // One layer's cache as cuDNN sees it: `pages` pages, page i's K block at k + i * page_stride and
 // its V block at v + i * page_stride (elements), each block [kv_heads][64][head_dim] bf16.
+// token_major: no pages but rows, k and v each [pages * 64][kv_heads][head_dim] (page_stride
+// unused), cuDNN's dense layout; the benchmark measures what paging costs with it.
 struct CudnnPagedKv {
   const void* k = nullptr;
   const void* v = nullptr;
   int64_t page_stride = 0;  // elements
   int64_t pages = 0;
+  bool token_major = false;
 };
 
 class CudnnAttention {
