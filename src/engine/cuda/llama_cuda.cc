@@ -435,9 +435,10 @@ Status LlamaCudaEngine::ensure_pages(int64_t tokens) {
 }
 
 // Adds `add` pages to every layer, or nothing (a failed allocation frees what this call took).
-// With cuDNN attention each layer's pages stay in one slab (cuDNN reads them as one container
-// from one base pointer): the slab is regrown by copy, so while it grows the old and the new
-// slab are held together; reserve() takes a request's pages at once, before its first chunk.
+// With cuDNN attention each layer keeps one slab, its K rows then its V rows token-major
+// ([rows][kv_heads][head_dim], cuDNN's dense layout: over pages it ran at half the speed,
+// RESULTS §19), regrown by copy, so while it grows the old and the new slab are held together;
+// reserve() takes a request's pages at once, before its first chunk.
 Status LlamaCudaEngine::grow_pages(int64_t add) {
   Pages& P = *pages_;
   const LlamaConfig& c = config_;
@@ -465,10 +466,14 @@ Status LlamaCudaEngine::grow_pages(int64_t add) {
   }
   // Every allocation succeeded: the cache takes them.
   if (one_slab) {
-    for (size_t l = 0; l < L && P.pages > 0; ++l)
-      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(slabs[l].get(), P.slabs[l].get(),
-                                             page_bytes * static_cast<size_t>(P.pages),
-                                             cudaMemcpyDeviceToDevice));
+    const size_t old_rows = kv_bytes * static_cast<size_t>(P.pages);
+    for (size_t l = 0; l < L && P.pages > 0; ++l) {
+      char* to = slabs[l].get<char>();
+      const char* from = P.slabs[l].get<const char>();
+      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(to, from, old_rows, cudaMemcpyDeviceToDevice));
+      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(to + kv_bytes * static_cast<size_t>(pages),
+                                             from + old_rows, old_rows, cudaMemcpyDeviceToDevice));
+    }
     P.slabs.clear();
     P.slab_bytes = 0;
     for (auto& h : P.host) h.clear();
@@ -483,6 +488,9 @@ Status LlamaCudaEngine::grow_pages(int64_t add) {
       KvPageRef r;
       r.k = pg;
       r.v = pg + kv_bytes;
+      if (one_slab)  // K rows, then V rows
+        r.k = base + kv_bytes * static_cast<size_t>(i),
+        r.v = base + kv_bytes * static_cast<size_t>(pages + i);
       if (scale_bytes) {
         r.k_scale = reinterpret_cast<float*>(pg + 2 * kv_bytes);
         r.v_scale = reinterpret_cast<float*>(pg + 2 * kv_bytes + scale_bytes);
@@ -552,17 +560,16 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
     const Layer& L = layers_[static_cast<size_t>(l)];
     HETERO_RETURN_IF_ERROR(deliver_tap(tap, l, pos0, n, xn));
     PagedKvView kv{pages_->table[static_cast<size_t>(l)].get<KvPageRef>(), options_.kv_dtype,
-                   static_cast<int>(c.kv_heads), static_cast<int>(hd)};
+                   static_cast<int>(c.kv_heads), static_cast<int>(hd), cudnn_ != nullptr};
     HETERO_RETURN_IF_ERROR(linear(xn, n, L.wqkv, qkv));
     qkv_rope_store(qkv, n, static_cast<int>(c.heads), pos0, rope_.table(), L.extra, q, kv, st);
     if (cudnn_) {
-      // One slab per layer (grow_pages): the K and V blocks of page i at i * page stride.
+      // One slab per layer (grow_pages): its K rows, then its V rows.
       const Pages& P = *pages_;
       const char* slab = P.slabs[static_cast<size_t>(l)].get<const char>();
-      // A bf16 page is its K block then its V block (no scales): kv_bytes bf16 elements apart.
-      const int64_t stride = static_cast<int64_t>(P.kv_bytes);
-      HETERO_RETURN_IF_ERROR(
-          cudnn_->run(q, CudnnPagedKv{slab, slab + P.kv_bytes, stride, P.pages}, attn, st));
+      const CudnnPagedKv rows{slab, slab + P.kv_bytes * static_cast<size_t>(P.pages), 0, P.pages,
+                              /*token_major=*/true};
+      HETERO_RETURN_IF_ERROR(cudnn_->run(q, rows, attn, st));
     } else {
       attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, st);
     }

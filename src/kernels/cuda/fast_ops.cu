@@ -65,7 +65,8 @@ __global__ void add_rms_norm_kernel(uint16_t* h, const uint16_t* delta, const ui
 // One block per (token, head) of q, k and v; d/2 threads, thread i owns elements i and i+d/2.
 __global__ void qkv_rope_store_kernel(const uint16_t* qkv, int heads, int kv_heads, int d,
                                       int64_t pos0, RopeTable rope, QkvBiasNorm extra,
-                                      uint16_t* q_out, const KvPageRef* pages, bool fp8) {
+                                      uint16_t* q_out, const KvPageRef* pages, bool fp8,
+                                      bool token_major) {
   __shared__ float red[32];
   const int64_t t = blockIdx.x;
   const int hh = blockIdx.y;  // [0, heads): q; [heads, heads+kv_heads): k and v
@@ -97,7 +98,8 @@ __global__ void qkv_rope_store_kernel(const uint16_t* qkv, int heads, int kv_hea
   }
   const int64_t p = pos0 + t;
   const KvPageRef pg = pages[p / kKvPageTokens];
-  const int64_t slot = (int64_t(head) * kKvPageTokens + p % kKvPageTokens);
+  const int64_t row = p % kKvPageTokens;
+  const int64_t slot = token_major ? row * kv_heads + head : int64_t(head) * kKvPageTokens + row;
   const uint16_t* vsrc = qkv + t * width + int64_t(heads + kv_heads + head) * d;
   float v1 = bf(vsrc[i]), v2 = bf(vsrc[i + half]);
   if (extra.bv)
@@ -420,9 +422,9 @@ void qkv_rope_store(const uint16_t* qkv, int64_t n, int heads, int64_t pos0, con
                     cudaStream_t stream) {
   if (n == 0) return;
   const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(heads + kv.kv_heads));
-  qkv_rope_store_kernel<<<grid, kv.head_dim / 2, 0, stream>>>(qkv, heads, kv.kv_heads, kv.head_dim,
-                                                              pos0, rope, extra, q, kv.pages,
-                                                              kv.dtype == KvDtype::kFp8);
+  qkv_rope_store_kernel<<<grid, kv.head_dim / 2, 0, stream>>>(
+      qkv, heads, kv.kv_heads, kv.head_dim, pos0, rope, extra, q, kv.pages,
+      kv.dtype == KvDtype::kFp8, kv.token_major);
 }
 
 void silu_mul_halves(const uint16_t* gate_up, int64_t n, int64_t inter, uint16_t* out,

@@ -30,10 +30,14 @@ struct KvPageRef {
 };
 
 // One layer's view of a sequence's cache: pages[i] holds positions [i*64, i*64+64).
+// token_major (bf16 only): a page's blocks hold [kKvPageTokens][kv_heads][head_dim] instead, so
+// that consecutive pages form cuDNN's dense [rows][kv_heads][head_dim] layout; qkv_rope_store
+// writes it, attention_paged does not read it (cudnn_attention.h does).
 struct PagedKvView {
   const KvPageRef* pages = nullptr;  // device array
   KvDtype dtype = KvDtype::kFp8;
   int kv_heads = 0, head_dim = 0;
+  bool token_major = false;
 };
 
 // out[t] = table[ids[t]] rows of width hidden.
