@@ -355,6 +355,7 @@ int cmd_verify(int argc, char** argv) {
        {{"name", backend.name},
         {"arith", backend.name == "cuda" ? backend.arith : "ordered"},
         {"kv_dtype", backend.name == "cuda" && backend.arith == "fast" ? backend.kv_dtype : "-"},
+        {"attention", backend.name == "cuda" && backend.arith == "fast" ? backend.attention : "-"},
         {"weights", backend.name == "cuda" && backend.arith == "fast" ? backend.weights : "-"},
         {"device", backend.name == "cuda" ? backend.device : -1},
         {"program_device", backend.name == "cuda" ? backend.program_device : -1},
