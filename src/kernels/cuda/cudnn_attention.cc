@@ -96,18 +96,19 @@ struct CudnnAttention::Impl {
   DeviceBuffer lengths, table, workspace;
   int64_t table_pages = 0;
   int64_t n = 0, pages = 0;  // the chunk's
-  int64_t page_stride = 0;   // elements between pages: the engine's page geometry
-  std::map<std::tuple<int64_t, int64_t, bool>, std::shared_ptr<fe::graph::Graph>> graphs;
+  // By (query rows, pages, page stride: 0 for the token-major layout).
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::shared_ptr<fe::graph::Graph>> graphs;
   fe::graph::Graph* graph = nullptr;  // the chunk's
   bool graph_token_major = false;
+  int64_t graph_stride = 0;
 
   ~Impl() {
     graphs.clear();
     if (handle) cudnnDestroy(handle);
   }
 
-  Result<std::shared_ptr<fe::graph::Graph>> build(int64_t n_rows, int64_t n_pages,
-                                                  bool token_major) const {
+  Result<std::shared_ptr<fe::graph::Graph>> build(int64_t n_rows, int64_t n_pages, bool token_major,
+                                                  int64_t page_stride) const {
     const int64_t H = heads, Hk = kv_heads, D = head_dim, P = n_pages;
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
@@ -200,13 +201,6 @@ Status CudnnAttention::begin_chunk(int64_t n, int64_t pos0, int64_t pages, cudaS
   if (n <= 0 || pos0 < 0 || (pos0 + n + kKvPageTokens - 1) / kKvPageTokens > pages)
     return invalid_argument("cuDNN attention: " + std::to_string(n) + " rows at " +
                             std::to_string(pos0) + " over " + std::to_string(pages) + " pages");
-  if (pages > I.table_pages) {
-    // The identity table: page i of the sequence is the slab's page i.
-    HETERO_RETURN_IF_ERROR(I.table.allocate(static_cast<size_t>(pages) * sizeof(int32_t),
-                                            "cuDNN attention's page table"));
-    iota_i32(I.table.get<int32_t>(), pages, stream);
-    I.table_pages = pages;
-  }
   set_i32_pair(I.lengths.get<int32_t>(), static_cast<int32_t>(n), static_cast<int32_t>(pos0 + n),
                stream);
   I.n = n, I.pages = pages, I.graph = nullptr;
@@ -217,11 +211,19 @@ Status CudnnAttention::run(const uint16_t* q, const CudnnPagedKv& kv, uint16_t* 
                            cudaStream_t stream) {
   Impl& I = *impl_;
   if (kv.pages != I.pages) return invalid_argument("cuDNN attention: the cache grew mid-chunk");
-  if (I.graph == nullptr || I.graph_token_major != kv.token_major) {
-    if (I.page_stride != kv.page_stride) I.graphs.clear(), I.page_stride = kv.page_stride;
-    auto& g = I.graphs[{I.n, I.pages, kv.token_major}];
+  if (!kv.token_major && I.pages > I.table_pages) {
+    // The identity table: page i of the sequence is the slab's page i.
+    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    HETERO_RETURN_IF_ERROR(I.table.allocate(static_cast<size_t>(I.pages) * sizeof(int32_t),
+                                            "cuDNN attention's page table"));
+    iota_i32(I.table.get<int32_t>(), I.pages, stream);
+    I.table_pages = I.pages;
+  }
+  const int64_t stride = kv.token_major ? 0 : kv.page_stride;
+  if (I.graph == nullptr || I.graph_token_major != kv.token_major || I.graph_stride != stride) {
+    auto& g = I.graphs[{I.n, I.pages, stride}];
     if (!g) {
-      HETERO_ASSIGN_OR_RETURN(g, I.build(I.n, I.pages, kv.token_major));
+      HETERO_ASSIGN_OR_RETURN(g, I.build(I.n, I.pages, kv.token_major, stride));
       int64_t ws = 0;
       HETERO_FE_RETURN_IF_ERROR(g->get_workspace_size(ws), "workspace");
       if (static_cast<size_t>(ws) > I.workspace.bytes()) {
@@ -231,7 +233,7 @@ Status CudnnAttention::run(const uint16_t* q, const CudnnPagedKv& kv, uint16_t* 
       }
     }
     I.graph = g.get();
-    I.graph_token_major = kv.token_major;
+    I.graph_token_major = kv.token_major, I.graph_stride = stride;
   }
   HETERO_RETURN_IF_ERROR(cudnn_status(cudnnSetStream(I.handle, stream), "cudnnSetStream"));
   int32_t* len = I.lengths.get<int32_t>();
