@@ -18,15 +18,16 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "HETERO_PREFILL_ARITH",
        "exact",
        "cuda: exact (llama: the decoder's arithmetic on CUDA cores: bit-exact caches, the "
-       "decoder's own answers) or fast (tensor cores, FP8 paged cache: caches within a "
+       "decoder's own answers) or fast (tensor cores, the engine's own cache: caches within a "
        "tolerance, answers not guaranteed; deepseek_v4 and mlx-lm-quantized llama checkpoints "
        "need fast; docs/design/prefill-cuda.md)",
        false,
        {"exact", "fast"}},
       {"kv-dtype",
        "HETERO_PREFILL_KV_DTYPE",
-       "fp8",
-       "cuda, fast: the engine's own cache dtype",
+       "bf16",
+       "cuda, fast: the engine's own cache dtype (bf16: cuDNN's attention can read it, the "
+       "faster; fp8: half the bytes, the engine's own attention)",
        false,
        {"fp8", "bf16"}},
       {"attention",

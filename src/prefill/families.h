@@ -34,7 +34,7 @@ struct PrefillStack {
 struct PrefillBackend {
   std::string name = "cpu";        // "cpu" or "cuda"
   std::string gemm = "ordered";    // cpu, llama: "ordered" (the decoder's order) or "blas"
-  std::string kv_dtype = "fp8";    // cuda: the engine's own cache, "fp8" or "bf16"
+  std::string kv_dtype = "bf16";   // cuda: the engine's own cache, "bf16" or "fp8"
   std::string attention = "auto";  // cuda, fast, llama: "auto", "own" or "cudnn"
   std::string arith = "exact";     // cuda, llama: "exact" (the decoder's) or "fast" (tensor cores)
   int device = 0;                  // cuda: which GPU

@@ -190,7 +190,7 @@ Result<std::unique_ptr<CudnnAttention>> CudnnAttention::create(int heads, int kv
   auto impl = std::make_unique<Impl>();
   impl->heads = heads, impl->kv_heads = kv_heads, impl->head_dim = head_dim;
   impl->scale = scale, impl->device = device;
-  impl->name = runtime + " SDPA (paged bf16 cache)";
+  impl->name = runtime + " SDPA (bf16 cache)";
   HETERO_RETURN_IF_ERROR(cudnn_status(cudnnCreate(&impl->handle), "cudnnCreate"));
   HETERO_RETURN_IF_ERROR(impl->lengths.allocate(2 * sizeof(int32_t), "cuDNN attention's lengths"));
   return std::unique_ptr<CudnnAttention>(new CudnnAttention(std::move(impl)));

@@ -1,6 +1,8 @@
 // Causal GQA attention of the fast llama engine through cuDNN's fused flash attention (SDPA, its
-// graph frontend), over the engine's own paged bf16 KV cache: cuDNN reads the pages in place
-// (paged K and V containers with a page table), so nothing is gathered or copied.
+// graph frontend), over the engine's own bf16 KV cache, read in place: the engine keeps it
+// token-major in one slab per layer (cuDNN's dense layout), or cuDNN reads it as pages (paged K
+// and V containers with a page table; half the speed: docs/findings/cudnn-attention-layout.md,
+// kept for the benchmark that prices it).
 //
 // Optional: built where cuDNN's headers, its library and the frontend's headers were found
 // (HETERO_HAVE_CUDNN; `make` fetches the frontend's headers from PyPI); elsewhere every entry
@@ -55,7 +57,7 @@ class CudnnAttention {
   // out [n][heads][d] = causal attention of q [n][heads][d] over one layer's cache, on `stream`.
   Status run(const uint16_t* q, const CudnnPagedKv& kv, uint16_t* out, cudaStream_t stream);
 
-  // "cuDNN 9.19.0 SDPA (paged, bf16)": for logs, benches and the engine's description.
+  // "cuDNN 9.19.0 SDPA (bf16 cache)": for logs, benches and the engine's description.
   const std::string& name() const;
 
  private:
