@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 #include <vector>
 
+#include "engine/cuda/llama_cuda.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "prefill/backend_options.h"
 #include "prefill/families.h"
 
@@ -44,6 +47,40 @@ Result<PrefillBackendOptions> parse_backend(std::vector<std::string> args) {
   for (std::string& a : args) argv.push_back(a.data());
   HETERO_RETURN_IF_ERROR(opts.parse(static_cast<int>(argv.size()), argv.data()));
   return prefill_backend_from(opts);
+}
+
+// The fast llama engine's attention: bf16 cache and auto by default (cuDNN's where it can run),
+// each choice by name, anything else refused; and where no GPU is usable (CI), cuDNN's attention
+// refuses to start with a Status, never a crash.
+TEST(PrefillBackend, AttentionKernelAndCacheDtype) {
+  auto d = parse_backend({"--backend", "cuda", "--arith", "fast"});
+  ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+  EXPECT_EQ(d->backend.kv_dtype, "bf16");
+  EXPECT_EQ(d->backend.attention, "auto");
+  auto own = parse_backend({"--attention", "own", "--kv-dtype", "fp8"});
+  ASSERT_TRUE(own.is_ok());
+  EXPECT_EQ(own->backend.attention, "own");
+  EXPECT_EQ(own->backend.kv_dtype, "fp8");
+  EXPECT_FALSE(parse_backend({"--attention", "flash3"}).is_ok());
+  EXPECT_EQ(*cuda::parse_attention_kernel("auto"), cuda::AttentionKernel::kAuto);
+  EXPECT_EQ(*cuda::parse_attention_kernel("own"), cuda::AttentionKernel::kOwn);
+  EXPECT_EQ(*cuda::parse_attention_kernel("cudnn"), cuda::AttentionKernel::kCudnn);
+  EXPECT_EQ(cuda::parse_attention_kernel("sdpa").status().code(), Code::kInvalidArgument);
+
+  auto runtime = cuda::cudnn_attention_runtime();
+  if (cuda::cudnn_attention_built())
+    EXPECT_TRUE(runtime.is_ok()) << "built with cuDNN, whose library loads here: "
+                                 << runtime.status().to_string();
+  else
+    EXPECT_EQ(runtime.status().code(), Code::kUnavailable);
+  std::printf("[ cuDNN attention: %s ]\n",
+              runtime.is_ok() ? runtime->c_str() : runtime.status().message().c_str());
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    auto a = cuda::CudnnAttention::create(32, 8, 64, 0.125f, 0);
+    EXPECT_FALSE(a.is_ok()) << "no GPU here";
+  }
 }
 
 TEST(PrefillBackend, GpusNameThePipelinesStagesInOrder) {
