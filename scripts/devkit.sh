@@ -27,7 +27,7 @@ MODEL_FILES=(tokenizer.json tokenizer_config.json special_tokens_map.json genera
 # Every Linux has these, and a carried copy would shadow a newer one there (libstdc++ from an
 # older compiler breaks what the machine's own Python loads). The CUDA libraries are the
 # machine's own: its toolkit matches its driver, and cuBLAS alone is larger than the carry limit;
-# NCCL comes with its PyTorch (devkit_libs finds it there).
+# NCCL and cuDNN come with its PyTorch (devkit_libs finds them there).
 SYSTEM_RE='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libutil|libresolv|libstdc\+\+|'
 SYSTEM_RE+='libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libnvrtc|libnvJitLink|libcufft|'
 SYSTEM_RE+='libcurand|libcusparse|libcusolver|libcudnn[a-z_]*|libnccl|libnvidia-[a-z-]+)\.so'
