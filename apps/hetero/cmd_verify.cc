@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -295,7 +296,7 @@ int cmd_verify(int argc, char** argv) {
     return fail("options", invalid_argument("a tolerance looser than bit-exact needs --reason"));
   }
   json per_layer = json::array(), failures = json::array();
-  int64_t worst_ulp = 0, exact = 0;
+  int64_t worst_ulp = 0, exact = 0, numel = 0, equal = 0;  // equal: elements with identical bits
   double min_eq = 1.0, min_cosine = 1.0;
   // Every array of the decoder's own dump, whatever the family's layout.
   std::map<int64_t, json> rows;
@@ -317,6 +318,8 @@ int cmd_verify(int argc, char** argv) {
     worst_ulp = std::max(worst_ulp, r.max_ulp);
     min_eq = std::min(min_eq, r.equal_fraction);
     min_cosine = std::min(min_cosine, r.cosine);
+    numel += r.numel;
+    equal += std::llround(r.equal_fraction * static_cast<double>(r.numel));
     if (r.equal_fraction == 1.0) ++exact;
     if (!r.pass) failures.push_back(name + ": " + r.message);
   }
@@ -371,6 +374,8 @@ int cmd_verify(int argc, char** argv) {
         {"bit_exact", exact},
         {"max_ulp", worst_ulp},
         {"min_equal_fraction", min_eq},
+        {"elements", numel},
+        {"equal_fraction", numel > 0 ? static_cast<double>(equal) / numel : 1.0},
         {"min_cosine", min_cosine},
         {"tolerance",
          {{"max_ulp", spec.max_ulp}, {"min_cosine", spec.min_cosine}, {"reason", spec.reason}}},

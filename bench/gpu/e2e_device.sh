@@ -6,7 +6,8 @@
 #      packages; only mlx, mlx-cpu and mlx-lm are added), unpacks the carried libraries the
 #      machine lacks, and checks that mlx computes on the CPU;
 #   2. writes a seeded random checkpoint with the default model's config and tokenizer
-#      (scripts/make_random_llama.py; the real weights cannot travel);
+#      (scripts/make_random_llama.py), or, with --real-weights, reassembles the default model's
+#      real weights from parts carried in earlier calls (scripts/weight_parts.sh);
 #   3. `hetero verify` on a few prompts: every cache array, the greedy continuation and the
 #      decoder's own prompt accounting against the decoder's native run;
 #   4. bench/cold.py: native vs bridged time to first token over prompt sizes, every verdict,
@@ -21,6 +22,8 @@
 #          [--rev REV (the carried build/hetero's revision; recorded with every result)]
 #          [--verify-args "extra verify flags, e.g. --arith fast --min-cosine 0.99 ..."]
 #          [--model-args "extra scripts/make_random_llama.py flags, e.g. a rope scaling"]
+#          [--real-weights DIR (the parts scripts/weight_parts.sh wrote, under DIR/*/)]
+#          [--prompts all (every prompt below, the long one too; default: the first --verify)]
 #          [--quantize BITS (the checkpoint then converted by mlx-lm's own converter: affine,
 #           group 64; decoder and prefill host both run the quantized one)]
 # device tool: run(command="bench/gpu/e2e_device.sh --sizes 512,1024",
@@ -46,7 +49,8 @@ VERIFY_EXTRA=()
 MODEL_EXTRA=()
 QUANTIZE=""
 PROMPTS=(prompts/capital.txt prompts/chat/02-code.json prompts/chat/03-system-multiturn.json
-         prompts/chat/01-capital.json prompts/chat/04-notes.json)
+         prompts/chat/01-capital.json prompts/chat/04-notes.json prompts/chat/05-long-license.json)
+REAL_WEIGHTS=
 
 while (($#)); do
   case $1 in
@@ -65,6 +69,9 @@ while (($#)); do
     --verify-args) read -r -a VERIFY_EXTRA <<<"$2"; shift ;;
     --model-args) eval "MODEL_EXTRA=($2)"; shift ;;
     --quantize) QUANTIZE=$2; shift ;;
+    --real-weights) REAL_WEIGHTS=$2; shift ;;
+    --prompts) [[ $2 == all ]] || { echo "e2e: --prompts takes all" >&2; exit 2; }
+               VERIFY_N=${#PROMPTS[@]}; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e: unknown option $1 (--help)" >&2; exit 2 ;;
   esac
@@ -162,9 +169,20 @@ export HETERO_PREFILL_BACKEND=$BACKEND  # read by hetero up / prefill once they 
 export PYTHONUNBUFFERED=1
 
 # --- 2. checkpoint -----------------------------------------------------------------------------
-echo "== random checkpoint ($SCALE) -> $MODEL"
-step 1200 python3 scripts/make_random_llama.py --tokenizer .devkit/model --out "$MODEL" \
-  --scale "$SCALE" "${MODEL_EXTRA[@]}" || die "checkpoint"
+if [[ -n $REAL_WEIGHTS ]]; then
+  # The real weights (269 MB) exceed one call's carry: earlier calls carried them in parts.
+  [[ $SCALE == 135m && ${#MODEL_EXTRA[@]} -eq 0 ]] ||
+    die "--real-weights is the default model's own: no --scale or --model-args with it"
+  SCALE=real-135m
+  MODEL=$WORK/models/$SCALE
+  echo "== the default model's real weights from $REAL_WEIGHTS -> $MODEL"
+  step 600 bash scripts/weight_parts.sh join "$REAL_WEIGHTS" "$MODEL" || die "real weights"
+  cp .devkit/model/* "$MODEL/" || die "config and tokenizer"
+else
+  echo "== random checkpoint ($SCALE) -> $MODEL"
+  step 1200 python3 scripts/make_random_llama.py --tokenizer .devkit/model --out "$MODEL" \
+    --scale "$SCALE" "${MODEL_EXTRA[@]}" || die "checkpoint"
+fi
 if [[ -n $QUANTIZE ]]; then
   echo "== mlx-lm's converter: affine, $QUANTIZE bits, group 64 -> $MODEL-q$QUANTIZE"
   rm -rf "$MODEL-q$QUANTIZE"
@@ -207,6 +225,8 @@ acc = r.get("decoder_accounting", {}).get("bridged", {})
 t = r.get("timings_ms", {})
 print(f"verify {prompt}: pass={r.get('pass')} rc={rc} T={r.get('T')} "
       f"arrays bit-exact {a.get('bit_exact')}/{a.get('count')} "
+      f"elements equal {a.get('equal_fraction', float('nan')):.4f} max ulp {a.get('max_ulp')} "
+      f"min cosine {a.get('min_cosine', float('nan')):.5f} "
       f"continuation {same} ({c.get('tokens')} tokens) decoder processed {acc.get('processed')} "
       f"native request {t.get('native_request', 0) / 1e3:.2f} s "
       f"bridge prefill {t.get('bridge_prefill', 0) / 1e3:.2f} s failures={r.get('failures')}")
