@@ -161,7 +161,9 @@ devkit_libs "$LIB" "${bins[@]}" || die "build/hetero still lacks libraries"
 step 30 ./build/hetero --help 2>/dev/null || die "build/hetero does not start"
 
 HAS_BACKEND_FLAG=0
-./build/hetero verify --help 2>&1 | grep -q -- '--backend' && HAS_BACKEND_FLAG=1
+# Read whole, not through `grep -q`: under pipefail, grep leaving early fails the writer (SIGPIPE).
+VERIFY_HELP=$(./build/hetero verify --help 2>&1)
+[[ $VERIFY_HELP == *--backend* ]] && HAS_BACKEND_FLAG=1
 if ((!HAS_BACKEND_FLAG)) && [[ $BACKEND != cpu ]]; then
   die "this build/hetero has no --backend; only --backend cpu runs with it"
 fi
