@@ -200,10 +200,7 @@ int cmd_prefill(int argc, char** argv) {
     log_line("prefill", "longest prompt: " + std::to_string(max_tokens.value()) + " tokens");
   }
   PrefillService service(stack->engine.get(), layout, stack->programs, chunk, max_tokens.value());
-  if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
-  service.set_capture(stack->capture);
-  service.set_arith(stack->arith);
-  if (stack->gpu_memory) service.set_gpu_memory(stack->gpu_memory);
+  configure_service(&service, stack.value(), backend);
   auto fault = parse_fault(opts.get("fault"));
   if (!fault.is_ok())
     return std::fprintf(stderr, "prefill: %s\n", fault.status().message().c_str()), 2;

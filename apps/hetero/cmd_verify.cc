@@ -212,10 +212,7 @@ int cmd_verify(int argc, char** argv) {
   const int64_t chunk = parsed->chunk_tokens > 0 ? parsed->chunk_tokens : stack->default_chunk;
   PrefillService service(stack->engine.get(), stack->layout, stack->programs, chunk,
                          machine_max_tokens(stack.value(), backend));
-  if (stack->chunk_plan) service.set_chunk_plan(stack->chunk_plan);
-  service.set_capture(stack->capture);
-  service.set_arith(stack->arith);
-  if (stack->gpu_memory) service.set_gpu_memory(stack->gpu_memory);
+  configure_service(&service, stack.value(), backend);
   service.set_secret(secret.value());
   if (Status st = service.start("127.0.0.1", 0); !st.is_ok()) return fail("prefill host", st);
   const std::string endpoint = prompt.value().first;

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine: every GPU test, then memory admission on the served path. `hetero prefill
-# --backend cuda` under a device-memory budget gets a prompt too long for it: it must answer
-# HTTP 507 with a JSON error before any byte streams. Then a short prompt on the same host must
-# stream to a complete manifest, and GET /health must report the GPU's memory (weights within the
-# budget, the capture's slots, the device's free and total).
+# --backend cuda --memory-floor refuse` under a device-memory budget gets a prompt too long for
+# it: it must answer HTTP 507 with a JSON error before any byte streams. Then a short prompt on the
+# same host must stream to a complete manifest, and GET /health must report the GPU's memory
+# (weights within the budget, the capture's slots, the device's free and total). Then the memory
+# floor (the default, --memory-floor seal) under the same budget: the long prompt streams the
+# longest prefix of whole chunks that fits, sealed by a manifest that says so, and the host
+# serves the short prompt whole after it.
 #
 # Carry: .devkit/lib (scripts/devkit.sh), build/hetero, build/hetero_gpu_tests, out/gpu-model
 # (made here by: bench/gpu/gpu_checks.sh --make-model). Writes $OUT/gpu_tests.log and
@@ -39,7 +42,8 @@ port=18010
 adm_rc=1
 for budget in ${BUDGETS_MB:-64 128 256 512}; do
   build/hetero prefill --model "$MODEL_DIR/model" --weights "$MODEL_DIR/weights" --backend cuda \
-    --device-memory-budget-mb "$budget" --port $port --chunk 512 >"$OUT_DIR/prefill.log" 2>&1 &
+    --device-memory-budget-mb "$budget" --memory-floor refuse --port $port --chunk 512 \
+    >"$OUT_DIR/prefill.log" 2>&1 &
   pid=$!
   for _ in $(seq 100); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.3; done
   python3 - "$port" "$OUT_DIR/admission.jsonl" "$budget" <<'PY'
@@ -94,5 +98,46 @@ PY
   ((adm_rc == 2)) || break
 done
 tail -5 "$OUT_DIR/prefill.log"
-echo "gpu tests rc=$tests_rc admission rc=$adm_rc"
-exit $((tests_rc || adm_rc))
+
+echo "== the memory floor, served (budget $budget MiB)"
+build/hetero prefill --model "$MODEL_DIR/model" --weights "$MODEL_DIR/weights" --backend cuda \
+  --device-memory-budget-mb "$budget" --port $port --chunk 512 >"$OUT_DIR/prefill-seal.log" 2>&1 &
+pid=$!
+for _ in $(seq 100); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.3; done
+python3 - "$port" "$OUT_DIR/admission.jsonl" "$budget" <<'PY'
+import json, sys, time, urllib.request
+port, out, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+health = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/health"))
+ok = True
+for n in (1_000_000, 300):
+    body = json.dumps({"ids": [(i * 7) % 500 + 1 for i in range(n)],
+                       "fingerprint": health["fingerprint"]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/prefill", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as r:
+        status, data = r.status, r.read()
+    secs = time.perf_counter() - t
+    # The manifest is the last frame: its JSON header follows the last '"kind":"manifest"'.
+    at = data.rfind(b'{"', 0, data.rfind(b'"kind":"manifest"') + 1)
+    manifest = json.JSONDecoder().raw_decode(data[at:].decode(errors="replace"))[0]
+    row = {"budget_mb": budget, "memory_floor": "seal", "tokens": n, "status": status,
+           "seconds": round(secs, 3), "bytes": len(data), "manifest": manifest}
+    print(json.dumps(row))
+    with open(out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    covered = manifest.get("covered_tokens", -1)
+    if n == 300:
+        ok = ok and status == 200 and manifest.get("complete") is True and covered == 300
+    else:
+        ok = ok and status == 200 and manifest.get("complete") is False and \
+            0 < covered < n and covered % 512 == 0 and \
+            manifest.get("reason", "").startswith(f"sealed at the memory floor: {covered} of {n}")
+print("memory floor:", "ok" if ok else "FAILED")
+sys.exit(0 if ok else 1)
+PY
+floor_rc=$?
+kill $pid; wait $pid 2>/dev/null
+grep -m2 "sealed at the memory floor" "$OUT_DIR/prefill-seal.log"
+echo "gpu tests rc=$tests_rc admission rc=$adm_rc memory floor rc=$floor_rc"
+exit $((tests_rc || adm_rc || floor_rc))

@@ -5,6 +5,7 @@ serve options not listed here are passed to mlx-lm's own server parser unchanged
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -22,6 +23,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", type=Path, help="decoder store root; mounts only inside it")
     serve.add_argument(
         "--test-faults", action="store_true", help="enable POST /hetero/fault (tests only)"
+    )
+    serve.add_argument(
+        "--mount-budget-mb",
+        type=int,
+        default=int(os.environ.get("HETERO_DECODER_MOUNT_BUDGET_MB", "0") or 0),
+        help="the most memory one mount may take, in MiB; a larger entry is declined (HTTP 507) "
+        "with both numbers (0: what the host has free; env HETERO_DECODER_MOUNT_BUDGET_MB)",
     )
     serve.add_argument(
         "--secret-file",
@@ -143,7 +151,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Imports are per command: mlx-lm's server module is heavy and export does not need it.
     if args.command == "serve":
         from .serve import serve
+        from .store import set_mount_budget
 
+        try:
+            set_mount_budget(args.mount_budget_mb)
+        except ValueError as e:
+            parser.error(str(e))
         serve(_mlx_argv(args, extra), args.store, args.test_faults, args.secret_file)
     elif args.command == "export":
         from .export import export

@@ -21,3 +21,8 @@ def bad_request(code: str, message: str) -> SeamError:
 def conflict(code: str, message: str) -> SeamError:
     """The request is well formed but disagrees with the loaded decoder."""
     return SeamError(409, code, message)
+
+
+def insufficient_storage(code: str, message: str) -> SeamError:
+    """The request would take more memory than the decoder may give it (HTTP 507)."""
+    return SeamError(507, code, message)

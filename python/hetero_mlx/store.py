@@ -9,6 +9,9 @@ An entry is a directory with
                      `layers.{i}.values`, [kv_heads, B, head_dim])
 Every field is checked against the request and the loaded decoder before anything is mounted.
 The family says which arrays it expects and their shapes (`Layout`); llama's is the default.
+An entry whose arrays would pass the decoder's memory budget for a mount (`set_mount_budget`:
+`serve --mount-budget-mb`; by default what the host has free) is declined with both numbers
+before it is read.
 """
 
 import json
@@ -20,11 +23,54 @@ import mlx.core as mx
 
 from . import STORE_FORMAT
 from .access import dump_target
-from .errors import bad_request, conflict
+from .errors import bad_request, conflict, insufficient_storage
 from .llama import array_names, dtype_name
 
 ENTRY_JSON = "entry.json"
 CACHE_FILE = "cache.safetensors"
+
+_mount_budget = 0  # bytes a mount may take; 0: what the host has free when it is asked
+
+
+def set_mount_budget(megabytes: int) -> None:
+    """The decoder's memory budget for one mount, in MiB (0: what the host has free)."""
+    global _mount_budget
+    if megabytes < 0:
+        raise ValueError("--mount-budget-mb must be >= 0")
+    _mount_budget = megabytes << 20
+
+
+def host_available_bytes() -> Optional[int]:
+    """The kernel's MemAvailable (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_mount_budget(path: Path, n_tokens: int) -> None:
+    """Mounting reads the arrays into the decoder's memory, which then holds them in its prompt
+    cache: an entry larger than the budget is declined before a byte of it is read."""
+    try:
+        need = (path / CACHE_FILE).stat().st_size
+    except OSError:
+        return  # _load_arrays says what is wrong with it
+    budget, what = _mount_budget, "the decoder's mount budget (--mount-budget-mb)"
+    if budget == 0:
+        budget, what = host_available_bytes(), "the host's available memory"
+        if budget is None:
+            return
+    if need > budget:
+        mib = 1 << 20
+        raise insufficient_storage(
+            "over_memory_budget",
+            f"mounting {n_tokens} tokens needs {need} bytes ({need / mib:.1f} MiB) of the "
+            f"decoder's memory; {what} is {budget} bytes ({budget / mib:.1f} MiB)",
+        )
 
 
 @dataclass
@@ -203,6 +249,7 @@ def read_entry(
     meta = _read_json(path)
     n = _check_meta(meta, ids, desc)
     extra = _extra_ints(meta, extra_ints)
+    _check_mount_budget(path, n)
     arrays = _load_arrays(path)
     _check_arrays(arrays, (layout or llama_layout(desc))(n, extra))
     return Entry(n_tokens=n, arrays=arrays, extra=extra)

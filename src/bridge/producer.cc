@@ -220,7 +220,8 @@ void BridgeProducer::encode() {
   }
 }
 
-Manifest BridgeProducer::finish(int64_t requested_tokens, const Status& engine_status) {
+Manifest BridgeProducer::finish(int64_t requested_tokens, const Status& engine_status,
+                                const std::string& sealed) {
   HETERO_CHECK(!finished_);
   finished_ = true;
   queue_.close();
@@ -242,7 +243,7 @@ Manifest BridgeProducer::finish(int64_t requested_tokens, const Status& engine_s
   else if (cancelled_)
     m.reason = "cancelled by the receiver";
   else if (covered_ != requested_tokens)
-    m.reason = "rows sent do not cover the request";
+    m.reason = sealed.empty() ? "rows sent do not cover the request" : sealed;
   if (!cancelled_ || !program_status_.is_ok() || !capture_status_.is_ok())
     sink_(encode_manifest(m));
   return m;

@@ -127,7 +127,10 @@ class BridgeProducer {
   AttentionInputTap tap();
   // Ends the stream: drains the queue, then sends the manifest. engine_status says whether
   // the forward finished; the manifest is complete only when it did and every row was sent.
-  Manifest finish(int64_t requested_tokens, const Status& engine_status);
+  // sealed: why a forward that ran as planned covers less than the request (the memory floor),
+  // the manifest's reason then.
+  Manifest finish(int64_t requested_tokens, const Status& engine_status,
+                  const std::string& sealed = {});
   // What the manifest says of the rows' arithmetic ("exact" or "fast"; Manifest::arith).
   void set_arith(std::string arith) { arith_ = std::move(arith); }
   bool cancelled() const { return cancelled_.load(); }

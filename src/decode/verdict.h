@@ -20,7 +20,9 @@ enum class VerdictKind { kComplete, kPartial, kSkipped, kDeclined, kUnconfirmed 
 
 struct Verdict {
   VerdictKind kind = VerdictKind::kSkipped;
-  std::string reason;  // for skipped/declined/unconfirmed: short words ("short", "host down")
+  // for skipped/declined/unconfirmed: short words ("short", "host down"); for partial: why the
+  // stream ended before T (to_json's "reason")
+  std::string reason;
   int64_t b = 0, t = 0, bytes = 0;
   // The decoder's own count of prompt tokens it took from its cache for this request; -1
   // until its reply said so (then confirmed is true).

@@ -72,6 +72,11 @@ Status LlamaCpuEngine::reserve(int64_t tokens, int64_t max_chunk_tokens) {
   const int64_t blocks = (tokens + kKvBlockTokens - 1) / kKvBlockTokens;
   const int64_t row_bytes = w_.config.kv_heads * w_.config.head_dim * 2;  // bf16
   const int64_t layers = static_cast<int64_t>(k_cache_.size());
+  const int64_t whole = 2 * layers * row_bytes * blocks * kKvBlockTokens;
+  if (budget_ > 0 && whole > budget_)
+    return resource_exhausted("over the host memory budget: the cache of " +
+                              std::to_string(tokens) + " tokens needs " + format_bytes(whole) +
+                              "; the budget is " + format_bytes(budget_));
   const int64_t more = 2 * layers * row_bytes * (blocks * kKvBlockTokens - kv_capacity_);
   if (more <= 0) return Status::ok();
   const int64_t available = host_available_bytes();

@@ -33,6 +33,8 @@ class LlamaCpuEngine {
   // refused up front (kResourceExhausted with the bytes asked and what the host has left)
   // instead of failing an allocation half-way or waking the OOM killer.
   Status reserve(int64_t tokens, int64_t max_chunk_tokens);
+  // The most bytes the cache may take (0: what the host has free); reserve() refuses past it.
+  void set_memory_budget(int64_t bytes) { budget_ = bytes; }
   int64_t cached_tokens() const { return n_cached_; }
   // Runs the next chunk of the sequence: ids are positions [cached_tokens(), +ids.size()).
   // Ids out of vocabulary are refused before anything changes.
@@ -55,6 +57,7 @@ class LlamaCpuEngine {
   std::vector<LayerF32> f32_;
   int64_t n_cached_ = 0;
   int64_t kv_capacity_ = 0;
+  int64_t budget_ = 0;
   // Engine-native cache: per layer, token-major [tokens][kv_heads][head_dim] bf16.
   std::vector<std::vector<uint16_t>> k_cache_, v_cache_;
   std::vector<uint16_t> last_hidden_;  // [hidden] of the last token (after the final norm)

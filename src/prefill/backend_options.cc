@@ -64,8 +64,19 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "off the forward's"},
       {"device-memory-budget-mb", "HETERO_PREFILL_DEVICE_MEMORY_BUDGET_MB", "0",
        "cuda: device memory the engine may hold (weights, cache, scratch) in MiB (0: the whole "
-       "device; with --gpus, each stage's engine); a request that would pass it is refused "
-       "before its response starts (HTTP 507)"},
+       "device; with --gpus, each stage's engine); a request that would pass it is sealed or "
+       "refused as --memory-floor says"},
+      {"host-memory-budget-mb", "HETERO_PREFILL_HOST_MEMORY_BUDGET_MB", "0",
+       "cpu, llama: host memory the engine's cache may take in MiB (0: what the host has free "
+       "when a request is admitted)"},
+      {"memory-floor",
+       "HETERO_PREFILL_MEMORY_FLOOR",
+       "seal",
+       "what a request that does not fit gets: seal (llama: the longest prefix of whole chunks "
+       "that fits is prefilled and its stream sealed there; the decode side mounts it and the "
+       "decoder goes on natively) or refuse (HTTP 507 before its response starts)",
+       false,
+       {"seal", "refuse"}},
       {"chunk", "HETERO_PREFILL_CHUNK", "0",
        "prefill chunk size in tokens (0: the family's default: llama 512; deepseek_v4 2048 on "
        "cpu, 32768 on cuda). deepseek_v4 runs the decoder's own calls, grouped into chunks of up "
@@ -89,6 +100,11 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
   if (budget_mb < 0 || budget_mb > (int64_t{1} << 40))
     return invalid_argument("--device-memory-budget-mb must be >= 0");
   b.device_memory_budget_bytes = budget_mb << 20;
+  HETERO_ASSIGN_OR_RETURN(int64_t host_mb, opts.get_int("host-memory-budget-mb"));
+  if (host_mb < 0 || host_mb > (int64_t{1} << 40))
+    return invalid_argument("--host-memory-budget-mb must be >= 0");
+  b.host_memory_budget_bytes = host_mb << 20;
+  b.memory_floor = opts.get("memory-floor");
   if (device < 0 || device > 1024) return invalid_argument("--device must be a GPU index");
   if (program_device < -1 || program_device > 1024)
     return invalid_argument("--program-device must be a GPU index or -1");

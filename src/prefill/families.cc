@@ -21,13 +21,14 @@ std::string show(double v) {
 }
 
 Result<PrefillStack> load_llama(const std::string& model_dir, const std::string& weights_dir,
-                                const std::string& gemm) {
+                                const std::string& gemm, int64_t memory_budget) {
   if (gemm != "ordered" && gemm != "blas")
     return invalid_argument("--gemm must be 'ordered' or 'blas'");
   HETERO_ASSIGN_OR_RETURN(
       auto engine,
       LlamaCpuEngine::load(model_dir, gemm == "blas" ? LlamaCpuEngine::Gemm::kBlas
                                                      : LlamaCpuEngine::Gemm::kOrdered));
+  engine->set_memory_budget(memory_budget);
   HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
   HETERO_RETURN_IF_ERROR(check_export_matches_model(engine->config(), weights.layout));
   struct Owned {
@@ -89,12 +90,24 @@ Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& 
 
 int64_t machine_max_tokens(const PrefillStack& stack, const PrefillBackend& backend) {
   constexpr int64_t kLongest = int64_t{1} << 21;  // the longest context this project serves
-  if (backend.name != "cpu" || stack.family != "llama") return kLongest;
+  if (backend.name != "cpu" || stack.family != "llama" || backend.memory_floor == "seal")
+    return kLongest;
   const DecoderCacheLayout& l = stack.layout;
   const int64_t per_token = 2 * l.layers * l.kv_heads * l.head_dim * 2;  // K and V, bf16
   const int64_t available = host_available_bytes();
   if (available <= 0 || per_token <= 0) return kLongest;
   return std::clamp<int64_t>(available / 2 / per_token, 1, kLongest);
+}
+
+void configure_service(PrefillService* service, const PrefillStack& stack,
+                       const PrefillBackend& backend) {
+  if (stack.chunk_plan) service->set_chunk_plan(stack.chunk_plan);
+  service->set_capture(stack.capture);
+  service->set_arith(stack.arith);
+  if (stack.gpu_memory) service->set_gpu_memory(stack.gpu_memory);
+  // Only a llama prefix mounts shorter than the request (a deepseek_v4 one needs the window and
+  // buffers at its end, which its stream carries only at T).
+  service->set_memory_floor(backend.memory_floor == "seal" && stack.family == "llama");
 }
 
 Status require_decoder_calls(const PrefillRequest& req) {
@@ -179,7 +192,7 @@ Result<PrefillStack> load_prefill_stack(const std::string& model_dir,
                   : load_llama_cuda(model_dir, weights_dir, backend);
 #endif
     if (dsv4) return load_dsv4(model_dir, weights_dir);
-    return load_llama(model_dir, weights_dir, backend.gemm);
+    return load_llama(model_dir, weights_dir, backend.gemm, backend.host_memory_budget_bytes);
   };
   HETERO_ASSIGN_OR_RETURN(PrefillStack stack, load());
   // Every backend's stack, once its own checks passed (layout, rope): the checkpoint must hold

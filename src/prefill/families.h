@@ -53,11 +53,23 @@ struct PrefillBackend {
   // beyond the device. A request that would pass it is refused before its response starts
   // (PrefillEngine::reserve), as one that does not fit on the device is.
   int64_t device_memory_budget_bytes = 0;
+  // cpu, llama: host memory the engine's cache may take, in bytes; 0: what the host has free.
+  int64_t host_memory_budget_bytes = 0;
+  // What a request that does not fit gets: "seal" (llama: the longest prefix of whole chunks
+  // that fits is prefilled and its stream sealed there, PrefillService::set_memory_floor) or
+  // "refuse" (HTTP 507 before its response starts).
+  std::string memory_floor = "seal";
 };
 
 // The longest prompt a prefill host takes when --max-tokens is 0 (its default): 2,097,152
-// tokens, or for a CPU llama engine what half the host's available memory holds of its cache.
+// tokens, or, for a CPU llama engine that refuses what does not fit, what half the host's
+// available memory holds of its cache.
 int64_t machine_max_tokens(const PrefillStack& stack, const PrefillBackend& backend);
+
+// The stack's ways on a service built for it: its chunk plan, capture, arithmetic, GPU memory
+// report and memory floor (`hetero prefill` and `hetero verify` alike).
+void configure_service(PrefillService* service, const PrefillStack& stack,
+                       const PrefillBackend& backend);
 
 // Whether this build has the CUDA backend.
 bool cuda_backend_built();

@@ -137,18 +137,55 @@ std::vector<int64_t> PrefillService::plan_for(const PrefillRequest& req) const {
   return plan;
 }
 
-Status PrefillService::admit(const PrefillRequest& req, const std::vector<int64_t>& plan) {
+Status PrefillService::reserve_plan(const std::vector<int64_t>& plan) {
   HETERO_RETURN_IF_ERROR(engine_->reset());
-  if (fault_.kind == "refuse-memory")  // as an engine out of memory refuses (tests)
-    return resource_exhausted("injected fault refuse-memory: out of device memory for " +
-                              std::to_string(req.ids.size()) + " tokens");
-  const int64_t longest = plan.empty() ? 0 : *std::max_element(plan.begin(), plan.end());
-  Status st;
+  int64_t tokens = 0, longest = 0;
+  for (int64_t n : plan) tokens += n, longest = std::max(longest, n);
   try {
-    st = engine_->reserve(static_cast<int64_t>(req.ids.size()), longest);
+    return engine_->reserve(tokens, longest);
   } catch (const std::bad_alloc&) {  // an engine without a reserve of its own
-    st = resource_exhausted("out of host memory while admitting " + std::to_string(req.ids.size()) +
-                            " tokens");
+    return resource_exhausted("out of host memory while admitting " + std::to_string(tokens) +
+                              " tokens");
+  }
+}
+
+Status PrefillService::admit(const PrefillRequest& req, std::vector<int64_t>* plan,
+                             std::string* sealed) {
+  sealed->clear();
+  Status st;
+  if (fault_.kind == "refuse-memory") {  // as an engine out of memory refuses (tests)
+    HETERO_RETURN_IF_ERROR(engine_->reset());
+    st = resource_exhausted("injected fault refuse-memory: out of device memory for " +
+                            std::to_string(req.ids.size()) + " tokens");
+  } else {
+    st = reserve_plan(*plan);
+  }
+  // The memory floor: the longest prefix of whole chunks that fits (what fits is monotone in
+  // the prefix's length, so a bisection over the chunk boundaries finds it).
+  if (st.code() == Code::kResourceExhausted && memory_floor_ && plan->size() > 1 &&
+      fault_.kind != "refuse-memory") {
+    size_t lo = 0, hi = plan->size();  // [1, lo] chunks fit; hi chunks do not
+    while (hi - lo > 1) {
+      const size_t mid = (lo + hi) / 2;
+      if (reserve_plan({plan->begin(), plan->begin() + static_cast<std::ptrdiff_t>(mid)}).is_ok())
+        lo = mid;
+      else
+        hi = mid;
+    }
+    if (lo >= 1) {
+      const std::vector<int64_t> fits(plan->begin(),
+                                      plan->begin() + static_cast<std::ptrdiff_t>(lo));
+      Status again = reserve_plan(fits);  // the last attempt may have been one that did not fit
+      if (again.is_ok()) {
+        int64_t b = 0;
+        for (int64_t n : fits) b += n;
+        *sealed = "sealed at the memory floor: " + std::to_string(b) + " of " +
+                  std::to_string(req.ids.size()) + " tokens fit (" + st.message() + ")";
+        log_line("prefill", *sealed);
+        *plan = fits;
+        st = Status::ok();
+      }
+    }
   }
   if (st.is_ok()) st = engine_->set_decoder_calls(req.decoder_calls);
   if (!st.is_ok())
@@ -167,10 +204,11 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
     sink(encode_manifest(m));
     return m;
   }
-  const std::vector<int64_t> plan = plan_for(req);
-  const Status admitted = admit(req, plan);
+  std::vector<int64_t> plan = plan_for(req);
+  std::string sealed;
+  const Status admitted = admit(req, &plan, &sealed);
   if (admitted.is_ok()) {
-    m = run_admitted(req, plan, sink);
+    m = run_admitted(req, plan, sealed, sink);
   } else {
     m.reason = "the engine refused the request: " + admitted.to_string();
     sink(encode_manifest(m));
@@ -180,8 +218,11 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
 }
 
 Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vector<int64_t>& plan,
+                                      const std::string& sealed,
                                       const BridgeProducer::FrameSink& sink) {
   const int64_t T = static_cast<int64_t>(req.ids.size());
+  int64_t planned = 0;
+  for (int64_t n : plan) planned += n;
   auto program = programs_(req);
   if (!program.is_ok()) {
     Manifest m;
@@ -197,7 +238,9 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
   producer.set_arith(arith_);
   Status st;
   try {
-    st = engine_->prefill_plan(req.ids, plan, producer.tap(),
+    // A sealed plan covers a prefix: the engine sees only its ids.
+    const std::vector<int32_t> prefix(req.ids.begin(), req.ids.begin() + planned);
+    st = engine_->prefill_plan(planned == T ? req.ids : prefix, plan, producer.tap(),
                                [&producer] { return producer.cancelled(); });
     if (st.is_ok()) st = engine_->finish();
   } catch (const std::bad_alloc&) {  // the request ends, sealed by its manifest; the host serves on
@@ -205,7 +248,7 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
                             " tokens");
   }
   if (!st.is_ok()) log_line("prefill", "a prefill failed: " + st.to_string());
-  return producer.finish(T, st);
+  return producer.finish(T, st, sealed);
 }
 
 Status PrefillService::start(const std::string& host, int port) {
@@ -281,7 +324,8 @@ Status PrefillService::start(const std::string& host, int port) {
           return;
         }
         auto plan = std::make_shared<std::vector<int64_t>>(plan_for(*request));
-        if (Status admitted = admit(*request, *plan); !admitted.is_ok()) {
+        auto sealed = std::make_shared<std::string>();
+        if (Status admitted = admit(*request, plan.get(), sealed.get()); !admitted.is_ok()) {
           give_slot();
           res.status = http_status_for(admitted);
           res.set_content(error_body(admitted), "application/json");
@@ -292,13 +336,14 @@ Status PrefillService::start(const std::string& host, int port) {
         auto frames = std::make_shared<BoundedQueue<std::string>>(4);
         auto cancelled = std::make_shared<std::atomic<bool>>(false);
         auto buffers = buffers_;
-        auto worker = std::make_shared<std::thread>([this, frames, cancelled, request, plan] {
-          run_admitted(*request, *plan, [frames, cancelled](std::string f) {
-            return !cancelled->load() && frames->push(std::move(f));
-          });
-          give_slot();
-          frames->close();
-        });
+        auto worker =
+            std::make_shared<std::thread>([this, frames, cancelled, request, plan, sealed] {
+              run_admitted(*request, *plan, *sealed, [frames, cancelled](std::string f) {
+                return !cancelled->load() && frames->push(std::move(f));
+              });
+              give_slot();
+              frames->close();
+            });
         const FaultSpec fault = fault_;
         auto stopping = stopping_;
         res.set_chunked_content_provider(

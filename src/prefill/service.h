@@ -7,7 +7,12 @@
 // One prefill runs at a time; later requests wait their turn. A request is admitted before any
 // byte of its response: the engine takes the request's memory (PrefillEngine::reserve) or the
 // request is refused with an error body (HTTP 507 for kResourceExhausted), and the host serves
-// the next one. A failure after admission ends the stream with a manifest that says why.
+// the next one. With the memory floor on (set_memory_floor; a family whose prefix mounts
+// partially), a request whose whole prompt would not fit is admitted for the longest prefix of
+// its chunks that does, and its stream is sealed there: the manifest declares that prefix and
+// says "sealed at the memory floor" with the numbers, so the decode side mounts it and the
+// decoder goes on natively. A failure after admission ends the stream with a manifest that says
+// why.
 #pragma once
 
 #include <atomic>
@@ -176,6 +181,9 @@ class PrefillService {
   // Connections served at once, per client, and how fast requests must come
   // (common/http_server.h). Before start().
   void set_connection_limits(ConnectionLimits limits) { limits_ = limits; }
+  // Seal a request that does not fit at the longest prefix that does, instead of refusing it
+  // (only for a family whose decoder can mount a prefix shorter than the request).
+  void set_memory_floor(bool on) { memory_floor_ = on; }
 
   // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
   // engine and reserves the request's memory (a refusal is a manifest whose reason says why),
@@ -202,6 +210,7 @@ class PrefillService {
   int64_t default_chunk_, max_tokens_;
   ConnectionLimits limits_;
   FaultSpec fault_;
+  bool memory_floor_ = false;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);
 
   // One prefill at a time: a request holds the slot from its admission (on the HTTP handler's
@@ -209,11 +218,15 @@ class PrefillService {
   bool take_slot();  // false: the service is stopping
   void give_slot();
   std::vector<int64_t> plan_for(const PrefillRequest& req) const;
-  // With the slot: the engine reset and the request's memory reserved, or why not.
-  Status admit(const PrefillRequest& req, const std::vector<int64_t>& plan);
-  // With the slot, after admit(): the chunks, frames to sink, manifest last.
+  // With the slot: the engine reset and the request's memory reserved, or why not. With the
+  // memory floor, *plan may come back shorter than the request, with *sealed saying why.
+  Status admit(const PrefillRequest& req, std::vector<int64_t>* plan, std::string* sealed);
+  // Reserves the whole of `plan` (reset first).
+  Status reserve_plan(const std::vector<int64_t>& plan);
+  // With the slot, after admit(): the chunks, frames to sink, manifest last (sealed: the reason
+  // a plan shorter than the request ends the stream early).
   Manifest run_admitted(const PrefillRequest& req, const std::vector<int64_t>& plan,
-                        const BridgeProducer::FrameSink& sink);
+                        const std::string& sealed, const BridgeProducer::FrameSink& sink);
   std::mutex slot_mu_;
   std::condition_variable slot_free_;
   bool busy_ = false;

@@ -10,11 +10,14 @@
 #include <vector>
 
 #include "../common/dsv4_model_weights.h"
+#include "bridge/llama_program.h"
 #include "cuda_test_base.h"
+#include "decode/prefill_client.h"
 #include "engine/cuda/dsv4_cuda.h"
 #include "engine/cuda/llama_cuda.h"
 #include "kernels/cuda/resource.h"
 #include "llama_test_weights.h"
+#include "prefill/service.h"
 
 namespace hetero {
 namespace {
@@ -85,6 +88,63 @@ TEST_F(EngineMemoryTest, LlamaRefusesAPromptPastItsBudgetThenServesTheNextReques
     for (int64_t l = 0; l < c.layers; ++l)
       EXPECT_EQ(got[static_cast<size_t>(l)], want[static_cast<size_t>(l)]) << "layer " << l;
   }
+}
+
+// The memory floor on the GPU: a prompt past the device budget is sealed at the longest prefix of
+// whole chunks the engine can reserve, its rows verified on the decode side; the engine then
+// serves a request that fits, whole.
+TEST_F(EngineMemoryTest, LlamaPastItsBudgetTheServiceSealsAtTheLongestPrefixThatFits) {
+  const LlamaWeights w = tiny_llama("llama", 64, 7);
+  cuda::LlamaCudaOptions o;
+  o.host_tap = true;
+  o.arith = cuda::LlamaCudaArith::kFast;
+  auto fresh = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(fresh.is_ok()) << fresh.status().to_string();
+  ASSERT_TRUE((*fresh)->reserve(256, 128).is_ok());
+  o.device_memory_budget_bytes = (*fresh)->device_bytes();  // what 256 tokens hold
+  auto engine = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  EngineAdapter<cuda::LlamaCudaEngine> adapter(engine->get());
+  const LlamaDecoderWeights d = llama_decoder_weights_of(w, "test");
+  LlamaCacheProgram program(&d);
+  PrefillService service(
+      &adapter, d.layout,
+      [&](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+        return std::unique_ptr<SegmentProgram>(std::make_unique<LlamaSegmentProgram>(&program));
+      },
+      /*default_chunk_tokens=*/128, /*max_tokens=*/1 << 20);
+  service.set_memory_floor(true);
+  PrefillRequest req;
+  req.ids = random_ids(4096, w.config.vocab, 3);
+  req.fingerprint = d.layout.fingerprint;
+  auto run = [&](const PrefillRequest& r, int64_t* verified) {
+    auto assembler = make_assembler(d.layout, static_cast<int64_t>(r.ids.size()));
+    StreamReceiver receiver(assembler.get(), std::nullopt);
+    const Manifest m = service.run(r, [&](std::string f) {
+      receiver.feed(f.data(), f.size());
+      return true;
+    });
+    *verified = assembler->covered_tokens();
+    return m;
+  };
+  int64_t verified = 0;
+  const Manifest sealed = run(req, &verified);
+  EXPECT_FALSE(sealed.complete);
+  EXPECT_GE(sealed.covered_tokens, 256);
+  EXPECT_LT(sealed.covered_tokens, 4096);
+  EXPECT_EQ(sealed.covered_tokens % 128, 0);
+  EXPECT_EQ(verified, sealed.covered_tokens);
+  EXPECT_TRUE(contains(sealed.reason, "sealed at the memory floor: " +
+                                          std::to_string(sealed.covered_tokens) + " of 4096 "))
+      << sealed.reason;
+  EXPECT_TRUE(contains(sealed.reason, " budget")) << sealed.reason;
+  // One more chunk would not have fitted.
+  EXPECT_FALSE((*engine)->reserve(sealed.covered_tokens + 128, 128).is_ok());
+  PrefillRequest fits = req;
+  fits.ids.resize(200);
+  const Manifest whole = run(fits, &verified);
+  EXPECT_TRUE(whole.complete) << whole.reason;
+  EXPECT_EQ(verified, 200);
 }
 
 // Without a budget the device itself refuses: the same Status from a real cudaMalloc, and the

@@ -116,7 +116,7 @@ def export_weights(model: Path, out: Path) -> Path:
 class Stack:
     """A decoder (shared), prefill hosts and fronts started on demand, stopped at the end."""
 
-    def __init__(self, model: Path, tmp: Path):
+    def __init__(self, model: Path, tmp: Path, decoder_args: tuple = ()):
         self.model, self.tmp = model, tmp
         self.store = tmp / "store"
         self.store.mkdir()
@@ -124,7 +124,8 @@ class Stack:
         self.procs: List[Proc] = []
         self._cache: Dict[tuple, Proc] = {}
         self.decoder = self._start("decoder", [PY, "-m", "hetero_mlx", "serve", "--model", model,
-                                               "--store", self.store, "--test-faults"],
+                                               "--store", self.store, "--test-faults",
+                                               *decoder_args],
                                    "/hetero/info", 300)
         self.info = requests.get(self.url(self.decoder.port, "/hetero/info"), timeout=10).json()
 
@@ -141,16 +142,17 @@ class Stack:
 
     def prefill(self, fault: str = "", chunk: int = CHUNK, model: Optional[Path] = None,
                 weights: Optional[Path] = None, fresh: bool = False,
-                port: Optional[int] = None) -> Proc:
-        """A prefill host; reused per (fault, chunk, model) unless fresh (faults that kill it)
-        or on a given port."""
-        key = ("prefill", fault, chunk, str(model), str(weights))
+                port: Optional[int] = None, extra: tuple = ()) -> Proc:
+        """A prefill host; reused per (fault, chunk, model, extra flags) unless fresh (faults
+        that kill it) or on a given port."""
+        key = ("prefill", fault, chunk, str(model), str(weights), tuple(map(str, extra)))
         if not fresh and not port and key in self._cache and self._cache[key].popen.poll() is None:
             return self._cache[key]
         argv = [HETERO, "prefill", "--model", model or self.model, "--weights",
                 weights or self.weights, "--chunk", chunk]
         if fault:
             argv += ["--fault", fault]
+        argv += list(extra)
         p = self._start("prefill", argv, "/health", port=port)
         if not port:
             self._cache[key] = p
@@ -223,11 +225,12 @@ class Decoder:
 
 
 @contextmanager
-def running_stack(model: Path, tmp: Path, what: str) -> Iterator[Stack]:
-    """A Stack on `model` (skipping when the binary or the model is missing), stopped after."""
+def running_stack(model: Path, tmp: Path, what: str, decoder_args: tuple = ()) -> Iterator[Stack]:
+    """A Stack on `model` (skipping when the binary or the model is missing), stopped after;
+    decoder_args: more flags for the decoder's `serve`."""
     need(HETERO, "hetero binary")
     need(model / "config.json", what)
-    stack = Stack(model, tmp)
+    stack = Stack(model, tmp, decoder_args)
     try:
         yield stack
     finally:

@@ -64,6 +64,9 @@ class FaultyEngine : public PrefillEngine {
   Status reserve(int64_t tokens, int64_t max_chunk_tokens) override {
     std::lock_guard<std::mutex> lock(mu_);
     reserved_.emplace_back(tokens, max_chunk_tokens);
+    if (capacity_ > 0 && tokens > capacity_)
+      return resource_exhausted("the cache of " + std::to_string(tokens) +
+                                " tokens needs more than the budget");
     return take(&reserve_fault_);
   }
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) override {
@@ -89,6 +92,11 @@ class FaultyEngine : public PrefillEngine {
     std::lock_guard<std::mutex> lock(mu_);
     reserve_fault_ = std::move(st);
   }
+  // Every reservation of more than `tokens` tokens refused for memory (0: none).
+  void set_capacity(int64_t tokens) {
+    std::lock_guard<std::mutex> lock(mu_);
+    capacity_ = tokens;
+  }
   void fail_next_chunk(int64_t n, Status st) {
     std::lock_guard<std::mutex> lock(mu_);
     fail_chunk_ = n, chunk_fault_ = std::move(st);
@@ -112,6 +120,7 @@ class FaultyEngine : public PrefillEngine {
   std::optional<Status> reserve_fault_, chunk_fault_;
   std::vector<std::pair<int64_t, int64_t>> reserved_;
   std::atomic<int64_t> fail_chunk_{0};
+  int64_t capacity_ = 0;
   int64_t cached_ = 0, chunk_ = 0;  // the prefill's thread's
 };
 
@@ -226,6 +235,72 @@ TEST_F(PrefillServiceTest, ChunkFailureEndsTheStreamWithItsReasonAndTheNextReque
   EXPECT_EQ(s.manifest->covered_tokens, 4);
   EXPECT_EQ(s.ranges, (std::vector<std::pair<int64_t, int64_t>>{{0, 4}}));
   expect_complete(post(12), 12);
+}
+
+// The memory floor: a request that does not fit is admitted for the longest prefix of whole
+// chunks that does, and its stream sealed there with a manifest that says so; the decode side
+// keeps that prefix (salvageable), and the host serves on.
+TEST_F(PrefillServiceTest, AtTheMemoryFloorTheStreamIsSealedAtTheLongestPrefixThatFits) {
+  service_->set_memory_floor(true);
+  engine_.set_capacity(9);  // chunks of 4: two fit, a third would not
+  const auto sealed = post(20);
+  ASSERT_TRUE(sealed) << "no response";
+  EXPECT_EQ(sealed->status, 200);
+  const Stream s = parse_stream(sealed->body);
+  ASSERT_TRUE(s.manifest.has_value());
+  EXPECT_FALSE(s.manifest->complete);
+  EXPECT_EQ(s.manifest->requested_tokens, 20);
+  EXPECT_EQ(s.manifest->covered_tokens, 8);
+  EXPECT_EQ(s.ranges, (std::vector<std::pair<int64_t, int64_t>>{{0, 4}, {4, 4}}));
+  EXPECT_EQ(s.manifest->reason.rfind("sealed at the memory floor: 8 of 20 tokens fit (", 0), 0u)
+      << s.manifest->reason;
+  EXPECT_NE(s.manifest->reason.find("the cache of 20 tokens needs more than the budget"),
+            std::string::npos)
+      << s.manifest->reason;
+  // The whole request first, then prefixes on chunk boundaries; the prefix run is reserved last.
+  const auto reserved = engine_.reservations();
+  ASSERT_GE(reserved.size(), 3u);
+  EXPECT_EQ(reserved.front(), (std::pair<int64_t, int64_t>{20, 4}));
+  EXPECT_EQ(reserved.back(), (std::pair<int64_t, int64_t>{8, 4}));
+
+  // The decode side: the sealed prefix verifies and is kept, the stream's end says why.
+  PrefillRequest req;
+  req.ids.resize(20);
+  for (size_t i = 0; i < req.ids.size(); ++i) req.ids[i] = static_cast<int32_t>(i);
+  req.fingerprint = "fp-test";
+  const DecoderCacheLayout layout = test_layout();
+  auto assembler = make_assembler(layout, 20);
+  const FetchResult f = fetch_prefill("127.0.0.1", service_->bound_port(), req, assembler.get(),
+                                      20000, 20000, /*secret=*/"");
+  EXPECT_EQ(f.status.code(), Code::kUnavailable) << f.status.to_string();
+  EXPECT_NE(f.status.message().find("sealed at the memory floor"), std::string::npos)
+      << f.status.message();
+  EXPECT_TRUE(f.salvageable);
+  EXPECT_EQ(assembler->covered_tokens(), 8);
+  EXPECT_TRUE(assembler->can_mount(8));
+
+  // What fits is served whole.
+  engine_.set_capacity(0);
+  expect_complete(post(20), 20);
+}
+
+TEST_F(PrefillServiceTest, AtTheMemoryFloorARequestWhoseFirstChunkDoesNotFitIsRefused) {
+  service_->set_memory_floor(true);
+  engine_.set_capacity(3);
+  const auto refused = post(20);
+  ASSERT_TRUE(refused) << "no response";
+  EXPECT_EQ(refused->status, 507);
+  const auto j = nlohmann::json::parse(refused->body, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << refused->body;
+  EXPECT_EQ(j["error"]["message"], "the cache of 20 tokens needs more than the budget");
+  // Without the floor (the default here, and --memory-floor refuse), no prefix is tried.
+  service_->set_memory_floor(false);
+  engine_.set_capacity(9);
+  const size_t before = engine_.reservations().size();
+  const auto whole = post(20);
+  ASSERT_TRUE(whole) << "no response";
+  EXPECT_EQ(whole->status, 507);
+  EXPECT_EQ(engine_.reservations().size(), before + 1);
 }
 
 // The offline path (hetero prefill --ids-file, and tests): the same admission, a refusal as the
