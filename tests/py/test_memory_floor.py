@@ -11,6 +11,8 @@ The tiny test model's cache is 256 bytes a token (2 layers, K and V, 2 kv heads 
 held in blocks of 256 tokens: a 1 MiB budget holds exactly 4,096 tokens, 8 chunks of 512.
 """
 
+import json
+
 import pytest
 from frontstack import (TINY, answer, cached_tokens, chat, post_front, requests, running_stack,
                         text, verdict_of)
@@ -35,6 +37,7 @@ def test_a_prompt_over_the_host_budget_is_sealed_and_answered_by_the_decoder(tin
     r = post_front(front, body)
     assert r.status_code == 200, r.text
     v = verdict_of(r.headers)
+    print("memory-floor", json.dumps(v))
     assert v["verdict"] == f"partial {FITS}/{T}" and v["B"] == FITS, v
     assert "sealed at the memory floor" in v["reason"], v
     assert f"{FITS} of {T - 1} tokens fit" in v["reason"] and "the budget is 1.0 MiB" in v["reason"]
@@ -82,6 +85,7 @@ def test_the_seam_declines_a_mount_over_the_decoders_budget(tight_decoder) -> No
     r = post_front(front, body)
     assert r.status_code == 200, r.text
     v = verdict_of(r.headers)
+    print("mount-budget", json.dumps(v))
     assert v["verdict"].startswith("declined: mount failed: "), v
     assert f"mounting {T - 1} tokens needs" in v["verdict"], v
     assert f"(--mount-budget-mb) is {BUDGET_MB << 20} bytes" in v["verdict"], v
