@@ -1,6 +1,10 @@
 // Verification, assembly and the decoder store: see assembler.h.
 #include "bridge/assembler.h"
 
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -11,11 +15,37 @@
 namespace hetero {
 namespace fs = std::filesystem;
 
-CacheAssembler::CacheAssembler(DecoderCacheLayout expected, int64_t requested_tokens)
-    : layout_(std::move(expected)), requested_(requested_tokens) {
+namespace {
+
+std::string array_name(int64_t layer, int which) {
+  return "layers." + std::to_string(layer) + (which ? ".values" : ".keys");
+}
+
+// A name no other writer in this store uses: the process, a counter and the clock.
+std::string incoming_name() {
+  static std::atomic<uint64_t> counter{0};
+  return "incoming-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + "-" +
+         std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()) +
+         kPartialSuffix;
+}
+
+}  // namespace
+
+CacheAssembler::CacheAssembler(DecoderCacheLayout expected, int64_t requested_tokens,
+                               std::string store_dir)
+    : layout_(std::move(expected)), requested_(requested_tokens), store_dir_(std::move(store_dir)) {
+  if (!store_dir_.empty()) return;  // rows go to the store's file
   const size_t per_layer = static_cast<size_t>(layout_.kv_heads * requested_ * layout_.head_dim);
   keys_.assign(static_cast<size_t>(layout_.layers), std::vector<uint16_t>(per_layer));
   values_.assign(static_cast<size_t>(layout_.layers), std::vector<uint16_t>(per_layer));
+}
+
+CacheAssembler::~CacheAssembler() {
+  if (!file_) return;
+  const std::string dir = file_->dir();
+  file_.reset();
+  std::error_code ignored;
+  fs::remove_all(dir, ignored);  // never published: nothing of it is an entry
 }
 
 Status check_segment_order(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
@@ -71,7 +101,33 @@ Status CacheAssembler::accept(const Segment& s) {
                          a.tensor.shape_string() + ", expected BF16 [kv_heads, n, head_dim]");
     }
   }
-  // Everything checked: copy rows into place.
+  // Everything checked: rows into place, in the store's file or in memory.
+  if (!store_dir_.empty()) {
+    if (!file_) {
+      std::vector<std::string> names;
+      for (int64_t l = 0; l < layout_.layers; ++l)
+        for (int which = 0; which < 2; ++which) names.push_back(array_name(l, which));
+      const std::string dir =
+          (fs::path(store_dir_) / layout_.fingerprint / incoming_name()).string();
+      auto f =
+          StoreFile::create(dir, std::move(names), layout_.kv_heads, requested_, layout_.head_dim);
+      if (!f.is_ok()) {
+        std::error_code ignored;
+        fs::remove_all(dir, ignored);
+        return f.status();
+      }
+      file_ = std::make_unique<StoreFile>(std::move(f.value()));
+    }
+    for (int64_t l = 0; l < layout_.layers; ++l)
+      for (int which = 0; which < 2; ++which)
+        HETERO_RETURN_IF_ERROR(
+            file_->write_rows(array_name(l, which), s.pos0, s.n_tokens,
+                              reinterpret_cast<const uint16_t*>(
+                                  s.arrays[static_cast<size_t>(2 * l + which)].data())));
+    covered_ += s.n_tokens;
+    ++segments_;
+    return Status::ok();
+  }
   const int64_t hd = layout_.head_dim;
   for (int64_t l = 0; l < layout_.layers; ++l) {
     for (int which = 0; which < 2; ++which) {
@@ -99,6 +155,12 @@ TensorMap CacheAssembler::arrays(int64_t b) const {
   for (int64_t l = 0; l < layout_.layers; ++l) {
     for (int which = 0; which < 2; ++which) {
       Tensor t(DType::kBF16, {layout_.kv_heads, b, hd});
+      if (file_) {
+        const Status st = file_->read_rows(array_name(l, which), 0, b, t.data<uint16_t>());
+        HETERO_CHECK(st.is_ok());  // the file this assembler wrote, still open
+        out.emplace(array_name(l, which), std::move(t));
+        continue;
+      }
       const auto& src = (which ? values_ : keys_)[static_cast<size_t>(l)];
       for (int64_t h = 0; h < layout_.kv_heads; ++h)
         std::memcpy(t.data<uint16_t>() + h * b * hd, &src[static_cast<size_t>(h * requested_ * hd)],
@@ -109,18 +171,20 @@ TensorMap CacheAssembler::arrays(int64_t b) const {
   return out;
 }
 
-Result<StoreEntry> write_store_entry(const std::string& store_dir, const DecoderCacheLayout& layout,
-                                     const std::vector<int32_t>& ids, int64_t b,
-                                     int64_t requested_tokens, const TensorMap& arrays,
-                                     const nlohmann::json& extra) {
-  if (b <= 0 || b > static_cast<int64_t>(ids.size()))
-    return invalid_argument("store entry needs 0 < B <= len(ids)");
-  std::vector<int32_t> prefix(ids.begin(), ids.begin() + b);
-  const fs::path dir =
-      fs::path(store_dir) / layout.fingerprint / prefix_key(layout.fingerprint, prefix);
-  const fs::path tmp = dir.string() + kPartialSuffix;
-  std::error_code ec;
-  fs::remove_all(tmp, ec);
+namespace {
+
+// The entry's directory, and `tmp`, its "<dir>.partial" twin, where it is written.
+fs::path entry_dir(const std::string& store_dir, const DecoderCacheLayout& layout,
+                   const std::vector<int32_t>& prefix) {
+  return fs::path(store_dir) / layout.fingerprint / prefix_key(layout.fingerprint, prefix);
+}
+
+// `tmp` holds cache.safetensors: entry.json beside it, then renamed into place as the entry for
+// ids[:b]. tmp is gone afterwards either way.
+Result<StoreEntry> publish_entry(const fs::path& tmp, const std::string& store_dir,
+                                 const DecoderCacheLayout& layout,
+                                 const std::vector<int32_t>& prefix, int64_t requested_tokens,
+                                 const nlohmann::json& extra) {
   // Whatever goes wrong below (disk full, a write refused) leaves no half-written entry.
   struct RemoveOnFailure {
     fs::path path;
@@ -130,13 +194,11 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
       if (!done) fs::remove_all(path, ignored);
     }
   } guard{tmp};
-  fs::create_directories(tmp, ec);
-  if (ec) return unavailable("cannot create " + tmp.string() + ": " + ec.message());
-  HETERO_RETURN_IF_ERROR(write_safetensors((tmp / "cache.safetensors").string(), arrays));
+  const fs::path dir = entry_dir(store_dir, layout, prefix);
   nlohmann::json meta = {{"format", "hetero-store-v1"},
                          {"family", layout.family},
                          {"fingerprint", layout.fingerprint},
-                         {"B", b},
+                         {"B", static_cast<int64_t>(prefix.size())},
                          {"T", requested_tokens},
                          {"layers", layout.layers},
                          {"ids", prefix}};
@@ -147,6 +209,7 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
     out.flush();
     if (!out) return unavailable("cannot write entry.json in " + tmp.string());
   }
+  std::error_code ec;
   fs::remove_all(dir, ec);
   fs::rename(tmp, dir, ec);
   if (ec) return unavailable("cannot publish store entry " + dir.string() + ": " + ec.message());
@@ -155,6 +218,52 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
   e.path = dir.string();
   e.bytes = static_cast<int64_t>(fs::file_size(dir / "cache.safetensors", ec));
   return e;
+}
+
+}  // namespace
+
+Result<StoreEntry> write_store_entry(const std::string& store_dir, const DecoderCacheLayout& layout,
+                                     const std::vector<int32_t>& ids, int64_t b,
+                                     int64_t requested_tokens, const TensorMap& arrays,
+                                     const nlohmann::json& extra) {
+  if (b <= 0 || b > static_cast<int64_t>(ids.size()))
+    return invalid_argument("store entry needs 0 < B <= len(ids)");
+  const std::vector<int32_t> prefix(ids.begin(), ids.begin() + b);
+  const fs::path tmp = entry_dir(store_dir, layout, prefix).string() + kPartialSuffix;
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  if (ec) return unavailable("cannot create " + tmp.string() + ": " + ec.message());
+  if (Status st = write_safetensors((tmp / "cache.safetensors").string(), arrays); !st.is_ok()) {
+    fs::remove_all(tmp, ec);
+    return st;
+  }
+  return publish_entry(tmp, store_dir, layout, prefix, requested_tokens, extra);
+}
+
+Result<StoreEntry> Assembler::store(const std::string& store_dir, const DecoderCacheLayout& layout,
+                                    const std::vector<int32_t>& ids, int64_t b,
+                                    int64_t requested_tokens) {
+  return write_store_entry(store_dir, layout, ids, b, requested_tokens, arrays(b), entry_extra());
+}
+
+Result<StoreEntry> CacheAssembler::store(const std::string& store_dir,
+                                         const DecoderCacheLayout& layout,
+                                         const std::vector<int32_t>& ids, int64_t b,
+                                         int64_t requested_tokens) {
+  if (!file_ || store_dir != store_dir_)
+    return Assembler::store(store_dir, layout, ids, b, requested_tokens);
+  if (b <= 0 || b > covered_ || b > static_cast<int64_t>(ids.size()))
+    return invalid_argument("store entry needs 0 < B <= the verified rows");
+  const std::unique_ptr<StoreFile> file = std::move(file_);  // published or removed, once
+  const fs::path tmp = file->dir();
+  if (Status st = file->seal(b); !st.is_ok()) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    return st;
+  }
+  return publish_entry(tmp, store_dir, layout, {ids.begin(), ids.begin() + b}, requested_tokens,
+                       entry_extra());
 }
 
 int64_t remove_partial_store_entries(const std::string& store_dir) {

@@ -12,10 +12,16 @@
 #include <vector>
 
 #include "bridge/decoder_weights.h"
+#include "bridge/store_file.h"
 #include "bridge/wire.h"
 #include "common/safetensors.h"
 
 namespace hetero {
+
+struct StoreEntry {
+  std::string path;  // directory holding entry.json and cache.safetensors
+  int64_t bytes = 0;
+};
 
 // The decode side's receiver for one bridged request, whatever the family.
 class Assembler {
@@ -37,20 +43,31 @@ class Assembler {
   virtual TensorMap arrays(int64_t b) const = 0;
   // Extra fields for the store entry's entry.json (e.g. the window slot index).
   virtual nlohmann::json entry_extra() const { return nlohmann::json::object(); }
+  // Publishes the prefix [0, b) (can_mount(b)) as a decoder-store entry for ids[:b] (default:
+  // write_store_entry of arrays(b)). Once per assembler.
+  virtual Result<StoreEntry> store(const std::string& store_dir, const DecoderCacheLayout& layout,
+                                   const std::vector<int32_t>& ids, int64_t b,
+                                   int64_t requested_tokens);
 };
 
-// The assembler for the layout's family.
+// The assembler for the layout's family. With a store_dir, a family that can write its rows
+// into the store as they verify (llama) does so, and holds none of them in memory.
 std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
-                                          int64_t requested_tokens);
+                                          int64_t requested_tokens,
+                                          const std::string& store_dir = "");
 
 // The checks every family shares: fingerprint, family, sequence, contiguity, bounds.
 Status check_segment_order(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
                            int64_t segments, const Segment& s);
 
-// llama: per layer keys and values rows, any verified prefix mountable.
+// llama: per layer keys and values rows, any verified prefix mountable. Without a store_dir the
+// rows are kept in memory; with one they go straight into the entry's file in the store
+// (StoreFile, under "<store>/<fingerprint>/incoming-*.partial" until store() publishes it; an
+// assembler destroyed unpublished removes it).
 class CacheAssembler : public Assembler {
  public:
-  CacheAssembler(DecoderCacheLayout expected, int64_t requested_tokens);
+  CacheAssembler(DecoderCacheLayout expected, int64_t requested_tokens, std::string store_dir = "");
+  ~CacheAssembler() override;
   Status accept(const Segment& s) override;
   Status finish(const Manifest& m) override;
   int64_t covered_tokens() const override { return covered_; }
@@ -59,23 +76,24 @@ class CacheAssembler : public Assembler {
     return 2 * layout_.layers * layout_.kv_heads * requested_ * layout_.head_dim * 2;  // bf16 K, V
   }
   bool can_mount(int64_t b) const override { return b >= 1 && b <= covered_; }
-  // Per layer `layers.{i}.keys` / `.values`, bf16 [kv_heads, b, head_dim], for rows [0, b).
+  // Per layer `layers.{i}.keys` / `.values`, bf16 [kv_heads, b, head_dim], for rows [0, b)
+  // (read back from the file when the rows went to the store).
   TensorMap arrays(int64_t b) const override;
+  Result<StoreEntry> store(const std::string& store_dir, const DecoderCacheLayout& layout,
+                           const std::vector<int32_t>& ids, int64_t b,
+                           int64_t requested_tokens) override;
 
  private:
   DecoderCacheLayout layout_;
   int64_t requested_, covered_ = 0, segments_ = 0;
-  std::vector<std::vector<uint16_t>> keys_, values_;  // per layer [kv_heads, requested, hd]
+  std::vector<std::vector<uint16_t>> keys_, values_;  // in memory: per layer [kv_heads, R, hd]
+  std::string store_dir_;
+  std::unique_ptr<StoreFile> file_;  // in the store: created with the first segment
 };
 
 // The manifest checks every family shares.
 Status check_manifest(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
                       int64_t segments, const Manifest& m);
-
-struct StoreEntry {
-  std::string path;  // directory holding entry.json and cache.safetensors
-  int64_t bytes = 0;
-};
 
 // A store entry is written under "<entry>.partial" and renamed when whole.
 inline constexpr const char* kPartialSuffix = ".partial";

@@ -182,10 +182,10 @@ TensorMap Dsv4Assembler::arrays(int64_t b) const {
 }
 
 std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
-                                          int64_t requested_tokens) {
+                                          int64_t requested_tokens, const std::string& store_dir) {
   if (layout.family == "deepseek_v4")
     return std::make_unique<Dsv4Assembler>(layout, requested_tokens);
-  return std::make_unique<CacheAssembler>(layout, requested_tokens);
+  return std::make_unique<CacheAssembler>(layout, requested_tokens, store_dir);
 }
 
 }  // namespace hetero

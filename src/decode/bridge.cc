@@ -30,7 +30,8 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   const DecoderCacheLayout& layout = layout_or.value();
   const int64_t want = v.t - 1;  // the decoder keeps at least one token to process
 
-  auto assembler = make_assembler(layout, want);
+  // The rows go into the store's file as they verify: no whole cache in this process's memory.
+  auto assembler = make_assembler(layout, want, p.store_dir);
   const PrefillRequest req{std::vector<int32_t>(ids.begin(), ids.begin() + want),
                            layout.fingerprint, p.chunk_tokens, decoder_calls_from_info(info, want)};
   out.fetch = fetch_prefill(p.prefill_host, p.prefill_port, req, assembler.get(), p.stall_ms,
@@ -68,8 +69,7 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   }
 
   const auto t_store = Clock::now();
-  auto entry = write_store_entry(p.store_dir, layout, ids, v.b, want, assembler->arrays(v.b),
-                                 assembler->entry_extra());
+  auto entry = assembler->store(p.store_dir, layout, ids, v.b, want);
   v.timings_ms["store"] = ms_since(t_store);
   if (!entry.is_ok())
     return (v = v.declined_from("store failed: " + entry.status().message())), out;

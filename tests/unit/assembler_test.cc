@@ -116,6 +116,49 @@ TEST(Assembler, AFailedStoreWriteLeavesNothingBehind) {
   std::filesystem::remove_all(dir);
 }
 
+// Rows streamed into the store as they verify give the same entry, byte for byte in its arrays,
+// as the in-memory assembler's, for the whole request and for a shorter verified prefix (the
+// file shortened in place); an assembler that never publishes leaves nothing in the store.
+TEST(Assembler, RowsWrittenIntoTheStoreGiveTheSameEntry) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("hetero_stream_" + std::to_string(::getpid()));
+  const std::vector<int32_t> ids = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t b : {10, 9, 4, 1}) {
+    SCOPED_TRACE("B = " + std::to_string(b));
+    CacheAssembler memory(layout(), 10), streamed(layout(), 10, dir.string());
+    for (CacheAssembler* a : {&memory, &streamed}) {
+      ASSERT_TRUE(a->accept(make_segment(0, 0, 3, 2, 2, 4, "fp")).is_ok());
+      ASSERT_TRUE(a->accept(make_segment(1, 3, 6, 2, 2, 4, "fp")).is_ok());
+      ASSERT_TRUE(a->accept(make_segment(2, 9, 1, 2, 2, 4, "fp")).is_ok());
+    }
+    EXPECT_TRUE(fs::exists(dir / "fp"));
+    const TensorMap want = memory.arrays(b);
+    const TensorMap read_back = streamed.arrays(b);
+    for (const auto& [name, t] : want) EXPECT_EQ(read_back.at(name).bytes, t.bytes) << name;
+    auto e = streamed.store(dir.string(), layout(), ids, b, 10);
+    ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+    auto got = read_safetensors((fs::path(e->path) / "cache.safetensors").string());
+    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+    const TensorMap& arrays = got->tensors;
+    ASSERT_EQ(arrays.size(), want.size());
+    for (const auto& [name, t] : want) {
+      ASSERT_TRUE(arrays.count(name)) << name;
+      EXPECT_EQ(arrays.at(name).shape, t.shape) << name;
+      EXPECT_EQ(arrays.at(name).bytes, t.bytes) << name;
+    }
+    std::ifstream in(fs::path(e->path) / "entry.json");
+    EXPECT_EQ(nlohmann::json::parse(in)["B"], b);
+    EXPECT_EQ(e->bytes, static_cast<int64_t>(fs::file_size(fs::path(e->path) / "cache.safetensors")));
+  }
+  {
+    CacheAssembler abandoned(layout(), 10, dir.string());
+    ASSERT_TRUE(abandoned.accept(make_segment(0, 0, 3, 2, 2, 4, "fp")).is_ok());
+  }
+  for (const auto& f : fs::directory_iterator(dir / "fp"))
+    EXPECT_FALSE(f.path().filename().string().ends_with(kPartialSuffix)) << f.path();
+  fs::remove_all(dir);
+}
+
 TEST(Assembler, PartialEntriesLeftByACrashAreRemovedAndNothingElse) {
   namespace fs = std::filesystem;
   const auto dir = fs::temp_directory_path() / ("hetero_store_sweep_" + std::to_string(::getpid()));
