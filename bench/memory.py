@@ -4,11 +4,11 @@
 Starts `hetero up` (the front door in its process, the decoder and the prefill host as its
 children), then for each size sends one fresh bridged request (`X-PD-Bridge-Mode: bridge`) and
 reads each process's peak RSS over that request (VmHWM, reset before it through
-/proc/PID/clear_refs). The cache's size is the decoder's own (the verdict's wire bytes are within
+/proc/PID/clear_refs); then a native request of the same size, for the decoder's own peak. The cache's size is the decoder's own (the verdict's wire bytes are within
 a frame header of it). A process that holds one copy of the cache grows by about 1x of it; two
 copies, 2x. Linux only (procfs). Writes JSON lines to bench/results/memory-<rev>.jsonl.
 
-usage: python3 bench/memory.py [--sizes 2048,8000] [--model DIR]
+usage: python3 bench/memory.py [--sizes 2048,8000] [--model DIR] [--no-native]
 """
 
 import argparse
@@ -55,6 +55,9 @@ def main() -> int:
     p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--seed", type=int, default=int(time.time()))
+    p.add_argument("--no-native", action="store_true",
+                   help="bridged requests only (the decoder's own prefill of a long prompt on a CPU "
+                        "takes long)")
     a = p.parse_args()
     rng = random.Random(a.seed)
     proc, url = start_stack(a.model)
@@ -69,11 +72,24 @@ def main() -> int:
                 before[role] = status_kib(pid, "VmRSS")
             r = stream(url, fresh_prompt(max(1, int(size / 1.45)), rng), "bridge", 4)
             cache = r["bytes"]
+            after = {role: status_kib(pid, "VmHWM") * 1024 for role, pid in roles.items()}
+            # The same size, native: what the decoder itself holds for a prompt of this length.
+            native_growth = None
+            if not a.no_native:
+                decoder = roles["decoder"]
+                reset_peak(decoder)
+                native_before = status_kib(decoder, "VmRSS") * 1024
+                stream(url, fresh_prompt(max(1, int(size / 1.45)), rng), "native", 4)
+                native_growth = status_kib(decoder, "VmHWM") * 1024 - native_before
             row = {"bench": "memory", "T": r["T"], "verdict": r["verdict"], "cache_bytes": cache,
                    "model": Path(a.model).name, "revision": git_rev(), "machine": platform.node(),
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            row["decoder_native_growth_over_cache"] = (
+                None if native_growth is None else round(native_growth / cache, 2))
+            row["bridged_timings_ms"], row["B"] = r["timings_ms"], r["B"]
+            row["ttft_s"] = r["ttft_s"]
             for role, pid in roles.items():
-                peak = status_kib(pid, "VmHWM") * 1024
+                peak = after[role]
                 row[f"{role}_rss_before"] = before[role] * 1024
                 row[f"{role}_peak_rss"] = peak
                 row[f"{role}_growth_over_cache"] = round((peak - before[role] * 1024) / cache, 2)
@@ -88,11 +104,14 @@ def main() -> int:
     with open(path, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    print(f"| T | cache | verdict | front | decoder | prefill host |\n|---:|---:|---|---:|---:|---:|")
+    print("| T | cache | verdict | front | decoder | prefill host | decoder, native request |\n"
+          "|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['T']} | {r['cache_bytes'] / 2**20:.0f} MiB | {r['verdict']} | "
               + " | ".join(f"{r[k + '_growth_over_cache']:.2f}x" for k in
-                           ("front", "decoder", "prefill")) + " |")
+                           ("front", "decoder", "prefill"))
+              + " | " + ("-" if r["decoder_native_growth_over_cache"] is None
+                         else f"{r['decoder_native_growth_over_cache']:.2f}x") + " |")
     print(f"wrote {path}")
     return 0
 

@@ -11,7 +11,9 @@
 #   3. `hetero verify` on a few prompts: every cache array, the greedy continuation and the
 #      decoder's own prompt accounting against the decoder's native run;
 #   4. bench/cold.py: native vs bridged time to first token over prompt sizes, every verdict,
-#      decode tok/s of both legs.
+#      decode tok/s of both legs;
+#   5. with --memory-sizes: bench/memory.py, bridged only: each process's peak RSS against the
+#      cache, the decoder-confirmed verdict and time to first token, at long prompt sizes.
 # Everything has a deadline; only processes this script started are stopped.
 # Writes into --out (default $OUT, else out/e2e): e2e.log, env.txt, verify.jsonl,
 # cold-<rev>.{jsonl,md,png}.
@@ -22,6 +24,7 @@
 #          [--rev REV (the carried build/hetero's revision; recorded with every result)]
 #          [--verify-args "extra verify flags, e.g. --arith fast --min-cosine 0.99 ..."]
 #          [--model-args "extra scripts/make_random_llama.py flags, e.g. a rope scaling"]
+#          [--memory-sizes 262144,1000000 (step 5; with --no-bench it runs alone)]
 #          [--real-weights DIR (the parts scripts/weight_parts.sh wrote, under DIR/*/)]
 #          [--prompts all (every prompt below, the long one too; default: the first --verify)]
 #          [--quantize BITS (the checkpoint then converted by mlx-lm's own converter: affine,
@@ -50,7 +53,8 @@ MODEL_EXTRA=()
 QUANTIZE=""
 PROMPTS=(prompts/capital.txt prompts/chat/02-code.json prompts/chat/03-system-multiturn.json
          prompts/chat/01-capital.json prompts/chat/04-notes.json prompts/chat/05-long-license.json)
-REAL_WEIGHTS=
+REAL_WEIGHTS=""
+MEMORY_SIZES=""
 
 while (($#)); do
   case $1 in
@@ -70,6 +74,7 @@ while (($#)); do
     --model-args) eval "MODEL_EXTRA=($2)"; shift ;;
     --quantize) QUANTIZE=$2; shift ;;
     --real-weights) REAL_WEIGHTS=$2; shift ;;
+    --memory-sizes) MEMORY_SIZES=$2; shift ;;
     --prompts) [[ $2 == all ]] || { echo "e2e: --prompts takes all" >&2; exit 2; }
                VERIFY_N=${#PROMPTS[@]}; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -258,5 +263,18 @@ if ((RUN_BENCH)); then
     done
   fi
 fi
-echo "e2e: verify failures $fails, bench rc $brc; results in $OUT_DIR"
-((fails == 0 && brc == 0))
+# --- 5. long prompts, bridged: memory and verdicts -----------------------------------------------
+mrc=0
+if [[ -n $MEMORY_SIZES ]]; then
+  echo "== bench/memory.py --sizes $MEMORY_SIZES --no-native ($BACKEND backend)"
+  (cd bench && HETERO_PYTHON=$PY HETERO_REVISION=$REVISION step "$BENCH_TIMEOUT" python3 memory.py \
+    --model "$MODEL" --sizes "$MEMORY_SIZES" --no-native --out-dir "$OUT_DIR")
+  mrc=$?
+  if ((mrc != 0)); then
+    for log in "${TMPDIR:-/tmp}"/hetero-bench-*/{decoder,prefill,export}.log; do
+      [[ -f $log ]] && { echo "--- tail $log"; tail -20 "$log"; }
+    done
+  fi
+fi
+echo "e2e: verify failures $fails, bench rc $brc, memory rc $mrc; results in $OUT_DIR"
+((fails == 0 && brc == 0 && mrc == 0))
