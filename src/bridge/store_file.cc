@@ -19,26 +19,26 @@ Status io_error(const std::string& what, const std::string& path) {
   return unavailable(what + " " + path + ": " + std::strerror(errno));
 }
 
-Status pwrite_all(int fd, const void* data, int64_t n, int64_t at, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
+// All n bytes at `at`, written from or read into data, through short transfers and EINTR.
+Status transfer_all(int fd, void* data, int64_t n, int64_t at, const std::string& path,
+                    bool write) {
+  char* p = static_cast<char*>(data);
   while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, static_cast<size_t>(n), at);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return io_error("cannot write", path);
-    p += w, n -= w, at += w;
+    const ssize_t done = write ? ::pwrite(fd, p, static_cast<size_t>(n), at)
+                               : ::pread(fd, p, static_cast<size_t>(n), at);
+    if (done < 0 && errno == EINTR) continue;
+    if (done <= 0) return io_error(write ? "cannot write" : "cannot read", path);
+    p += done, n -= done, at += done;
   }
   return Status::ok();
 }
 
+Status pwrite_all(int fd, const void* data, int64_t n, int64_t at, const std::string& path) {
+  return transfer_all(fd, const_cast<void*>(data), n, at, path, /*write=*/true);
+}
+
 Status pread_all(int fd, void* data, int64_t n, int64_t at, const std::string& path) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t r = ::pread(fd, p, static_cast<size_t>(n), at);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return io_error("cannot read", path);
-    p += r, n -= r, at += r;
-  }
-  return Status::ok();
+  return transfer_all(fd, data, n, at, path, /*write=*/false);
 }
 
 }  // namespace
@@ -59,8 +59,8 @@ Result<StoreFile> StoreFile::create(const std::string& dir, std::vector<std::str
   f.header_bytes_ = static_cast<int64_t>(f.header(rows).size());
   f.fd_ = ::open(f.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (f.fd_ < 0) return io_error("cannot create", f.path_);
-  const int64_t size = kPrefix + f.header_bytes_ + f.array_bytes(rows) *
-                                                       static_cast<int64_t>(f.names_.size());
+  const int64_t size =
+      kPrefix + f.header_bytes_ + f.array_bytes(rows) * static_cast<int64_t>(f.names_.size());
   if (::ftruncate(f.fd_, size) != 0) return io_error("cannot size", f.path_);
   return f;
 }
@@ -98,42 +98,31 @@ std::string StoreFile::header(int64_t rows) const {
   std::string s = h.dump();
   // Padded with spaces (safetensors allows it) to the reserved length, which keeps the data
   // 8-byte aligned; a shorter prefix's header is never longer than the reserved one.
-  const size_t want = header_bytes_ > 0 ? static_cast<size_t>(header_bytes_) : (s.size() + 7) / 8 * 8;
+  const size_t want =
+      header_bytes_ > 0 ? static_cast<size_t>(header_bytes_) : (s.size() + 7) / 8 * 8;
   s.resize(std::max(want, s.size()), ' ');
   return s;
 }
 
-Status StoreFile::write_rows(const std::string& name, int64_t pos0, int64_t n,
-                             const uint16_t* src) {
+Status StoreFile::rows(const std::string& name, int64_t pos0, int64_t n, uint16_t* data,
+                       bool write) const {
   const int64_t i = index_of(name);
   if (fd_ < 0 || i < 0 || pos0 < 0 || n < 0 || pos0 + n > rows_)
     return invalid_argument("store file: rows [" + std::to_string(pos0) + ", " +
-                            std::to_string(pos0 + n) + ") of '" + name + "' do not fit");
+                            std::to_string(pos0 + n) + ") of '" + name + "' are not in it");
   const int64_t base = kPrefix + header_bytes_ + i * array_bytes(rows_);
   const int64_t row = head_dim_ * 2;
-  for (int64_t h = 0; h < heads_; ++h)
-    HETERO_RETURN_IF_ERROR(pwrite_all(fd_, src + h * n * head_dim_, n * row,
-                                      base + (h * rows_ + pos0) * row, path_));
-  return Status::ok();
-}
-
-Status StoreFile::read_rows(const std::string& name, int64_t pos0, int64_t n,
-                            uint16_t* dst) const {
-  const int64_t i = index_of(name);
-  if (fd_ < 0 || i < 0 || pos0 < 0 || n < 0 || pos0 + n > rows_)
-    return invalid_argument("store file: no rows [" + std::to_string(pos0) + ", " +
-                            std::to_string(pos0 + n) + ") of '" + name + "'");
-  const int64_t base = kPrefix + header_bytes_ + i * array_bytes(rows_);
-  const int64_t row = head_dim_ * 2;
-  for (int64_t h = 0; h < heads_; ++h)
-    HETERO_RETURN_IF_ERROR(pread_all(fd_, dst + h * n * head_dim_, n * row,
-                                     base + (h * rows_ + pos0) * row, path_));
+  for (int64_t h = 0; h < heads_; ++h) {
+    const int64_t at = base + (h * rows_ + pos0) * row;
+    HETERO_RETURN_IF_ERROR(transfer_all(fd_, data + h * n * head_dim_, n * row, at, path_, write));
+  }
   return Status::ok();
 }
 
 Status StoreFile::seal(int64_t b) {
   if (fd_ < 0) return failed_precondition("store file " + path_ + " is already sealed");
-  if (b < 1 || b > rows_) return invalid_argument("store file: cannot keep " + std::to_string(b) + " rows");
+  if (b < 1 || b > rows_)
+    return invalid_argument("store file: cannot keep " + std::to_string(b) + " rows");
   const int64_t data = kPrefix + header_bytes_, row = head_dim_ * 2;
   if (b < rows_) {
     // Each head's first b rows move to their place in the shorter layout. Destinations never

@@ -27,9 +27,13 @@ class StoreFile {
   ~StoreFile();  // closes; the directory stays (the owner removes or publishes it)
 
   // Rows [pos0, pos0 + n) of array `name`, bf16 [heads, n, head_dim].
-  Status write_rows(const std::string& name, int64_t pos0, int64_t n, const uint16_t* src);
+  Status write_rows(const std::string& name, int64_t pos0, int64_t n, const uint16_t* src) {
+    return rows(name, pos0, n, const_cast<uint16_t*>(src), /*write=*/true);
+  }
   // The same rows back (before seal()).
-  Status read_rows(const std::string& name, int64_t pos0, int64_t n, uint16_t* dst) const;
+  Status read_rows(const std::string& name, int64_t pos0, int64_t n, uint16_t* dst) const {
+    return rows(name, pos0, n, dst, /*write=*/false);
+  }
   // Keeps rows [0, b) of every array, writes the header for them, closes the file.
   Status seal(int64_t b);
   const std::string& dir() const { return dir_; }
@@ -38,6 +42,8 @@ class StoreFile {
  private:
   StoreFile() = default;
   int64_t index_of(const std::string& name) const;  // -1 when unknown
+  // Rows of one array to (write) or from the file; `data` is only read when writing.
+  Status rows(const std::string& name, int64_t pos0, int64_t n, uint16_t* data, bool write) const;
   int64_t array_bytes(int64_t rows) const { return heads_ * rows * head_dim_ * 2; }
   std::string header(int64_t rows) const;  // padded to header_bytes_ when it is set
   int fd_ = -1;

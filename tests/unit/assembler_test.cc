@@ -148,7 +148,8 @@ TEST(Assembler, RowsWrittenIntoTheStoreGiveTheSameEntry) {
     }
     std::ifstream in(fs::path(e->path) / "entry.json");
     EXPECT_EQ(nlohmann::json::parse(in)["B"], b);
-    EXPECT_EQ(e->bytes, static_cast<int64_t>(fs::file_size(fs::path(e->path) / "cache.safetensors")));
+    EXPECT_EQ(e->bytes,
+              static_cast<int64_t>(fs::file_size(fs::path(e->path) / "cache.safetensors")));
   }
   {
     CacheAssembler abandoned(layout(), 10, dir.string());
