@@ -101,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     dsv4.add_argument("--sliding-window", type=int, default=128)
     dsv4.add_argument("--hc-mult", type=int, default=4)
     dsv4.add_argument("--mtp-layers", type=int, default=1, choices=(0, 1))
+    dsv4.add_argument(
+        "--yarn-factor",
+        type=int,
+        default=16,
+        help="YaRN factor over 65,536 positions: 16 (Flash's 1,048,576), 32 (2,097,152)",
+    )
     return parser
 
 
@@ -111,6 +117,8 @@ def _tiny_dsv4(args: argparse.Namespace) -> dict:
         ratios = tuple(int(r) for r in args.ratios.split(","))
     else:
         ratios = default_ratios(args.layers)
+    if args.yarn_factor < 1:
+        raise ValueError("--yarn-factor must be at least 1")
     shape = Dsv4Shape(
         layers=args.layers,
         ratios=ratios,
@@ -131,6 +139,7 @@ def _tiny_dsv4(args: argparse.Namespace) -> dict:
         sliding_window=args.sliding_window,
         hc_mult=args.hc_mult,
         mtp_layers=args.mtp_layers,
+        yarn_factor=args.yarn_factor,
     )
     variants = tuple(v for v in args.variants.split(",") if v)
     return make_tiny_dsv4(args.tokenizer, args.out, args.seed, shape, variants)

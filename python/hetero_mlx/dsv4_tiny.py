@@ -76,6 +76,9 @@ def default_ratios(layers: int) -> Tuple[int, ...]:
     return tuple(0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(layers))
 
 
+YARN_ORIGINAL = 65536  # the checkpoint's rope_scaling.original_max_position_embeddings
+
+
 @dataclass(frozen=True)
 class Dsv4Shape:
     """Dimensions of a tiny checkpoint; the defaults are the standard set `make test` builds."""
@@ -101,6 +104,9 @@ class Dsv4Shape:
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     mtp_layers: int = 1
+    # YaRN over the original 65,536 positions: 16 is DeepSeek-V4-Flash's own (1,048,576
+    # positions); 32 the 2,097,152-token context the original system ran it at.
+    yarn_factor: int = 16
 
     def fp8_dims(self) -> Dict[str, int]:
         """Every dimension of an FP8 weight, which mlx-vlm maps 128x128 blocks onto rows."""
@@ -165,7 +171,7 @@ def _config(shape: Dsv4Shape, vocab_size: int, bos: Optional[int], eos: Optional
         "index_head_dim": shape.index_head_dim,
         "index_n_heads": shape.index_heads,
         "index_topk": shape.index_topk,
-        "max_position_embeddings": 1048576,
+        "max_position_embeddings": YARN_ORIGINAL * shape.yarn_factor,
         "moe_intermediate_size": shape.moe_intermediate,
         "n_routed_experts": shape.experts,
         "n_shared_experts": shape.shared_experts,
@@ -191,8 +197,8 @@ def _config(shape: Dsv4Shape, vocab_size: int, bos: Optional[int], eos: Optional
         "rope_scaling": {
             "beta_fast": 32,
             "beta_slow": 1,
-            "factor": 16,
-            "original_max_position_embeddings": 65536,
+            "factor": shape.yarn_factor,
+            "original_max_position_embeddings": YARN_ORIGINAL,
             "type": "yarn",
         },
         "rope_theta": 10000,

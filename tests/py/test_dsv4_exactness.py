@@ -15,6 +15,7 @@ Needs HETERO_DSV4_MODEL (models/dsv4-tiny, from `make tiny-dsv4`) and the hetero
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -86,7 +87,8 @@ _loaded: Dict[str, object] = {}
 
 def _decoder(root: Path, variant: str, tmp_root: Path):
     """(model, export dir) for one variant, loaded and exported once per test module."""
-    if variant not in _loaded:
+    key = str(root / variant)
+    if key not in _loaded:
         from mlx_vlm.utils import load_model
 
         from hetero_mlx.export import export
@@ -96,8 +98,8 @@ def _decoder(root: Path, variant: str, tmp_root: Path):
             pytest.fail(f"{path} has no config.json: run make tiny-dsv4")
         out = tmp_root / f"export-{variant}"
         export(str(path), out)
-        _loaded[variant] = (load_model(path), out)
-    return _loaded[variant]
+        _loaded[key] = (load_model(path), out)
+    return _loaded[key]
 
 
 def _bits(a) -> np.ndarray:
@@ -110,9 +112,38 @@ def _bits(a) -> np.ndarray:
 def test_program_equals_native_cache(
     dsv4_root, hetero_bin, tmp_path_factory, variant, T, calls, chunks
 ):
+    _check_case(dsv4_root, variant, hetero_bin, tmp_path_factory, T, calls, chunks)
+
+
+@pytest.fixture(scope="module")
+def x32_root(tokenizer_dir, tmp_path_factory) -> Path:
+    """The test checkpoint at the 2,097,152-token context (YaRN factor 32), decoder variant
+    `native` (the one the served decoder runs)."""
+    out = tmp_path_factory.mktemp("dsv4-x32")
+    run = subprocess.run(
+        [sys.executable, "-m", "hetero_mlx", "tiny-dsv4", "--tokenizer", str(tokenizer_dir), "--out",
+         str(out), "--variants", "native", "--yarn-factor", "32"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+@pytest.mark.parametrize("T,calls,chunks", [(129, "server", "37"), (2049, "server", "2048")])
+def test_program_equals_native_cache_at_the_x32_context(
+    x32_root, hetero_bin, tmp_path_factory, T, calls, chunks
+):
+    config = json.loads((x32_root / "native" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 2097152, config["max_position_embeddings"]
+    assert config["rope_scaling"]["factor"] == 32, config["rope_scaling"]
+    _check_case(x32_root, "native", hetero_bin, tmp_path_factory, T, calls, chunks)
+
+
+def _check_case(root: Path, variant: str, hetero_bin, tmp_path_factory, T: int, calls: str,
+                chunks: str) -> None:
     from hetero_mlx import dsv4
 
-    model, export_dir = _decoder(dsv4_root, variant, tmp_path_factory.mktemp("dsv4"))
+    model, export_dir = _decoder(root, variant, tmp_path_factory.mktemp("dsv4"))
     vocab = dsv4.describe(model)["vocab_size"]
     ids = [int(v) for v in np.random.default_rng(T).integers(0, vocab, T)]
     schedule = _server_calls(T) if calls == "server" else _cover(
