@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <httplib.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 
@@ -209,6 +210,26 @@ void ConnectionGuard::mark(const httplib::Request& req, bool reading) {
   if (c == conns_.end()) return;
   c->second.reading = reading;
   c->second.since_ms = now_ms();
+}
+
+bool ConnectionGuard::client_gone(const httplib::Request& req) {
+  return client_gone(req.remote_addr, req.remote_port);
+}
+
+bool ConnectionGuard::client_gone(const std::string& addr, int port) {
+  int fd = -1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_peer_.find(addr + " " + std::to_string(port));
+    if (it == by_peer_.end()) return false;
+    auto c = conns_.find(it->second);
+    if (c == conns_.end()) return false;
+    fd = c->second.fd;
+  }
+  // The server's thread owns the socket and reads nothing from it while it answers: a peer
+  // that closed shows as RDHUP or HUP (data it sent ahead, POLLIN alone, is not a hang-up).
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 void ConnectionGuard::on_accept() {

@@ -68,6 +68,11 @@ class ConnectionGuard {
   Handler handler(Handler h);
   // Starts watching the connections of the server bound to `port`. `component` names the log.
   void watch(int port, std::string component);
+  // Whether the client that sent `req` has closed its side of the connection (hung up) while
+  // its request is being answered. False when the connection is not known.
+  bool client_gone(const httplib::Request& req);
+  // The same for the connection from addr:port (req.remote_addr, req.remote_port).
+  bool client_gone(const std::string& addr, int port);
 
   // Closed by the guard so far (for tests and logs).
   int64_t cut_late() const { return cut_late_.load(); }

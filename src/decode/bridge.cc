@@ -35,7 +35,7 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   const PrefillRequest req{std::vector<int32_t>(ids.begin(), ids.begin() + want),
                            layout.fingerprint, p.chunk_tokens, decoder_calls_from_info(info, want)};
   out.fetch = fetch_prefill(p.prefill_host, p.prefill_port, req, assembler.get(), p.stall_ms,
-                            p.deadline_ms, p.secret);
+                            p.deadline_ms, p.secret, p.client_gone);
   const FetchResult& f = out.fetch;
   v.bytes = f.bytes;
   v.timings_ms["prefill"] = f.total_ms;

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -33,6 +34,9 @@ struct BridgeParams {
   int64_t deadline_ms = 0;          // the whole stream's budget
   bool keep_entry = false;          // leave the store entry in place after the mount
   std::string secret;               // the stack's shared secret for the prefill host ("": none)
+  // Asked every 100 ms while the prefill streams: true once the client that wants this bridge
+  // has gone, which ends the stream (the prefill host then stops at its next chunk). Null: never.
+  std::function<bool()> client_gone;
 };
 
 struct BridgeOutcome {

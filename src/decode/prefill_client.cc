@@ -3,7 +3,11 @@
 
 #include <httplib.h>
 
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "common/json_text.h"
 #include "common/secret.h"
@@ -83,7 +87,7 @@ bool StreamReceiver::consume_frames() {
 
 FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
                           Assembler* assembler, int64_t stall_ms, int64_t deadline_ms,
-                          const std::string& secret) {
+                          const std::string& secret, const std::function<bool()>& client_gone) {
   const auto t0 = Clock::now();
   FetchResult out;
   httplib::Client cli(host, port);
@@ -132,7 +136,31 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
     receiver.feed(data, n);
     return receiver.status().is_ok();  // after a good manifest: read on to the end
   };
+  // The client's hang-up is watched beside the blocking send: shutting the socket is the one
+  // thing another thread may do to a request in flight (httplib's stop()).
+  std::atomic<bool> sent{false}, gone{false};
+  std::mutex watch_mu;
+  std::condition_variable watch_cv;
+  std::thread watcher;
+  if (client_gone)
+    watcher = std::thread([&] {
+      std::unique_lock<std::mutex> lock(watch_mu);
+      while (!watch_cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return sent.load(); }))
+        if (client_gone()) {
+          gone = true;
+          cli.stop();
+          return;
+        }
+    });
   auto res = cli.send(r);
+  if (watcher.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(watch_mu);
+      sent = true;
+    }
+    watch_cv.notify_all();
+    watcher.join();
+  }
   out.total_ms = ms_since(t0);
   out.verify_ms = receiver.verify_ms();
   out.first_segment_ms = receiver.first_segment_ms();
@@ -140,7 +168,10 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   out.salvageable = receiver.salvageable();
   out.have_manifest = receiver.have_manifest();
   out.arith = receiver.arith();
-  if (!untagged.is_ok()) {
+  if (gone) {
+    out.status = unavailable("the client went away during the prefill");
+    out.salvageable = false;  // nobody is left to answer
+  } else if (!untagged.is_ok()) {
     out.status = untagged;
     out.salvageable = false;
   } else if (!deadline_status.is_ok()) {

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -62,8 +63,12 @@ struct FetchResult {
 // one, the request carries a fresh stream nonce and every frame must come back tagged.
 // The prefill host's refusals keep their meaning: 409 (fingerprint) is kFailedPrecondition,
 // 507 (out of memory) kResourceExhausted, other 4xx kInvalidArgument, 5xx kInternal.
+// client_gone (null: never asked) is asked every 100 ms: once it says true the connection to the
+// prefill host is shut (which stops its prefill at its next chunk) and the fetch ends kUnavailable,
+// its rows not salvageable.
 FetchResult fetch_prefill(const std::string& host, int port, const PrefillRequest& req,
                           Assembler* assembler, int64_t stall_ms, int64_t deadline_ms,
-                          const std::string& secret = "");
+                          const std::string& secret = "",
+                          const std::function<bool()>& client_gone = {});
 
 }  // namespace hetero

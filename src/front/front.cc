@@ -159,8 +159,8 @@ Status FrontServer::check_pairing() const {
   return Status::ok();
 }
 
-BridgeOutcome FrontServer::bridge(const std::vector<int32_t>& ids, const json& info,
-                                  int64_t decoder_cached) {
+BridgeOutcome FrontServer::bridge(const httplib::Request& req, const std::vector<int32_t>& ids,
+                                  const json& info, int64_t decoder_cached) {
   const auto t_wait = Clock::now();
   struct Waiting {  // counted by the caller on entering the queue, until this bridge is done
     std::atomic<int64_t>* n;
@@ -177,6 +177,7 @@ BridgeOutcome FrontServer::bridge(const std::vector<int32_t>& ids, const json& i
   p.stall_ms = cfg_.stall_ms;
   p.deadline_ms =
       cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * static_cast<int64_t>(ids.size());
+  p.client_gone = [this, &req] { return guard_->client_gone(req); };
   BridgeOutcome out = run_bridge(seam_, info, ids, decoder_cached, p);
   out.verdict.timings_ms["bridge_queue"] = queued_ms;
 #ifdef __GLIBC__
@@ -286,9 +287,15 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
                     " wait for it; retry shortly");
   }
   if (route.bridge) {
-    BridgeOutcome b = bridge(ids, info.value(), route.cached);
+    BridgeOutcome b = bridge(req, ids, info.value(), route.cached);
     v = std::move(b.verdict);
     pin = std::move(b.pin);
+    if (guard_->client_gone(req)) {  // nobody to answer: the decoder is not asked
+      seam_.unpin(pin, /*evict=*/true);
+      log_line("front",
+               "POST " + path + ": the client went away during its bridge; " + v.header_value());
+      return finish(499);  // as servers log a request its client closed
+    }
   }
   v.t = T;
   v.timings_ms["tokenize"] = tokenize_ms;

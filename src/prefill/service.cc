@@ -219,7 +219,8 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
 
 Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vector<int64_t>& plan,
                                       const std::string& sealed,
-                                      const BridgeProducer::FrameSink& sink) {
+                                      const BridgeProducer::FrameSink& sink,
+                                      const std::function<bool()>& receiver_gone) {
   const int64_t T = static_cast<int64_t>(req.ids.size());
   int64_t planned = 0;
   for (int64_t n : plan) planned += n;
@@ -237,18 +238,29 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
                           program.value()->device_stream() ? capture_ : nullptr, buffers_.get());
   producer.set_arith(arith_);
   Status st;
+  // A receiver that hung up is noticed before the next chunk, not at the next frame's write (a
+  // chunk's frame comes only once every layer has passed it).
+  bool gone = false;
   try {
     // A sealed plan covers a prefix: the engine sees only its ids.
     const std::vector<int32_t> prefix(req.ids.begin(), req.ids.begin() + planned);
-    st = engine_->prefill_plan(planned == T ? req.ids : prefix, plan, producer.tap(),
-                               [&producer] { return producer.cancelled(); });
+    st = engine_->prefill_plan(planned == T ? req.ids : prefix, plan, producer.tap(), [&] {
+      gone = gone || (receiver_gone && receiver_gone());
+      return gone || producer.cancelled();
+    });
     if (st.is_ok()) st = engine_->finish();
   } catch (const std::bad_alloc&) {  // the request ends, sealed by its manifest; the host serves on
     st = resource_exhausted("out of host memory during the prefill of " + std::to_string(T) +
                             " tokens");
   }
   if (!st.is_ok()) log_line("prefill", "a prefill failed: " + st.to_string());
-  return producer.finish(T, st, sealed);
+  const bool cancelled = producer.cancelled() || gone;
+  Manifest m = producer.finish(T, st, sealed);
+  if (cancelled)  // its state is the engine's, which the next request resets
+    log_line("prefill", "the receiver went away: stopped after " +
+                            std::to_string(m.covered_tokens) + " of " + std::to_string(T) +
+                            " tokens");
+  return m;
 }
 
 Status PrefillService::start(const std::string& host, int port) {
@@ -336,11 +348,20 @@ Status PrefillService::start(const std::string& host, int port) {
         auto frames = std::make_shared<BoundedQueue<std::string>>(4);
         auto cancelled = std::make_shared<std::atomic<bool>>(false);
         auto buffers = buffers_;
-        auto worker =
-            std::make_shared<std::thread>([this, frames, cancelled, request, plan, sealed] {
-              run_admitted(*request, *plan, *sealed, [frames, cancelled](std::string f) {
-                return !cancelled->load() && frames->push(std::move(f));
-              });
+        // A client that hung up (ConnectionGuard sees its socket's hang-up) cancels the stream.
+        std::function<bool()> receiver_gone = [guard = guard_.get(), addr = req.remote_addr,
+                                               port = req.remote_port, cancelled] {
+          if (!cancelled->load() && guard->client_gone(addr, port)) cancelled->store(true);
+          return cancelled->load();
+        };
+        auto worker = std::make_shared<std::thread>(
+            [this, frames, cancelled, request, plan, sealed, receiver_gone] {
+              run_admitted(
+                  *request, *plan, *sealed,
+                  [frames, cancelled](std::string f) {
+                    return !cancelled->load() && frames->push(std::move(f));
+                  },
+                  receiver_gone);
               give_slot();
               frames->close();
             });

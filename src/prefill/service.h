@@ -225,8 +225,10 @@ class PrefillService {
   Status reserve_plan(const std::vector<int64_t>& plan);
   // With the slot, after admit(): the chunks, frames to sink, manifest last (sealed: the reason
   // a plan shorter than the request ends the stream early).
+  // receiver_gone (null: never) is asked before each chunk, as a receiver that stopped reading.
   Manifest run_admitted(const PrefillRequest& req, const std::vector<int64_t>& plan,
-                        const std::string& sealed, const BridgeProducer::FrameSink& sink);
+                        const std::string& sealed, const BridgeProducer::FrameSink& sink,
+                        const std::function<bool()>& receiver_gone = {});
   std::mutex slot_mu_;
   std::condition_variable slot_free_;
   bool busy_ = false;
