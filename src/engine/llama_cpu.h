@@ -33,7 +33,8 @@ class LlamaCpuEngine {
   // refused up front (kResourceExhausted with the bytes asked and what the host has left)
   // instead of failing an allocation half-way or waking the OOM killer.
   Status reserve(int64_t tokens, int64_t max_chunk_tokens);
-  // The most bytes the cache may take (0: what the host has free); reserve() refuses past it.
+  // The most bytes the cache may take (0: half of what the host has free, counting what it holds);
+  // reserve() refuses past it.
   void set_memory_budget(int64_t bytes) { budget_ = bytes; }
   int64_t cached_tokens() const { return n_cached_; }
   // Runs the next chunk of the sequence: ids are positions [cached_tokens(), +ids.size()).

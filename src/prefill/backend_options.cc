@@ -67,7 +67,8 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "device; with --gpus, each stage's engine); a request that would pass it is sealed or "
        "refused as --memory-floor says"},
       {"host-memory-budget-mb", "HETERO_PREFILL_HOST_MEMORY_BUDGET_MB", "0",
-       "cpu, llama: host memory the engine's cache may take in MiB (0: what the host has free "
+       "cpu, llama: host memory the engine's cache may take in MiB (0: half of what the host has "
+       "free "
        "when a request is admitted)"},
       {"memory-floor",
        "HETERO_PREFILL_MEMORY_FLOOR",

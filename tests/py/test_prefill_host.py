@@ -1,7 +1,8 @@
-"""The prefill host alone, on real processes: memory admission on the CPU backend. A prompt the
-host cannot hold is refused before any byte streams (HTTP 507, JSON, the bytes asked and what is
-left), the host keeps serving, and the longest prompt it takes by default follows from the
-machine's memory instead of a fixed 2,097,152 tokens."""
+"""The prefill host alone, on real processes: memory admission on the CPU backend. With
+--memory-floor refuse, a prompt the host cannot hold is refused before any byte streams (HTTP
+507, JSON, the bytes asked and what is left), the host keeps serving, and the longest prompt it
+takes follows from the machine's memory; with the floor (the default; test_memory_floor.py
+seals through the whole stack) it takes prompts up to 2,097,152 tokens."""
 
 import re
 import subprocess
@@ -47,7 +48,8 @@ def prefill(port: int, n: int, fingerprint: str):
 def test_a_prompt_the_host_cannot_hold_is_refused_and_the_host_serves_on(exported, tmp_path):
     # Regression (hardening issue): the default --max-tokens 2097152 needed 48 GB of cache for
     # this model on a 23 GB machine, and the engine aborted on std::bad_alloc.
-    proc, port, log = start(exported, tmp_path, "--max-tokens", "2097152")
+    proc, port, log = start(exported, tmp_path, "--max-tokens", "2097152", "--memory-floor",
+                            "refuse")
     try:
         fingerprint = requests.get(f"http://127.0.0.1:{port}/health", timeout=10).json()[
             "fingerprint"]
@@ -66,8 +68,10 @@ def test_a_prompt_the_host_cannot_hold_is_refused_and_the_host_serves_on(exporte
         proc.wait(timeout=30)
 
 
-def test_the_default_longest_prompt_follows_from_the_machine(exported, tmp_path):
-    proc, port, log = start(exported, tmp_path)
+def test_the_longest_prompt_a_refusing_host_takes_follows_from_the_machine(exported, tmp_path):
+    # With the memory floor (the default), a prompt past memory is sealed, not refused, so the
+    # host takes prompts up to 2,097,152 tokens; a host that refuses instead knows its limit.
+    proc, port, log = start(exported, tmp_path, "--memory-floor", "refuse")
     try:
         lines = [l for l in log.read_text().splitlines() if "longest prompt" in l]
         assert lines, log.read_text()
@@ -80,6 +84,15 @@ def test_the_default_longest_prompt_follows_from_the_machine(exported, tmp_path)
             "fingerprint"]
         r = prefill(port, longest + 1, fingerprint)
         assert r.status_code == 400 and "more than the limit" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_sealing_host_takes_the_longest_context_this_project_serves(exported, tmp_path):
+    proc, port, log = start(exported, tmp_path)
+    try:
+        assert "longest prompt: 2097152 tokens" in log.read_text(), log.read_text()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
