@@ -190,6 +190,22 @@ def build_cache(model: nn.Module, arrays: Dict[str, mx.array], n_tokens: int) ->
     return cache
 
 
+def extend_cache(prefix: List[Any], arrays: Dict[str, mx.array], n_tokens: int) -> List[KVCache]:
+    """The decoder's own cache objects for a prefix (a copy the caller owns), extended by a
+    tail's rows ([kv_heads, n, head_dim] per layer) to n_tokens, the way the decoder appends
+    rows itself (KVCache.update_and_fetch). Evaluated here, as build_cache is."""
+    for i, layer_cache in enumerate(prefix):
+        if type(layer_cache) is not KVCache:
+            raise ValueError(f"layer {i} holds a {type(layer_cache).__name__}, not a KVCache")
+        layer_cache.update_and_fetch(
+            arrays[f"layers.{i}.keys"][None], arrays[f"layers.{i}.values"][None]
+        )
+        if layer_cache.offset != n_tokens:
+            raise ValueError(f"layer {i} holds {layer_cache.offset} rows, not {n_tokens}")
+    mx.eval([c.keys for c in prefix] + [c.values for c in prefix])
+    return prefix
+
+
 def cache_arrays(cache: List[Any], n_tokens: int) -> Dict[str, mx.array]:
     """Store-layout arrays of the first n_tokens rows of the decoder's cache objects.
 

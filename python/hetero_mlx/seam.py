@@ -9,7 +9,8 @@ sends can raise out of a handler. Access rules (secret, JSON bodies, dump direct
   POST /hetero/tokenize       OpenAI chat or completions body -> {"ids", "n", "segments"}
   GET  /hetero/info           model layout, fingerprint, versions, prompt-cache stats
   POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
-  POST /hetero/mount          {"entry", "ids"} -> {"mounted": B, "pin"} (pins.py)
+  POST /hetero/mount          {"entry", "ids"} -> {"mounted": B, "pin"} (pins.py); a tail entry
+                              (rows from "start") extends the decoder's own cache of ids[:start]
   POST /hetero/unpin          {"pin", "evict"?} -> {"released": bool, "evicted": bool}
   POST /hetero/cache          {"ids", "B", "out": name} -> {"B", "path"} (truth dump into
                               <store>/dumps/name; the prompt cache is only read)
@@ -29,12 +30,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx_lm
+from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.server import APIHandler, ModelProvider
 
 from . import STORE_FORMAT
 from .access import check_auth, check_json_body, write_dump
 from .errors import SeamError, bad_request
-from .llama import build_cache, cache_arrays
+from .llama import build_cache, cache_arrays, extend_cache
 from .pins import unpin_request
 from .prompt_cache import LockedPromptCache
 from .store import dump_request, entry_path, read_entry, request_ids
@@ -406,9 +408,12 @@ class SeamHandler(APIHandler):
 
     def _mount(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
         ids = request_ids(body, self.seam.desc["vocab_size"])
-        entry = read_entry(entry_path(body, self.seam.store), ids, self.seam.desc)
+        entry = read_entry(entry_path(body, self.seam.store), ids, self.seam.desc, tails=True)
         # Built and evaluated outside the lock: only the insert touches shared state.
-        cache = build_cache(self.seam.provider.model, entry.arrays, entry.n_tokens)
+        if entry.start > 0:
+            cache = self._extend(ids, entry)
+        else:
+            cache = build_cache(self.seam.provider.model, entry.arrays, entry.n_tokens)
         prefix = list(ids[: entry.n_tokens])
         prompt_cache = self.seam.prompt_cache
         with prompt_cache.lock:  # no lookup between the insert and the pin
@@ -416,6 +421,32 @@ class SeamHandler(APIHandler):
             pin = prompt_cache.pins.add(prefix, (self.seam.model_key, cache))
         log.info("mounted %d tokens from %s (pin %s)", entry.n_tokens, body["entry"], pin)
         return {"mounted": entry.n_tokens, "pin": pin}
+
+    def _extend(self, ids: List[int], entry: Any) -> List[Any]:
+        """A tail's entry on top of the decoder's own cache of ids[:start]: a copy of the entry
+        it holds for those tokens (trimmed to them, as its own lookup trims), extended by the
+        tail's rows. The tail was computed for exactly these ids and this fingerprint (checked
+        by read_entry); a decoder that no longer holds them refuses, and the request goes
+        native."""
+        start = entry.start
+        with self.seam.prompt_cache.lock:
+            cache, rest = self.seam.prompt_cache.peek_nearest_cache(
+                self.seam.model_key, list(ids[: start + 1])
+            )
+        covered = start + 1 - len(rest)
+        if cache is None or covered < start:
+            raise SeamError(
+                409,
+                "prefix_not_cached",
+                f"the tail extends the decoder's cache of {start} tokens; it holds "
+                f"{covered if cache is not None else 0} of them",
+            )
+        if covered > start and trim_prompt_cache(cache, covered - start) != covered - start:
+            raise SeamError(409, "prefix_not_cached", "the decoder's cache cannot be trimmed")
+        try:
+            return extend_cache(cache, entry.arrays, entry.n_tokens)
+        except ValueError as e:
+            raise SeamError(409, "layout_mismatch", str(e)) from None
 
     def _unpin(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
         cache = self.seam.prompt_cache

@@ -4,9 +4,10 @@ request fields that name ids, entries and dump files, checked the same way for e
 An entry is a directory with
   entry.json         {"format": "hetero-store-v1", "family", "fingerprint", "B", "T",
                       "layers", "ids": [B token ids]} plus any integers the family needs
-                      (deepseek_v4: "window_idx", the rotating window's slot index)
+                      (deepseek_v4: "window_idx", the rotating window's slot index), and for a
+                      tail "start": the rows begin there (llama), the decoder holding the rest
   cache.safetensors  the family's arrays for the prefix (llama: per layer `layers.{i}.keys` /
-                     `layers.{i}.values`, [kv_heads, B, head_dim])
+                     `layers.{i}.values`, [kv_heads, B - start, head_dim])
 Every field is checked against the request and the loaded decoder before anything is mounted.
 The family says which arrays it expects and their shapes (`Layout`); llama's is the default.
 An entry whose arrays would pass the decoder's memory budget for a mount (`set_mount_budget`:
@@ -75,9 +76,10 @@ def _check_mount_budget(path: Path, n_tokens: int) -> None:
 
 @dataclass
 class Entry:
-    n_tokens: int  # B: the prefix the arrays cover
+    n_tokens: int  # B: the prefix the arrays end at
     arrays: Dict[str, mx.array]
     extra: Dict[str, int] = field(default_factory=dict)  # the family's integers from entry.json
+    start: int = 0  # a tail: the arrays hold rows [start, B); the decoder's own cache the rest
 
 
 @dataclass(frozen=True)
@@ -232,24 +234,40 @@ def _check_arrays(arrays: Dict[str, mx.array], layout: Layout) -> None:
             )
 
 
+def _start(meta: Dict[str, Any], n: int, tails: bool) -> int:
+    """The entry's "start" (0 when absent): a tail's first row, below B."""
+    start = meta.get("start", 0)
+    if not _is_int(start) or not 0 <= start < n:
+        raise bad_request("bad_entry", f"start must be an integer in [0, {n}), got {start!r}")
+    if start > 0 and not tails:
+        raise conflict(
+            "tail_not_mountable",
+            f"the entry holds rows from {start}: this decoder's cache is mounted whole only",
+        )
+    return start
+
+
 def read_entry(
     path: Path,
     ids: List[int],
     desc: Dict[str, Any],
     layout: Optional[LayoutFn] = None,
     extra_ints: Sequence[str] = (),
+    tails: bool = False,
 ) -> Entry:
     """Reads and fully validates an entry for a request whose prompt is `ids`.
 
-    layout: the family's expected arrays (llama's when omitted); extra_ints: the integer fields
-    the family needs in entry.json besides the common ones.
+    layout: the family's expected arrays (llama's when omitted), given the rows the entry holds;
+    extra_ints: the integer fields the family needs in entry.json besides the common ones;
+    tails: whether an entry may hold a tail (rows from "start" on).
     """
     if not path.is_dir():
         raise bad_request("bad_entry", f"entry {path} is not a directory")
     meta = _read_json(path)
     n = _check_meta(meta, ids, desc)
+    start = _start(meta, n, tails)
     extra = _extra_ints(meta, extra_ints)
-    _check_mount_budget(path, n)
+    _check_mount_budget(path, n - start)
     arrays = _load_arrays(path)
-    _check_arrays(arrays, (layout or llama_layout(desc))(n, extra))
-    return Entry(n_tokens=n, arrays=arrays, extra=extra)
+    _check_arrays(arrays, (layout or llama_layout(desc))(n - start, extra))
+    return Entry(n_tokens=n, arrays=arrays, extra=extra, start=start)

@@ -32,10 +32,15 @@ std::string incoming_name() {
 }  // namespace
 
 CacheAssembler::CacheAssembler(DecoderCacheLayout expected, int64_t requested_tokens,
-                               std::string store_dir)
-    : layout_(std::move(expected)), requested_(requested_tokens), store_dir_(std::move(store_dir)) {
+                               std::string store_dir, int64_t start)
+    : layout_(std::move(expected)),
+      requested_(requested_tokens),
+      start_(start),
+      covered_(start),
+      store_dir_(std::move(store_dir)) {
+  HETERO_CHECK(start_ >= 0 && start_ < requested_);
   if (!store_dir_.empty()) return;  // rows go to the store's file
-  const size_t per_layer = static_cast<size_t>(layout_.kv_heads * requested_ * layout_.head_dim);
+  const size_t per_layer = static_cast<size_t>(layout_.kv_heads * rows() * layout_.head_dim);
   keys_.assign(static_cast<size_t>(layout_.layers), std::vector<uint16_t>(per_layer));
   values_.assign(static_cast<size_t>(layout_.layers), std::vector<uint16_t>(per_layer));
 }
@@ -69,10 +74,13 @@ Status check_segment_order(const DecoderCacheLayout& layout, int64_t requested, 
 }
 
 Status check_manifest(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
-                      int64_t segments, const Manifest& m) {
+                      int64_t segments, const Manifest& m, int64_t start) {
   if (m.fingerprint != layout.fingerprint)
     return failed_precondition("manifest fingerprint " + m.fingerprint + " does not match " +
                                layout.fingerprint);
+  if (m.start != start)
+    return data_loss("manifest says the rows start at " + std::to_string(m.start) +
+                     ", requested from " + std::to_string(start));
   if (m.requested_tokens != requested)
     return data_loss("manifest says T=" + std::to_string(m.requested_tokens) + ", requested " +
                      std::to_string(requested));
@@ -109,8 +117,7 @@ Status CacheAssembler::accept(const Segment& s) {
         for (int which = 0; which < 2; ++which) names.push_back(array_name(l, which));
       const std::string dir =
           (fs::path(store_dir_) / layout_.fingerprint / incoming_name()).string();
-      auto f =
-          StoreFile::create(dir, std::move(names), layout_.kv_heads, requested_, layout_.head_dim);
+      auto f = StoreFile::create(dir, std::move(names), layout_.kv_heads, rows(), layout_.head_dim);
       if (!f.is_ok()) {
         std::error_code ignored;
         fs::remove_all(dir, ignored);
@@ -121,7 +128,7 @@ Status CacheAssembler::accept(const Segment& s) {
     for (int64_t l = 0; l < layout_.layers; ++l)
       for (int which = 0; which < 2; ++which)
         HETERO_RETURN_IF_ERROR(
-            file_->write_rows(array_name(l, which), s.pos0, s.n_tokens,
+            file_->write_rows(array_name(l, which), s.pos0 - start_, s.n_tokens,
                               reinterpret_cast<const uint16_t*>(
                                   s.arrays[static_cast<size_t>(2 * l + which)].data())));
     covered_ += s.n_tokens;
@@ -135,7 +142,7 @@ Status CacheAssembler::accept(const Segment& s) {
           reinterpret_cast<const uint16_t*>(s.arrays[static_cast<size_t>(2 * l + which)].data());
       auto& dst = (which ? values_ : keys_)[static_cast<size_t>(l)];
       for (int64_t h = 0; h < layout_.kv_heads; ++h)
-        std::memcpy(&dst[static_cast<size_t>((h * requested_ + s.pos0) * hd)],
+        std::memcpy(&dst[static_cast<size_t>((h * rows() + s.pos0 - start_) * hd)],
                     src + h * s.n_tokens * hd, static_cast<size_t>(s.n_tokens * hd * 2));
     }
   }
@@ -145,26 +152,31 @@ Status CacheAssembler::accept(const Segment& s) {
 }
 
 Status CacheAssembler::finish(const Manifest& m) {
-  return check_manifest(layout_, requested_, covered_, segments_, m);
+  return check_manifest(layout_, requested_, covered_, segments_, m, start_);
+}
+
+nlohmann::json CacheAssembler::entry_extra() const {
+  if (start_ == 0) return nlohmann::json::object();
+  return {{"start", start_}};
 }
 
 TensorMap CacheAssembler::arrays(int64_t b) const {
-  HETERO_CHECK(b >= 0 && b <= covered_);
+  HETERO_CHECK(b >= start_ && b <= covered_);
   TensorMap out;
-  const int64_t hd = layout_.head_dim;
+  const int64_t hd = layout_.head_dim, n = b - start_;
   for (int64_t l = 0; l < layout_.layers; ++l) {
     for (int which = 0; which < 2; ++which) {
-      Tensor t(DType::kBF16, {layout_.kv_heads, b, hd});
+      Tensor t(DType::kBF16, {layout_.kv_heads, n, hd});
       if (file_) {
-        const Status st = file_->read_rows(array_name(l, which), 0, b, t.data<uint16_t>());
+        const Status st = file_->read_rows(array_name(l, which), 0, n, t.data<uint16_t>());
         HETERO_CHECK(st.is_ok());  // the file this assembler wrote, still open
         out.emplace(array_name(l, which), std::move(t));
         continue;
       }
       const auto& src = (which ? values_ : keys_)[static_cast<size_t>(l)];
       for (int64_t h = 0; h < layout_.kv_heads; ++h)
-        std::memcpy(t.data<uint16_t>() + h * b * hd, &src[static_cast<size_t>(h * requested_ * hd)],
-                    static_cast<size_t>(b * hd * 2));
+        std::memcpy(t.data<uint16_t>() + h * n * hd, &src[static_cast<size_t>(h * rows() * hd)],
+                    static_cast<size_t>(n * hd * 2));
       out.emplace("layers." + std::to_string(l) + (which ? ".values" : ".keys"), std::move(t));
     }
   }
@@ -253,11 +265,11 @@ Result<StoreEntry> CacheAssembler::store(const std::string& store_dir,
                                          int64_t requested_tokens) {
   if (!file_ || store_dir != store_dir_)
     return Assembler::store(store_dir, layout, ids, b, requested_tokens);
-  if (b <= 0 || b > covered_ || b > static_cast<int64_t>(ids.size()))
-    return invalid_argument("store entry needs 0 < B <= the verified rows");
+  if (b <= start_ || b > covered_ || b > static_cast<int64_t>(ids.size()))
+    return invalid_argument("store entry needs start < B <= the verified rows");
   const std::unique_ptr<StoreFile> file = std::move(file_);  // published or removed, once
   const fs::path tmp = file->dir();
-  if (Status st = file->seal(b); !st.is_ok()) {
+  if (Status st = file->seal(b - start_); !st.is_ok()) {
     std::error_code ec;
     fs::remove_all(tmp, ec);
     return st;

@@ -51,10 +51,11 @@ class Assembler {
 };
 
 // The assembler for the layout's family. With a store_dir, a family that can write its rows
-// into the store as they verify (llama) does so, and holds none of them in memory.
+// into the store as they verify (llama) does so, and holds none of them in memory. start: a
+// tail's first row (PrefillRequest::start; llama only, 0 for every other family).
 std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
                                           int64_t requested_tokens,
-                                          const std::string& store_dir = "");
+                                          const std::string& store_dir = "", int64_t start = 0);
 
 // The checks every family shares: fingerprint, family, sequence, contiguity, bounds.
 Status check_segment_order(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
@@ -64,36 +65,42 @@ Status check_segment_order(const DecoderCacheLayout& layout, int64_t requested, 
 // rows are kept in memory; with one they go straight into the entry's file in the store
 // (StoreFile, under "<store>/<fingerprint>/incoming-*.partial" until store() publishes it; an
 // assembler destroyed unpublished removes it).
+// A tail (start > 0) holds rows [start, R) only: its entry says "start", and the seam mounts it
+// onto the decoder's own cache of ids[:start].
 class CacheAssembler : public Assembler {
  public:
-  CacheAssembler(DecoderCacheLayout expected, int64_t requested_tokens, std::string store_dir = "");
+  CacheAssembler(DecoderCacheLayout expected, int64_t requested_tokens, std::string store_dir = "",
+                 int64_t start = 0);
   ~CacheAssembler() override;
   Status accept(const Segment& s) override;
   Status finish(const Manifest& m) override;
   int64_t covered_tokens() const override { return covered_; }
   int64_t segments() const override { return segments_; }
   int64_t max_segment_bytes() const override {
-    return 2 * layout_.layers * layout_.kv_heads * requested_ * layout_.head_dim * 2;  // bf16 K, V
+    return 2 * layout_.layers * layout_.kv_heads * rows() * layout_.head_dim * 2;  // bf16 K, V
   }
-  bool can_mount(int64_t b) const override { return b >= 1 && b <= covered_; }
-  // Per layer `layers.{i}.keys` / `.values`, bf16 [kv_heads, b, head_dim], for rows [0, b)
-  // (read back from the file when the rows went to the store).
+  bool can_mount(int64_t b) const override { return b >= 1 && b > start_ && b <= covered_; }
+  // Per layer `layers.{i}.keys` / `.values`, bf16 [kv_heads, b - start, head_dim], for rows
+  // [start, b) (read back from the file when the rows went to the store).
   TensorMap arrays(int64_t b) const override;
+  nlohmann::json entry_extra() const override;
   Result<StoreEntry> store(const std::string& store_dir, const DecoderCacheLayout& layout,
                            const std::vector<int32_t>& ids, int64_t b,
                            int64_t requested_tokens) override;
 
  private:
+  int64_t rows() const { return requested_ - start_; }  // the most this assembler holds
   DecoderCacheLayout layout_;
-  int64_t requested_, covered_ = 0, segments_ = 0;
-  std::vector<std::vector<uint16_t>> keys_, values_;  // in memory: per layer [kv_heads, R, hd]
+  int64_t requested_, start_, covered_, segments_ = 0;
+  // in memory: per layer [kv_heads, R - start, hd]
+  std::vector<std::vector<uint16_t>> keys_, values_;
   std::string store_dir_;
   std::unique_ptr<StoreFile> file_;  // in the store: created with the first segment
 };
 
-// The manifest checks every family shares.
+// The manifest checks every family shares (start: the rows' first, as requested).
 Status check_manifest(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
-                      int64_t segments, const Manifest& m);
+                      int64_t segments, const Manifest& m, int64_t start = 0);
 
 // A store entry is written under "<entry>.partial" and renamed when whole.
 inline constexpr const char* kPartialSuffix = ".partial";

@@ -182,10 +182,13 @@ TensorMap Dsv4Assembler::arrays(int64_t b) const {
 }
 
 std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
-                                          int64_t requested_tokens, const std::string& store_dir) {
-  if (layout.family == "deepseek_v4")
+                                          int64_t requested_tokens, const std::string& store_dir,
+                                          int64_t start) {
+  if (layout.family == "deepseek_v4") {
+    HETERO_CHECK(start == 0);  // its decoder's cache is mounted whole (PrefillRequest::start)
     return std::make_unique<Dsv4Assembler>(layout, requested_tokens);
-  return std::make_unique<CacheAssembler>(layout, requested_tokens, store_dir);
+  }
+  return std::make_unique<CacheAssembler>(layout, requested_tokens, store_dir, start);
 }
 
 }  // namespace hetero

@@ -10,6 +10,7 @@ using nlohmann::json;
 json prefill_request_json(const PrefillRequest& req) {
   json body = {{"ids", req.ids}, {"fingerprint", req.fingerprint}};
   if (req.chunk_tokens > 0) body["chunk"] = req.chunk_tokens;
+  if (req.start > 0) body["start"] = req.start;
   if (!req.decoder_calls.empty()) body["decoder_calls"] = req.decoder_calls;
   if (!req.stream_nonce.empty()) body["stream_nonce"] = req.stream_nonce;
   return body;
@@ -48,6 +49,17 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vo
     if (!j["chunk"].is_number_integer() || j["chunk"].get<int64_t>() <= 0)
       return invalid_argument("'chunk' must be a positive integer");
     r.chunk_tokens = j["chunk"].get<int64_t>();
+  }
+  if (j.contains("start")) {
+    const json& v = j["start"];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 ||
+        v.get<int64_t>() >= static_cast<int64_t>(r.ids.size()))
+      return invalid_argument("'start' must be an integer in [0, " + std::to_string(r.ids.size()) +
+                              ") (the rows the decoder already holds)");
+    r.start = v.get<int64_t>();
+    if (r.start > 0 && layout.family != "llama")
+      return invalid_argument("'start' > 0: a " + layout.family +
+                              " decoder's cache is not extended by rows; ask for the whole prefix");
   }
   if (j.contains("stream_nonce")) {
     if (!j["stream_nonce"].is_string() || !valid_stream_nonce(j["stream_nonce"].get<std::string>()))

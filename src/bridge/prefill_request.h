@@ -23,6 +23,11 @@ struct PrefillRequest {
   // Between hosts that share the stack's secret: the decode side's fresh nonce for this stream,
   // from which the frames' tags are keyed (frame_tag.h). "" without a secret.
   std::string stream_nonce;
+  // The rows the decoder already holds: only rows [start, ids.size()) are wanted (a warm turn's
+  // tail). The prefill host still needs the engine's state for [0, start), from its own prefix
+  // cache or computed again. 0: the whole prefix. Only for a family whose decoder entry can be
+  // extended by rows (llama).
+  int64_t start = 0;
 };
 
 // The body the decode side sends.
@@ -30,7 +35,8 @@ nlohmann::json prefill_request_json(const PrefillRequest& req);
 
 // Parses and validates a /v1/prefill body against the prefill host's model and export:
 // ids in [0, vocab), at most max_tokens of them, the caller's fingerprint equal to the export's
-// (else kFailedPrecondition naming both), decoder_calls covering the ids exactly.
+// (else kFailedPrecondition naming both), decoder_calls covering the ids exactly, start in
+// [0, len(ids)) and 0 for a family that cannot take a tail (deepseek_v4).
 Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
                                              const DecoderCacheLayout& layout, int64_t max_tokens);
 

@@ -51,8 +51,19 @@ BridgeProducer::~BridgeProducer() {
   if (encoder_.joinable()) encoder_.join();
 }
 
+void BridgeProducer::set_tail(int64_t start, int64_t computed_from) {
+  HETERO_CHECK(computed_from >= 0 && computed_from <= start && next_seq_ == 0);
+  start_ = start, computed_from_ = computed_from;
+  covered_ = start;  // the encoder's, before it has any segment to deliver
+}
+
 AttentionInputTap BridgeProducer::tap() {
   return [this](const TapEvent& e) {
+    if (e.pos0 + e.n_tokens <= start_) return;  // the decoder holds these rows already
+    if (e.pos0 < start_)
+      return fail_capture(failed_precondition(
+          "a chunk straddles the tail's start " + std::to_string(start_) + ": rows [" +
+          std::to_string(e.pos0) + ", " + std::to_string(e.pos0 + e.n_tokens) + ")"));
     // The service checked the export against the model; a mismatch here is a bug.
     HETERO_CHECK(e.hidden == program_->layout().hidden);
     HETERO_CHECK(e.layer >= 0 && e.layer < program_->layout().layers);
@@ -231,6 +242,8 @@ Manifest BridgeProducer::finish(int64_t requested_tokens, const Status& engine_s
   m.fingerprint = program_->layout().fingerprint;
   m.requested_tokens = requested_tokens;
   m.covered_tokens = covered_;
+  m.start = start_;
+  m.computed_from = computed_from_;
   m.segments = next_seq_;
   m.complete = engine_status.is_ok() && !cancelled_ && covered_ == requested_tokens;
   m.arith = arith_;

@@ -124,6 +124,10 @@ class BridgeProducer {
                  CaptureStore* capture = nullptr, FrameBufferPool* buffers = nullptr);
   ~BridgeProducer();
 
+  // A tail (PrefillRequest::start), before the first tap event: only rows from `start` are
+  // programmed and sent (the engine's rows before it are its own business); the forward began
+  // at computed_from <= start. The manifest says both.
+  void set_tail(int64_t start, int64_t computed_from);
   AttentionInputTap tap();
   // Ends the stream: drains the queue, then sends the manifest. engine_status says whether
   // the forward finished; the manifest is complete only when it did and every row was sent.
@@ -174,6 +178,7 @@ class BridgeProducer {
   std::map<int64_t, Pending> pending_;  // by pos0; touched by the worker only
   int64_t next_seq_ = 0;                // the worker's
   int64_t covered_ = 0;                 // the encoder's
+  int64_t start_ = 0, computed_from_ = 0;
   std::mutex status_mu_;
   Status program_status_;  // the first program error, if any
   Status capture_status_;  // the first capture error, if any (set by the tap's thread)

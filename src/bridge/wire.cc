@@ -198,6 +198,8 @@ std::string encode_manifest(const Manifest& m) {
             {"fingerprint", m.fingerprint},
             {"requested_tokens", m.requested_tokens},
             {"covered_tokens", m.covered_tokens},
+            {"start", m.start},
+            {"computed_from", m.computed_from},
             {"segments", m.segments},
             {"complete", m.complete},
             {"reason", m.reason},
@@ -351,6 +353,8 @@ Result<Manifest> decode_manifest(const Frame& f) {
     m.fingerprint = f.header.at("fingerprint").get<std::string>();
     m.requested_tokens = f.header.at("requested_tokens").get<int64_t>();
     m.covered_tokens = f.header.at("covered_tokens").get<int64_t>();
+    m.start = f.header.value("start", int64_t{0});
+    m.computed_from = f.header.value("computed_from", int64_t{0});
     m.segments = f.header.at("segments").get<int64_t>();
     m.complete = f.header.at("complete").get<bool>();
     m.reason = f.header.value("reason", "");

@@ -62,13 +62,18 @@ struct Segment {
 struct Manifest {
   std::string fingerprint;
   int64_t requested_tokens = 0;  // T asked for
-  int64_t covered_tokens = 0;    // rows sent, contiguous from 0
+  int64_t covered_tokens = 0;    // rows sent, contiguous from `start` to here
   int64_t segments = 0;
   bool complete = false;
   std::string reason;  // why not complete
   // How the rows were computed: "exact" (the decoder's arithmetic: the decoder's own cache, bit
   // for bit) or "fast" (within a tolerance of it); "" from a host that does not say.
   std::string arith;
+  // A tail (PrefillRequest::start): the rows begin there. computed_from: where the engine's
+  // forward began, its state before it coming from the prefill host's own prefix cache (the
+  // tokens computed are covered_tokens - computed_from).
+  int64_t start = 0;
+  int64_t computed_from = 0;
 };
 
 struct Frame {

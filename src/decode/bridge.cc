@@ -30,10 +30,20 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   const DecoderCacheLayout& layout = layout_or.value();
   const int64_t want = v.t - 1;  // the decoder keeps at least one token to process
 
+  // A warm prompt: the decoder's own cache of ids[:start] stays, and only the tail is asked for.
+  const int64_t start =
+      p.tails && layout.family == "llama" && decoder_cached > 0 && decoder_cached < want
+          ? decoder_cached
+          : 0;
   // The rows go into the store's file as they verify: no whole cache in this process's memory.
-  auto assembler = make_assembler(layout, want, p.store_dir);
-  const PrefillRequest req{std::vector<int32_t>(ids.begin(), ids.begin() + want),
-                           layout.fingerprint, p.chunk_tokens, decoder_calls_from_info(info, want)};
+  auto assembler = make_assembler(layout, want, p.store_dir, start);
+  PrefillRequest req;
+  req.ids.assign(ids.begin(), ids.begin() + want);
+  req.fingerprint = layout.fingerprint;
+  req.chunk_tokens = p.chunk_tokens;
+  req.decoder_calls = decoder_calls_from_info(info, want);
+  req.start = start;
+  v.start = start;
   out.fetch = fetch_prefill(p.prefill_host, p.prefill_port, req, assembler.get(), p.stall_ms,
                             p.deadline_ms, p.secret, p.client_gone);
   const FetchResult& f = out.fetch;
@@ -43,6 +53,7 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   if (f.last_segment_ms >= 0) v.timings_ms["last_segment"] = f.last_segment_ms;
   v.timings_ms["verify"] = f.verify_ms;
   v.arith = f.arith;
+  if (f.computed_from >= 0) v.computed = assembler->covered_tokens() - f.computed_from;
 
   const int64_t covered = assembler->covered_tokens();
   if (f.status.is_ok()) {

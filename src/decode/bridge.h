@@ -1,7 +1,9 @@
 // The decode side of one bridged request, in one place. `hetero front` (for every cold long
 // prompt it serves) and `hetero verify` (for the prompt it checks) both call run_bridge:
 //   1. POST /v1/prefill ids[:B] (B = T - 1: the decoder keeps one token to process) to the
-//      prefill host, every frame verified into the family's assembler as it arrives;
+//      prefill host, every frame verified into the family's assembler as it arrives; when the
+//      decoder already holds ids[:C] (a warm turn; llama), only the tail's rows [C, B) are asked
+//      for, and the seam mounts them onto the decoder's own cache of ids[:C];
 //   2. decide: the whole prefix (complete), the longest verified prefix of a broken stream
 //      (partial, when it covers enough and beats what the decoder already holds), or nothing;
 //   3. write the decoder-store entry, mount it through the seam (pinned until the decoder has
@@ -33,6 +35,7 @@ struct BridgeParams {
   int64_t stall_ms = 0;             // no byte from the prefill host this long: stalled
   int64_t deadline_ms = 0;          // the whole stream's budget
   bool keep_entry = false;          // leave the store entry in place after the mount
+  bool tails = true;                // a warm prompt's bridge asks for its tail only (llama)
   std::string secret;               // the stack's shared secret for the prefill host ("": none)
   // Asked every 100 ms while the prefill streams: true once the client that wants this bridge
   // has gone, which ends the stream (the prefill host then stops at its next chunk). Null: never.
@@ -47,8 +50,8 @@ struct BridgeOutcome {
 };
 
 // ids: the decoder's own tokenization of the request (T >= 2); info: its /hetero/info;
-// decoder_cached: what the decoder already holds of ids (cached_prefix), so a partial that
-// would not beat it is not mounted.
+// decoder_cached: what the decoder already holds of ids (cached_prefix): a tail bridge starts
+// there, and a partial that would not beat it is not mounted.
 BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
                          const std::vector<int32_t>& ids, int64_t decoder_cached,
                          const BridgeParams& params);

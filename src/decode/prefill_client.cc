@@ -67,7 +67,7 @@ bool StreamReceiver::consume_frames() {
       auto m = decode_manifest(frame);
       status_ = m.is_ok() ? assembler_->finish(m.value()) : m.status();
       have_manifest_ = m.is_ok();
-      if (m.is_ok()) arith_ = m->arith;
+      if (m.is_ok()) arith_ = m->arith, computed_from_ = m->computed_from;
       // An honest "ended early" keeps the prefix; a manifest that disagrees voids it all.
       if (m.is_ok() && !status_.is_ok() && status_.code() != Code::kUnavailable)
         salvageable_ = false;
@@ -168,6 +168,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   out.salvageable = receiver.salvageable();
   out.have_manifest = receiver.have_manifest();
   out.arith = receiver.arith();
+  out.computed_from = receiver.computed_from();
   if (gone) {
     out.status = unavailable("the client went away during the prefill");
     out.salvageable = false;  // nobody is left to answer

@@ -31,6 +31,8 @@ class StreamReceiver {
   // breaks that leave the verified prefix sound (killed, truncated, stalled, corrupt, gap).
   bool salvageable() const { return salvageable_; }
   const std::string& arith() const { return arith_; }  // the manifest's word on the arithmetic
+  // Where the prefill host's forward began (the manifest's computed_from; -1 without one).
+  int64_t computed_from() const { return computed_from_; }
   double first_segment_ms() const { return first_segment_ms_; }
   double last_segment_ms() const { return last_segment_ms_; }
   double verify_ms() const { return verify_ms_; }  // time spent parsing and verifying
@@ -43,6 +45,7 @@ class StreamReceiver {
   Status status_;
   bool have_manifest_ = false, salvageable_ = true;
   std::string arith_;
+  int64_t computed_from_ = -1;
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
   double first_segment_ms_ = -1, last_segment_ms_ = -1, verify_ms_ = 0;
 };
@@ -55,6 +58,7 @@ struct FetchResult {
   bool salvageable = true;  // StreamReceiver::salvageable
   bool have_manifest = false;
   std::string arith;
+  int64_t computed_from = -1;  // where the prefill host's forward began (-1: not said)
 };
 
 // stall_ms: longest silence tolerated between bytes; deadline_ms: the whole stream's budget.

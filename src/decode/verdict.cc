@@ -62,6 +62,8 @@ nlohmann::json Verdict::to_json() const {
   for (const auto& [k, v] : timings_ms) tm[k] = std::round(v * 10.0) / 10.0;
   j["timings_ms"] = tm;
   if (!arith.empty()) j["arith"] = arith;
+  if (start > 0) j["start"] = start;
+  if (computed >= 0) j["computed"] = computed;
   // A partial's label is its numbers; why the rest was not bridged is said beside it.
   if (kind == VerdictKind::kPartial && !reason.empty()) j["reason"] = reason;
   return j;

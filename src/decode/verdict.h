@@ -24,6 +24,10 @@ struct Verdict {
   // stream ended before T (to_json's "reason")
   std::string reason;
   int64_t b = 0, t = 0, bytes = 0;
+  // A tail bridge: the rows [start, B) were bridged onto the decoder's own cache of ids[:start]
+  // (0: the whole prefix). computed: tokens the prefill host's forward ran for them (less than
+  // B - 0 when its prefix cache held the start of the prompt); -1 when not known.
+  int64_t start = 0, computed = -1;
   // The decoder's own count of prompt tokens it took from its cache for this request; -1
   // until its reply said so (then confirmed is true).
   int64_t reused = -1;

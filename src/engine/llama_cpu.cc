@@ -55,6 +55,42 @@ LlamaCpuEngine::LlamaCpuEngine(LlamaWeights weights, Gemm gemm)
 
 void LlamaCpuEngine::reset() { n_cached_ = 0; }
 
+int64_t LlamaCpuEngine::state_row_bytes() const {
+  return 2 * static_cast<int64_t>(k_cache_.size()) * w_.config.kv_heads * w_.config.head_dim * 2;
+}
+
+Status LlamaCpuEngine::save_state(int64_t pos0, int64_t n, uint8_t* out) const {
+  if (pos0 < 0 || n < 0 || pos0 + n > n_cached_)
+    return invalid_argument("save_state: rows [" + std::to_string(pos0) + ", " +
+                            std::to_string(pos0 + n) + ") are not all in the cache of " +
+                            std::to_string(n_cached_));
+  const size_t row = static_cast<size_t>(w_.config.kv_heads * w_.config.head_dim);
+  for (size_t l = 0; l < k_cache_.size(); ++l)
+    for (const auto* cache : {&k_cache_[l], &v_cache_[l]}) {
+      const size_t bytes = static_cast<size_t>(n) * row * 2;
+      std::memcpy(out, cache->data() + static_cast<size_t>(pos0) * row, bytes);
+      out += bytes;
+    }
+  return Status::ok();
+}
+
+Status LlamaCpuEngine::load_state(int64_t pos0, int64_t n, const uint8_t* in) {
+  if (pos0 != n_cached_ || n < 0 || pos0 + n > kv_capacity_)
+    return invalid_argument("load_state: rows [" + std::to_string(pos0) + ", " +
+                            std::to_string(pos0 + n) + ") do not continue the cache of " +
+                            std::to_string(n_cached_) + " within its reserved " +
+                            std::to_string(kv_capacity_));
+  const size_t row = static_cast<size_t>(w_.config.kv_heads * w_.config.head_dim);
+  for (size_t l = 0; l < k_cache_.size(); ++l)
+    for (auto* cache : {&k_cache_[l], &v_cache_[l]}) {
+      const size_t bytes = static_cast<size_t>(n) * row * 2;
+      std::memcpy(cache->data() + static_cast<size_t>(pos0) * row, in, bytes);
+      in += bytes;
+    }
+  n_cached_ += n;
+  return Status::ok();
+}
+
 void LlamaCpuEngine::linear(const uint16_t* x, int64_t m, int64_t k, const std::vector<float>& w,
                             const AffineWeight& q, int64_t n, const uint16_t* bias,
                             uint16_t* out) const {

@@ -40,6 +40,14 @@ class LlamaCpuEngine {
   // Runs the next chunk of the sequence: ids are positions [cached_tokens(), +ids.size()).
   // Ids out of vocabulary are refused before anything changes.
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap);
+  // The engine's state for the prefill host's prefix cache: its cache rows, state_row_bytes()
+  // per token (per layer: keys then values, token-major [n][kv_heads][head_dim] bf16).
+  int64_t state_row_bytes() const;
+  // Copies rows [pos0, pos0 + n) of the sequence's state (pos0 + n <= cached_tokens()).
+  Status save_state(int64_t pos0, int64_t n, uint8_t* out) const;
+  // After reserve(): n rows of state appended at cached_tokens() == pos0, as if their tokens had
+  // been prefilled (what the next chunk attends to; last_logits() stays the last computed one's).
+  Status load_state(int64_t pos0, int64_t n, const uint8_t* in);
   // Logits of the last processed token (float32 [vocab]), for tests and greedy checks.
   std::vector<float> last_logits() const;
 

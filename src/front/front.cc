@@ -54,6 +54,14 @@ Options front_options() {
        "prompts shorter than this go straight to the decoder"},
       {"bridge-min-tail", "HETERO_BRIDGE_MIN_TAIL", "256",
        "uncached tails shorter than this go straight to the decoder"},
+      {"bridge-tails",
+       "HETERO_BRIDGE_TAILS",
+       "on",
+       "a prompt whose start the decoder already holds (a conversation's earlier turns) is "
+       "bridged by its tail only, mounted onto the decoder's own cache (llama); off: the whole "
+       "prefix again",
+       false,
+       {"on", "off"}},
       {"partial-min-fraction", "HETERO_PARTIAL_MIN_FRACTION", "0.5",
        "a broken stream is mounted when its verified prefix covers this fraction"},
       {"deadline-base-ms", "HETERO_DEADLINE_BASE_MS", "30000", "bridge deadline: base"},
@@ -123,6 +131,7 @@ Result<FrontConfig> front_config(const Options& opts) {
   if (frac.value() < 0 || frac.value() > 1)
     return invalid_argument("--partial-min-fraction must be in [0, 1]");
   c.partial_min_fraction = frac.value();
+  c.tails = opts.get("bridge-tails") == "on";
   auto secret = read_secret_file(opts.get("secret-file"));
   if (!secret.is_ok()) return secret.status();
   c.secret = std::move(secret.value());
@@ -174,6 +183,7 @@ BridgeOutcome FrontServer::bridge(const httplib::Request& req, const std::vector
   p.store_dir = cfg_.store_dir;
   p.secret = cfg_.secret;
   p.partial_min_fraction = cfg_.partial_min_fraction;
+  p.tails = cfg_.tails;
   p.stall_ms = cfg_.stall_ms;
   p.deadline_ms =
       cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * static_cast<int64_t>(ids.size());

@@ -47,6 +47,7 @@ struct FrontConfig {
   std::string store_dir;  // the decoder store; the seam must be started on it too
   RoutePolicy route;
   double partial_min_fraction = 0;  // salvage a broken stream when it covers this much of B
+  bool tails = true;                // a warm prompt's bridge asks for its tail only
   int64_t deadline_base_ms = 0;     // bridge deadline = base + per_token * T
   int64_t deadline_per_token_ms = 0;
   int64_t stall_ms = 0;  // no bytes from the prefill host for this long: stalled

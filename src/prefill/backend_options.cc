@@ -78,6 +78,12 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "decoder goes on natively) or refuse (HTTP 507 before its response starts)",
        false,
        {"seal", "refuse"}},
+      {"prefix-cache-mb", "HETERO_PREFILL_PREFIX_CACHE_MB", "2048",
+       "llama, cpu: the prefill host keeps its engine's state of finished requests in a prefix "
+       "cache of this many MiB (least recently used out first), so a warm turn's tail is computed "
+       "from where the conversation's earlier request left off, not from position 0 (0: off)"},
+      {"prefix-cache-block", "HETERO_PREFILL_PREFIX_CACHE_BLOCK", "256",
+       "the prefix cache's block in tokens: state is kept and found in whole blocks"},
       {"chunk", "HETERO_PREFILL_CHUNK", "0",
        "prefill chunk size in tokens (0: the family's default: llama 512; deepseek_v4 2048 on "
        "cpu, 32768 on cuda). deepseek_v4 runs the decoder's own calls, grouped into chunks of up "
@@ -106,6 +112,13 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
     return invalid_argument("--host-memory-budget-mb must be >= 0");
   b.host_memory_budget_bytes = host_mb << 20;
   b.memory_floor = opts.get("memory-floor");
+  HETERO_ASSIGN_OR_RETURN(int64_t prefix_mb, opts.get_int("prefix-cache-mb"));
+  HETERO_ASSIGN_OR_RETURN(b.prefix_cache_block, opts.get_int("prefix-cache-block"));
+  if (prefix_mb < 0 || prefix_mb > (int64_t{1} << 40))
+    return invalid_argument("--prefix-cache-mb must be >= 0");
+  if (b.prefix_cache_block < 1 || b.prefix_cache_block > (int64_t{1} << 20))
+    return invalid_argument("--prefix-cache-block must be in [1, 1048576]");
+  b.prefix_cache_bytes = prefix_mb << 20;
   if (device < 0 || device > 1024) return invalid_argument("--device must be a GPU index");
   if (program_device < -1 || program_device > 1024)
     return invalid_argument("--program-device must be a GPU index or -1");

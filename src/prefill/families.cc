@@ -108,6 +108,7 @@ void configure_service(PrefillService* service, const PrefillStack& stack,
   // Only a llama prefix mounts shorter than the request (a deepseek_v4 one needs the window and
   // buffers at its end, which its stream carries only at T).
   service->set_memory_floor(backend.memory_floor == "seal" && stack.family == "llama");
+  service->set_state_cache(backend.prefix_cache_block, backend.prefix_cache_bytes);
 }
 
 Status require_decoder_calls(const PrefillRequest& req) {

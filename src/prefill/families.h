@@ -60,6 +60,10 @@ struct PrefillBackend {
   // that fits is prefilled and its stream sealed there, PrefillService::set_memory_floor) or
   // "refuse" (HTTP 507 before its response starts).
   std::string memory_floor = "seal";
+  // The prefill host's prefix cache of engine state (PrefillService::set_state_cache): bytes
+  // (0: none) and its block in tokens.
+  int64_t prefix_cache_bytes = 0;
+  int64_t prefix_cache_block = 256;
 };
 
 // The longest prompt a prefill host takes when --max-tokens is 0 (its default): 2,097,152

@@ -128,18 +128,20 @@ void PrefillService::give_slot() {
   slot_free_.notify_one();
 }
 
-std::vector<int64_t> PrefillService::plan_for(const PrefillRequest& req) const {
+std::vector<int64_t> PrefillService::plan_for(const PrefillRequest& req, int64_t from) const {
   const int64_t T = static_cast<int64_t>(req.ids.size());
   const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
-  if (chunk_plan_) return chunk_plan_(req, chunk);
+  if (chunk_plan_ && from == 0 && req.start == 0) return chunk_plan_(req, chunk);
+  HETERO_CHECK(!chunk_plan_ && from <= req.start);  // tails: llama only (parse_prefill_request)
   std::vector<int64_t> plan;
-  for (int64_t p = 0; p < T; p += chunk) plan.push_back(std::min(chunk, T - p));
+  for (int64_t p = from; p < req.start; p += chunk) plan.push_back(std::min(chunk, req.start - p));
+  for (int64_t p = req.start; p < T; p += chunk) plan.push_back(std::min(chunk, T - p));
   return plan;
 }
 
-Status PrefillService::reserve_plan(const std::vector<int64_t>& plan) {
+Status PrefillService::reserve_plan(int64_t from, const std::vector<int64_t>& plan) {
   HETERO_RETURN_IF_ERROR(engine_->reset());
-  int64_t tokens = 0, longest = 0;
+  int64_t tokens = from, longest = 0;
   for (int64_t n : plan) tokens += n, longest = std::max(longest, n);
   try {
     return engine_->reserve(tokens, longest);
@@ -149,42 +151,58 @@ Status PrefillService::reserve_plan(const std::vector<int64_t>& plan) {
   }
 }
 
-Status PrefillService::admit(const PrefillRequest& req, std::vector<int64_t>* plan,
-                             std::string* sealed) {
-  sealed->clear();
+Status PrefillService::admit(const PrefillRequest& req, Admission* a) {
+  a->sealed.clear();
+  // Where the forward can start: the longest prefix of the request's tail start whose state
+  // the prefix cache holds.
+  a->from = states_ && engine_->state_row_bytes() > 0 ? states_->lookup(req.ids, req.start) : 0;
+  a->plan = plan_for(req, a->from);
+  std::vector<int64_t>* plan = &a->plan;
+  const int64_t from = a->from;
   Status st;
   if (fault_.kind == "refuse-memory") {  // as an engine out of memory refuses (tests)
     HETERO_RETURN_IF_ERROR(engine_->reset());
     st = resource_exhausted("injected fault refuse-memory: out of device memory for " +
                             std::to_string(req.ids.size()) + " tokens");
   } else {
-    st = reserve_plan(*plan);
+    st = reserve_plan(from, *plan);
   }
   // The memory floor: the longest prefix of whole chunks that fits (what fits is monotone in
-  // the prefix's length, so a bisection over the chunk boundaries finds it).
+  // the prefix's length, so a bisection over the chunk boundaries finds it). It must reach past
+  // the tail's start, or there is nothing to send.
   if (st.code() == Code::kResourceExhausted && memory_floor_ && plan->size() > 1 &&
       fault_.kind != "refuse-memory") {
     size_t lo = 0, hi = plan->size();  // [1, lo] chunks fit; hi chunks do not
     while (hi - lo > 1) {
       const size_t mid = (lo + hi) / 2;
-      if (reserve_plan({plan->begin(), plan->begin() + static_cast<std::ptrdiff_t>(mid)}).is_ok())
+      if (reserve_plan(from, {plan->begin(), plan->begin() + static_cast<std::ptrdiff_t>(mid)})
+              .is_ok())
         lo = mid;
       else
         hi = mid;
     }
-    if (lo >= 1) {
+    int64_t b = from;
+    for (size_t i = 0; i < lo; ++i) b += (*plan)[i];
+    if (lo >= 1 && b > req.start) {
       const std::vector<int64_t> fits(plan->begin(),
                                       plan->begin() + static_cast<std::ptrdiff_t>(lo));
-      Status again = reserve_plan(fits);  // the last attempt may have been one that did not fit
+      Status again =
+          reserve_plan(from, fits);  // the last attempt may have been one that did not fit
       if (again.is_ok()) {
-        int64_t b = 0;
-        for (int64_t n : fits) b += n;
-        *sealed = "sealed at the memory floor: " + std::to_string(b) + " of " +
-                  std::to_string(req.ids.size()) + " tokens fit (" + st.message() + ")";
-        log_line("prefill", *sealed);
+        a->sealed = "sealed at the memory floor: " + std::to_string(b) + " of " +
+                    std::to_string(req.ids.size()) + " tokens fit (" + st.message() + ")";
+        log_line("prefill", a->sealed);
         *plan = fits;
         st = Status::ok();
       }
+    }
+  }
+  if (st.is_ok() && from > 0) {
+    st = states_->restore(req.ids, from, engine_);
+    if (!st.is_ok()) {  // evicted meanwhile: compute it all (admission again, from 0)
+      log_line("prefill", "the cached state is gone (" + st.message() + "); computing from 0");
+      states_->clear();
+      return admit(req, a);
     }
   }
   if (st.is_ok()) st = engine_->set_decoder_calls(req.decoder_calls);
@@ -198,17 +216,17 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
   Manifest m;
   m.fingerprint = layout_.fingerprint;
   m.requested_tokens = static_cast<int64_t>(req.ids.size());
+  m.start = req.start;
   m.arith = arith_;
   if (!take_slot()) {
     m.reason = "the prefill host is stopping";
     sink(encode_manifest(m));
     return m;
   }
-  std::vector<int64_t> plan = plan_for(req);
-  std::string sealed;
-  const Status admitted = admit(req, &plan, &sealed);
+  Admission a;
+  const Status admitted = admit(req, &a);
   if (admitted.is_ok()) {
-    m = run_admitted(req, plan, sealed, sink);
+    m = run_admitted(req, a, sink);
   } else {
     m.reason = "the engine refused the request: " + admitted.to_string();
     sink(encode_manifest(m));
@@ -217,18 +235,18 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
   return m;
 }
 
-Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vector<int64_t>& plan,
-                                      const std::string& sealed,
+Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission& a,
                                       const BridgeProducer::FrameSink& sink,
                                       const std::function<bool()>& receiver_gone) {
   const int64_t T = static_cast<int64_t>(req.ids.size());
-  int64_t planned = 0;
-  for (int64_t n : plan) planned += n;
+  int64_t planned = a.from;
+  for (int64_t n : a.plan) planned += n;
   auto program = programs_(req);
   if (!program.is_ok()) {
     Manifest m;
     m.fingerprint = layout_.fingerprint;
     m.requested_tokens = T;
+    m.start = req.start;
     m.reason = "cache program refused the request: " + program.status().to_string();
     m.arith = arith_;
     sink(encode_manifest(m));
@@ -237,14 +255,16 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
   BridgeProducer producer(program.value().get(), sink, 4,
                           program.value()->device_stream() ? capture_ : nullptr, buffers_.get());
   producer.set_arith(arith_);
+  producer.set_tail(req.start, a.from);
   Status st;
   // A receiver that hung up is noticed before the next chunk, not at the next frame's write (a
   // chunk's frame comes only once every layer has passed it).
   bool gone = false;
   try {
-    // A sealed plan covers a prefix: the engine sees only its ids.
-    const std::vector<int32_t> prefix(req.ids.begin(), req.ids.begin() + planned);
-    st = engine_->prefill_plan(planned == T ? req.ids : prefix, plan, producer.tap(), [&] {
+    // The engine sees the ids it computes: from where its restored state ends to the end of a
+    // (possibly sealed) plan.
+    const std::vector<int32_t> ids(req.ids.begin() + a.from, req.ids.begin() + planned);
+    st = engine_->prefill_plan(ids, a.plan, producer.tap(), [&] {
       gone = gone || (receiver_gone && receiver_gone());
       return gone || producer.cancelled();
     });
@@ -255,11 +275,16 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const std::vect
   }
   if (!st.is_ok()) log_line("prefill", "a prefill failed: " + st.to_string());
   const bool cancelled = producer.cancelled() || gone;
-  Manifest m = producer.finish(T, st, sealed);
+  Manifest m = producer.finish(T, st, a.sealed);
   if (cancelled)  // its state is the engine's, which the next request resets
     log_line("prefill", "the receiver went away: stopped after " +
                             std::to_string(m.covered_tokens) + " of " + std::to_string(T) +
                             " tokens");
+  // A forward that ran its whole plan leaves the state of ids[0, planned) for later requests.
+  if (st.is_ok() && !cancelled && states_) {
+    const Status kept = states_->save(req.ids, planned, engine_);
+    if (!kept.is_ok()) log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
+  }
   return m;
 }
 
@@ -335,9 +360,8 @@ Status PrefillService::start(const std::string& host, int port) {
           res.set_content(error_body(stopping), "application/json");
           return;
         }
-        auto plan = std::make_shared<std::vector<int64_t>>(plan_for(*request));
-        auto sealed = std::make_shared<std::string>();
-        if (Status admitted = admit(*request, plan.get(), sealed.get()); !admitted.is_ok()) {
+        auto admission = std::make_shared<Admission>();
+        if (Status admitted = admit(*request, admission.get()); !admitted.is_ok()) {
           give_slot();
           res.status = http_status_for(admitted);
           res.set_content(error_body(admitted), "application/json");
@@ -355,9 +379,9 @@ Status PrefillService::start(const std::string& host, int port) {
           return cancelled->load();
         };
         auto worker = std::make_shared<std::thread>(
-            [this, frames, cancelled, request, plan, sealed, receiver_gone] {
+            [this, frames, cancelled, request, admission, receiver_gone] {
               run_admitted(
-                  *request, *plan, *sealed,
+                  *request, *admission,
                   [frames, cancelled](std::string f) {
                     return !cancelled->load() && frames->push(std::move(f));
                   },

@@ -29,6 +29,7 @@
 #include "bridge/producer.h"
 #include "common/http_server.h"
 #include "engine/llama_cpu.h"
+#include "prefill/state_cache.h"
 
 namespace httplib {
 class Server;
@@ -77,6 +78,19 @@ class PrefillEngine {
   virtual int64_t vocab() const = 0;
   // Waits for work the engine enqueued asynchronously (a GPU engine) and reports its errors.
   virtual Status finish() { return Status::ok(); }
+  // The engine's own state per token, for the prefill host's prefix cache (state_cache.h): its
+  // bytes per token, 0 (the default) when the engine does not hand it out (a tail's prefix is
+  // then computed again). save_state copies rows [pos0, pos0 + n) of the sequence's state;
+  // load_state, after reserve(), appends rows at the sequence's end pos0 as if prefilled.
+  virtual int64_t state_row_bytes() const { return 0; }
+  virtual Status save_state(int64_t pos0, int64_t n, uint8_t* out) {
+    (void)pos0, (void)n, (void)out;
+    return failed_precondition("this engine does not hand out its state");
+  }
+  virtual Status load_state(int64_t pos0, int64_t n, const uint8_t* in) {
+    (void)pos0, (void)n, (void)in;
+    return failed_precondition("this engine does not take state");
+  }
 };
 
 template <class Engine>
@@ -117,6 +131,24 @@ class EngineAdapter : public PrefillEngine {
       return PrefillEngine::prefill_plan(ids, plan, tap, stop);
   }
   int64_t vocab() const override { return engine_->config().vocab; }
+  int64_t state_row_bytes() const override {
+    if constexpr (requires(const Engine& e) { e.state_row_bytes(); })
+      return engine_->state_row_bytes();
+    else
+      return 0;
+  }
+  Status save_state(int64_t pos0, int64_t n, uint8_t* out) override {
+    if constexpr (requires(Engine & e) { e.save_state(pos0, n, out); })
+      return engine_->save_state(pos0, n, out);
+    else
+      return PrefillEngine::save_state(pos0, n, out);
+  }
+  Status load_state(int64_t pos0, int64_t n, const uint8_t* in) override {
+    if constexpr (requires(Engine & e) { e.load_state(pos0, n, in); })
+      return engine_->load_state(pos0, n, in);
+    else
+      return PrefillEngine::load_state(pos0, n, in);
+  }
   Status finish() override {
     if constexpr (requires(Engine & e) { e.synchronize(); })
       return engine_->synchronize();
@@ -184,6 +216,13 @@ class PrefillService {
   // Seal a request that does not fit at the longest prefix that does, instead of refusing it
   // (only for a family whose decoder can mount a prefix shorter than the request).
   void set_memory_floor(bool on) { memory_floor_ = on; }
+  // Keep the engine's state of finished requests in a prefix cache of this many bytes (blocks
+  // of block_tokens), from which a later request sharing their prefix resumes (state_cache.h).
+  // 0 bytes, or an engine that hands out no state: every request computes from position 0.
+  void set_state_cache(int64_t block_tokens, int64_t max_bytes) {
+    states_ = std::make_unique<PrefixStateCache>(block_tokens, max_bytes);
+  }
+  const PrefixStateCache* state_cache() const { return states_.get(); }
 
   // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
   // engine and reserves the request's memory (a refusal is a manifest whose reason says why),
@@ -217,18 +256,27 @@ class PrefillService {
   // thread) to the end of its prefill (on its worker thread), so a slot is a flag, not a lock.
   bool take_slot();  // false: the service is stopping
   void give_slot();
-  std::vector<int64_t> plan_for(const PrefillRequest& req) const;
-  // With the slot: the engine reset and the request's memory reserved, or why not. With the
-  // memory floor, *plan may come back shorter than the request, with *sealed saying why.
-  Status admit(const PrefillRequest& req, std::vector<int64_t>* plan, std::string* sealed);
-  // Reserves the whole of `plan` (reset first).
-  Status reserve_plan(const std::vector<int64_t>& plan);
-  // With the slot, after admit(): the chunks, frames to sink, manifest last (sealed: the reason
-  // a plan shorter than the request ends the stream early).
+  // What admission decided for a request: the engine's forward starts at `from` (its state
+  // before that restored from the prefix cache) and runs `plan`'s chunks (a tail's start is a
+  // chunk boundary); `sealed` says why a plan ends before the request does (the memory floor).
+  struct Admission {
+    int64_t from = 0;
+    std::vector<int64_t> plan;
+    std::string sealed;
+  };
+  // The chunks of ids[from, len) (a boundary at the request's start).
+  std::vector<int64_t> plan_for(const PrefillRequest& req, int64_t from) const;
+  // With the slot: the engine reset, the request's memory reserved and the cached state loaded,
+  // or why not. With the memory floor, the plan may come back shorter than the request.
+  Status admit(const PrefillRequest& req, Admission* a);
+  // Reserves `from` tokens of state and the whole of `plan` (reset first).
+  Status reserve_plan(int64_t from, const std::vector<int64_t>& plan);
+  // With the slot, after admit(): the chunks, frames to sink, manifest last.
   // receiver_gone (null: never) is asked before each chunk, as a receiver that stopped reading.
-  Manifest run_admitted(const PrefillRequest& req, const std::vector<int64_t>& plan,
-                        const std::string& sealed, const BridgeProducer::FrameSink& sink,
+  Manifest run_admitted(const PrefillRequest& req, const Admission& a,
+                        const BridgeProducer::FrameSink& sink,
                         const std::function<bool()>& receiver_gone = {});
+  std::unique_ptr<PrefixStateCache> states_;
   std::mutex slot_mu_;
   std::condition_variable slot_free_;
   bool busy_ = false;

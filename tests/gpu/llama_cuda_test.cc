@@ -303,6 +303,61 @@ TEST_F(LlamaCudaEngineTest, ExactArithmeticIsBitIdenticalToCpu) {
   }
 }
 
+// The exact path's state, handed out and loaded into a fresh engine (the prefill host's prefix
+// cache), continues the sequence bit for bit; and it is the CPU engine's state, byte for byte.
+TEST_F(LlamaCudaEngineTest, ExactStateSavedAndLoadedContinuesTheSequence) {
+  const LlamaWeights w = tiny_llama("llama", 64, 13, nlohmann::json(), false);
+  const LlamaConfig& c = w.config;
+  const std::vector<int32_t> ids = random_ids(400, c.vocab, 23);
+  const std::vector<int32_t> head(ids.begin(), ids.begin() + 256),
+      tail(ids.begin() + 256, ids.end());
+  cuda::LlamaCudaOptions o;
+  o.host_tap = true;
+  o.arith = cuda::LlamaCudaArith::kExact;
+  // Rows of the tail's taps, per layer, from whichever engine ran it.
+  auto tail_taps = [&](cuda::LlamaCudaEngine& e, std::vector<std::vector<uint16_t>>* out) {
+    out->assign(static_cast<size_t>(c.layers), {});
+    return e.prefill_chunk(tail, [&](const TapEvent& ev) {
+      ASSERT_EQ(ev.pos0, 256);
+      auto& v = (*out)[static_cast<size_t>(ev.layer)];
+      v.assign(ev.x_bf16, ev.x_bf16 + ev.n_tokens * c.hidden);
+    });
+  };
+  auto whole = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(whole.is_ok()) << whole.status().to_string();
+  ASSERT_TRUE((*whole)->reserve(400, 256).is_ok());
+  ASSERT_TRUE((*whole)->prefill_chunk(head, {}).is_ok());
+  ASSERT_GT((*whole)->state_row_bytes(), 0);
+  std::vector<uint8_t> state(static_cast<size_t>(256 * (*whole)->state_row_bytes()));
+  ASSERT_TRUE((*whole)->save_state(0, 256, state.data()).is_ok());
+  std::vector<std::vector<uint16_t>> want, got;
+  ASSERT_TRUE(tail_taps(**whole, &want).is_ok());
+
+  auto resumed = cuda::LlamaCudaEngine::create(w, o);
+  ASSERT_TRUE(resumed.is_ok());
+  ASSERT_TRUE((*resumed)->reserve(400, 144).is_ok());
+  EXPECT_FALSE((*resumed)->load_state(8, 256, state.data()).is_ok());  // not at the end
+  ASSERT_TRUE((*resumed)->load_state(0, 256, state.data()).is_ok());
+  EXPECT_EQ((*resumed)->cached_tokens(), 256);
+  ASSERT_TRUE(tail_taps(**resumed, &got).is_ok());
+  for (int64_t l = 0; l < c.layers; ++l)
+    EXPECT_TRUE(got[static_cast<size_t>(l)] == want[static_cast<size_t>(l)]) << "layer " << l;
+
+  LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
+  ASSERT_TRUE(cpu.reserve(256, 256).is_ok());
+  ASSERT_TRUE(cpu.prefill_chunk(head, {}).is_ok());
+  ASSERT_EQ(cpu.state_row_bytes(), (*whole)->state_row_bytes());
+  std::vector<uint8_t> cpu_state(state.size());
+  ASSERT_TRUE(cpu.save_state(0, 256, cpu_state.data()).is_ok());
+  EXPECT_TRUE(cpu_state == state);
+
+  cuda::LlamaCudaOptions fast = o;
+  fast.arith = cuda::LlamaCudaArith::kFast;
+  auto f = cuda::LlamaCudaEngine::create(w, fast);
+  ASSERT_TRUE(f.is_ok());
+  EXPECT_EQ((*f)->state_row_bytes(), 0);  // its pages are its own: a tail's prefix is recomputed
+}
+
 // The device tap and the host tap carry the same rows; the device rows are ready in the
 // engine's stream order (copied by work enqueued there, as a consumer must).
 // An engine on the second GPU runs there whichever thread calls it (a new thread starts on

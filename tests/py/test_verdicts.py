@@ -138,10 +138,12 @@ def test_mount_lost_before_lookup_is_confirmed_as_reprefilled(tiny, front, strea
 
 
 def test_partial_no_longer_than_the_decoders_own_prefix_is_not_mounted(tiny) -> None:
-    # The decoder already holds C tokens of the prompt; a broken stream verified fewer rows.
-    # Mounting them would change nothing: the verdict is declined, and it reports the C rows
-    # the decoder reused of its own.
-    corrupt = tiny.front(tiny.prefill("corrupt:1").port, **{"partial-min-fraction": 0.05})
+    # The decoder already holds C tokens of the prompt; a broken whole-prefix stream (tails
+    # off) verified fewer rows. Mounting them would change nothing: the verdict is declined, and
+    # it reports the C rows the decoder reused of its own. With tails (the default) the same
+    # break leaves a tail from C: mounted onto the decoder's own rows, a partial beyond C.
+    corrupt = tiny.front(tiny.prefill("corrupt:1").port,
+                         **{"partial-min-fraction": 0.05, "bridge-tails": "off"})
     first = {"model": "default_model", "prompt": text("own-prefix", 60), "max_tokens": 1,
              "temperature": 0.0}
     tiny.clear()
@@ -158,4 +160,16 @@ def test_partial_no_longer_than_the_decoders_own_prefix_is_not_mounted(tiny) -> 
     v = verdict_of(r.headers)
     assert v["verdict"].startswith("declined: ") and f"already holds {own}" in v["verdict"], v
     assert v["confirmed"] and v["reused"] == own == cached_tokens(r.json()), v
+    tiny.clear()
+
+    with_tails = tiny.front(tiny.prefill("corrupt:1").port, **{"partial-min-fraction": 0.05})
+    r = requests.post(Stack.url(tiny.decoder.port, "/v1/completions"), json=first, timeout=120)
+    assert r.status_code == 200, r.text
+    assert tiny.cached(ids) == own
+    r = post_front(with_tails, longer, "/v1/completions")
+    assert r.status_code == 200, r.text
+    v = verdict_of(r.headers)
+    # Segment 0 of the tail ([own, own + CHUNK)) verified; segment 1 was corrupt.
+    assert v["verdict"] == f"partial {own + CHUNK}/{len(ids)}" and v["start"] == own, v
+    assert v["confirmed"] and cached_tokens(r.json()) == own + CHUNK, v
     tiny.clear()

@@ -19,6 +19,7 @@
 #include "bridge/wire.h"
 #include "common/secret.h"
 #include "decode/prefill_client.h"
+#include "echo_program.h"
 #include "prefill/service.h"
 
 namespace hetero {
@@ -32,25 +33,6 @@ DecoderCacheLayout test_layout() {
   l.layers = kLayers, l.hidden = kHidden, l.kv_heads = 1, l.head_dim = 2;
   return l;
 }
-
-// Each layer's tap rows as the layer's keys and values [1, n, 2]: the first two columns of x.
-class EchoProgram : public SegmentProgram {
- public:
-  const DecoderCacheLayout& layout() const override { return layout_; }
-  Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
-             std::vector<WireArray>* arrays) override {
-    (void)pos0;
-    Tensor t(DType::kBF16, {1, n, 2});
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < 2; ++j) t.data<uint16_t>()[i * 2 + j] = x[i * kHidden + j];
-    arrays->emplace_back("layers." + std::to_string(layer) + ".keys", t);
-    arrays->emplace_back("layers." + std::to_string(layer) + ".values", std::move(t));
-    return Status::ok();
-  }
-
- private:
-  DecoderCacheLayout layout_ = test_layout();
-};
 
 // An engine whose reserve or whose n-th chunk (from 1, counted per request) fails once with the
 // injected Status; otherwise it taps rows that encode (layer, position).
@@ -133,7 +115,7 @@ class PrefillServiceTest : public ::testing::Test {
     service_ = std::make_unique<PrefillService>(
         &engine_, test_layout(),
         [](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
-          return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>());
+          return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>(test_layout()));
         },
         /*default_chunk_tokens=*/4, /*max_tokens=*/1000);
     ASSERT_TRUE(service_->start("127.0.0.1", 0).is_ok());
@@ -337,7 +319,7 @@ TEST_F(PrefillServiceTest, WithASecretOnlyAuthenticatedPrefillsRun) {
   PrefillService guarded(
       &engine_, test_layout(),
       [](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
-        return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>());
+        return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>(test_layout()));
       },
       /*default_chunk_tokens=*/4, /*max_tokens=*/1000);
   guarded.set_secret(secret);
@@ -417,7 +399,7 @@ TEST_F(PrefillServiceTest, HealthReportsEachGpusMemory) {
   PrefillService gpu(
       &engine_, test_layout(),
       [](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
-        return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>());
+        return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>(test_layout()));
       },
       4, 1000);
   std::atomic<int64_t> state{100};

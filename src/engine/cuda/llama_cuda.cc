@@ -348,6 +348,48 @@ Status LlamaCudaEngine::reset() {
 
 size_t LlamaCudaEngine::cache_bytes() const { return pages_->slab_bytes; }
 
+int64_t LlamaCudaEngine::state_row_bytes() const {
+  return exact_ ? 2 * config_.layers * config_.kv_heads * config_.head_dim * 2 : 0;
+}
+
+Status LlamaCudaEngine::save_state(int64_t pos0, int64_t n, uint8_t* out) {
+  if (!exact_) return failed_precondition("the fast path does not hand out its cache");
+  if (pos0 < 0 || n < 0 || pos0 + n > n_cached_)
+    return invalid_argument("save_state: rows [" + std::to_string(pos0) + ", " +
+                            std::to_string(pos0 + n) + ") are not all in the cache of " +
+                            std::to_string(n_cached_));
+  DeviceGuard on_engine(options_.device);
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+  const size_t row = static_cast<size_t>(config_.kv_heads * config_.head_dim) * 2;
+  for (const DeviceBuffer& kv : exact_->kv) {  // [layer][k, v]
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpy(out, kv.get<uint8_t>() + static_cast<size_t>(pos0) * row,
+                                           static_cast<size_t>(n) * row, cudaMemcpyDeviceToHost));
+    out += static_cast<size_t>(n) * row;
+  }
+  return Status::ok();
+}
+
+Status LlamaCudaEngine::load_state(int64_t pos0, int64_t n, const uint8_t* in) {
+  if (!exact_) return failed_precondition("the fast path does not take a cache");
+  if (pos0 != n_cached_ || n < 0 || pos0 + n > exact_->capacity)
+    return invalid_argument("load_state: rows [" + std::to_string(pos0) + ", " +
+                            std::to_string(pos0 + n) + ") do not continue the cache of " +
+                            std::to_string(n_cached_) + " within its reserved " +
+                            std::to_string(exact_->capacity));
+  DeviceGuard on_engine(options_.device);
+  const size_t row = static_cast<size_t>(config_.kv_heads * config_.head_dim) * 2;
+  for (DeviceBuffer& kv : exact_->kv) {
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(kv.get<uint8_t>() + static_cast<size_t>(pos0) * row,
+                                                in, static_cast<size_t>(n) * row,
+                                                cudaMemcpyHostToDevice, stream_.get()));
+    in += static_cast<size_t>(n) * row;
+  }
+  // The host rows are the caller's: they must be read before it reuses them.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+  n_cached_ += n;
+  return Status::ok();
+}
+
 Status LlamaCudaEngine::reserve(int64_t tokens, int64_t max_chunk_tokens) {
   DeviceGuard on_engine(options_.device);
   HETERO_RETURN_IF_ERROR(reset());

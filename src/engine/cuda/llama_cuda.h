@@ -116,6 +116,13 @@ class LlamaCudaEngine {
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap);
   // Waits for the enqueued work; reports any device error.
   Status synchronize();
+  // The engine's state for the prefill host's prefix cache, as the CPU engine hands it out
+  // (LlamaCpuEngine::save_state: per layer keys then values, token-major bf16): the exact path
+  // only, whose cache has that layout; 0 bytes on the fast path (its pages are its own; a tail's
+  // prefix is computed again). save_state waits for the stream; load_state follows reserve().
+  int64_t state_row_bytes() const;
+  Status save_state(int64_t pos0, int64_t n, uint8_t* out);
+  Status load_state(int64_t pos0, int64_t n, const uint8_t* in);
   // Logits of the last processed token (float32 [vocab]); waits for the stream.
   Result<std::vector<float>> last_logits();
 

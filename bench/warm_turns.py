@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""hetero bench warm-turns: a growing conversation, each turn bridged by its tail only.
+
+Runs one conversation of --turns turns (each adds a user message of --min-words..--max-words
+words; the answers are the decoder's, greedy) twice, each time on a fresh `hetero up` stack:
+  native:  every request with X-PD-Bridge-Mode: native (the decoder alone, its prompt cache
+           warm from the turns before: what a user gets without hetero);
+  bridged: every request through the front door's own routing: the first turn bridged whole,
+           later turns by their tail (rows from what the decoder holds), the prefill host
+           resuming from its prefix cache of its own state.
+Per turn: T, the decoder's held prefix (the verdict's start), tokens the prefill host computed,
+wire bytes, both wall times, the verdict, and whether the answer equals the native one (the
+bridged conversation goes on with its own answers, so a difference shows from that turn on).
+
+--context N runs on a copy of the model whose config says max_position_embeddings = N (the
+weights are the model's own, linked): for a conversation longer than the model's context
+window, which the front door would refuse; rope without scaling does not read the field.
+Writes JSON lines to bench/results/warm-turns-<model>-<rev>.jsonl and prints a table.
+
+usage: python3 bench/warm_turns.py [--model DIR] [--turns 20] [--min-words 900]
+                                   [--max-words 3500] [--context 65536]
+"""
+
+import argparse
+import json
+import platform
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+from cold import ROOT, WORDS, git_rev, start_stack
+
+requests = None  # imported in main: the bench needs it, `--help` does not
+
+
+def with_context(model: Path, context: int, work: Path) -> Path:
+    """A directory beside `work` that is `model` with max_position_embeddings = context."""
+    out = work / f"{model.name}-ctx{context}"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = context
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def user_turns(n: int, lo: int, hi: int, seed: int) -> list:
+    rng = random.Random(seed)
+    return [f"part {k + 1}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+            for k in range(n)]
+
+
+def run_conversation(model: Path, turns: list, mode: str, max_tokens: int) -> list:
+    proc, url = start_stack(str(model))
+    rows, messages = [], []
+    try:
+        for k, content in enumerate(turns):
+            messages.append({"role": "user", "content": content})
+            body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens,
+                    "temperature": 0.0}
+            headers = {"X-PD-Bridge-Mode": mode} if mode else {}
+            t0 = time.perf_counter()
+            r = requests.post(url + "/v1/chat/completions", json=body, headers=headers,
+                              timeout=7200)
+            wall = time.perf_counter() - t0
+            if r.status_code != 200:
+                raise SystemExit(f"turn {k + 1}: HTTP {r.status_code}: {r.text[:400]}")
+            reply = r.json()
+            text = reply["choices"][0]["message"]["content"]
+            v = json.loads(r.headers["X-PD-Bridge"])
+            rows.append({"turn": k + 1, "T": v["T"], "verdict": v["verdict"],
+                         "confirmed": v["confirmed"], "start": v.get("start", 0),
+                         "computed": v.get("computed"), "bytes": v["bytes"], "wall_s": wall,
+                         "cached_tokens": reply["usage"]["prompt_tokens_details"]["cached_tokens"],
+                         "answer": text})
+            print(f"  {mode or 'bridged'} turn {k + 1}: T={v['T']} {v['verdict']} "
+                  f"start={rows[-1]['start']} computed={rows[-1]['computed']} "
+                  f"bytes={v['bytes']} {wall:.2f}s", flush=True)
+            messages.append({"role": "assistant", "content": text})
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    return rows
+
+
+def main() -> int:
+    global requests
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--min-words", type=int, default=900)
+    p.add_argument("--max-words", type=int, default=3500)
+    p.add_argument("--context", type=int, default=0, help="raise max_position_embeddings")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args()
+    import requests as _requests
+    requests = _requests
+
+    model = Path(args.model).resolve()
+    if args.context:
+        model = with_context(model, args.context, ROOT / "out" / "bench-models")
+    turns = user_turns(args.turns, args.min_words, args.max_words, args.seed)
+    print(f"warm turns on {model.name}: {args.turns} turns of {args.min_words}-{args.max_words} "
+          "words", flush=True)
+    bridged = run_conversation(model, turns, "", args.max_tokens)
+    native = run_conversation(model, turns, "native", args.max_tokens)
+
+    rev = git_rev()
+    out = Path(args.out_dir) / f"warm-turns-{Path(args.model).name}-{rev}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.node()} ({platform.machine()}, {platform.system()})"
+    print("\n| turn | T | decoder held | computed | wire bytes | verdict | bridged s | "
+          "native s | answer = native |")
+    print("|---:|---:|---:|---:|---:|---|---:|---:|:---:|")
+    same_all = True
+    with out.open("w") as f:
+        for b, n in zip(bridged, native):
+            same = b["answer"] == n["answer"] and b["T"] == n["T"]
+            same_all &= same
+            row = {"bench": "warm_turns", "rev": rev, "machine": machine, "model": model.name,
+                   "turn": b["turn"], "T": b["T"], "bridged": {k: v for k, v in b.items()
+                                                              if k != "answer"},
+                   "native": {k: v for k, v in n.items() if k != "answer"},
+                   "answer_equal": same}
+            f.write(json.dumps(row) + "\n")
+            print(f"| {b['turn']} | {b['T']:,} | {b['start']:,} | {b['computed']} | "
+                  f"{b['bytes']:,} | {b['verdict']} | {b['wall_s']:.2f} | {n['wall_s']:.2f} | "
+                  f"{'yes' if same else 'NO'} |")
+    print(f"\nwrote {out}")
+    return 0 if same_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+// The prefill host's prefix cache of its own engine state, so that a warm turn's tail is computed
+// from where an earlier request left off instead of from position 0.
+//
+// State is kept in blocks of `block_tokens` tokens: a block's key chains a hash over every token
+// up to its end (so a block stands for its whole prefix), and holds the engine's state rows for
+// its tokens (PrefillEngine::save_state). A lookup walks a request's whole blocks from the start
+// while their keys are held (each block's own ids are compared too: a hash collision is a miss,
+// never a wrong state). Bounded in bytes; the least recently used block goes first, the deepest
+// first among blocks used together (a chain is cut from its end, never left with a hole).
+// Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+
+namespace hetero {
+
+class PrefillEngine;
+
+class PrefixStateCache {
+ public:
+  PrefixStateCache(int64_t block_tokens, int64_t max_bytes);
+
+  // Tokens of ids' longest run of held whole blocks from position 0, at most `limit`.
+  int64_t lookup(const std::vector<int32_t>& ids, int64_t limit);
+  // Loads the state of ids[0, n) (n from lookup) into the engine, after its reserve().
+  // A block evicted since the lookup is an error (kNotFound): the caller computes instead.
+  Status restore(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine);
+  // After a forward over ids[0, n): keeps the state of its whole blocks not yet held (the
+  // engine's rows [0, n) must be this request's). Nothing when the engine hands out no state.
+  Status save(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine);
+
+  int64_t block_tokens() const { return block_tokens_; }
+  int64_t bytes() const;
+  int64_t blocks() const;
+  void clear();
+
+ private:
+  struct Block {
+    uint64_t parent = 0;
+    std::vector<int32_t> ids;  // this block's own tokens
+    std::vector<uint8_t> state;
+    int64_t depth = 0;  // block index from the start
+    uint64_t used = 0;  // the lookup tick that last touched it
+  };
+  // Keys of ids' whole blocks, in order, up to `limit` tokens.
+  std::vector<uint64_t> keys_of(const std::vector<int32_t>& ids, int64_t limit) const;
+  // The held block for key k at depth d with these ids, or null.
+  const Block* find(uint64_t k, const std::vector<int32_t>& ids, int64_t d) const;
+  void evict_to(int64_t max_bytes);  // with mu_
+
+  int64_t block_tokens_, max_bytes_;
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, Block> blocks_;
+  int64_t bytes_ = 0;
+  uint64_t tick_ = 0;
+};
+
+}  // namespace hetero

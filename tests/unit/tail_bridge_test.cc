@@ -1,0 +1,300 @@
+// Tail-only bridges on the prefill side and the decode side's assembler: a request with a start
+// streams rows [start, T) only; the prefill host's prefix cache of engine state lets a later
+// request resume where an earlier one left off, and the rows it sends are the ones a forward from
+// position 0 would send (the fake engine's rows depend on every token before them, so a wrong
+// restored state shows); the assembler takes a tail and writes it as a store entry with its start.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bridge/assembler.h"
+#include "bridge/prefill_request.h"
+#include "bridge/wire.h"
+#include "decode/prefill_client.h"
+#include "echo_program.h"
+#include "prefill/service.h"
+#include "prefill/state_cache.h"
+
+namespace hetero {
+namespace {
+
+constexpr int64_t kLayers = 2, kHidden = 4, kVocab = 100;
+
+DecoderCacheLayout test_layout() {
+  DecoderCacheLayout l;
+  l.family = "llama", l.fingerprint = "fp-tail";
+  l.layers = kLayers, l.hidden = kHidden, l.kv_heads = 1, l.head_dim = 2;
+  return l;
+}
+
+// An engine whose state per token is a running hash of every id so far (per layer), and whose
+// tap rows are that hash: a row is right only if the state before it was.
+class ChainEngine : public PrefillEngine {
+ public:
+  Status reset() override {
+    state_.clear();
+    return Status::ok();
+  }
+  Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) override {
+    const int64_t pos0 = static_cast<int64_t>(state_.size()) / kLayers;
+    const auto n = static_cast<int64_t>(ids.size());
+    computed += n;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t l = 0; l < kLayers; ++l) {
+        const uint16_t prev = pos0 + i > 0 ? state_[static_cast<size_t>((pos0 + i - 1) * kLayers + l)]
+                                           : static_cast<uint16_t>(l + 1);
+        state_.push_back(static_cast<uint16_t>(prev * 31u + static_cast<uint16_t>(ids[i]) + 7u));
+      }
+    std::vector<uint16_t> x(static_cast<size_t>(n * kHidden));
+    for (int32_t l = 0; l < kLayers; ++l) {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < kHidden; ++j)
+          x[static_cast<size_t>(i * kHidden + j)] =
+              static_cast<uint16_t>(state_[static_cast<size_t>((pos0 + i) * kLayers + l)] + j);
+      if (tap) tap(TapEvent{l, pos0, n, kHidden, x.data()});
+    }
+    return Status::ok();
+  }
+  int64_t vocab() const override { return kVocab; }
+  int64_t state_row_bytes() const override { return state_rows ? kLayers * 2 : 0; }
+  Status save_state(int64_t pos0, int64_t n, uint8_t* out) override {
+    if ((pos0 + n) * kLayers > static_cast<int64_t>(state_.size()))
+      return invalid_argument("past the state");
+    std::memcpy(out, state_.data() + pos0 * kLayers, static_cast<size_t>(n * kLayers * 2));
+    return Status::ok();
+  }
+  Status load_state(int64_t pos0, int64_t n, const uint8_t* in) override {
+    if (pos0 * kLayers != static_cast<int64_t>(state_.size()))
+      return invalid_argument("not at the end");
+    const auto* rows = reinterpret_cast<const uint16_t*>(in);
+    state_.insert(state_.end(), rows, rows + n * kLayers);
+    return Status::ok();
+  }
+  bool state_rows = true;  // false: an engine that hands out no state
+  int64_t computed = 0;    // tokens run through prefill_chunk
+
+ private:
+  std::vector<uint16_t> state_;  // [tokens][layers]
+};
+
+std::vector<int32_t> conversation(int64_t n, int32_t salt = 0) {
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 7 + salt) % kVocab);
+  return ids;
+}
+
+class TailBridgeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    service_ = std::make_unique<PrefillService>(
+        &engine_, test_layout(),
+        [](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+          return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>(test_layout()));
+        },
+        /*default_chunk_tokens=*/8, /*max_tokens=*/10000);
+    service_->set_state_cache(/*block_tokens=*/16, /*max_bytes=*/1 << 20);
+  }
+
+  // Runs a request through the service (no HTTP): the segments' rows by (layer, position) and
+  // the manifest.
+  struct Rows {
+    std::map<std::pair<int64_t, int64_t>, uint16_t> key0;  // (layer, pos) -> keys[0]
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    Manifest manifest;
+  };
+  Rows run(const std::vector<int32_t>& ids, int64_t start) {
+    PrefillRequest req;
+    req.ids = ids;
+    req.fingerprint = "fp-tail";
+    req.start = start;
+    Rows out;
+    out.manifest = service_->run(req, [&](std::string frame) {
+      FrameParser p(int64_t{1} << 20);
+      p.feed(frame.data(), frame.size());
+      auto f = p.next();
+      EXPECT_TRUE(f.is_ok() && f->has_value());
+      if ((**f).header.value("kind", "") == "manifest") return true;
+      auto s = decode_segment(std::move(**f));
+      EXPECT_TRUE(s.is_ok());
+      out.ranges.emplace_back(s->pos0, s->n_tokens);
+      for (int64_t l = 0; l < kLayers; ++l) {
+        const auto* k =
+            reinterpret_cast<const uint16_t*>(s->arrays[static_cast<size_t>(2 * l)].data());
+        for (int64_t i = 0; i < s->n_tokens; ++i) out.key0[{l, s->pos0 + i}] = k[i * 2];
+      }
+      return true;
+    });
+    return out;
+  }
+
+  ChainEngine engine_;
+  std::unique_ptr<PrefillService> service_;
+};
+
+TEST_F(TailBridgeTest, ATailStreamsOnlyItsRowsAndTheyAreTheWholeForwardsRows) {
+  const std::vector<int32_t> ids = conversation(100);
+  const Rows whole = run(ids, 0);
+  ASSERT_TRUE(whole.manifest.complete) << whole.manifest.reason;
+
+  service_->set_state_cache(16, 0);  // no prefix cache: the tail's prefix is computed again
+  engine_.computed = 0;
+  const Rows tail = run(ids, 37);
+  ASSERT_TRUE(tail.manifest.complete) << tail.manifest.reason;
+  EXPECT_EQ(tail.manifest.start, 37);
+  EXPECT_EQ(tail.manifest.computed_from, 0);
+  EXPECT_EQ(tail.manifest.covered_tokens, 100);
+  EXPECT_EQ(engine_.computed, 100);
+  // Rows from 37 only, the first chunk starting there.
+  ASSERT_FALSE(tail.ranges.empty());
+  EXPECT_EQ(tail.ranges.front(), (std::pair<int64_t, int64_t>{37, 8}));
+  EXPECT_EQ(static_cast<int64_t>(tail.key0.size()), kLayers * 63);
+  for (const auto& [at, v] : tail.key0) EXPECT_EQ(whole.key0.at(at), v) << at.first << "," << at.second;
+}
+
+TEST_F(TailBridgeTest, ALaterTurnResumesFromTheCachedStateAndSendsTheSameRows) {
+  // Turn 1: 70 tokens. Turn 2 extends them to 150, of which the decoder holds 90.
+  std::vector<int32_t> turn2 = conversation(150);
+  const std::vector<int32_t> turn1(turn2.begin(), turn2.begin() + 70);
+  ASSERT_TRUE(run(turn1, 0).manifest.complete);
+  EXPECT_EQ(service_->state_cache()->blocks(), 4);  // 70 tokens: 4 whole blocks of 16
+
+  engine_.computed = 0;
+  const Rows warm = run(turn2, 90);
+  ASSERT_TRUE(warm.manifest.complete) << warm.manifest.reason;
+  EXPECT_EQ(warm.manifest.computed_from, 64);  // the cached blocks, not past the start
+  EXPECT_EQ(engine_.computed, 150 - 64);
+  EXPECT_EQ(warm.ranges.front().first, 90);
+
+  // The same rows as a cold forward over the whole of turn 2.
+  service_->set_state_cache(16, 0);
+  const Rows cold = run(turn2, 0);
+  ASSERT_TRUE(cold.manifest.complete);
+  EXPECT_EQ(cold.manifest.computed_from, 0);
+  for (const auto& [at, v] : warm.key0) EXPECT_EQ(cold.key0.at(at), v);
+
+  // Another conversation shares none of it: computed from 0.
+  service_->set_state_cache(16, 1 << 20);
+  ASSERT_TRUE(run(turn2, 0).manifest.complete);
+  std::vector<int32_t> other = conversation(150, 3);
+  engine_.computed = 0;
+  const Rows fresh = run(other, 100);
+  EXPECT_EQ(fresh.manifest.computed_from, 0);
+  EXPECT_EQ(engine_.computed, 150);
+}
+
+TEST_F(TailBridgeTest, AnEngineWithoutStateComputesTheWholePrefix) {
+  engine_.state_rows = false;
+  const std::vector<int32_t> ids = conversation(80);
+  ASSERT_TRUE(run(ids, 0).manifest.complete);
+  EXPECT_EQ(service_->state_cache()->blocks(), 0);
+  engine_.computed = 0;
+  const Rows tail = run(ids, 60);
+  EXPECT_TRUE(tail.manifest.complete);
+  EXPECT_EQ(tail.manifest.computed_from, 0);
+  EXPECT_EQ(engine_.computed, 80);
+}
+
+TEST(PrefixStateCacheTest, EvictsTheLeastRecentlyUsedChainFromItsEnd) {
+  ChainEngine engine;
+  PrefixStateCache cache(/*block_tokens=*/4, /*max_bytes=*/6 * 4 * kLayers * 2);  // 6 blocks
+  const std::vector<int32_t> a = conversation(16), b = conversation(16, 5);
+  ASSERT_TRUE(engine.prefill_chunk(a, {}).is_ok());
+  ASSERT_TRUE(cache.save(a, 16, &engine).is_ok());
+  EXPECT_EQ(cache.blocks(), 4);
+  EXPECT_EQ(cache.lookup(a, 16), 16);
+  EXPECT_EQ(cache.lookup(a, 15), 12);  // whole blocks within the limit
+  ASSERT_TRUE(engine.reset().is_ok());
+  ASSERT_TRUE(engine.prefill_chunk(b, {}).is_ok());
+  ASSERT_TRUE(cache.save(b, 16, &engine).is_ok());  // 8 blocks > 6: a's deepest two go
+  EXPECT_EQ(cache.blocks(), 6);
+  EXPECT_EQ(cache.lookup(a, 16), 8);
+  EXPECT_EQ(cache.lookup(b, 16), 16);
+  // The restored state is the saved one.
+  ChainEngine fresh;
+  ASSERT_TRUE(cache.restore(b, 16, &fresh).is_ok());
+  std::vector<uint8_t> want(16 * kLayers * 2), got(want.size());
+  ASSERT_TRUE(engine.save_state(0, 16, want.data()).is_ok());
+  ASSERT_TRUE(fresh.save_state(0, 16, got.data()).is_ok());
+  EXPECT_EQ(want, got);
+  // A block evicted since the lookup is an error, not a wrong state.
+  cache.clear();
+  ChainEngine other;
+  EXPECT_EQ(cache.restore(b, 16, &other).code(), Code::kNotFound);
+}
+
+TEST(TailRequestTest, StartIsCheckedAndOnlyForLlama) {
+  const DecoderCacheLayout llama = test_layout();
+  auto body = [](const std::string& extra) {
+    return std::string(R"({"ids":[1,2,3,4],"fingerprint":"fp-tail")") + extra + "}";
+  };
+  auto ok = parse_prefill_request(body(R"(,"start":3)"), kVocab, llama, 100);
+  ASSERT_TRUE(ok.is_ok()) << ok.status().to_string();
+  EXPECT_EQ(ok->start, 3);
+  EXPECT_EQ(prefill_request_json(ok.value()).value("start", 0), 3);
+  for (const char* bad : {R"(,"start":4)", R"(,"start":-1)", R"(,"start":"2")"})
+    EXPECT_EQ(parse_prefill_request(body(bad), kVocab, llama, 100).status().code(),
+              Code::kInvalidArgument)
+        << bad;
+  DecoderCacheLayout dsv4 = llama;
+  dsv4.family = "deepseek_v4";
+  const auto refused = parse_prefill_request(body(R"(,"start":2)"), kVocab, dsv4, 100);
+  EXPECT_EQ(refused.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("whole prefix"), std::string::npos);
+}
+
+Segment tail_segment(int64_t pos0, int64_t n, int64_t seq) {
+  Segment s;
+  s.seq = seq, s.family = "llama", s.fingerprint = "fp-tail", s.pos0 = pos0, s.n_tokens = n;
+  for (int64_t l = 0; l < kLayers; ++l)
+    for (const char* kind : {".keys", ".values"}) {
+      Tensor t(DType::kBF16, {1, n, 2});
+      for (int64_t i = 0; i < 2 * n; ++i)
+        t.data<uint16_t>()[i] = static_cast<uint16_t>(l * 1000 + pos0 * 2 + i);
+      s.arrays.emplace_back("layers." + std::to_string(l) + kind, std::move(t));
+    }
+  return s;
+}
+
+TEST(TailAssemblerTest, ATailVerifiesFromItsStartAndItsEntrySaysSo) {
+  namespace fs = std::filesystem;
+  const fs::path store = fs::temp_directory_path() / ("hetero-tail-" + std::to_string(::getpid()));
+  fs::remove_all(store);
+  const DecoderCacheLayout layout = test_layout();
+  for (const bool on_disk : {false, true}) {
+    auto a = make_assembler(layout, 20, on_disk ? store.string() : "", /*start=*/12);
+    EXPECT_FALSE(a->can_mount(12));
+    EXPECT_EQ(a->accept(tail_segment(0, 4, 0)).code(), Code::kDataLoss);  // not where it starts
+    ASSERT_TRUE(a->accept(tail_segment(12, 5, 0)).is_ok());
+    ASSERT_TRUE(a->accept(tail_segment(17, 3, 1)).is_ok());
+    Manifest m{"fp-tail", 20, 20, 2, true, "", "exact"};
+    EXPECT_EQ(a->finish(m).code(), Code::kDataLoss);  // a manifest without the start
+    m.start = 12;
+    EXPECT_TRUE(a->finish(m).is_ok());
+    EXPECT_TRUE(a->can_mount(19));
+    const TensorMap arrays = a->arrays(19);
+    EXPECT_EQ(arrays.at("layers.1.values").shape, (std::vector<int64_t>{1, 7, 2}));
+    EXPECT_EQ(arrays.at("layers.1.values").data<uint16_t>()[0], 1000 + 24);
+    const std::vector<int32_t> ids = conversation(20);
+    auto entry = a->store(store.string(), layout, ids, 19, 20);
+    ASSERT_TRUE(entry.is_ok()) << entry.status().to_string();
+    std::ifstream in(fs::path(entry->path) / "entry.json");
+    const auto meta = nlohmann::json::parse(in);
+    EXPECT_EQ(meta["start"], 12);
+    EXPECT_EQ(meta["B"], 19);
+    EXPECT_EQ(meta["ids"].size(), 19u);
+    fs::remove_all(entry->path);
+  }
+  fs::remove_all(store);
+}
+
+}  // namespace
+}  // namespace hetero
