@@ -63,6 +63,12 @@ nlohmann::json Verdict::to_json() const {
   j["timings_ms"] = tm;
   if (!arith.empty()) j["arith"] = arith;
   if (start > 0) j["start"] = start;
+  if (!route_by.empty()) {
+    nlohmann::json r = {{"by", route_by}, {"tail", route_tail}};
+    if (route_bridge_ms >= 0) r["bridge_ms"] = std::round(route_bridge_ms * 10.0) / 10.0;
+    if (route_native_ms >= 0) r["native_ms"] = std::round(route_native_ms * 10.0) / 10.0;
+    j["route"] = std::move(r);
+  }
   if (computed >= 0) j["computed"] = computed;
   // A partial's label is its numbers; why the rest was not bridged is said beside it.
   if (kind == VerdictKind::kPartial && !reason.empty()) j["reason"] = reason;

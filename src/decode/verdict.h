@@ -28,6 +28,13 @@ struct Verdict {
   // (0: the whole prefix). computed: tokens the prefill host's forward ran for them (less than
   // B - 0 when its prefix cache held the start of the prompt); -1 when not known.
   int64_t start = 0, computed = -1;
+  // How the route was decided for a prompt the decoder could have taken whole: "rates" (the
+  // measured cost of the tail each way, front/rates.h) or "min_tail" (a fixed minimum, before
+  // both were measured); "" when no such decision was made (native asked, short). The tail and
+  // the predicted costs (-1: not known) go with it.
+  std::string route_by;
+  int64_t route_tail = -1;
+  double route_bridge_ms = -1, route_native_ms = -1;
   // The decoder's own count of prompt tokens it took from its cache for this request; -1
   // until its reply said so (then confirmed is true).
   int64_t reused = -1;

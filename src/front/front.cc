@@ -54,6 +54,14 @@ Options front_options() {
        "prompts shorter than this go straight to the decoder"},
       {"bridge-min-tail", "HETERO_BRIDGE_MIN_TAIL", "256",
        "uncached tails shorter than this go straight to the decoder"},
+      {"route-by",
+       "HETERO_ROUTE_BY",
+       "rates",
+       "how a prompt of at least --bridge-min-tokens is routed: rates (bridged when the bridge's "
+       "measured cost for its uncached tail is below the decoder's; --bridge-min-tail until both "
+       "are measured) or min-tail (always --bridge-min-tail)",
+       false,
+       {"rates", "min-tail"}},
       {"bridge-tails",
        "HETERO_BRIDGE_TAILS",
        "on",
@@ -132,6 +140,7 @@ Result<FrontConfig> front_config(const Options& opts) {
     return invalid_argument("--partial-min-fraction must be in [0, 1]");
   c.partial_min_fraction = frac.value();
   c.tails = opts.get("bridge-tails") == "on";
+  c.route_by_rates = opts.get("route-by") == "rates";
   auto secret = read_secret_file(opts.get("secret-file"));
   if (!secret.is_ok()) return secret.status();
   c.secret = std::move(secret.value());
@@ -285,8 +294,12 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
                     std::to_string(ctx));
 
   // 2. Route; for a cold long prompt, the bridge (mounted and pinned when it worked).
-  Route route =
-      route_request(T, mode.value(), cfg_.route, [&] { return seam_.cached_prefix(ids); });
+  Route route = route_request(
+      T, mode.value(), cfg_.route, [&] { return seam_.cached_prefix(ids); },
+      [this](int64_t tail) {
+        if (!cfg_.route_by_rates) return TailCosts{};
+        return TailCosts{rates_.bridge_ms(tail), rates_.native_ms(tail)};
+      });
   std::string pin;
   v = route.verdict;
   if (route.bridge && bridges_waiting_.fetch_add(1) >= cfg_.bridge_queue + 1) {
@@ -299,6 +312,9 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   if (route.bridge) {
     BridgeOutcome b = bridge(req, ids, info.value(), route.cached);
     v = std::move(b.verdict);
+    v.route_by = route.verdict.route_by, v.route_tail = route.verdict.route_tail;
+    v.route_bridge_ms = route.verdict.route_bridge_ms;
+    v.route_native_ms = route.verdict.route_native_ms;
     pin = std::move(b.pin);
     if (guard_->client_gone(req)) {  // nobody to answer: the decoder is not asked
       seam_.unpin(pin, /*evict=*/true);
@@ -329,6 +345,7 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     if (r->status != 200)
       usage = {false, -1, "the decoder answered HTTP " + std::to_string(r->status)};
     v = confirm_verdict(v, usage);
+    rates_.record(v);
     const std::string type = r->get_header_value("Content-Type");
     res.set_content(r->body, type.empty() ? "application/json" : type);
     return finish(r->status);
@@ -345,15 +362,17 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
 
   // What the stream's end (or a client gone before it began) must settle exactly once.
   struct StreamEnd {
-    StreamEnd(FrontMetrics* m, std::atomic<int64_t>* a, SeamClient s, std::string pin_,
-              std::string path_, Clock::time_point t)
+    StreamEnd(FrontMetrics* m, MeasuredRates* r, std::atomic<int64_t>* a, SeamClient s,
+              std::string pin_, std::string path_, Clock::time_point t)
         : metrics(m),
+          rates(r),
           active(a),
           seam(std::move(s)),
           pin(std::move(pin_)),
           path(std::move(path_)),
           t0(t) {}
     FrontMetrics* metrics;
+    MeasuredRates* rates;
     std::atomic<int64_t>* active;
     SeamClient seam;
     std::string pin, path;
@@ -369,12 +388,13 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
       release_slot();
       seam.unpin(pin);
       metrics->record(confirmed, 200);
+      rates->record(confirmed);
       metrics->inflight(-1);
       log_line("front", "POST " + path + " stream status=200 " + confirmed.header_value() +
                             " total_ms=" + std::to_string(ms_since(t0)));
     }
   };
-  auto end = std::make_shared<StreamEnd>(&metrics_, &active_, seam_, pin, path, t0);
+  auto end = std::make_shared<StreamEnd>(&metrics_, &rates_, &active_, seam_, pin, path, t0);
   auto relay = std::make_shared<SseUsageRelay>(v, client_wants_usage);
   auto cfg = cfg_;
   auto forward = std::make_shared<std::string>(body.dump());
@@ -420,9 +440,12 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
                                  "\n\ndata: [DONE]\n\n";
           sink.write(ev.data(), ev.size());
         }
-        end->settle(relay->confirmed(client_gone ? "the client left before the decoder's usage"
-                                     : !r        ? "the decoder's stream broke before its usage"
-                                                 : "the decoder's stream carried no usage"));
+        Verdict settled =
+            relay->confirmed(client_gone ? "the client left before the decoder's usage"
+                             : !r        ? "the decoder's stream broke before its usage"
+                                         : "the decoder's stream carried no usage");
+        if (first_ms >= 0) settled.timings_ms["decoder_first_token"] = first_ms;
+        end->settle(settled);
         if (!client_gone) sink.done();
         return !client_gone;
       },

@@ -26,6 +26,7 @@
 #include "common/options.h"
 #include "decode/bridge.h"
 #include "front/metrics.h"
+#include "front/rates.h"
 #include "front/routing.h"
 
 namespace httplib {
@@ -48,6 +49,7 @@ struct FrontConfig {
   RoutePolicy route;
   double partial_min_fraction = 0;  // salvage a broken stream when it covers this much of B
   bool tails = true;                // a warm prompt's bridge asks for its tail only
+  bool route_by_rates = true;       // route by measured costs once known (front/rates.h)
   int64_t deadline_base_ms = 0;     // bridge deadline = base + per_token * T
   int64_t deadline_per_token_ms = 0;
   int64_t stall_ms = 0;  // no bytes from the prefill host for this long: stalled
@@ -86,6 +88,7 @@ class FrontServer {
   FrontConfig cfg_;
   SeamClient seam_;
   FrontMetrics metrics_;
+  MeasuredRates rates_;   // what a tail costs each way, from the requests served
   std::mutex bridge_mu_;  // one bridge at a time
   // Completions being served (streams until their end) and bridges running or waiting: each
   // capped, so /health and /metrics always find a worker thread, and a full queue is a 503 with

@@ -1,6 +1,8 @@
 // Routing: see routing.h.
 #include "front/routing.h"
 
+#include <cmath>
+
 namespace hetero {
 using nlohmann::json;
 
@@ -41,7 +43,8 @@ Result<BridgeMode> parse_bridge_mode(const std::string& header) {
 }
 
 Route route_request(int64_t t, BridgeMode mode, const RoutePolicy& policy,
-                    const std::function<Result<int64_t>()>& cached_prefix) {
+                    const std::function<Result<int64_t>()>& cached_prefix,
+                    const std::function<TailCosts(int64_t tail)>& costs) {
   Route r;
   if (mode == BridgeMode::kNative) {
     r.verdict = Verdict::skipped("native requested");
@@ -52,11 +55,25 @@ Route route_request(int64_t t, BridgeMode mode, const RoutePolicy& policy,
     r.verdict = Verdict::declined("cached prefix unknown: " + cached.status().message());
   } else {
     r.cached = cached.value();
-    if (mode == BridgeMode::kAuto && t - r.cached < policy.min_tail) {
+    const int64_t tail = t - r.cached;
+    const TailCosts c = costs && mode == BridgeMode::kAuto ? costs(tail) : TailCosts{};
+    const bool measured = c.bridge_ms.has_value() && c.native_ms.has_value();
+    if (mode == BridgeMode::kAuto && measured && *c.bridge_ms >= *c.native_ms) {
+      r.verdict = Verdict::skipped("the decoder is faster (" + std::to_string(tail) +
+                                   "-token tail: " + std::to_string(std::lround(*c.native_ms)) +
+                                   " ms native, " + std::to_string(std::lround(*c.bridge_ms)) +
+                                   " ms bridged)");
+    } else if (mode == BridgeMode::kAuto && !measured && tail < policy.min_tail) {
       r.verdict = Verdict::skipped("warm (" + std::to_string(r.cached) + " of " +
                                    std::to_string(t) + " cached)");
     } else {
       r.bridge = true;
+    }
+    if (mode == BridgeMode::kAuto) {
+      r.verdict.route_by = measured ? "rates" : "min_tail";
+      r.verdict.route_tail = tail;
+      r.verdict.route_bridge_ms = c.bridge_ms.value_or(-1);
+      r.verdict.route_native_ms = c.native_ms.value_or(-1);
     }
   }
   r.verdict.t = t;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "common/status.h"
@@ -25,7 +26,12 @@ Result<BridgeMode> parse_bridge_mode(const std::string& header);
 
 struct RoutePolicy {
   int64_t min_tokens = 256;  // shorter prompts go straight to the decoder
-  int64_t min_tail = 256;    // uncached tails shorter than this go straight too
+  int64_t min_tail = 256;    // until costs are measured: uncached tails shorter go straight too
+};
+
+// The predicted cost of a tail of n tokens each way (front/rates.h); nullopt: not measured.
+struct TailCosts {
+  std::optional<double> bridge_ms, native_ms;
 };
 
 struct Route {
@@ -35,7 +41,12 @@ struct Route {
 };
 
 // t: the prompt's tokens; cached_prefix: asks the decoder how many leading tokens it holds.
+// costs (null: never measured): what the uncached tail would cost each way. In auto mode a
+// prompt of at least min_tokens is bridged when the bridge is predicted faster for its tail;
+// while either cost is unmeasured, when the tail is at least min_tail. The verdict says which
+// rule decided and its inputs (Verdict::route_*).
 Route route_request(int64_t t, BridgeMode mode, const RoutePolicy& policy,
-                    const std::function<Result<int64_t>()>& cached_prefix);
+                    const std::function<Result<int64_t>()>& cached_prefix,
+                    const std::function<TailCosts(int64_t tail)>& costs = {});
 
 }  // namespace hetero

@@ -58,8 +58,9 @@ Status PrefixStateCache::restore(const std::vector<int32_t>& ids, int64_t n,
   std::lock_guard<std::mutex> lock(mu_);
   for (int64_t d = 0; d < static_cast<int64_t>(keys.size()); ++d) {
     const Block* b = find(keys[static_cast<size_t>(d)], ids, d);
-    if (!b) return not_found("the state of tokens from " + std::to_string(d * block_tokens_) +
-                             " was evicted since the lookup");
+    if (!b)
+      return not_found("the state of tokens from " + std::to_string(d * block_tokens_) +
+                       " was evicted since the lookup");
     HETERO_RETURN_IF_ERROR(engine->load_state(d * block_tokens_, block_tokens_, b->state.data()));
   }
   return Status::ok();

@@ -102,3 +102,47 @@ def test_a_tail_whose_prefix_the_decoder_no_longer_holds_is_refused(tiny) -> Non
     err = r.json()["error"]
     assert err["code"] == "prefix_not_cached" and f"cache of {start} tokens" in err["message"], err
     assert decoder.cached(ids) == 0  # nothing was mounted
+
+
+def test_once_both_costs_are_measured_the_route_follows_them(tiny) -> None:
+    import requests
+
+    prefill = tiny.prefill(chunk=128)
+    front = tiny.front(prefill.port, **{"route-by": "rates"})
+    decoder = Decoder(tiny.decoder.port)
+    decoder.clear()
+    # The decoder's cost: native streams (their first token times what they processed).
+    for k in range(2):
+        body = dict(body_of([{"role": "user", "content": text(f"rates-native-{k}", 200 + 150 * k)}]),
+                    stream=True)
+        r = requests.post(tiny.url(front.port, "/v1/chat/completions"), json=body, timeout=600,
+                          headers={"X-PD-Bridge-Mode": "native"})
+        assert r.status_code == 200 and "data: [DONE]" in r.text, r.text[-300:]
+    # The bridge's cost: cold prompts, routed by the fixed minimum while unmeasured.
+    for k in range(2):
+        r = post_front(front, body_of([{"role": "user",
+                                        "content": text(f"rates-bridge-{k}", 250 + 200 * k)}]))
+        v = verdict_of(r.headers)
+        assert v["verdict"] == "complete" and v["route"]["by"] == "min_tail", v
+    # Now a warm turn: the measured costs decide, and the verdict carries them.
+    messages = [{"role": "user", "content": text("rates-turn", 300)}]
+    first = post_front(front, body_of(messages))
+    messages += [{"role": "assistant", "content": answer(first.json())},
+                 {"role": "user", "content": text("rates-turn-2", 120)}]
+    r = post_front(front, body_of(messages))
+    assert r.status_code == 200, r.text
+    v = verdict_of(r.headers)
+    route = v["route"]
+    assert route["by"] == "rates" and route["tail"] > 0, v
+    assert {"bridge_ms", "native_ms"} <= set(route), v
+    bridged = route["bridge_ms"] < route["native_ms"]
+    assert (v["verdict"] == "complete") == bridged, v
+    if not bridged:
+        assert v["verdict"].startswith("skipped: the decoder is faster"), v
+    print("route", json.dumps(route), v["verdict"])
+    # Either way the answer is the decoder's own.
+    decoder.clear()
+    native = decoder.post("/v1/chat/completions", body_of(messages[:1]), timeout=600)
+    assert answer(native) == answer(first.json())
+    native = decoder.post("/v1/chat/completions", body_of(messages), timeout=600)
+    assert answer(native) == answer(r.json())

@@ -4,7 +4,6 @@
 // position 0 would send (the fake engine's rows depend on every token before them, so a wrong
 // restored state shows); the assembler takes a tail and writes it as a store entry with its start.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cstring>
@@ -50,8 +49,9 @@ class ChainEngine : public PrefillEngine {
     computed += n;
     for (int64_t i = 0; i < n; ++i)
       for (int64_t l = 0; l < kLayers; ++l) {
-        const uint16_t prev = pos0 + i > 0 ? state_[static_cast<size_t>((pos0 + i - 1) * kLayers + l)]
-                                           : static_cast<uint16_t>(l + 1);
+        const uint16_t prev = pos0 + i > 0
+                                  ? state_[static_cast<size_t>((pos0 + i - 1) * kLayers + l)]
+                                  : static_cast<uint16_t>(l + 1);
         state_.push_back(static_cast<uint16_t>(prev * 31u + static_cast<uint16_t>(ids[i]) + 7u));
       }
     std::vector<uint16_t> x(static_cast<size_t>(n * kHidden));
@@ -157,7 +157,8 @@ TEST_F(TailBridgeTest, ATailStreamsOnlyItsRowsAndTheyAreTheWholeForwardsRows) {
   ASSERT_FALSE(tail.ranges.empty());
   EXPECT_EQ(tail.ranges.front(), (std::pair<int64_t, int64_t>{37, 8}));
   EXPECT_EQ(static_cast<int64_t>(tail.key0.size()), kLayers * 63);
-  for (const auto& [at, v] : tail.key0) EXPECT_EQ(whole.key0.at(at), v) << at.first << "," << at.second;
+  for (const auto& [at, v] : tail.key0)
+    EXPECT_EQ(whole.key0.at(at), v) << at.first << "," << at.second;
 }
 
 TEST_F(TailBridgeTest, ALaterTurnResumesFromTheCachedStateAndSendsTheSameRows) {

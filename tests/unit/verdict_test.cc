@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include "front/rates.h"
 #include "front/routing.h"
 #include "front/sse_relay.h"
 
@@ -175,6 +176,66 @@ TEST(Routing, AnUnknownCachedPrefixDeclinesAndBadModesAreErrors) {
   EXPECT_EQ(parse_bridge_mode("native").value(), BridgeMode::kNative);
   EXPECT_EQ(parse_bridge_mode("bridge").value(), BridgeMode::kBridge);
   EXPECT_FALSE(parse_bridge_mode("Bridge").is_ok());
+}
+
+TEST(Routing, MeasuredCostsDecideAndTheVerdictCarriesThem) {
+  const RoutePolicy p{64, 256};
+  auto holds = [](int64_t c) { return [c]() -> Result<int64_t> { return c; }; };
+  // The decoder takes 2 ms a token; a bridge 300 ms plus 0.5 ms a token: it pays from 200.
+  auto costs = [](int64_t n) {
+    return TailCosts{300 + 0.5 * static_cast<double>(n), 2.0 * static_cast<double>(n)};
+  };
+  Route small = route_request(1000, BridgeMode::kAuto, p, holds(900), costs);
+  EXPECT_FALSE(small.bridge);
+  EXPECT_EQ(small.verdict.label(),
+            "skipped: the decoder is faster (100-token tail: 200 ms native, 350 ms bridged)");
+  const nlohmann::json j = small.verdict.to_json();
+  EXPECT_EQ(j["route"]["by"], "rates");
+  EXPECT_EQ(j["route"]["tail"], 100);
+  EXPECT_EQ(j["route"]["native_ms"], 200.0);
+  // Over the fixed minimum's head: a 220-token tail is bridged because it pays.
+  Route pays = route_request(1000, BridgeMode::kAuto, p, holds(780), costs);
+  EXPECT_TRUE(pays.bridge);
+  EXPECT_EQ(pays.verdict.route_by, "rates");
+  // Unmeasured: the fixed minimum, and the verdict says so.
+  auto unknown = [](int64_t) { return TailCosts{std::nullopt, 1.0}; };
+  Route fixed = route_request(1000, BridgeMode::kAuto, p, holds(780), unknown);
+  EXPECT_FALSE(fixed.bridge);
+  EXPECT_EQ(fixed.verdict.route_by, "min_tail");
+  EXPECT_FALSE(fixed.verdict.to_json()["route"].contains("bridge_ms"));
+  // A forced bridge is not a routing decision.
+  EXPECT_EQ(route_request(1000, BridgeMode::kBridge, p, holds(900), costs).verdict.route_by, "");
+}
+
+TEST(MeasuredRates, FitsAFixedAndAPerTokenCostFromConfirmedRequests) {
+  CostLine line;
+  EXPECT_FALSE(line.predict(100).has_value());
+  for (double n : {100.0, 1000.0, 400.0, 2000.0}) line.add(n, 300 + 0.5 * n);
+  ASSERT_TRUE(line.predict(800).has_value());
+  EXPECT_NEAR(*line.predict(800), 700, 1e-6);
+  CostLine same;  // sizes alike: per token only
+  for (int i = 0; i < 3; ++i) same.add(500, 1000);
+  EXPECT_NEAR(*same.predict(100), 200, 1e-9);
+
+  MeasuredRates rates;
+  Verdict bridged;
+  bridged.kind = VerdictKind::kComplete, bridged.confirmed = true;
+  bridged.t = 1001, bridged.b = 1000, bridged.start = 600;
+  bridged.timings_ms = {{"prefill", 400}, {"store", 20}, {"mount", 30}, {"decoder", 999}};
+  rates.record(bridged);
+  bridged.confirmed = false;  // an unconfirmed bridge is not a measurement
+  bridged.timings_ms["prefill"] = 1e6;
+  rates.record(bridged);
+  bridged.confirmed = true, bridged.timings_ms["prefill"] = 400;
+  rates.record(bridged);
+  EXPECT_NEAR(*rates.bridge_ms(400), 450, 1e-6);  // 400 rows bridged in 450 ms
+  Verdict native = Verdict::skipped("native requested");
+  native.confirmed = true, native.t = 300, native.reused = 100;
+  native.timings_ms["decoder_first_token"] = 400;
+  rates.record(native);
+  EXPECT_FALSE(rates.native_ms(10).has_value());  // one sample
+  rates.record(native);
+  EXPECT_NEAR(*rates.native_ms(100), 200, 1e-6);  // 200 tokens processed in 400 ms
 }
 
 }  // namespace
