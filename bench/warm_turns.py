@@ -28,11 +28,22 @@ import random
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from cold import ROOT, WORDS, git_rev, start_stack
 
-requests = None  # imported in main: the bench needs it, `--help` does not
+
+def post(url: str, body: dict, headers: dict) -> tuple:
+    """(status, headers, parsed body) of a JSON POST; an HTTP error's body too."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=7200) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode(errors="replace")
 
 
 def with_context(model: Path, context: int, work: Path) -> Path:
@@ -64,15 +75,13 @@ def run_conversation(model: Path, turns: list, mode: str, max_tokens: int) -> li
                     "temperature": 0.0}
             headers = {"X-PD-Bridge-Mode": mode} if mode else {}
             t0 = time.perf_counter()
-            r = requests.post(url + "/v1/chat/completions", json=body, headers=headers,
-                              timeout=7200)
+            status, reply_headers, reply = post(url + "/v1/chat/completions", body, headers)
             wall = time.perf_counter() - t0
-            if r.status_code != 200:
-                raise SystemExit(f"turn {k + 1}: HTTP {r.status_code}: {r.text[:400]}")
-            reply = r.json()
+            if status != 200:
+                raise SystemExit(f"turn {k + 1}: HTTP {status}: {str(reply)[:400]}")
             text = reply["choices"][0]["message"]["content"]
-            v = json.loads(r.headers["X-PD-Bridge"])
-            rows.append({"turn": k + 1, "T": v["T"], "verdict": v["verdict"],
+            v = json.loads(reply_headers["X-PD-Bridge"])
+            rows.append({"turn": k + 1, "T": v["T"], "verdict": v["verdict"], "route": v.get("route"),
                          "confirmed": v["confirmed"], "start": v.get("start", 0),
                          "computed": v.get("computed"), "bytes": v["bytes"], "wall_s": wall,
                          "cached_tokens": reply["usage"]["prompt_tokens_details"]["cached_tokens"],
@@ -88,7 +97,6 @@ def run_conversation(model: Path, turns: list, mode: str, max_tokens: int) -> li
 
 
 def main() -> int:
-    global requests
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     p.add_argument("--turns", type=int, default=20)
@@ -99,8 +107,6 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = p.parse_args()
-    import requests as _requests
-    requests = _requests
 
     model = Path(args.model).resolve()
     if args.context:

@@ -25,6 +25,8 @@
 #          [--verify-args "extra verify flags, e.g. --arith fast --min-cosine 0.99 ..."]
 #          [--model-args "extra scripts/make_random_llama.py flags, e.g. a rope scaling"]
 #          [--memory-sizes 262144,1000000 (step 5; with --no-bench it runs alone)]
+#          [--warm-turns "bench/warm_turns.py flags (step 6: a conversation bridged by its tails
+#           against the decoder's own; e.g. --turns 8 --min-words 300 --max-words 900)"]
 #          [--real-weights DIR (the parts scripts/weight_parts.sh wrote, under DIR/*/)]
 #          [--prompts all (every prompt below, the long one too; default: the first --verify)]
 #          [--quantize BITS (the checkpoint then converted by mlx-lm's own converter: affine,
@@ -55,6 +57,8 @@ PROMPTS=(prompts/capital.txt prompts/chat/02-code.json prompts/chat/03-system-mu
          prompts/chat/01-capital.json prompts/chat/04-notes.json prompts/chat/05-long-license.json)
 REAL_WEIGHTS=""
 MEMORY_SIZES=""
+RUN_WARM=0
+WARM_TURNS=()
 
 while (($#)); do
   case $1 in
@@ -75,6 +79,7 @@ while (($#)); do
     --quantize) QUANTIZE=$2; shift ;;
     --real-weights) REAL_WEIGHTS=$2; shift ;;
     --memory-sizes) MEMORY_SIZES=$2; shift ;;
+    --warm-turns) read -r -a WARM_TURNS <<<"$2"; RUN_WARM=1; shift ;;
     --prompts) [[ $2 == all ]] || { echo "e2e: --prompts takes all" >&2; exit 2; }
                VERIFY_N=${#PROMPTS[@]}; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -276,5 +281,14 @@ if [[ -n $MEMORY_SIZES ]]; then
     done
   fi
 fi
-echo "e2e: verify failures $fails, bench rc $brc, memory rc $mrc; results in $OUT_DIR"
-((fails == 0 && brc == 0 && mrc == 0))
+# --- 6. a conversation, bridged by its tails -----------------------------------------------------
+wrc=0
+if ((RUN_WARM)); then
+  echo "== bench/warm_turns.py ${WARM_TURNS[*]} ($BACKEND backend)"
+  (cd bench && HETERO_PYTHON=$PY HETERO_REVISION=$REVISION step "$BENCH_TIMEOUT" python3 \
+    warm_turns.py --model "$MODEL" "${WARM_TURNS[@]}" --out-dir "$OUT_DIR")
+  wrc=$?
+fi
+echo "e2e: verify failures $fails, bench rc $brc, memory rc $mrc, warm turns rc $wrc;" \
+  "results in $OUT_DIR"
+((fails == 0 && brc == 0 && mrc == 0 && wrc == 0))

@@ -10,6 +10,15 @@
 
 namespace hetero {
 
+// The small llama layout these tests stream: 2 layers of width 4, one kv head of 2.
+inline constexpr int64_t kEchoLayers = 2, kEchoHidden = 4;
+inline DecoderCacheLayout echo_layout(std::string fingerprint) {
+  DecoderCacheLayout l;
+  l.family = "llama", l.fingerprint = std::move(fingerprint);
+  l.layers = kEchoLayers, l.hidden = kEchoHidden, l.kv_heads = 1, l.head_dim = 2;
+  return l;
+}
+
 class EchoProgram : public SegmentProgram {
  public:
   explicit EchoProgram(DecoderCacheLayout layout) : layout_(std::move(layout)) {}

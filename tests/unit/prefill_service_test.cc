@@ -25,14 +25,8 @@
 namespace hetero {
 namespace {
 
-constexpr int64_t kLayers = 2, kHidden = 4, kVocab = 100;
-
-DecoderCacheLayout test_layout() {
-  DecoderCacheLayout l;
-  l.family = "llama", l.fingerprint = "fp-test";
-  l.layers = kLayers, l.hidden = kHidden, l.kv_heads = 1, l.head_dim = 2;
-  return l;
-}
+constexpr int64_t kLayers = kEchoLayers, kHidden = kEchoHidden, kVocab = 100;
+DecoderCacheLayout test_layout() { return echo_layout("fp-test"); }
 
 // An engine whose reserve or whose n-th chunk (from 1, counted per request) fails once with the
 // injected Status; otherwise it taps rows that encode (layer, position).

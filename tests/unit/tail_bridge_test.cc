@@ -26,14 +26,8 @@
 namespace hetero {
 namespace {
 
-constexpr int64_t kLayers = 2, kHidden = 4, kVocab = 100;
-
-DecoderCacheLayout test_layout() {
-  DecoderCacheLayout l;
-  l.family = "llama", l.fingerprint = "fp-tail";
-  l.layers = kLayers, l.hidden = kHidden, l.kv_heads = 1, l.head_dim = 2;
-  return l;
-}
+constexpr int64_t kLayers = kEchoLayers, kHidden = kEchoHidden, kVocab = 100;
+DecoderCacheLayout test_layout() { return echo_layout("fp-tail"); }
 
 // An engine whose state per token is a running hash of every id so far (per layer), and whose
 // tap rows are that hash: a row is right only if the state before it was.
