@@ -27,6 +27,8 @@
 #          [--memory-sizes 262144,1000000 (step 5; with --no-bench it runs alone)]
 #          [--warm-turns "bench/warm_turns.py flags (step 6: a conversation bridged by its tails
 #           against the decoder's own; e.g. --turns 8 --min-words 300 --max-words 900)"]
+#          [--concurrent "bench/bridges_at_once.py flags (step 7: N cold bridges at once against
+#           the same N one after another, and the decoder's own answers; e.g. --n 8 --words 3000)"]
 #          [--real-weights DIR (the parts scripts/weight_parts.sh wrote, under DIR/*/)]
 #          [--prompts all (every prompt below, the long one too; default: the first --verify)]
 #          [--quantize BITS (the checkpoint then converted by mlx-lm's own converter: affine,
@@ -59,6 +61,8 @@ REAL_WEIGHTS=""
 MEMORY_SIZES=""
 RUN_WARM=0
 WARM_TURNS=()
+RUN_CONCURRENT=0
+CONCURRENT=()
 
 while (($#)); do
   case $1 in
@@ -80,6 +84,7 @@ while (($#)); do
     --real-weights) REAL_WEIGHTS=$2; shift ;;
     --memory-sizes) MEMORY_SIZES=$2; shift ;;
     --warm-turns) read -r -a WARM_TURNS <<<"$2"; RUN_WARM=1; shift ;;
+    --concurrent) read -r -a CONCURRENT <<<"$2"; RUN_CONCURRENT=1; shift ;;
     --prompts) [[ $2 == all ]] || { echo "e2e: --prompts takes all" >&2; exit 2; }
                VERIFY_N=${#PROMPTS[@]}; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -289,6 +294,14 @@ if ((RUN_WARM)); then
     warm_turns.py --model "$MODEL" "${WARM_TURNS[@]}" --out-dir "$OUT_DIR")
   wrc=$?
 fi
-echo "e2e: verify failures $fails, bench rc $brc, memory rc $mrc, warm turns rc $wrc;" \
-  "results in $OUT_DIR"
-((fails == 0 && brc == 0 && mrc == 0 && wrc == 0))
+# --- 7. cold bridges at once ------------------------------------------------------------------
+crc=0
+if ((RUN_CONCURRENT)); then
+  echo "== bench/bridges_at_once.py ${CONCURRENT[*]} ($BACKEND backend)"
+  (cd bench && HETERO_PYTHON=$PY HETERO_REVISION=$REVISION step "$BENCH_TIMEOUT" python3 \
+    bridges_at_once.py --model "$MODEL" "${CONCURRENT[@]}" --out-dir "$OUT_DIR")
+  crc=$?
+fi
+echo "e2e: verify failures $fails, bench rc $brc, memory rc $mrc, warm turns rc $wrc," \
+  "concurrent rc $crc; results in $OUT_DIR"
+((fails == 0 && brc == 0 && mrc == 0 && wrc == 0 && crc == 0))
