@@ -22,42 +22,12 @@ import os
 import platform
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from cold import ROOT, free_port, fresh_prompt, git_rev
-
-
-def post(url: str, body: dict, headers: dict) -> tuple:
-    """(status, headers, parsed body or text) of a JSON POST."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(req, timeout=7200) as r:
-            return r.status, r.headers, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, e.read().decode(errors="replace")
-
-
-def start(model: str, work: Path) -> tuple:
-    """`hetero up` on free ports: (process, front url, decoder url, secret)."""
-    ports = [free_port() for _ in range(3)]
-    proc = subprocess.Popen([str(ROOT / "build" / "hetero"), "up", "--model", model,
-                             "--port", str(ports[0]), "--decoder-port", str(ports[1]),
-                             "--prefill-port", str(ports[2]), "--work-dir", str(work)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if "hetero is up" in line:
-            # Its later output is read and dropped, so a full pipe never blocks it.
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            secret = (work / "secret").read_text().strip()
-            return proc, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}", secret
-    raise SystemExit("hetero up did not come up; see " + str(work))
+from cold import ROOT, fresh_prompt, git_rev, post, start_stack
 
 
 def ask(front: str, prompt: str, mode: str, max_tokens: int) -> dict:
@@ -107,7 +77,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     prompts = [fresh_prompt(args.words, rng) for _ in range(args.n)]
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hetero-bridges-at-once-{os.getpid()}"
-    proc, front, decoder, secret = start(args.model, work)
+    proc, front, decoder, secret = start_stack(args.model, work)
     clear = lambda: post(decoder + "/hetero/clear", {}, {"Authorization": f"Bearer {secret}"})
     legs = {}
     try:

@@ -23,7 +23,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -78,16 +80,31 @@ def stream(url: str, prompt: str, mode: str, max_tokens: int) -> dict:
             "bytes": verdict.get("bytes"), "timings_ms": verdict.get("timings_ms")}
 
 
-def start_stack(model: str) -> tuple:
+def post(url: str, body: dict, headers: dict) -> tuple:
+    """(status, headers, parsed body) of a JSON POST; an HTTP error's body as text."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=7200) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode(errors="replace")
+
+
+def start_stack(model: str, work: Path = None) -> tuple:
+    """`hetero up` on free ports: (process, front url, decoder url, decoder secret)."""
     ports = [free_port() for _ in range(3)]
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hetero-bench-{os.getpid()}"
+    work = work or Path(os.environ.get("TMPDIR", "/tmp")) / f"hetero-bench-{os.getpid()}"
     proc = subprocess.Popen([str(ROOT / "build" / "hetero"), "up", "--model", model,
                              "--port", str(ports[0]), "--decoder-port", str(ports[1]),
                              "--prefill-port", str(ports[2]), "--work-dir", str(work)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         if "hetero is up" in line:
-            return proc, f"http://127.0.0.1:{ports[0]}"
+            # Its later output is read and dropped, so a full pipe never blocks it.
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            secret = (work / "secret").read_text().strip()
+            return proc, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}", secret
     raise SystemExit("hetero up did not come up; see " + str(work))
 
 
@@ -148,7 +165,7 @@ def main() -> int:
     proc = None
     url = a.url
     if not url:
-        proc, url = start_stack(a.model)
+        proc, url, *_ = start_stack(a.model)
     try:
         stream(url, fresh_prompt(20, rng), "native", 4)  # warm both legs
         stream(url, fresh_prompt(20, rng), "bridge", 4)

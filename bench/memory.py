@@ -60,7 +60,7 @@ def main() -> int:
                         "takes long)")
     a = p.parse_args()
     rng = random.Random(a.seed)
-    proc, url = start_stack(a.model)
+    proc, url, *_ = start_stack(a.model)
     rows = []
     try:
         roles = processes(proc.pid)

@@ -28,22 +28,9 @@ import random
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from cold import ROOT, WORDS, git_rev, start_stack
-
-
-def post(url: str, body: dict, headers: dict) -> tuple:
-    """(status, headers, parsed body) of a JSON POST; an HTTP error's body too."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(req, timeout=7200) as r:
-            return r.status, r.headers, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, e.read().decode(errors="replace")
+from cold import ROOT, WORDS, git_rev, post, start_stack
 
 
 def with_context(model: Path, context: int, work: Path) -> Path:
@@ -66,7 +53,7 @@ def user_turns(n: int, lo: int, hi: int, seed: int) -> list:
 
 
 def run_conversation(model: Path, turns: list, mode: str, max_tokens: int) -> list:
-    proc, url = start_stack(str(model))
+    proc, url, *_ = start_stack(str(model))
     rows, messages = [], []
     try:
         for k, content in enumerate(turns):

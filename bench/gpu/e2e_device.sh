@@ -286,20 +286,24 @@ if [[ -n $MEMORY_SIZES ]]; then
     done
   fi
 fi
+# A bench script of bench/ against the model, its output under OUT_DIR: bench_script SCRIPT ARGS...
+bench_script() {
+  local script=$1
+  shift
+  echo "== bench/$script $* ($BACKEND backend)"
+  (cd bench && HETERO_PYTHON=$PY HETERO_REVISION=$REVISION step "$BENCH_TIMEOUT" python3 \
+    "$script" --model "$MODEL" "$@" --out-dir "$OUT_DIR")
+}
 # --- 6. a conversation, bridged by its tails -----------------------------------------------------
 wrc=0
 if ((RUN_WARM)); then
-  echo "== bench/warm_turns.py ${WARM_TURNS[*]} ($BACKEND backend)"
-  (cd bench && HETERO_PYTHON=$PY HETERO_REVISION=$REVISION step "$BENCH_TIMEOUT" python3 \
-    warm_turns.py --model "$MODEL" "${WARM_TURNS[@]}" --out-dir "$OUT_DIR")
+  bench_script warm_turns.py "${WARM_TURNS[@]}"
   wrc=$?
 fi
 # --- 7. cold bridges at once ------------------------------------------------------------------
 crc=0
 if ((RUN_CONCURRENT)); then
-  echo "== bench/bridges_at_once.py ${CONCURRENT[*]} ($BACKEND backend)"
-  (cd bench && HETERO_PYTHON=$PY HETERO_REVISION=$REVISION step "$BENCH_TIMEOUT" python3 \
-    bridges_at_once.py --model "$MODEL" "${CONCURRENT[@]}" --out-dir "$OUT_DIR")
+  bench_script bridges_at_once.py "${CONCURRENT[@]}"
   crc=$?
 fi
 echo "e2e: verify failures $fails, bench rc $brc, memory rc $mrc, warm turns rc $wrc," \
