@@ -14,6 +14,7 @@ every bridged verdict (complete and confirmed by the decoder's usage), and wheth
 equals the decoder's own. Writes JSON lines to bench/results/bridges-at-once-<model>-<rev>.jsonl.
 
 usage: python3 bench/bridges_at_once.py [--model DIR] [--n 8] [--words 2000] [--max-tokens 32]
+                                         [--seed S] [--repeat R]
 """
 
 import argparse
@@ -64,33 +65,15 @@ def leg(front: str, prompts: list, mode: str, max_tokens: int, at_once: bool) ->
     return time.perf_counter() - t0, results
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--words", type=int, default=2000)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--seed", type=int, default=int(time.time()))
-    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
-    args = p.parse_args()
-
-    rng = random.Random(args.seed)
-    prompts = [fresh_prompt(args.words, rng) for _ in range(args.n)]
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hetero-bridges-at-once-{os.getpid()}"
-    proc, front, decoder, secret = start_stack(args.model, work)
-    clear = lambda: post(decoder + "/hetero/clear", {}, {"Authorization": f"Bearer {secret}"})
+def one_round(front: str, clear, prompts: list, max_tokens: int) -> tuple:
+    """The three legs on these prompts: ({leg: {wall_s, results}}, ratio, all good)."""
     legs = {}
-    try:
-        for name, mode, at_once in (("native", "native", False), ("serial", "bridge", False),
-                                    ("concurrent", "bridge", True)):
-            clear()
-            wall, results = leg(front, prompts, mode, args.max_tokens, at_once)
-            legs[name] = {"wall_s": wall, "results": results}
-            print(f"{name}: {wall:.2f} s", flush=True)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-
+    for name, mode, at_once in (("native", "native", False), ("serial", "bridge", False),
+                                ("concurrent", "bridge", True)):
+        clear()
+        wall, results = leg(front, prompts, mode, max_tokens, at_once)
+        legs[name] = {"wall_s": wall, "results": results}
+        print(f"{name}: {wall:.2f} s", flush=True)
     native = [r.get("answer") for r in legs["native"]["results"]]
     ok = True
     for name in ("serial", "concurrent"):
@@ -103,25 +86,58 @@ def main() -> int:
                   f"confirmed={r.get('confirmed')} answer={'=' if r['answer_equal'] else '!='} "
                   f"{r['wall_s']:.2f}s")
     ratio = legs["concurrent"]["wall_s"] / legs["serial"]["wall_s"]
-    print(f"\nconcurrent / serial wall: {legs['concurrent']['wall_s']:.2f} / "
+    print(f"concurrent / serial wall: {legs['concurrent']['wall_s']:.2f} / "
           f"{legs['serial']['wall_s']:.2f} s = {ratio:.2f}x; native serial "
-          f"{legs['native']['wall_s']:.2f} s; all complete, confirmed, equal: {ok}")
+          f"{legs['native']['wall_s']:.2f} s; all complete, confirmed, equal: {ok}\n", flush=True)
+    return legs, ratio, ok
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--words", type=int, default=2000)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=int(time.time()))
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds on the same stack, round r with fresh prompts from seed + r")
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args()
+
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hetero-bridges-at-once-{os.getpid()}"
+    proc, front, decoder, secret = start_stack(args.model, work)
+    clear = lambda: post(decoder + "/hetero/clear", {}, {"Authorization": f"Bearer {secret}"})
+    rounds = []
+    try:
+        for r in range(args.repeat):
+            rng = random.Random(args.seed + r)
+            prompts = [fresh_prompt(args.words, rng) for _ in range(args.n)]
+            rounds.append((args.seed + r, *one_round(front, clear, prompts, args.max_tokens)))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
 
     rev = git_rev()
-    out = Path(args.out_dir) / f"bridges-at-once-{Path(args.model).name}-{rev}.jsonl"
+    out = Path(args.out_dir) / f"bridges-at-once-{Path(args.model).name}-{rev}-seed{args.seed}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.node()} ({platform.machine()}, {platform.system()})"
     with out.open("w") as f:
-        for name, data in legs.items():
-            for i, r in enumerate(data["results"]):
-                row = {k: v for k, v in r.items() if k != "answer"}
-                f.write(json.dumps({"bench": "concurrent", "rev": rev, "machine": machine,
-                                    "leg": name, "i": i, **row}) + "\n")
-            f.write(json.dumps({"bench": "concurrent", "rev": rev, "leg": name, "n": args.n,
-                                "words": args.words, "wall_s": data["wall_s"]}) + "\n")
-        f.write(json.dumps({"bench": "concurrent", "rev": rev, "ratio": ratio, "ok": ok}) + "\n")
+        for seed, legs, ratio, ok in rounds:
+            for name, data in legs.items():
+                for i, r in enumerate(data["results"]):
+                    row = {k: v for k, v in r.items() if k != "answer"}
+                    f.write(json.dumps({"bench": "concurrent", "rev": rev, "machine": machine,
+                                        "seed": seed, "leg": name, "i": i, **row}) + "\n")
+                f.write(json.dumps({"bench": "concurrent", "rev": rev, "seed": seed, "leg": name,
+                                    "n": args.n, "words": args.words,
+                                    "wall_s": data["wall_s"]}) + "\n")
+            f.write(json.dumps({"bench": "concurrent", "rev": rev, "seed": seed, "ratio": ratio,
+                                "ok": ok}) + "\n")
+    ratios = [r[2] for r in rounds]
+    print(f"concurrent / serial over {len(rounds)} rounds: "
+          + ", ".join(f"{x:.2f}x" for x in ratios) + f"; all good: {all(r[3] for r in rounds)}")
     print(f"wrote {out}")
-    return 0 if ok else 1
+    return 0 if all(r[3] for r in rounds) else 1
 
 
 if __name__ == "__main__":

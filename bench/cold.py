@@ -58,6 +58,7 @@ def stream(url: str, prompt: str, mode: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     chunks = 0
+    usage = {}
     with urllib.request.urlopen(req, timeout=3600) as resp:
         verdict = json.loads(resp.headers.get("X-PD-Bridge", "{}"))
         verdict["verdict"] = f"unconfirmed: {verdict.get('verdict')} (no usage event)"
@@ -67,6 +68,7 @@ def stream(url: str, prompt: str, mode: str, max_tokens: int) -> dict:
             event = json.loads(line[6:])
             if not event.get("choices"):
                 verdict = event.get("x_pd_bridge", verdict)
+                usage = event.get("usage") or usage
                 continue
             delta = event["choices"][0].get("delta", {})
             if delta.get("content"):
@@ -77,7 +79,10 @@ def stream(url: str, prompt: str, mode: str, max_tokens: int) -> dict:
     return {"ttft_s": (first or time.perf_counter()) - t0, "total_s": time.perf_counter() - t0,
             "decode_tok_s": (chunks - 1) / (last - first) if chunks > 1 and last > first else None,
             "verdict": verdict.get("verdict"), "T": verdict.get("T"), "B": verdict.get("B"),
-            "bytes": verdict.get("bytes"), "timings_ms": verdict.get("timings_ms")}
+            "bytes": verdict.get("bytes"), "timings_ms": verdict.get("timings_ms"),
+            "confirmed": verdict.get("confirmed"), "chunks_out": chunks,
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "prompt_tokens": usage.get("prompt_tokens")}
 
 
 def post(url: str, body: dict, headers: dict) -> tuple:

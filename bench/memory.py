@@ -87,6 +87,9 @@ def main() -> int:
             row["decoder_native_growth_over_cache"] = (
                 None if native_growth is None else round(native_growth / cache, 2))
             row["bridged_timings_ms"], row["B"] = r["timings_ms"], r["B"]
+            # The decoder's own word: the prompt tokens it reused, and that it went on to answer.
+            for k in ("confirmed", "cached_tokens", "prompt_tokens", "chunks_out"):
+                row[k] = r[k]
             row["ttft_s"] = r["ttft_s"]
             for role, pid in roles.items():
                 peak = after[role]

@@ -13,6 +13,12 @@
 # of the two runs), MIN_COSINE (0.99; fast arithmetic is judged by the arrays' cosine, so the
 # per-element ULP bound is off: MAX_ULP 65536). Writes $OUT/{env.txt,make.log,verify.jsonl} and a
 # verify-*.err for a verify that said anything on stderr.
+# With LONG_SIZES (e.g. 131072,1048576) it runs no verify: it serves the model (`hetero up`, the
+# prefill as above on one GPU) and sends one fresh bridged prompt of about each size through the
+# front door (bench/memory.py --no-native: the verdict, the decoder's own count of reused prompt
+# tokens, peak RSS of each process, time to first token) into $OUT/memory-<rev>.jsonl and
+# $OUT/long.log. YARN (16) is the tiny model's YaRN factor: 16 gives Flash's 1,048,576 positions,
+# 32 gives 2,097,152.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 WHEELS=(mlx mlx-cpu mlx-lm mlx-vlm fastapi starlette uvicorn pydantic pydantic_core annotated-types
@@ -53,7 +59,17 @@ $PY -c 'import hetero_mlx.vlm_serve' || exit 1
 M=/tmp/dsv4-verify
 rm -rf $M
 timeout 600 python3 -m hetero_mlx tiny-dsv4 --tokenizer .devkit/model --out $M --variants fp8,native \
-  --layers 4 --hidden 128 --mtp-layers 0 >"$OUT_DIR/make.log" 2>&1 || { tail "$OUT_DIR/make.log"; exit 1; }
+  --layers 4 --hidden 128 --mtp-layers 0 --yarn-factor "${YARN:-16}" >"$OUT_DIR/make.log" 2>&1 ||
+  { tail "$OUT_DIR/make.log"; exit 1; }
+if [[ -n ${LONG_SIZES:-} ]]; then
+  (cd bench && HETERO_PREFILL_MODEL=$M/fp8 HETERO_PREFILL_BACKEND=cuda HETERO_PREFILL_ARITH=fast \
+    HETERO_PREFILL_WEIGHT_DTYPE=checkpoint HETERO_PYTHON=$PY HETERO_REVISION=${REV:-unknown} \
+    timeout "${LONG_TIMEOUT:-540}" python3 memory.py --model $M/native --sizes "$LONG_SIZES" \
+    --no-native --out-dir "$(realpath "$OUT_DIR")") 2>&1 | tee "$OUT_DIR/long.log"
+  rc=${PIPESTATUS[0]}
+  echo "rc=$rc"
+  exit "$rc"
+fi
 rc=0
 runs=()
 for s in ${STAGES:-one pipeline}; do

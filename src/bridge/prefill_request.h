@@ -13,6 +13,10 @@
 
 namespace hetero {
 
+// On a 200 answer: how long the request waited for its turn at the prefill host, in ms (it runs
+// one request at a time and queues the rest; a full queue answers 503 with Retry-After).
+inline constexpr char kQueuedMsHeader[] = "X-Hetero-Queued-Ms";
+
 struct PrefillRequest {
   std::vector<int32_t> ids;
   std::string fingerprint;   // the decoder's, as the caller knows it

@@ -30,6 +30,7 @@ Status unauthenticated_stream() {
 Code code_for_http(int status) {
   if (status == 409) return Code::kFailedPrecondition;
   if (status == 507) return Code::kResourceExhausted;
+  if (status == 503) return Code::kUnavailable;  // its queue is full, or it is stopping
   if (status >= 500) return Code::kInternal;
   return Code::kInvalidArgument;
 }
@@ -92,7 +93,10 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   FetchResult out;
   httplib::Client cli(host, port);
   cli.set_connection_timeout(std::chrono::milliseconds(std::min<int64_t>(stall_ms, 5000)));
-  cli.set_read_timeout(std::chrono::milliseconds(stall_ms));
+  // The prefill host answers a request once its turn comes (it runs one at a time and queues the
+  // rest), so until the response starts only the deadline bounds the wait; from then on, the
+  // watcher below ends a stream that is silent for stall_ms.
+  cli.set_read_timeout(std::chrono::milliseconds(std::max(stall_ms, deadline_ms)));
 
   PrefillRequest tagged = req;
   std::optional<FrameTagger> tags;
@@ -102,9 +106,10 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   }
   StreamReceiver receiver(assembler, std::move(tags));
   Status untagged;
-  auto last_byte = Clock::now();
-  Status deadline_status;
-  int http_status = 0;
+  std::atomic<int64_t> last_byte_ns{Clock::now().time_since_epoch().count()};
+  auto quiet_ms = [&] { return ms_since(Clock::time_point(Clock::duration(last_byte_ns.load()))); };
+  std::atomic<bool> stalled{false}, late{false}, gone{false};
+  std::atomic<int> http_status{0};
   std::string error_text;
   httplib::Request r;
   r.method = "POST";
@@ -113,7 +118,9 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   r.set_header("Content-Type", "application/json");
   if (!secret.empty()) r.set_header(kAuthHeader, bearer_value(secret));
   r.response_handler = [&](const httplib::Response& res) {
+    last_byte_ns = Clock::now().time_since_epoch().count();
     http_status = res.status;
+    out.queued_ms = std::atof(res.get_header_value(kQueuedMsHeader).c_str());
     if (res.status == 200 && !secret.empty() &&
         res.get_header_value(kFrameTagsHeader) != kFrameTagsScheme) {
       untagged = unauthenticated_stream();
@@ -123,44 +130,45 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   };
   r.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
     out.bytes += static_cast<int64_t>(n);
-    last_byte = Clock::now();
+    last_byte_ns = Clock::now().time_since_epoch().count();
     if (http_status != 200) {
       if (error_text.size() < (1 << 16)) error_text.append(data, n);  // an error body, bounded
       return true;
     }
-    if (ms_since(t0) > static_cast<double>(deadline_ms)) {
-      deadline_status = Status(Code::kDeadlineExceeded, "prefill passed its deadline of " +
-                                                            std::to_string(deadline_ms) + " ms");
-      return false;
-    }
+    if (ms_since(t0) > static_cast<double>(deadline_ms)) return late = true, false;
     receiver.feed(data, n);
     return receiver.status().is_ok();  // after a good manifest: read on to the end
   };
-  // The client's hang-up is watched beside the blocking send: shutting the socket is the one
-  // thing another thread may do to a request in flight (httplib's stop()).
-  std::atomic<bool> sent{false}, gone{false};
+  // Beside the blocking send, every 100 ms: the client's hang-up, the deadline, and silence
+  // once the response has started. Shutting the socket is the one thing another thread may do
+  // to a request in flight (httplib's stop()).
+  std::atomic<bool> sent{false};
   std::mutex watch_mu;
   std::condition_variable watch_cv;
-  std::thread watcher;
-  if (client_gone)
-    watcher = std::thread([&] {
-      std::unique_lock<std::mutex> lock(watch_mu);
-      while (!watch_cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return sent.load(); }))
-        if (client_gone()) {
-          gone = true;
-          cli.stop();
-          return;
-        }
-    });
-  auto res = cli.send(r);
-  if (watcher.joinable()) {
-    {
-      std::lock_guard<std::mutex> lock(watch_mu);
-      sent = true;
+  std::thread watcher([&] {
+    std::unique_lock<std::mutex> lock(watch_mu);
+    while (!watch_cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return sent.load(); })) {
+      std::atomic<bool>* why = nullptr;
+      if (client_gone && client_gone())
+        why = &gone;
+      else if (ms_since(t0) > static_cast<double>(deadline_ms))
+        why = &late;
+      else if (http_status.load() != 0 && quiet_ms() >= static_cast<double>(stall_ms))
+        why = &stalled;
+      if (why) {
+        *why = true;
+        cli.stop();
+        return;
+      }
     }
-    watch_cv.notify_all();
-    watcher.join();
+  });
+  auto res = cli.send(r);
+  {
+    std::lock_guard<std::mutex> lock(watch_mu);
+    sent = true;
   }
+  watch_cv.notify_all();
+  watcher.join();
   out.total_ms = ms_since(t0);
   out.verify_ms = receiver.verify_ms();
   out.first_segment_ms = receiver.first_segment_ms();
@@ -175,18 +183,17 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   } else if (!untagged.is_ok()) {
     out.status = untagged;
     out.salvageable = false;
-  } else if (!deadline_status.is_ok()) {
-    out.status = deadline_status;
-  } else if (!receiver.status().is_ok()) {
-    out.status = receiver.status();
-  } else if (receiver.have_manifest()) {
-    out.status = Status::ok();
+  } else if (receiver.have_manifest() || !receiver.status().is_ok()) {
+    out.status = receiver.status();  // the manifest's word, or what the stream broke
+  } else if (late) {
+    out.status = Status(Code::kDeadlineExceeded,
+                        "prefill passed its deadline of " + std::to_string(deadline_ms) + " ms");
+  } else if (stalled || (!res && res.error() == httplib::Error::Read && out.bytes > 0 &&
+                         quiet_ms() >= static_cast<double>(stall_ms))) {
+    out.status = Status(Code::kDeadlineExceeded,
+                        "prefill host stalled (no bytes for " + std::to_string(stall_ms) + " ms)");
   } else if (!res && res.error() == httplib::Error::Read && out.bytes > 0) {
-    const double quiet_ms = ms_since(last_byte);
-    out.status = quiet_ms >= static_cast<double>(stall_ms)
-                     ? Status(Code::kDeadlineExceeded, "prefill host stalled (no bytes for " +
-                                                           std::to_string(stall_ms) + " ms)")
-                     : unavailable("prefill host closed the stream mid-way (process gone?)");
+    out.status = unavailable("prefill host closed the stream mid-way (process gone?)");
   } else if (!res) {
     out.status = unavailable("prefill host " + host + ":" + std::to_string(port) + ": " +
                              httplib::to_string(res.error()));
@@ -196,8 +203,9 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
     if (j.is_ok() && j->is_object() && j->contains("error") && (*j)["error"].is_object() &&
         (*j)["error"].contains("message") && (*j)["error"]["message"].is_string())
       msg = (*j)["error"]["message"].get<std::string>();
-    out.status = Status(code_for_http(http_status),
-                        "prefill host refused (HTTP " + std::to_string(http_status) + "): " + msg);
+    out.status =
+        Status(code_for_http(http_status),
+               "prefill host refused (HTTP " + std::to_string(http_status.load()) + "): " + msg);
   } else {
     out.status = data_loss("stream ended without a manifest after " +
                            std::to_string(assembler->covered_tokens()) + " verified rows");

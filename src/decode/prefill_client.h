@@ -59,6 +59,7 @@ struct FetchResult {
   bool have_manifest = false;
   std::string arith;
   int64_t computed_from = -1;  // where the prefill host's forward began (-1: not said)
+  double queued_ms = 0;        // how long the prefill host kept it waiting for its turn
 };
 
 // stall_ms: longest silence tolerated between bytes; deadline_ms: the whole stream's budget.
@@ -66,7 +67,9 @@ struct FetchResult {
 // secret: the stack's shared secret, sent as a bearer token ("" for a host without one); with
 // one, the request carries a fresh stream nonce and every frame must come back tagged.
 // The prefill host's refusals keep their meaning: 409 (fingerprint) is kFailedPrecondition,
-// 507 (out of memory) kResourceExhausted, other 4xx kInvalidArgument, 5xx kInternal.
+// 507 (out of memory) kResourceExhausted, 503 (queue full) kUnavailable, other 4xx
+// kInvalidArgument, other 5xx kInternal. Until its response starts (its turn may take a while:
+// it queues requests), only the deadline bounds the wait; then stall_ms does.
 // client_gone (null: never asked) is asked every 100 ms: once it says true the connection to the
 // prefill host is shut (which stops its prefill at its next chunk) and the fetch ends kUnavailable,
 // its rows not salvageable.

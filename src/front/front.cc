@@ -81,7 +81,8 @@ Options front_options() {
       {"completions", "HETERO_FRONT_COMPLETIONS", "30",
        "completions served at once (at least 1); more get 503 with Retry-After"},
       {"bridge-queue", "HETERO_FRONT_BRIDGE_QUEUE", "8",
-       "cold requests that may wait for the running bridge; more get 503 with Retry-After"},
+       "bridges that may be under way beside the one prefilling (the prefill host queues their "
+       "prefills; their transfers and mounts overlap); more get 503 with Retry-After"},
       {"max-body-mb", "HETERO_FRONT_MAX_BODY_MB", "64",
        "largest request body accepted, in MiB (a 2M-token prompt is ~10 MiB of text)"},
       secret_file_option("the stack's shared secret (hetero up writes one), sent to the "
@@ -179,13 +180,12 @@ Status FrontServer::check_pairing() const {
 
 BridgeOutcome FrontServer::bridge(const httplib::Request& req, const std::vector<int32_t>& ids,
                                   const json& info, int64_t decoder_cached) {
-  const auto t_wait = Clock::now();
-  struct Waiting {  // counted by the caller on entering the queue, until this bridge is done
+  struct InFlight {  // counted by the caller before it came here, until this bridge is done
     std::atomic<int64_t>* n;
-    ~Waiting() { --*n; }
-  } waiting{&bridges_waiting_};
-  std::lock_guard<std::mutex> lock(bridge_mu_);
-  const double queued_ms = ms_since(t_wait);
+    ~InFlight() { --*n; }
+  } in_flight{&bridges_in_flight_};
+  // Bridges run side by side: the prefill host queues their prefills and runs one at a time,
+  // while the streams, stores and mounts of others go on.
   BridgeParams p;
   p.prefill_host = cfg_.prefill_host;
   p.prefill_port = cfg_.prefill_port;
@@ -198,7 +198,7 @@ BridgeOutcome FrontServer::bridge(const httplib::Request& req, const std::vector
       cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * static_cast<int64_t>(ids.size());
   p.client_gone = [this, &req] { return guard_->client_gone(req); };
   BridgeOutcome out = run_bridge(seam_, info, ids, decoder_cached, p);
-  out.verdict.timings_ms["bridge_queue"] = queued_ms;
+  out.verdict.timings_ms["bridge_queue"] = out.fetch.queued_ms;
 #ifdef __GLIBC__
   // A bridge's rows (megabytes to gigabytes) were freed on whichever connection thread ran
   // it; glibc keeps freed memory in that thread's arena. Give it back, or the front door's
@@ -302,12 +302,12 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
       });
   std::string pin;
   v = route.verdict;
-  if (route.bridge && bridges_waiting_.fetch_add(1) >= cfg_.bridge_queue + 1) {
-    --bridges_waiting_;
+  if (route.bridge && bridges_in_flight_.fetch_add(1) >= cfg_.bridge_queue + 1) {
+    --bridges_in_flight_;
     res.set_header("Retry-After", "5");
     return fail(503, "server_error", "bridge_queue_full",
                 "a bridge is running and " + std::to_string(cfg_.bridge_queue) +
-                    " wait for it; retry shortly");
+                    " wait for the prefill host; retry shortly");
   }
   if (route.bridge) {
     BridgeOutcome b = bridge(req, ids, info.value(), route.cached);

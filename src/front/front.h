@@ -18,7 +18,6 @@
 
 #include <atomic>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
@@ -57,7 +56,7 @@ struct FrontConfig {
   int completions = 30;          // completions served at once; more get 503 busy
   ConnectionLimits connections;  // at once, per client, how fast requests must come
   int64_t max_body_bytes = 0;    // larger request bodies get 413 before they are read
-  int64_t bridge_queue = 0;      // bridges that may wait for the one running; more get 503
+  int64_t bridge_queue = 0;      // bridges under way beside the one prefilling; more get 503
   std::string secret;            // the stack's shared secret, sent to the seam and /v1/prefill
 };
 
@@ -88,12 +87,11 @@ class FrontServer {
   FrontConfig cfg_;
   SeamClient seam_;
   FrontMetrics metrics_;
-  MeasuredRates rates_;   // what a tail costs each way, from the requests served
-  std::mutex bridge_mu_;  // one bridge at a time
+  MeasuredRates rates_;  // what a tail costs each way, from the requests served
   // Completions being served (streams until their end) and bridges running or waiting: each
   // capped, so /health and /metrics always find a worker thread, and a full queue is a 503 with
   // Retry-After instead of a request holding a thread for minutes.
-  std::atomic<int64_t> active_{0}, bridges_waiting_{0};
+  std::atomic<int64_t> active_{0}, bridges_in_flight_{0};
   std::unique_ptr<httplib::Server> server_;
   std::unique_ptr<ConnectionGuard> guard_;  // after server_: it goes first
   std::thread thread_;

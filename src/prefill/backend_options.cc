@@ -84,6 +84,10 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "from where the conversation's earlier request left off, not from position 0 (0: off)"},
       {"prefix-cache-block", "HETERO_PREFILL_PREFIX_CACHE_BLOCK", "256",
        "the prefix cache's block in tokens: state is kept and found in whole blocks"},
+      {"queue", "HETERO_PREFILL_QUEUE", "16",
+       "requests that may wait while one prefills (they are served in the order they came; "
+       "more are answered 503 with Retry-After, and a waiting request whose sender hangs up "
+       "leaves)"},
       {"chunk", "HETERO_PREFILL_CHUNK", "0",
        "prefill chunk size in tokens (0: the family's default: llama 512; deepseek_v4 2048 on "
        "cpu, 32768 on cuda). deepseek_v4 runs the decoder's own calls, grouped into chunks of up "
@@ -119,6 +123,8 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
   if (b.prefix_cache_block < 1 || b.prefix_cache_block > (int64_t{1} << 20))
     return invalid_argument("--prefix-cache-block must be in [1, 1048576]");
   b.prefix_cache_bytes = prefix_mb << 20;
+  HETERO_ASSIGN_OR_RETURN(b.queue, opts.get_int("queue"));
+  if (b.queue < 0 || b.queue > 4096) return invalid_argument("--queue must be in [0, 4096]");
   if (device < 0 || device > 1024) return invalid_argument("--device must be a GPU index");
   if (program_device < -1 || program_device > 1024)
     return invalid_argument("--program-device must be a GPU index or -1");

@@ -109,6 +109,7 @@ void configure_service(PrefillService* service, const PrefillStack& stack,
   // buffers at its end, which its stream carries only at T).
   service->set_memory_floor(backend.memory_floor == "seal" && stack.family == "llama");
   service->set_state_cache(backend.prefix_cache_block, backend.prefix_cache_bytes);
+  service->set_queue(backend.queue);
 }
 
 Status require_decoder_calls(const PrefillRequest& req) {

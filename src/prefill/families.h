@@ -64,6 +64,7 @@ struct PrefillBackend {
   // (0: none) and its block in tokens.
   int64_t prefix_cache_bytes = 0;
   int64_t prefix_cache_block = 256;
+  int64_t queue = 16;  // requests that may wait for the running one (PrefillService::set_queue)
 };
 
 // The longest prompt a prefill host takes when --max-tokens is 0 (its default): 2,097,152

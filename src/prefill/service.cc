@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <new>
 #include <nlohmann/json.hpp>
@@ -112,20 +113,55 @@ PrefillService::PrefillService(PrefillEngine* engine, DecoderCacheLayout layout,
 
 PrefillService::~PrefillService() { stop(); }
 
-bool PrefillService::take_slot() {
-  std::unique_lock<std::mutex> lock(slot_mu_);
-  slot_free_.wait(lock, [this] { return !busy_ || stopping_->load(); });
-  if (busy_) return false;  // stopping, and another request holds the slot
+PrefillService::Turn PrefillService::take_turn(const std::function<bool()>& gone) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Turn t;
+  std::unique_lock<std::mutex> lock(turn_mu_);
+  if (busy_ && static_cast<int64_t>(waiting_.size()) >= max_waiting_) {
+    const double ahead_ms = turn_ms_ * static_cast<double>(waiting_.size() + 1);
+    t.retry_after_s = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ahead_ms / 1000)));
+    t.status = unavailable("the prefill host's queue is full: one request runs and " +
+                           std::to_string(waiting_.size()) + " wait (--queue " +
+                           std::to_string(max_waiting_) + "); retry in about " +
+                           std::to_string(t.retry_after_s) + " s");
+    return t;
+  }
+  const uint64_t ticket = next_ticket_++;
+  waiting_.push_back(ticket);
+  auto leave = [&](Status why) {
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), ticket));
+    turn_free_.notify_all();  // the next in line may be first now
+    t.status = std::move(why);
+    return t;
+  };
+  while (busy_ || waiting_.front() != ticket) {
+    if (stopping_->load()) return leave(unavailable("the prefill host is stopping"));
+    turn_free_.wait_for(lock, std::chrono::milliseconds(100));
+    if (gone && (busy_ || waiting_.front() != ticket)) {
+      lock.unlock();
+      const bool left = gone();
+      lock.lock();
+      if (left) return leave(unavailable("the receiver went away while the request waited"));
+    }
+  }
+  if (stopping_->load()) return leave(unavailable("the prefill host is stopping"));
+  waiting_.pop_front();
   busy_ = true;
-  return true;
+  turn_began_ = std::chrono::steady_clock::now();
+  t.waited_ms = std::chrono::duration<double, std::milli>(turn_began_ - t0).count();
+  return t;
 }
 
-void PrefillService::give_slot() {
+void PrefillService::give_turn() {
   {
-    std::lock_guard<std::mutex> lock(slot_mu_);
+    std::lock_guard<std::mutex> lock(turn_mu_);
     busy_ = false;
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - turn_began_)
+            .count();
+    turn_ms_ = turn_ms_ == 0 ? ms : 0.75 * turn_ms_ + 0.25 * ms;
   }
-  slot_free_.notify_one();
+  turn_free_.notify_all();  // FIFO: only the first in line takes it
 }
 
 std::vector<int64_t> PrefillService::plan_for(const PrefillRequest& req, int64_t from) const {
@@ -218,8 +254,8 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
   m.requested_tokens = static_cast<int64_t>(req.ids.size());
   m.start = req.start;
   m.arith = arith_;
-  if (!take_slot()) {
-    m.reason = "the prefill host is stopping";
+  if (const Turn turn = take_turn(); !turn.status.is_ok()) {
+    m.reason = turn.status.message();
     sink(encode_manifest(m));
     return m;
   }
@@ -231,7 +267,7 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
     m.reason = "the engine refused the request: " + admitted.to_string();
     sink(encode_manifest(m));
   }
-  give_slot();
+  give_turn();
   return m;
 }
 
@@ -307,6 +343,11 @@ Status PrefillService::start(const std::string& host, int port) {
               {"family", layout_.family},
               {"fingerprint", layout_.fingerprint},
               {"layers", layout_.layers}};
+    {
+      std::lock_guard<std::mutex> lock(turn_mu_);
+      j["queue"] = {
+          {"running", busy_ ? 1 : 0}, {"waiting", waiting_.size()}, {"max_waiting", max_waiting_}};
+    }
     if (gpu_memory_) {
       json gpus = json::array();
       for (const GpuMemory& g : gpu_memory_())
@@ -354,15 +395,29 @@ Status PrefillService::start(const std::string& host, int port) {
         }
         // Admission, before any byte of the response: this request's turn, then its memory. A
         // refusal answers with an error body and gives the turn to the next request.
-        if (!take_slot()) {
-          const Status stopping = unavailable("the prefill host is stopping");
-          res.status = http_status_for(stopping);
-          res.set_content(error_body(stopping), "application/json");
+        // A client that hung up (ConnectionGuard sees its socket's hang-up) leaves the queue or
+        // cancels the stream.
+        auto cancelled = std::make_shared<std::atomic<bool>>(false);
+        std::function<bool()> receiver_gone = [guard = guard_.get(), addr = req.remote_addr,
+                                               port = req.remote_port, cancelled] {
+          if (!cancelled->load() && guard->client_gone(addr, port)) cancelled->store(true);
+          return cancelled->load();
+        };
+        const Turn turn = take_turn(receiver_gone);
+        if (!turn.status.is_ok()) {
+          res.status = http_status_for(turn.status);
+          json body = json::parse(error_body(turn.status));
+          if (turn.retry_after_s > 0) {
+            res.set_header("Retry-After", std::to_string(turn.retry_after_s));
+            body["error"]["code"] = "queue_full";
+          }
+          res.set_content(body.dump(), "application/json");
           return;
         }
+        res.set_header(kQueuedMsHeader, std::to_string(turn.waited_ms));
         auto admission = std::make_shared<Admission>();
         if (Status admitted = admit(*request, admission.get()); !admitted.is_ok()) {
-          give_slot();
+          give_turn();
           res.status = http_status_for(admitted);
           res.set_content(error_body(admitted), "application/json");
           return;
@@ -370,14 +425,7 @@ Status PrefillService::start(const std::string& host, int port) {
         // The prefill runs on its own thread, which gives the turn back when it ends; this handler
         // thread writes frames as they come.
         auto frames = std::make_shared<BoundedQueue<std::string>>(4);
-        auto cancelled = std::make_shared<std::atomic<bool>>(false);
         auto buffers = buffers_;
-        // A client that hung up (ConnectionGuard sees its socket's hang-up) cancels the stream.
-        std::function<bool()> receiver_gone = [guard = guard_.get(), addr = req.remote_addr,
-                                               port = req.remote_port, cancelled] {
-          if (!cancelled->load() && guard->client_gone(addr, port)) cancelled->store(true);
-          return cancelled->load();
-        };
         auto worker = std::make_shared<std::thread>(
             [this, frames, cancelled, request, admission, receiver_gone] {
               run_admitted(
@@ -386,14 +434,15 @@ Status PrefillService::start(const std::string& host, int port) {
                     return !cancelled->load() && frames->push(std::move(f));
                   },
                   receiver_gone);
-              give_slot();
+              give_turn();
               frames->close();
             });
         const FaultSpec fault = fault_;
         auto stopping = stopping_;
         res.set_chunked_content_provider(
             "application/x-hetero-segments",
-            [frames, cancelled, fault, stopping, buffers, tags](size_t, httplib::DataSink& sink) {
+            [frames, cancelled, fault, stopping, buffers, tags, receiver_gone](
+                size_t, httplib::DataSink& sink) {
               int64_t i = 0;
               uint64_t sent = 0;  // the frame's place in the stream: its tag's key
               while (auto f = frames->pop()) {
@@ -401,7 +450,7 @@ Status PrefillService::start(const std::string& host, int port) {
                   if (fault.kind == "exit-after" && i == fault.n) _exit(3);
                   if (fault.kind == "truncate-after" && i == fault.n) break;
                   if (fault.kind == "stall-after" && i == fault.n) {
-                    while (!cancelled->load())
+                    while (!receiver_gone())  // until the receiver hangs up
                       std::this_thread::sleep_for(std::chrono::milliseconds(50));
                     return false;
                   }
@@ -443,10 +492,10 @@ Status PrefillService::start(const std::string& host, int port) {
 
 void PrefillService::stop() {
   {
-    std::lock_guard<std::mutex> lock(slot_mu_);  // a waiter sees the flag once it wakes
+    std::lock_guard<std::mutex> lock(turn_mu_);  // a waiter sees the flag once it wakes
     stopping_->store(true);
   }
-  slot_free_.notify_all();
+  turn_free_.notify_all();
   if (server_) server_->stop();
   if (thread_.joinable()) thread_.join();
   guard_.reset();

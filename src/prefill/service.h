@@ -1,10 +1,13 @@
 // The prefill host's service: POST /v1/prefill {ids, fingerprint, chunk?} runs a chunked
 // prefill with the attention-input tap feeding the bridge producer, and streams the segments
 // back (chunked transfer encoding) while the prefill runs, closed by a manifest.
-// GET /health reports the model and the decoder fingerprint the export carries. With a secret
+// GET /health reports the model, the decoder fingerprint the export carries and the queue
+// (running, waiting, max_waiting). With a secret
 // (set_secret), POST /v1/prefill needs it as a bearer token (HTTP 401 otherwise); /health
 // stays open.
-// One prefill runs at a time; later requests wait their turn. A request is admitted before any
+// One prefill runs at a time; later requests wait their turn in a bounded queue, first come first
+// served (set_queue: a request beyond it is answered 503 with Retry-After, and a waiting request
+// whose receiver hangs up leaves the queue). A request is admitted before any
 // byte of its response: the engine takes the request's memory (PrefillEngine::reserve) or the
 // request is refused with an error body (HTTP 507 for kResourceExhausted), and the host serves
 // the next one. With the memory floor on (set_memory_floor; a family whose prefix mounts
@@ -16,7 +19,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -223,6 +228,8 @@ class PrefillService {
     states_ = std::make_unique<PrefixStateCache>(block_tokens, max_bytes);
   }
   const PrefixStateCache* state_cache() const { return states_.get(); }
+  // Requests that may wait for the running one (>= 0); more are answered 503 with Retry-After.
+  void set_queue(int64_t max_waiting) { max_waiting_ = max_waiting; }
 
   // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
   // engine and reserves the request's memory (a refusal is a manifest whose reason says why),
@@ -252,10 +259,17 @@ class PrefillService {
   bool memory_floor_ = false;
   std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);
 
-  // One prefill at a time: a request holds the slot from its admission (on the HTTP handler's
-  // thread) to the end of its prefill (on its worker thread), so a slot is a flag, not a lock.
-  bool take_slot();  // false: the service is stopping
-  void give_slot();
+  // One prefill at a time: a request holds the turn from its admission (on the HTTP handler's
+  // thread) to the end of its prefill (on its worker thread), so a turn is a flag, not a lock.
+  // Waiting requests are served in the order they came.
+  struct Turn {
+    Status status;              // ok: the turn is the caller's; else why not
+    double waited_ms = 0;       // how long it waited for it
+    int64_t retry_after_s = 0;  // > 0: the queue was full; when to come back, estimated
+  };
+  // gone (null: never) is asked every 100 ms while the request waits: true takes it out.
+  Turn take_turn(const std::function<bool()>& gone = {});
+  void give_turn();
   // What admission decided for a request: the engine's forward starts at `from` (its state
   // before that restored from the prefix cache) and runs `plan`'s chunks (a tail's start is a
   // chunk boundary); `sealed` says why a plan ends before the request does (the memory floor).
@@ -266,20 +280,25 @@ class PrefillService {
   };
   // The chunks of ids[from, len) (a boundary at the request's start).
   std::vector<int64_t> plan_for(const PrefillRequest& req, int64_t from) const;
-  // With the slot: the engine reset, the request's memory reserved and the cached state loaded,
+  // With the turn: the engine reset, the request's memory reserved and the cached state loaded,
   // or why not. With the memory floor, the plan may come back shorter than the request.
   Status admit(const PrefillRequest& req, Admission* a);
   // Reserves `from` tokens of state and the whole of `plan` (reset first).
   Status reserve_plan(int64_t from, const std::vector<int64_t>& plan);
-  // With the slot, after admit(): the chunks, frames to sink, manifest last.
+  // With the turn, after admit(): the chunks, frames to sink, manifest last.
   // receiver_gone (null: never) is asked before each chunk, as a receiver that stopped reading.
   Manifest run_admitted(const PrefillRequest& req, const Admission& a,
                         const BridgeProducer::FrameSink& sink,
                         const std::function<bool()>& receiver_gone = {});
   std::unique_ptr<PrefixStateCache> states_;
-  std::mutex slot_mu_;
-  std::condition_variable slot_free_;
+  std::mutex turn_mu_;
+  std::condition_variable turn_free_;
   bool busy_ = false;
+  std::deque<uint64_t> waiting_;  // tickets of the requests waiting, oldest first
+  uint64_t next_ticket_ = 0;
+  int64_t max_waiting_ = 16;
+  std::chrono::steady_clock::time_point turn_began_;
+  double turn_ms_ = 0;  // how long a turn lasts, a moving average (for Retry-After)
   std::unique_ptr<httplib::Server> server_;
   std::unique_ptr<ConnectionGuard> guard_;  // after server_: it goes first
   std::thread thread_;

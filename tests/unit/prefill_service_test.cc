@@ -7,11 +7,14 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -46,6 +49,10 @@ class FaultyEngine : public PrefillEngine {
     return take(&reserve_fault_);
   }
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      gate_open_.wait(lock, [this] { return !held_; });
+    }
     ++chunk_;
     if (fail_chunk_ == chunk_) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -78,6 +85,15 @@ class FaultyEngine : public PrefillEngine {
     fail_chunk_ = n, chunk_fault_ = std::move(st);
   }
 
+  // While held, every chunk waits (a request then keeps its turn).
+  void hold(bool on) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      held_ = on;
+    }
+    gate_open_.notify_all();
+  }
+
   // Every reserve() call's (tokens, max_chunk_tokens).
   std::vector<std::pair<int64_t, int64_t>> reservations() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -93,6 +109,8 @@ class FaultyEngine : public PrefillEngine {
     return st;
   }
   std::mutex mu_;
+  std::condition_variable gate_open_;
+  bool held_ = false;
   std::optional<Status> reserve_fault_, chunk_fault_;
   std::vector<std::pair<int64_t, int64_t>> reserved_;
   std::atomic<int64_t> fail_chunk_{0};
@@ -184,6 +202,44 @@ TEST_F(PrefillServiceTest, RefusedReservationIs507AndTheNextRequestIsServed) {
   // The whole prompt and its longest chunk, as the service plans it (chunks of 4).
   EXPECT_EQ(reserved[0], (std::pair<int64_t, int64_t>{10, 4}));
   EXPECT_EQ(engine_.resets.load(), 2);
+}
+
+TEST_F(PrefillServiceTest, TurnsComeInOrderAndBeyondTheQueueIs503WithRetryAfter) {
+  service_->set_queue(2);
+  engine_.hold(true);  // the first request keeps its turn until released
+  auto waiting = [this] {
+    httplib::Client cli("127.0.0.1", service_->bound_port());
+    auto h = cli.Get("/health");
+    EXPECT_TRUE(h && h->status == 200);
+    const auto j = nlohmann::json::parse(h ? h->body : "{}", nullptr, false);
+    return j.contains("queue") ? j["queue"]["waiting"].get<int64_t>() : -1;
+  };
+  // Three requests of different lengths (the engine's reservations say who ran when), each
+  // sent once the one before is in.
+  std::vector<std::optional<httplib::Result>> got(3);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 3; ++i) {
+    clients.emplace_back([this, i, &got] { got[static_cast<size_t>(i)] = post(5 + i); });
+    for (int tries = 0; tries < 2000 && (engine_.reservations().empty() || waiting() < i); ++tries)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(waiting(), 2);
+  const auto full = post(9);
+  ASSERT_TRUE(full) << "no response";
+  EXPECT_EQ(full->status, 503);
+  EXPECT_GE(std::stoi(full->get_header_value("Retry-After")), 1);
+  const auto j = nlohmann::json::parse(full->body, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << full->body;
+  EXPECT_EQ(j["error"]["code"], "queue_full");
+  engine_.hold(false);
+  for (auto& c : clients) c.join();
+  for (int i = 0; i < 3; ++i) expect_complete(*got[static_cast<size_t>(i)], 5 + i);
+  // First come, first served; the ones that waited say how long.
+  const auto reserved = engine_.reservations();
+  ASSERT_EQ(reserved.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(reserved[static_cast<size_t>(i)].first, 5 + i);
+  EXPECT_GT(std::stod((*got[2])->get_header_value(kQueuedMsHeader)), 0.0);
+  EXPECT_EQ(waiting(), 0);
 }
 
 TEST_F(PrefillServiceTest, OtherReservationErrorsKeepTheirStatus) {
