@@ -48,9 +48,10 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
                             p.deadline_ms, p.secret, p.client_gone);
   const FetchResult& f = out.fetch;
   v.bytes = f.bytes;
-  v.timings_ms["prefill"] = f.total_ms;
-  if (f.first_segment_ms >= 0) v.timings_ms["first_segment"] = f.first_segment_ms;
-  if (f.last_segment_ms >= 0) v.timings_ms["last_segment"] = f.last_segment_ms;
+  // From the request's turn at the prefill host: the wait for it is the verdict's bridge_queue.
+  v.timings_ms["prefill"] = f.total_ms - f.queued_ms;
+  if (f.first_segment_ms >= 0) v.timings_ms["first_segment"] = f.first_segment_ms - f.queued_ms;
+  if (f.last_segment_ms >= 0) v.timings_ms["last_segment"] = f.last_segment_ms - f.queued_ms;
   v.timings_ms["verify"] = f.verify_ms;
   v.arith = f.arith;
   if (f.computed_from >= 0) v.computed = assembler->covered_tokens() - f.computed_from;

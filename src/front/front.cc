@@ -296,9 +296,14 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   // 2. Route; for a cold long prompt, the bridge (mounted and pinned when it worked).
   Route route = route_request(
       T, mode.value(), cfg_.route, [&] { return seam_.cached_prefix(ids); },
-      [this](int64_t tail) {
+      [&](int64_t tail, int64_t cached) {
         if (!cfg_.route_by_rates) return TailCosts{};
-        return TailCosts{rates_.bridge_ms(tail), rates_.native_ms(tail)};
+        // A bridge computes the tail alone where it can (run_bridge), else the whole prompt.
+        const bool tail_only =
+            cfg_.tails && cached > 0 && info.value().value("family", "") == "llama";
+        return TailCosts{
+            tail_only ? rates_.bridge_ms(tail, cached) : rates_.bridge_ms(tail + cached - 1, 0),
+            rates_.native_ms(tail, cached)};
       });
   std::string pin;
   v = route.verdict;

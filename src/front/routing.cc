@@ -44,7 +44,7 @@ Result<BridgeMode> parse_bridge_mode(const std::string& header) {
 
 Route route_request(int64_t t, BridgeMode mode, const RoutePolicy& policy,
                     const std::function<Result<int64_t>()>& cached_prefix,
-                    const std::function<TailCosts(int64_t tail)>& costs) {
+                    const std::function<TailCosts(int64_t tail, int64_t cached)>& costs) {
   Route r;
   if (mode == BridgeMode::kNative) {
     r.verdict = Verdict::skipped("native requested");
@@ -56,7 +56,7 @@ Route route_request(int64_t t, BridgeMode mode, const RoutePolicy& policy,
   } else {
     r.cached = cached.value();
     const int64_t tail = t - r.cached;
-    const TailCosts c = costs && mode == BridgeMode::kAuto ? costs(tail) : TailCosts{};
+    const TailCosts c = costs && mode == BridgeMode::kAuto ? costs(tail, r.cached) : TailCosts{};
     const bool measured = c.bridge_ms.has_value() && c.native_ms.has_value();
     if (mode == BridgeMode::kAuto && measured && *c.bridge_ms >= *c.native_ms) {
       r.verdict = Verdict::skipped("the decoder is faster (" + std::to_string(tail) +

@@ -29,7 +29,7 @@ struct RoutePolicy {
   int64_t min_tail = 256;    // until costs are measured: uncached tails shorter go straight too
 };
 
-// The predicted cost of a tail of n tokens each way (front/rates.h); nullopt: not measured.
+// The predicted cost of a tail each way (front/rates.h); nullopt: not measured.
 struct TailCosts {
   std::optional<double> bridge_ms, native_ms;
 };
@@ -41,12 +41,13 @@ struct Route {
 };
 
 // t: the prompt's tokens; cached_prefix: asks the decoder how many leading tokens it holds.
-// costs (null: never measured): what the uncached tail would cost each way. In auto mode a
+// costs (null: never measured): what the uncached tail after the cached prefix would cost
+// each way. In auto mode a
 // prompt of at least min_tokens is bridged when the bridge is predicted faster for its tail;
 // while either cost is unmeasured, when the tail is at least min_tail. The verdict says which
 // rule decided and its inputs (Verdict::route_*).
 Route route_request(int64_t t, BridgeMode mode, const RoutePolicy& policy,
                     const std::function<Result<int64_t>()>& cached_prefix,
-                    const std::function<TailCosts(int64_t tail)>& costs = {});
+                    const std::function<TailCosts(int64_t tail, int64_t cached)>& costs = {});
 
 }  // namespace hetero

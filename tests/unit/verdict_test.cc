@@ -182,7 +182,7 @@ TEST(Routing, MeasuredCostsDecideAndTheVerdictCarriesThem) {
   const RoutePolicy p{64, 256};
   auto holds = [](int64_t c) { return [c]() -> Result<int64_t> { return c; }; };
   // The decoder takes 2 ms a token; a bridge 300 ms plus 0.5 ms a token: it pays from 200.
-  auto costs = [](int64_t n) {
+  auto costs = [](int64_t n, int64_t) {
     return TailCosts{300 + 0.5 * static_cast<double>(n), 2.0 * static_cast<double>(n)};
   };
   Route small = route_request(1000, BridgeMode::kAuto, p, holds(900), costs);
@@ -198,7 +198,7 @@ TEST(Routing, MeasuredCostsDecideAndTheVerdictCarriesThem) {
   EXPECT_TRUE(pays.bridge);
   EXPECT_EQ(pays.verdict.route_by, "rates");
   // Unmeasured: the fixed minimum, and the verdict says so.
-  auto unknown = [](int64_t) { return TailCosts{std::nullopt, 1.0}; };
+  auto unknown = [](int64_t, int64_t) { return TailCosts{std::nullopt, 1.0}; };
   Route fixed = route_request(1000, BridgeMode::kAuto, p, holds(780), unknown);
   EXPECT_FALSE(fixed.bridge);
   EXPECT_EQ(fixed.verdict.route_by, "min_tail");
@@ -208,14 +208,18 @@ TEST(Routing, MeasuredCostsDecideAndTheVerdictCarriesThem) {
 }
 
 TEST(MeasuredRates, FitsAFixedAndAPerTokenCostFromConfirmedRequests) {
-  CostLine line;
-  EXPECT_FALSE(line.predict(100).has_value());
-  for (double n : {100.0, 1000.0, 400.0, 2000.0}) line.add(n, 300 + 0.5 * n);
-  ASSERT_TRUE(line.predict(800).has_value());
-  EXPECT_NEAR(*line.predict(800), 700, 1e-6);
-  CostLine same;  // sizes alike: per token only
-  for (int i = 0; i < 3; ++i) same.add(500, 1000);
-  EXPECT_NEAR(*same.predict(100), 200, 1e-9);
+  TailCost line;
+  EXPECT_FALSE(line.predict(100, 0).has_value());
+  // Contexts that vary, a cost that does not grow with them: the line.
+  const double contexts[] = {0, 5000, 1000, 20000};
+  int i = 0;
+  for (double n : {100.0, 1000.0, 400.0, 2000.0}) line.add(n, contexts[i++], 300 + 0.5 * n);
+  ASSERT_TRUE(line.predict(800, 0).has_value());
+  EXPECT_NEAR(*line.predict(800, 0), 700, 1e-6);
+  EXPECT_NEAR(*line.predict(800, 50000), 700, 1e-6);
+  TailCost same;  // sizes alike: per token only
+  for (int k = 0; k < 3; ++k) same.add(500, 0, 1000);
+  EXPECT_NEAR(*same.predict(100, 0), 200, 1e-9);
 
   MeasuredRates rates;
   Verdict bridged;
@@ -228,14 +232,31 @@ TEST(MeasuredRates, FitsAFixedAndAPerTokenCostFromConfirmedRequests) {
   rates.record(bridged);
   bridged.confirmed = true, bridged.timings_ms["prefill"] = 400;
   rates.record(bridged);
-  EXPECT_NEAR(*rates.bridge_ms(400), 450, 1e-6);  // 400 rows bridged in 450 ms
+  EXPECT_NEAR(*rates.bridge_ms(400, 600), 450, 1e-6);  // 400 rows bridged in 450 ms
   Verdict native = Verdict::skipped("native requested");
   native.confirmed = true, native.t = 300, native.reused = 100;
   native.timings_ms["decoder_first_token"] = 400;
   rates.record(native);
-  EXPECT_FALSE(rates.native_ms(10).has_value());  // one sample
+  EXPECT_FALSE(rates.native_ms(10, 0).has_value());  // one sample
   rates.record(native);
-  EXPECT_NEAR(*rates.native_ms(100), 200, 1e-6);  // 200 tokens processed in 400 ms
+  EXPECT_NEAR(*rates.native_ms(100, 100), 200, 1e-6);  // 200 tokens processed in 400 ms
+}
+
+TEST(MeasuredRates, ATailAfterALongContextIsPredictedDearer) {
+  // The decoder's time grows with how far back its tail attends: fixed 50 ms, 0.2 ms a token,
+  // 1e-5 ms a token per token read back.
+  auto truth = [](double n, double c) { return 50 + 0.2 * n + 1e-5 * n * (c + n / 2); };
+  TailCost cost;
+  const double sizes[] = {300, 2000, 800, 4000, 1200, 600};
+  const double contexts[] = {0, 1000, 30000, 8000, 60000, 2000};
+  for (int k = 0; k < 6; ++k) cost.add(sizes[k], contexts[k], truth(sizes[k], contexts[k]));
+  for (double c : {0.0, 10000.0, 100000.0})
+    EXPECT_NEAR(*cost.predict(1000, c), truth(1000, c), 1e-6 * truth(1000, c)) << c;
+  EXPECT_GT(*cost.predict(1000, 100000), 2 * *cost.predict(1000, 0));
+  // Cold prompts alone (no context) still show attention's growth with the tail itself.
+  TailCost cold;
+  for (double n : sizes) cold.add(n, 0, truth(n, 0));
+  EXPECT_NEAR(*cold.predict(16000, 0), truth(16000, 0), 1e-6 * truth(16000, 0));
 }
 
 }  // namespace
