@@ -207,6 +207,8 @@ std::string encode_manifest(const Manifest& m) {
   return frame(h);
 }
 
+std::string encode_keepalive() { return frame({{"v", kWireVersion}, {"kind", "keepalive"}}); }
+
 void FrameParser::feed(const char* data, size_t n) {
   const size_t have = buf_.size() - pos_;
   if (failed_.is_ok() && have + n >= kPrefixBytes) {

@@ -140,6 +140,9 @@ class SegmentFrameWriter {
 
 std::string encode_segment(const Segment& s, FrameBufferPool* buffers = nullptr);
 std::string encode_manifest(const Manifest& m);
+// A frame that carries nothing: a stream waiting for its turn again stays audibly alive
+// (receivers skip it; it is tagged and counted like any frame).
+std::string encode_keepalive();
 
 // Incremental frame parser for a byte stream arriving in arbitrary pieces. Verifies magic,
 // bounds, tag (when given a tagger: every frame must carry a valid one) and checksum before

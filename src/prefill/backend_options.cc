@@ -88,6 +88,11 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "requests that may wait while one prefills (they are served in the order they came; "
        "more are answered 503 with Retry-After, and a waiting request whose sender hangs up "
        "leaves)"},
+      {"turn-ms", "HETERO_PREFILL_TURN_MS", "5000",
+       "a prefill that has held the engine this long while another request waits gives it up "
+       "at its next chunk and waits at the back of the queue to resume from the prefix cache "
+       "(keep-alive frames meanwhile), so a short request is not stuck behind a long one "
+       "(engines that hand out their state: llama cpu, cuda exact; 0: never)"},
       {"chunk", "HETERO_PREFILL_CHUNK", "0",
        "prefill chunk size in tokens (0: the family's default: llama 512; deepseek_v4 2048 on "
        "cpu, 32768 on cuda). deepseek_v4 runs the decoder's own calls, grouped into chunks of up "
@@ -124,6 +129,8 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
     return invalid_argument("--prefix-cache-block must be in [1, 1048576]");
   b.prefix_cache_bytes = prefix_mb << 20;
   HETERO_ASSIGN_OR_RETURN(b.queue, opts.get_int("queue"));
+  HETERO_ASSIGN_OR_RETURN(b.turn_ms, opts.get_int("turn-ms"));
+  if (b.turn_ms < 0) return invalid_argument("--turn-ms must be >= 0");
   if (b.queue < 0 || b.queue > 4096) return invalid_argument("--queue must be in [0, 4096]");
   if (device < 0 || device > 1024) return invalid_argument("--device must be a GPU index");
   if (program_device < -1 || program_device > 1024)

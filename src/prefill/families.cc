@@ -110,6 +110,7 @@ void configure_service(PrefillService* service, const PrefillStack& stack,
   service->set_memory_floor(backend.memory_floor == "seal" && stack.family == "llama");
   service->set_state_cache(backend.prefix_cache_block, backend.prefix_cache_bytes);
   service->set_queue(backend.queue);
+  service->set_turn_ms(backend.turn_ms);
 }
 
 Status require_decoder_calls(const PrefillRequest& req) {

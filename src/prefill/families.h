@@ -64,7 +64,8 @@ struct PrefillBackend {
   // (0: none) and its block in tokens.
   int64_t prefix_cache_bytes = 0;
   int64_t prefix_cache_block = 256;
-  int64_t queue = 16;  // requests that may wait for the running one (PrefillService::set_queue)
+  int64_t queue = 16;      // requests that may wait for the running one (PrefillService::set_queue)
+  int64_t turn_ms = 5000;  // PrefillService::set_turn_ms
 };
 
 // The longest prompt a prefill host takes when --max-tokens is 0 (its default): 2,097,152

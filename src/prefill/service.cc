@@ -152,6 +152,15 @@ PrefillService::Turn PrefillService::take_turn(const std::function<bool()>& gone
   return t;
 }
 
+bool PrefillService::should_yield(int64_t tokens) {
+  if (turn_ms_limit_ <= 0 || !states_ || engine_->state_row_bytes() <= 0 ||
+      tokens * engine_->state_row_bytes() > states_->max_bytes())
+    return false;  // its state would not be kept: giving the engine up would lose the work
+  std::lock_guard<std::mutex> lock(turn_mu_);
+  return !waiting_.empty() && std::chrono::steady_clock::now() - turn_began_ >=
+                                  std::chrono::milliseconds(turn_ms_limit_);
+}
+
 void PrefillService::give_turn() {
   {
     std::lock_guard<std::mutex> lock(turn_mu_);
@@ -261,19 +270,24 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
   }
   Admission a;
   const Status admitted = admit(req, &a);
-  if (admitted.is_ok()) {
-    m = run_admitted(req, a, sink);
-  } else {
-    m.reason = "the engine refused the request: " + admitted.to_string();
-    sink(encode_manifest(m));
-  }
+  if (admitted.is_ok()) return run_admitted(req, a, sink);
   give_turn();
+  m.reason = "the engine refused the request: " + admitted.to_string();
+  sink(encode_manifest(m));
   return m;
 }
 
 Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission& a,
                                       const BridgeProducer::FrameSink& sink,
-                                      const std::function<bool()>& receiver_gone) {
+                                      const std::function<bool()>& receiver_gone, bool may_yield) {
+  // The turn is this request's until it ends (or gives it up to wait for the next one).
+  struct Holding {
+    PrefillService* service;
+    bool held = true;
+    ~Holding() {
+      if (held) service->give_turn();
+    }
+  } holding{this};
   const int64_t T = static_cast<int64_t>(req.ids.size());
   int64_t planned = a.from;
   for (int64_t n : a.plan) planned += n;
@@ -296,28 +310,83 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
   // A receiver that hung up is noticed before the next chunk, not at the next frame's write (a
   // chunk's frame comes only once every layer has passed it).
   bool gone = false;
+  Admission now = a;
+  std::string sealed = a.sealed;
   try {
-    // The engine sees the ids it computes: from where its restored state ends to the end of a
-    // (possibly sealed) plan.
-    const std::vector<int32_t> ids(req.ids.begin() + a.from, req.ids.begin() + planned);
-    st = engine_->prefill_plan(ids, a.plan, producer.tap(), [&] {
-      gone = gone || (receiver_gone && receiver_gone());
-      return gone || producer.cancelled();
-    });
-    if (st.is_ok()) st = engine_->finish();
+    for (int64_t emitted = req.start;;) {
+      // The engine sees the ids it computes: from where its restored state ends to the end of a
+      // (possibly sealed) plan. Rows before `emitted` were streamed in an earlier turn.
+      const std::vector<int32_t> ids(req.ids.begin() + now.from, req.ids.begin() + planned);
+      const AttentionInputTap to_producer = producer.tap();
+      const AttentionInputTap tap = [&](const TapEvent& e) {
+        if (e.pos0 + e.n_tokens > emitted) to_producer(e);
+      };
+      size_t chunks_done = 0;
+      bool yield = false;
+      st = engine_->prefill_plan(ids, now.plan, tap, [&] {
+        gone = gone || (receiver_gone && receiver_gone());
+        int64_t at = now.from;
+        for (size_t i = 0; i < chunks_done && i < now.plan.size(); ++i) at += now.plan[i];
+        // Only after a chunk of its own in this turn (one it had not sent before): two
+        // requests that took turns recomputing what the cache lost would never get on.
+        yield = !gone && may_yield && at > emitted && chunks_done < now.plan.size() &&
+                should_yield(at);
+        ++chunks_done;
+        return gone || producer.cancelled() || yield;
+      });
+      if (st.is_ok()) st = engine_->finish();
+      if (!st.is_ok() || !yield) break;
+      // Its turn is up and another request waits: the state so far goes to the prefix cache,
+      // the turn to the next in line, and this request to the back of the queue.
+      int64_t at = now.from;
+      for (size_t i = 0; i + 1 < chunks_done; ++i) at += now.plan[i];
+      if (const Status kept = states_->save(req.ids, at, engine_); !kept.is_ok())
+        log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
+      log_line("prefill", "gave the engine to the next request at " + std::to_string(at) + " of " +
+                              std::to_string(T) + " tokens");
+      give_turn();
+      holding.held = false;
+      const Turn turn = take_turn([&, last = std::chrono::steady_clock::now()]() mutable {
+        if (std::chrono::steady_clock::now() - last > std::chrono::seconds(5)) {
+          last = std::chrono::steady_clock::now();
+          if (!sink(encode_keepalive())) return true;  // the receiver stopped reading
+        }
+        return receiver_gone && receiver_gone();
+      });
+      if (!turn.status.is_ok()) {  // stopping, or the receiver left: the stream ends here
+        st = turn.status;
+        break;
+      }
+      holding.held = true;
+      // Resume: from the longest prefix the cache still holds (recomputing what it lost), the
+      // chunks after `at` as planned before.
+      PrefillRequest rest;
+      rest.ids.assign(req.ids.begin(), req.ids.begin() + planned);
+      rest.start = at;
+      rest.chunk_tokens = req.chunk_tokens;
+      rest.decoder_calls = req.decoder_calls;
+      st = admit(rest, &now);
+      if (!st.is_ok()) break;
+      if (!now.sealed.empty()) sealed = now.sealed;
+      planned = now.from;
+      for (int64_t n : now.plan) planned += n;
+      emitted = at;
+      log_line("prefill", "resumed at " + std::to_string(at) + " of " + std::to_string(T) +
+                              " tokens (from " + std::to_string(now.from) + ", the prefix cache)");
+    }
   } catch (const std::bad_alloc&) {  // the request ends, sealed by its manifest; the host serves on
     st = resource_exhausted("out of host memory during the prefill of " + std::to_string(T) +
                             " tokens");
   }
   if (!st.is_ok()) log_line("prefill", "a prefill failed: " + st.to_string());
   const bool cancelled = producer.cancelled() || gone;
-  Manifest m = producer.finish(T, st, a.sealed);
+  Manifest m = producer.finish(T, st, sealed);
   if (cancelled)  // its state is the engine's, which the next request resets
     log_line("prefill", "the receiver went away: stopped after " +
                             std::to_string(m.covered_tokens) + " of " + std::to_string(T) +
                             " tokens");
   // A forward that ran its whole plan leaves the state of ids[0, planned) for later requests.
-  if (st.is_ok() && !cancelled && states_) {
+  if (st.is_ok() && !cancelled && states_ && holding.held) {
     const Status kept = states_->save(req.ids, planned, engine_);
     if (!kept.is_ok()) log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
   }
@@ -433,8 +502,7 @@ Status PrefillService::start(const std::string& host, int port) {
                   [frames, cancelled](std::string f) {
                     return !cancelled->load() && frames->push(std::move(f));
                   },
-                  receiver_gone);
-              give_turn();
+                  receiver_gone, /*may_yield=*/true);
               frames->close();
             });
         const FaultSpec fault = fault_;

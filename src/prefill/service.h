@@ -230,6 +230,11 @@ class PrefillService {
   const PrefixStateCache* state_cache() const { return states_.get(); }
   // Requests that may wait for the running one (>= 0); more are answered 503 with Retry-After.
   void set_queue(int64_t max_waiting) { max_waiting_ = max_waiting; }
+  // A streamed prefill that has held the engine this long while another request waits gives
+  // it up at its next chunk boundary: its state so far goes to the prefix cache, and it waits
+  // at the back of the queue (sending keep-alive frames) to resume from there. Only for an
+  // engine that hands out its state and a prefix cache that can hold it; 0: never.
+  void set_turn_ms(int64_t ms) { turn_ms_limit_ = ms; }
 
   // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
   // engine and reserves the request's memory (a refusal is a manifest whose reason says why),
@@ -285,11 +290,16 @@ class PrefillService {
   Status admit(const PrefillRequest& req, Admission* a);
   // Reserves `from` tokens of state and the whole of `plan` (reset first).
   Status reserve_plan(int64_t from, const std::vector<int64_t>& plan);
-  // With the turn, after admit(): the chunks, frames to sink, manifest last.
-  // receiver_gone (null: never) is asked before each chunk, as a receiver that stopped reading.
+  // With the turn, after admit(): the chunks, frames to sink, manifest last; the turn given
+  // back at the end. receiver_gone (null: never) is asked before each chunk, as a receiver that
+  // stopped reading. may_yield: the request may give the engine up between chunks (set_turn_ms;
+  // sink must then take frames from any thread).
   Manifest run_admitted(const PrefillRequest& req, const Admission& a,
                         const BridgeProducer::FrameSink& sink,
-                        const std::function<bool()>& receiver_gone = {});
+                        const std::function<bool()>& receiver_gone = {}, bool may_yield = false);
+  // With the turn: whether the running request's turn is up (set_turn_ms) for a state of
+  // `tokens` tokens.
+  bool should_yield(int64_t tokens);
   std::unique_ptr<PrefixStateCache> states_;
   std::mutex turn_mu_;
   std::condition_variable turn_free_;
@@ -299,6 +309,7 @@ class PrefillService {
   int64_t max_waiting_ = 16;
   std::chrono::steady_clock::time_point turn_began_;
   double turn_ms_ = 0;  // how long a turn lasts, a moving average (for Retry-After)
+  int64_t turn_ms_limit_ = 0;
   std::unique_ptr<httplib::Server> server_;
   std::unique_ptr<ConnectionGuard> guard_;  // after server_: it goes first
   std::thread thread_;

@@ -35,6 +35,7 @@ class PrefixStateCache {
   Status save(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine);
 
   int64_t block_tokens() const { return block_tokens_; }
+  int64_t max_bytes() const { return max_bytes_; }
   int64_t bytes() const;
   int64_t blocks() const;
   void clear();

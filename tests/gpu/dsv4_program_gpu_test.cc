@@ -206,6 +206,22 @@ TEST_F(Dsv4GpuProgram, SameArraysAsTheCpuProgram) {
   }
 }
 
+// At the target's context (issue 16): a prompt one token short of Flash's 1,048,576 positions,
+// fed from the device in the CUDA prefill's 32,768-token chunks under the decoder server's
+// 2,048-token calls; every feed's rows and every finished array bit-identical to the CPU
+// program's on the same inputs.
+TEST_F(Dsv4GpuProgram, SameArraysAsTheCpuProgramAtAMillionTokens) {
+  const WeightsCase wc = weight_cases()[0];
+  const Dsv4DecoderWeights w = random_dsv4_weights(wc.shape);
+  auto gw = cuda::upload_dsv4_weights(w);
+  ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();
+  const int64_t T = (int64_t{1} << 20) - 1;
+  const Inputs in = make_inputs(w, T, 7);
+  cuda::Stream stream = new_stream();
+  run_both(w, **gw, dsv4_server_calls(T, 2048), in, {fixed_chunks(T, 32768), true}, stream.get(),
+           "dense T=" + std::to_string(T));
+}
+
 // Two requests on two streams from two threads share one upload of the weights.
 TEST_F(Dsv4GpuProgram, TwoRequestsShareTheWeights) {
   const WeightsCase wc = weight_cases()[0];

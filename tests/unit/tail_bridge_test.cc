@@ -4,8 +4,11 @@
 // position 0 would send (the fake engine's rows depend on every token before them, so a wrong
 // restored state shows); the assembler takes a tail and writes it as a store entry with its start.
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +16,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bridge/assembler.h"
@@ -38,6 +42,7 @@ class ChainEngine : public PrefillEngine {
     return Status::ok();
   }
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) override {
+    if (chunk_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(chunk_ms));
     const int64_t pos0 = static_cast<int64_t>(state_.size()) / kLayers;
     const auto n = static_cast<int64_t>(ids.size());
     computed += n;
@@ -73,8 +78,9 @@ class ChainEngine : public PrefillEngine {
     state_.insert(state_.end(), rows, rows + n * kLayers);
     return Status::ok();
   }
-  bool state_rows = true;  // false: an engine that hands out no state
-  int64_t computed = 0;    // tokens run through prefill_chunk
+  bool state_rows = true;            // false: an engine that hands out no state
+  std::atomic<int64_t> computed{0};  // tokens run through prefill_chunk
+  int chunk_ms = 0;                  // how long each chunk takes
 
  private:
   std::vector<uint16_t> state_;  // [tokens][layers]
@@ -104,6 +110,7 @@ class TailBridgeTest : public ::testing::Test {
     std::map<std::pair<int64_t, int64_t>, uint16_t> key0;  // (layer, pos) -> keys[0]
     std::vector<std::pair<int64_t, int64_t>> ranges;
     Manifest manifest;
+    int keepalives = 0;
   };
   Rows run(const std::vector<int32_t>& ids, int64_t start) {
     PrefillRequest req;
@@ -112,21 +119,53 @@ class TailBridgeTest : public ::testing::Test {
     req.start = start;
     Rows out;
     out.manifest = service_->run(req, [&](std::string frame) {
-      FrameParser p(int64_t{1} << 20);
-      p.feed(frame.data(), frame.size());
+      collect(frame, &out);
+      return true;
+    });
+    return out;
+  }
+
+  // The frames in `bytes` (whole ones) into out: segments' rows, the manifest; keep-alives
+  // counted.
+  static void collect(const std::string& bytes, Rows* out) {
+    FrameParser p(int64_t{1} << 20);
+    p.feed(bytes.data(), bytes.size());
+    for (;;) {
       auto f = p.next();
-      EXPECT_TRUE(f.is_ok() && f->has_value());
-      if ((**f).header.value("kind", "") == "manifest") return true;
+      ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+      if (!f->has_value()) return;
+      const std::string kind = (**f).header.value("kind", "");
+      if (kind == "keepalive") {
+        ++out->keepalives;
+        continue;
+      }
+      if (kind == "manifest") {
+        auto m = decode_manifest(**f);
+        ASSERT_TRUE(m.is_ok());
+        out->manifest = m.value();
+        continue;
+      }
       auto s = decode_segment(std::move(**f));
-      EXPECT_TRUE(s.is_ok());
-      out.ranges.emplace_back(s->pos0, s->n_tokens);
+      ASSERT_TRUE(s.is_ok());
+      out->ranges.emplace_back(s->pos0, s->n_tokens);
       for (int64_t l = 0; l < kLayers; ++l) {
         const auto* k =
             reinterpret_cast<const uint16_t*>(s->arrays[static_cast<size_t>(2 * l)].data());
-        for (int64_t i = 0; i < s->n_tokens; ++i) out.key0[{l, s->pos0 + i}] = k[i * 2];
+        for (int64_t i = 0; i < s->n_tokens; ++i) out->key0[{l, s->pos0 + i}] = k[i * 2];
       }
-      return true;
-    });
+    }
+  }
+
+  // The same over HTTP (the service started), with the time its answer ended.
+  Rows post(const std::vector<int32_t>& ids, std::chrono::steady_clock::time_point* done) {
+    httplib::Client cli("127.0.0.1", service_->bound_port());
+    cli.set_read_timeout(30, 0);
+    const nlohmann::json body = {{"ids", ids}, {"fingerprint", "fp-tail"}};
+    auto res = cli.Post("/v1/prefill", body.dump(), "application/json");
+    *done = std::chrono::steady_clock::now();
+    Rows out;
+    EXPECT_TRUE(res && res->status == 200) << (res ? res->body : "no response");
+    if (res) collect(res->body, &out);
     return out;
   }
 
@@ -184,6 +223,39 @@ TEST_F(TailBridgeTest, ALaterTurnResumesFromTheCachedStateAndSendsTheSameRows) {
   const Rows fresh = run(other, 100);
   EXPECT_EQ(fresh.manifest.computed_from, 0);
   EXPECT_EQ(engine_.computed, 150);
+}
+
+TEST_F(TailBridgeTest, ALongPrefillGivesTheEngineToAShortOneAndResumesWithTheSameRows) {
+  const std::vector<int32_t> long_ids = conversation(400), short_ids = conversation(20, 9);
+  const Rows alone = run(long_ids, 0);  // no HTTP: never gives the engine up
+  ASSERT_TRUE(alone.manifest.complete);
+  service_->set_state_cache(16, 1 << 20);  // empty again
+  service_->set_turn_ms(1);
+  engine_.chunk_ms = 20;  // 50 chunks of 8: a second for the long one
+  ASSERT_TRUE(service_->start("127.0.0.1", 0).is_ok());
+  engine_.computed = 0;
+  std::chrono::steady_clock::time_point long_done, short_done;
+  Rows long_rows, short_rows;
+  std::thread a([&] { long_rows = post(long_ids, &long_done); });
+  for (int i = 0; i < 1000 && engine_.computed < 40; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  std::thread b([&] { short_rows = post(short_ids, &short_done); });
+  a.join();
+  b.join();
+  service_->stop();
+  ASSERT_TRUE(long_rows.manifest.complete) << long_rows.manifest.reason;
+  ASSERT_TRUE(short_rows.manifest.complete) << short_rows.manifest.reason;
+  EXPECT_LT(short_done, long_done);  // the short one did not wait for the whole long one
+  // The long one resumed from its cached blocks and recomputed the rest of its last one
+  // (silently): every row once, each the row of its forward alone.
+  EXPECT_GT(engine_.computed.load(), 400 + 20);
+  EXPECT_EQ(long_rows.key0, alone.key0);
+  int64_t next = 0;
+  for (const auto& [pos0, n] : long_rows.ranges) {
+    EXPECT_EQ(pos0, next);
+    next = pos0 + n;
+  }
+  EXPECT_EQ(next, 400);
 }
 
 TEST_F(TailBridgeTest, AnEngineWithoutStateComputesTheWholePrefix) {
