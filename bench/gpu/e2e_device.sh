@@ -29,6 +29,8 @@
 #           against the decoder's own; e.g. --turns 8 --min-words 300 --max-words 900)"]
 #          [--concurrent "bench/bridges_at_once.py flags (step 7: N cold bridges at once against
 #           the same N one after another, and the decoder's own answers; e.g. --n 8 --words 3000)"]
+#          [--short-behind-long "bench/short_behind_long.py flags (step 8: a short prompt sent
+#           while a long one prefills, with and without the prefill host's turns)"]
 #          [--real-weights DIR (the parts scripts/weight_parts.sh wrote, under DIR/*/)]
 #          [--prompts all (every prompt below, the long one too; default: the first --verify)]
 #          [--quantize BITS (the checkpoint then converted by mlx-lm's own converter: affine,
@@ -63,6 +65,8 @@ RUN_WARM=0
 WARM_TURNS=()
 RUN_CONCURRENT=0
 CONCURRENT=()
+RUN_SBL=0
+SBL=()
 
 while (($#)); do
   case $1 in
@@ -85,6 +89,7 @@ while (($#)); do
     --memory-sizes) MEMORY_SIZES=$2; shift ;;
     --warm-turns) read -r -a WARM_TURNS <<<"$2"; RUN_WARM=1; shift ;;
     --concurrent) read -r -a CONCURRENT <<<"$2"; RUN_CONCURRENT=1; shift ;;
+    --short-behind-long) read -r -a SBL <<<"$2"; RUN_SBL=1; shift ;;
     --prompts) [[ $2 == all ]] || { echo "e2e: --prompts takes all" >&2; exit 2; }
                VERIFY_N=${#PROMPTS[@]}; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -306,6 +311,12 @@ if ((RUN_CONCURRENT)); then
   bench_script bridges_at_once.py "${CONCURRENT[@]}"
   crc=$?
 fi
+# --- 8. a short prompt behind a long one ---------------------------------------------------------
+src=0
+if ((RUN_SBL)); then
+  bench_script short_behind_long.py "${SBL[@]}"
+  src=$?
+fi
 echo "e2e: verify failures $fails, bench rc $brc, memory rc $mrc, warm turns rc $wrc," \
-  "concurrent rc $crc; results in $OUT_DIR"
-((fails == 0 && brc == 0 && mrc == 0 && wrc == 0 && crc == 0))
+  "concurrent rc $crc, short behind long rc $src; results in $OUT_DIR"
+((fails == 0 && brc == 0 && mrc == 0 && wrc == 0 && crc == 0 && src == 0))
