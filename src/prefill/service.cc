@@ -329,8 +329,8 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
         for (size_t i = 0; i < chunks_done && i < now.plan.size(); ++i) at += now.plan[i];
         // Only after a chunk of its own in this turn (one it had not sent before): two
         // requests that took turns recomputing what the cache lost would never get on.
-        yield = !gone && may_yield && at > emitted && chunks_done < now.plan.size() &&
-                should_yield(at);
+        yield =
+            !gone && may_yield && at > emitted && chunks_done < now.plan.size() && should_yield(at);
         ++chunks_done;
         return gone || producer.cancelled() || yield;
       });
