@@ -23,7 +23,8 @@
 #          [--verify-timeout 600] [--bench-timeout 1800] [--out DIR] [--no-bench]
 #          [--rev REV (the carried build/hetero's revision; recorded with every result)]
 #          [--verify-args "extra verify flags, e.g. --arith fast --min-cosine 0.99 ..."]
-#          [--model-args "extra scripts/make_random_llama.py flags, e.g. a rope scaling"]
+#          [--model-args "extra scripts/make_random_llama.py flags, e.g. a rope scaling (read by
+#           the shell: quote a JSON value inside, --rope-scaling '{...}')"]
 #          [--memory-sizes 262144,1000000 (step 5; with --no-bench it runs alone)]
 #          [--warm-turns "bench/warm_turns.py flags (step 6: a conversation bridged by its tails
 #           against the decoder's own; e.g. --turns 8 --min-words 300 --max-words 900)"]
