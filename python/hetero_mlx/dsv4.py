@@ -140,8 +140,14 @@ def array_names(desc: Dict[str, Any], n_tokens: int = 0) -> List[str]:
     return names
 
 
-def array_shapes(desc: Dict[str, Any], n_tokens: int, window_idx: int) -> Dict[str, List[int]]:
-    """Expected shape of every store array for a prefix of n_tokens (window rows: see S below)."""
+def array_shapes(
+    desc: Dict[str, Any], n_tokens: int, window_idx: int, start: int = 0
+) -> Dict[str, List[int]]:
+    """Expected shape of every store array for a prefix of n_tokens (window rows: see S below).
+
+    start > 0: a tail's entry, whose pooled arrays hold only the rows of the windows completed
+    from start on (the decoder's own cache of the first start tokens holds the others).
+    """
     del window_idx
     hd, ihd, win = desc["head_dim"], desc["index_head_dim"], desc["window"]
     shapes: Dict[str, List[int]] = {}
@@ -152,12 +158,12 @@ def array_shapes(desc: Dict[str, Any], n_tokens: int, window_idx: int) -> Dict[s
             rem = n_tokens % ratio
             shapes[f"layers.{i}.pool.buf_kv"] = [1, rem, width]
             shapes[f"layers.{i}.pool.buf_gate"] = [1, rem, width]
-            shapes[f"layers.{i}.pool.pooled"] = [1, n_tokens // ratio, hd]
+            shapes[f"layers.{i}.pool.pooled"] = [1, n_tokens // ratio - start // ratio, hd]
         if ratio == 4:
             rem = n_tokens % 4
             shapes[f"layers.{i}.index.buf_kv"] = [1, rem, 2 * ihd]
             shapes[f"layers.{i}.index.buf_gate"] = [1, rem, 2 * ihd]
-            shapes[f"layers.{i}.index.pooled"] = [1, n_tokens // 4, ihd]
+            shapes[f"layers.{i}.index.pooled"] = [1, n_tokens // 4 - start // 4, ihd]
     del win
     return shapes
 

@@ -95,13 +95,14 @@ class Layout:
     dtype: str
 
 
-# A family's expected layout for a prefix of B tokens, given the entry's family integers.
-LayoutFn = Callable[[int, Dict[str, int]], Layout]
+# A family's expected layout for an entry of the rows [start, B) (start 0: the whole prefix),
+# given B, start and the entry's family integers.
+LayoutFn = Callable[[int, int, Dict[str, int]], Layout]
 
 
 def llama_layout(desc: Dict[str, Any]) -> LayoutFn:
-    def layout(n_tokens: int, extra: Dict[str, int]) -> Layout:
-        shape = [desc["kv_heads"], n_tokens, desc["head_dim"]]
+    def layout(n_tokens: int, start: int, extra: Dict[str, int]) -> Layout:
+        shape = [desc["kv_heads"], n_tokens - start, desc["head_dim"]]
         return Layout({name: shape for name in array_names(desc["layers"])}, desc["dtype"])
 
     return layout
@@ -269,5 +270,5 @@ def read_entry(
     extra = _extra_ints(meta, extra_ints)
     _check_mount_budget(path, n - start)
     arrays = _load_arrays(path)
-    _check_arrays(arrays, (layout or llama_layout(desc))(n - start, extra))
+    _check_arrays(arrays, (layout or llama_layout(desc))(n, start, extra))
     return Entry(n_tokens=n, arrays=arrays, extra=extra, start=start)

@@ -330,12 +330,17 @@ class VlmSeam:
             # other name); the front door forwards it.
             forward_model=self.model_path,
             prefill_step_size=generator._effective_prefill_step_size(),
-            # How this server prefills the prefix it checkpoints at B (the ids before the last):
-            # calls of `step`, also cut at multiples of the checkpoint interval, and the last
-            # token runs alone after the checkpoint. The cache program replays this schedule.
+            # How this server prefills the prefix it checkpoints at B (the ids before the last),
+            # from 0 or from a cached prefix: calls of `step` counted from where it starts, also
+            # cut at its interval checkpoints (multiples of the interval, rounded up to the
+            # block, the latest checkpoint_entries - 1 of them, none under min_tokens), and the
+            # last token runs alone after the checkpoint. The cache program replays this.
             prefill={
                 "step": generator._effective_prefill_step_size(),
                 "checkpoint_interval": manager.checkpoint_interval_tokens,
+                "checkpoint_entries": manager._exact_cache_max,
+                "block_size": manager.block_size,
+                "min_tokens": manager.exact_cache_min_tokens,
                 "last_alone": False,
             },
             store_format=STORE_FORMAT,
@@ -433,17 +438,55 @@ class VlmSeam:
         text_tail = vlm_apc.prefix_leaves_text_only_suffix(ids, best, self.media_ids)
         return best if 0 < best < n and text_tail else 0
 
-    def _layout(self, n_tokens: int, extra: Dict[str, int]) -> Layout:
-        shapes = self.family.array_shapes(self.desc, n_tokens, extra["window_idx"])
+    def _layout(self, n_tokens: int, start: int, extra: Dict[str, int]) -> Layout:
+        shapes = self.family.array_shapes(self.desc, n_tokens, extra["window_idx"], start)
         return Layout(shapes, self.desc["dtype"])
+
+    def _checkpoint(self, prefix: List[int]) -> Optional[Any]:
+        """APC's own checkpoint of exactly these tokens (this model's), or None."""
+        key, manager = tuple(prefix), self.manager
+        with manager.lock:
+            entries = list(manager._exact_cache.values())
+        found = [e for e in entries if e.extra_hash == self.extra_hash and e.token_ids == key]
+        return found[0] if found else None
+
+    def _extend(self, ids: List[int], entry: Any) -> Dict[str, mx.array]:
+        """A tail's arrays on top of the decoder's own checkpoint of ids[:start]: its pooled rows
+        first, then the tail's; the window and buffers are the tail's (those at B). The tail was
+        computed for exactly these ids and this fingerprint (read_entry checked both) from the
+        prefill host's own state at start; a decoder that no longer holds that checkpoint
+        refuses, and the request goes on without the bridge."""
+        start = entry.start
+        found = self._checkpoint(ids[:start])
+        if found is None:
+            raise conflict(
+                "prefix_not_cached",
+                f"the tail extends the decoder's checkpoint of {start} tokens, which it no "
+                "longer holds",
+            )
+        try:
+            prefix, _ = self.family.cache_arrays(found.prompt_cache, start)
+        except ValueError as e:
+            raise conflict("prefix_not_cached", f"the decoder's checkpoint: {e}") from None
+        arrays = dict(entry.arrays)
+        for name, rows in entry.arrays.items():
+            if name.endswith(".pooled"):
+                arrays[name] = mx.concatenate([prefix[name], rows], axis=1)
+        return arrays
 
     def mount(self, body: Dict[str, Any]) -> Dict[str, Any]:
         """Builds the family's cache objects from a store entry and stores them as an APC
-        checkpoint for ids[:B], through APCManager.store_exact_cache (which keeps a copy)."""
+        checkpoint for ids[:B], through APCManager.store_exact_cache (which keeps a copy). A
+        tail's entry (start > 0) extends the decoder's own checkpoint of ids[:start]."""
         generator = self._live()
         ids = request_ids(body, self.desc["vocab_size"])
         entry = read_entry(
-            entry_path(body, self.store), ids, self.desc, self._layout, extra_ints=("window_idx",)
+            entry_path(body, self.store),
+            ids,
+            self.desc,
+            self._layout,
+            extra_ints=("window_idx",),
+            tails=True,
         )
         n, window_idx = entry.n_tokens, entry.extra["window_idx"]
         manager = self.manager
@@ -452,9 +495,10 @@ class VlmSeam:
                 "prefix_too_short",
                 f"B={n}: mlx-vlm keeps no checkpoint under {manager.exact_cache_min_tokens} tokens",
             )
-        _check_window(entry.arrays, self.desc["layers"], n, window_idx)
+        arrays = self._extend(ids, entry) if entry.start > 0 else entry.arrays
+        _check_window(arrays, self.desc["layers"], n, window_idx)
         try:
-            cache = self.family.build_cache(generator.model, entry.arrays, n, window_idx)
+            cache = self.family.build_cache(generator.model, arrays, n, window_idx)
         except (ValueError, IndexError) as e:
             raise conflict("layout_mismatch", f"cannot build the decoder's cache: {e}") from None
         if not manager.store_exact_cache(ids[:n], cache, extra_hash=self.extra_hash):

@@ -52,7 +52,7 @@ class Assembler {
 
 // The assembler for the layout's family. With a store_dir, a family that can write its rows
 // into the store as they verify (llama) does so, and holds none of them in memory. start: a
-// tail's first row (PrefillRequest::start; llama only, 0 for every other family).
+// tail's first row (PrefillRequest::start).
 std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
                                           int64_t requested_tokens,
                                           const std::string& store_dir = "", int64_t start = 0);

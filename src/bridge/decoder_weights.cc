@@ -138,21 +138,39 @@ std::string describe_quantization(const json& q) {
   return out;
 }
 
-std::vector<int64_t> decoder_calls_from_info(const json& info, int64_t n) {
+std::vector<int64_t> decoder_calls_from_info(const json& info, int64_t n, int64_t start) {
   if (!info.is_object() || !info.contains("prefill") || !info["prefill"].is_object()) return {};
   const json& p = info["prefill"];
   auto integer = [&](const char* key) {
     return p.contains(key) && p[key].is_number_integer() ? p[key].get<int64_t>() : int64_t{0};
   };
-  const int64_t step = integer("step"), interval = integer("checkpoint_interval");
+  const int64_t step = integer("step"), entries = integer("checkpoint_entries");
+  const int64_t block = integer("block_size"), min_tokens = integer("min_tokens");
+  int64_t interval = integer("checkpoint_interval");
   const bool last_alone =
       p.contains("last_alone") && p["last_alone"].is_boolean() ? p["last_alone"].get<bool>() : true;
-  if (step <= 0 || n <= 0) return {};
-  std::vector<int64_t> calls;
+  if (step <= 0 || n <= 0 || start < 0 || start >= n) return {};
   const int64_t body = last_alone ? n - 1 : n;
-  for (int64_t s = 0; s < body;) {
+  // The interval checkpoints the decoder cuts its calls at (mlx-vlm's checkpoint_lengths):
+  // multiples of the interval (rounded up to its block) below the prompt's own checkpoint, or,
+  // where it keeps only `entries` checkpoints, the latest entries - 1 of them.
+  if (interval > 0 && block > 0) interval = (interval + block - 1) / block * block;
+  // (A decoder that keeps no checkpoint entries in memory keeps one: its budget is 1, no cut.)
+  const int64_t last_cut = interval > 0 ? (body - 1) / interval * interval : 0;
+  int64_t first_cut = std::max<int64_t>(interval, min_tokens);
+  if (p.contains("checkpoint_entries")) {
+    const int64_t budget = std::max<int64_t>(entries, 1);
+    if (budget <= 1) interval = 0;
+    first_cut = std::max(first_cut, last_cut - (budget - 2) * interval);
+  }
+  std::vector<int64_t> calls;
+  for (int64_t s = start; s < body;) {
     int64_t e = std::min(s + step, body);
-    if (interval > 0) e = std::min(e, (s / interval + 1) * interval);
+    if (interval > 0) {  // the first cut past s
+      const int64_t lo = std::max(first_cut, s + 1);
+      const int64_t cut = (lo + interval - 1) / interval * interval;
+      if (cut < e && cut <= last_cut) e = cut;
+    }
     calls.push_back(e - s);
     s = e;
   }

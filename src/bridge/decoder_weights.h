@@ -76,8 +76,12 @@ struct LlamaDecoderWeights {
 Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir);
 
 // The decoder's own call schedule for prefilling n tokens, as its /hetero/info describes it
-// ("prefill": {"step", "last_alone"}); empty when it says nothing (the prefill host's default).
-std::vector<int64_t> decoder_calls_from_info(const nlohmann::json& info, int64_t n);
+// ("prefill": {"step", "checkpoint_interval", "last_alone"}, and where it keeps only its latest
+// interval checkpoints, "checkpoint_entries", "block_size", "min_tokens"); empty when it says
+// nothing (the prefill host's default). start > 0: the calls over [start, n) that follow a
+// cached prefix of `start` tokens (steps count from start; the interval cuts stay absolute).
+std::vector<int64_t> decoder_calls_from_info(const nlohmann::json& info, int64_t n,
+                                             int64_t start = 0);
 
 // Moves the tensor `name` out of `all` into *out after checking its shape (and, with
 // want_bf16, that it is bf16 like the decoder's own weights); a clear error otherwise.

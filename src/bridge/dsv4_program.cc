@@ -33,11 +33,18 @@ std::vector<int64_t> dsv4_server_calls(int64_t n, int64_t step) {
   return calls;
 }
 
-Dsv4WindowLayout dsv4_window_layout(const std::vector<int64_t>& calls, int64_t max_size) {
+Dsv4WindowLayout dsv4_window_layout(const std::vector<int64_t>& calls, int64_t max_size,
+                                    const Dsv4WindowLayout* from) {
   // The decoder's RotatingKVCache (keep = 0, step 256), replayed on positions instead of rows.
   std::vector<int64_t> keys;  // position per slot, -1 for a zero row
   bool have = false;
   int64_t idx = 0, offset = 0;
+  if (from && from->offset > 0) {  // a cache built from state arrays: keys, _idx, offset
+    keys = from->slot_pos;
+    have = true;
+    idx = from->idx;
+    offset = from->offset;
+  }
   for (int64_t L : calls) {
     if (L > 1) {
       if (!have) {
@@ -101,16 +108,22 @@ std::vector<uint8_t> dsv4_overlap_flags(const std::vector<int64_t>& calls, int64
   return flags;
 }
 
-Dsv4Schedule dsv4_schedule(const std::vector<int64_t>& decoder_calls, int64_t window) {
+Dsv4Schedule dsv4_schedule(const std::vector<int64_t>& decoder_calls, int64_t window, int64_t start,
+                           const Dsv4WindowLayout* at_start) {
   const auto calls = dsv4_effective_calls(decoder_calls);
   Dsv4Schedule s;
+  s.tokens = start;
   for (int64_t L : calls) s.tokens += L;
-  s.window = dsv4_window_layout(calls, window);
+  s.window = dsv4_window_layout(calls, window, at_start);
   s.window_first = s.tokens;
   for (int64_t p : s.window.slot_pos)
     if (p >= 0) s.window_first = std::min(s.window_first, p);
-  s.flags4 = dsv4_overlap_flags(calls, 4);
-  s.flags128 = dsv4_overlap_flags(calls, 128);
+  // The prefix as one call of its own: no window the tail completes pools with rows of a call
+  // before the tail's first (the flags of the prefix's windows are never used).
+  std::vector<int64_t> all = calls;
+  if (start > 0) all.insert(all.begin(), start);
+  s.flags4 = dsv4_overlap_flags(all, 4);
+  s.flags128 = dsv4_overlap_flags(all, 128);
   return s;
 }
 
@@ -242,13 +255,97 @@ Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir) {
 // ----------------------------------------------------------------------------- program
 
 Dsv4CacheProgram::Dsv4CacheProgram(const Dsv4DecoderWeights* weights,
-                                   const std::vector<int64_t>& decoder_calls)
-    : w_(weights) {
-  sched_ = dsv4_schedule(decoder_calls, w_->window);
+                                   const std::vector<int64_t>& decoder_calls, int64_t start)
+    : w_(weights), start_(start) {
   state_.resize(static_cast<size_t>(w_->layout.layers));
+  if (start > 0) {  // the window's slots depend on the prefix's: scheduled by resume()
+    tail_calls_ = decoder_calls;
+    sched_.tokens = start;
+    for (int64_t L : decoder_calls) sched_.tokens += std::max<int64_t>(L, 0);
+    return;
+  }
+  sched_ = dsv4_schedule(decoder_calls, w_->window);
   const int64_t hd = w_->layout.head_dim;
   for (auto& s : state_)
     s.window_rows.resize(static_cast<size_t>((sched_.tokens - sched_.window_first) * hd));
+}
+
+namespace {
+
+struct Dsv4ProgramCheckpoint : Checkpoint {
+  struct Raw {
+    std::vector<uint16_t> kv, gate;
+    int64_t base = 0;
+  };
+  struct Layer {
+    std::vector<uint16_t> window_rows;  // positions [window_first, n)
+    Raw pool, index;
+  };
+  const Dsv4DecoderWeights* weights = nullptr;
+  Dsv4WindowLayout window;
+  int64_t window_first = 0, n = 0, held = 0;
+  std::vector<Layer> layers;
+  int64_t tokens() const override { return n; }
+  int64_t bytes() const override { return held; }
+};
+
+}  // namespace
+
+Result<std::shared_ptr<const Checkpoint>> Dsv4CacheProgram::checkpoint() const {
+  if (start_ > 0 && !resumed_) return failed_precondition("the tail program never resumed");
+  auto c = std::make_shared<Dsv4ProgramCheckpoint>();
+  c->weights = w_;
+  c->window = sched_.window;
+  c->window_first = sched_.window_first;
+  c->n = sched_.tokens;
+  for (size_t l = 0; l < state_.size(); ++l) {
+    const LayerState& s = state_[l];
+    HETERO_RETURN_IF_ERROR(check_dsv4_complete(static_cast<int64_t>(l), s.fed, sched_.tokens));
+    Dsv4ProgramCheckpoint::Layer L;
+    L.window_rows = s.window_rows;
+    L.pool = {s.pool.raw_kv, s.pool.raw_gate, s.pool.raw_base};
+    L.index = {s.index.raw_kv, s.index.raw_gate, s.index.raw_base};
+    c->held +=
+        static_cast<int64_t>(L.window_rows.size() + 2 * L.pool.kv.size() + 2 * L.index.kv.size()) *
+        2;
+    c->layers.push_back(std::move(L));
+  }
+  return std::shared_ptr<const Checkpoint>(std::move(c));
+}
+
+Status Dsv4CacheProgram::resume(const Checkpoint& checkpoint) {
+  const auto* c = dynamic_cast<const Dsv4ProgramCheckpoint*>(&checkpoint);
+  if (!c || c->weights != w_) return invalid_argument("not a checkpoint of this cache program");
+  if (start_ == 0 || resumed_) return failed_precondition("only a tail program resumes, once");
+  if (c->n != start_)
+    return failed_precondition("the checkpoint holds " + std::to_string(c->n) +
+                               " tokens; the tail starts at " + std::to_string(start_));
+  sched_ = dsv4_schedule(tail_calls_, w_->window, start_, &c->window);
+  if (sched_.window_first < c->window_first)
+    return failed_precondition("the tail's window reaches position " +
+                               std::to_string(sched_.window_first) + ", before the checkpoint's " +
+                               std::to_string(c->window_first));
+  const int64_t hd = w_->layout.head_dim;
+  for (size_t l = 0; l < state_.size(); ++l) {
+    LayerState& s = state_[l];
+    const Dsv4ProgramCheckpoint::Layer& L = c->layers[l];
+    s.fed = start_;
+    s.window_rows.assign(static_cast<size_t>((sched_.tokens - sched_.window_first) * hd), 0);
+    const int64_t kept = start_ - sched_.window_first;  // rows of the prefix still in a slot
+    if (kept > 0)
+      std::copy(L.window_rows.end() - kept * hd, L.window_rows.end(), s.window_rows.begin());
+    const Dsv4ProgramLayer& W = w_->layers[l];
+    auto take = [&](const Dsv4ProgramCheckpoint::Raw& raw, int64_t ratio, PoolState* p) {
+      p->raw_kv = raw.kv;
+      p->raw_gate = raw.gate;
+      p->raw_base = raw.base;
+      p->pooled_rows = ratio > 0 ? start_ / ratio : 0;
+    };
+    if (W.ratio > 0) take(L.pool, W.ratio, &s.pool);
+    if (W.has_index) take(L.index, 4, &s.index);
+  }
+  resumed_ = true;
+  return Status::ok();
 }
 
 void Dsv4CacheProgram::feed_pool(const Dsv4ProgramCompressor& c, PoolState& s, int64_t pos0,
@@ -314,6 +411,8 @@ Status check_dsv4_complete(int64_t layer, int64_t fed, int64_t tokens) {
 Status Dsv4CacheProgram::feed(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                               Dsv4NewRows* out) {
   HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
+  if (start_ > 0 && !resumed_)
+    return failed_precondition("a tail program needs its prefix's checkpoint (resume) first");
   LayerState& s = state_[static_cast<size_t>(layer)];
   HETERO_RETURN_IF_ERROR(check_dsv4_rows(layer, s.fed, pos0, n, sched_.tokens));
   const Dsv4ProgramLayer& L = w_->layers[static_cast<size_t>(layer)];
@@ -346,13 +445,15 @@ Dsv4PoolArrays Dsv4CacheProgram::pool_arrays(const Dsv4ProgramCompressor& c,
   const int64_t start = (sched_.tokens - rem - s.raw_base) * D;
   std::memcpy(a.buf_kv.bytes.data(), s.raw_kv.data() + start, static_cast<size_t>(rem * D * 2));
   std::memcpy(a.buf_gate.bytes.data(), s.raw_gate.data() + start, static_cast<size_t>(rem * D * 2));
-  a.pooled = Tensor(DType::kBF16, {1, s.pooled_rows, c.head_dim});
+  a.pooled =
+      Tensor(DType::kBF16, {1, static_cast<int64_t>(s.pooled.size()) / c.head_dim, c.head_dim});
   std::memcpy(a.pooled.bytes.data(), s.pooled.data(), s.pooled.size() * 2);
   return a;
 }
 
 Result<Dsv4LayerArrays> Dsv4CacheProgram::finish_layer(int64_t layer) {
   HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
+  if (start_ > 0 && !resumed_) return failed_precondition("the tail program never resumed");
   const LayerState& s = state_[static_cast<size_t>(layer)];
   HETERO_RETURN_IF_ERROR(check_dsv4_complete(layer, s.fed, sched_.tokens));
   const Dsv4ProgramLayer& L = w_->layers[static_cast<size_t>(layer)];

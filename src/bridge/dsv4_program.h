@@ -14,10 +14,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "bridge/decoder_weights.h"
+#include "common/checkpoint.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/dsv4_ops.h"
@@ -73,7 +75,10 @@ struct Dsv4WindowLayout {
   int64_t idx = 0;                // the cache's _idx
   int64_t offset = 0;
 };
-Dsv4WindowLayout dsv4_window_layout(const std::vector<int64_t>& calls, int64_t max_size);
+// from: the window as the decoder holds it before the calls (its state arrays: a cache mounted
+// or checkpointed there); null: a fresh cache.
+Dsv4WindowLayout dsv4_window_layout(const std::vector<int64_t>& calls, int64_t max_size,
+                                    const Dsv4WindowLayout* from = nullptr);
 // has_prev[j] for each complete window j of `ratio` rows under `calls` (effective calls).
 std::vector<uint8_t> dsv4_overlap_flags(const std::vector<int64_t>& calls, int64_t ratio);
 
@@ -86,7 +91,12 @@ struct Dsv4Schedule {
   int64_t window_first = 0;
   std::vector<uint8_t> flags4, flags128;
 };
-Dsv4Schedule dsv4_schedule(const std::vector<int64_t>& decoder_calls, int64_t window);
+// A tail's schedule (start > 0): decoder_calls run over [start, T) on the decoder's cache of the
+// first `start` tokens, whose window is `at_start`; the overlap flags hold for the windows the
+// tail completes (a window the tail's first call starts inside, or at, pools without its
+// predecessor, as in the decoder).
+Dsv4Schedule dsv4_schedule(const std::vector<int64_t>& decoder_calls, int64_t window,
+                           int64_t start = 0, const Dsv4WindowLayout* at_start = nullptr);
 
 // What every DeepSeek-V4 program (CPU and GPU) refuses: a layer outside [0, layers); rows
 // [pos0, pos0+n) that do not follow the `fed` rows already taken or run past T; finishing a layer
@@ -116,10 +126,22 @@ struct Dsv4NewRows {
 class Dsv4CacheProgram {
  public:
   // decoder_calls: the decoder's call lengths for the prefix (sum = T), before expansion.
-  Dsv4CacheProgram(const Dsv4DecoderWeights* weights, const std::vector<int64_t>& decoder_calls);
+  // A tail (start > 0): the calls cover [start, T), and the program resumes (below) from its own
+  // checkpoint at start before any row arrives.
+  Dsv4CacheProgram(const Dsv4DecoderWeights* weights, const std::vector<int64_t>& decoder_calls,
+                   int64_t start = 0);
   const DecoderCacheLayout& layout() const { return w_->layout; }
   int64_t tokens() const { return sched_.tokens; }
   int64_t window_idx() const { return sched_.window.idx; }
+
+  // What a later tail needs of this prefix, once every layer has all T rows: the window's rows
+  // and slots, and the compressors' raw rows of the last complete and the incomplete window (a
+  // tail's pooled rows need no earlier ones: the decoder's cache holds them).
+  Result<std::shared_ptr<const Checkpoint>> checkpoint() const;
+  // A tail program's state at start, from checkpoint() of a program over exactly those tokens
+  // (of these weights). Rows then arrive from start; the pooled rows it makes are those of the
+  // windows completed from start on (finish_layer's `pooled` too).
+  Status resume(const Checkpoint& c);
 
   // Layer `layer`'s attention input rows [pos0, pos0+n), bf16 [n, hidden]; each layer's rows
   // must arrive in order. Different layers may be fed from different threads.
@@ -144,6 +166,9 @@ class Dsv4CacheProgram {
   Dsv4PoolArrays pool_arrays(const Dsv4ProgramCompressor& c, const PoolState& s) const;
 
   const Dsv4DecoderWeights* w_;
+  std::vector<int64_t> tail_calls_;  // a tail's calls, scheduled once resume() gives the window
+  int64_t start_ = 0;
+  bool resumed_ = false;
   Dsv4Schedule sched_;
   std::vector<LayerState> state_;
 };

@@ -92,12 +92,21 @@ Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<Wi
       arrays);
 }
 
-Dsv4Assembler::Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens)
-    : layout_(std::move(expected)), requested_(requested_tokens) {}
+Dsv4Assembler::Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens, int64_t start)
+    : layout_(std::move(expected)), requested_(requested_tokens), start_(start), covered_(start) {
+  HETERO_CHECK(start_ >= 0 && start_ < requested_);
+}
+
+nlohmann::json Dsv4Assembler::entry_extra() const {
+  nlohmann::json j = {{"window_idx", window_idx_}};
+  if (start_ > 0) j["start"] = start_;
+  return j;
+}
 
 int64_t Dsv4Assembler::max_segment_bytes() const {
-  int64_t bytes = 0;  // the one segment [0, T): every pooled row, the window at its longest
-  for (const auto& [name, shape] : expected_arrays(layout_, 0, requested_, requested_)) {
+  int64_t bytes = 0;  // the one segment [start, T): every pooled row, the window at its longest
+  for (const auto& [name, shape] :
+       expected_arrays(layout_, start_, requested_ - start_, requested_)) {
     int64_t n = name == "window_idx" ? 8 : 2;
     for (int64_t d : shape) n *= d == -1 ? requested_ : d;
     bytes += n;
@@ -160,7 +169,7 @@ Status Dsv4Assembler::accept(const Segment& s) {
 }
 
 Status Dsv4Assembler::finish(const Manifest& m) {
-  return check_manifest(layout_, requested_, covered_, segments_, m);
+  return check_manifest(layout_, requested_, covered_, segments_, m, start_);
 }
 
 TensorMap Dsv4Assembler::arrays(int64_t b) const {
@@ -184,10 +193,8 @@ TensorMap Dsv4Assembler::arrays(int64_t b) const {
 std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
                                           int64_t requested_tokens, const std::string& store_dir,
                                           int64_t start) {
-  if (layout.family == "deepseek_v4") {
-    HETERO_CHECK(start == 0);  // its decoder's cache is mounted whole (PrefillRequest::start)
-    return std::make_unique<Dsv4Assembler>(layout, requested_tokens);
-  }
+  if (layout.family == "deepseek_v4")
+    return std::make_unique<Dsv4Assembler>(layout, requested_tokens, start);
   return std::make_unique<CacheAssembler>(layout, requested_tokens, store_dir, start);
 }
 

@@ -29,22 +29,31 @@ Status dsv4_close_arrays(const Dsv4DecoderWeights& weights, int64_t window_idx,
 
 class Dsv4SegmentProgram : public SegmentProgram {
  public:
-  // decoder_calls: the decoder's own call schedule for the T tokens (see Dsv4CacheProgram).
-  Dsv4SegmentProgram(const Dsv4DecoderWeights* weights, const std::vector<int64_t>& decoder_calls)
-      : weights_(weights), program_(weights, decoder_calls) {}
+  // decoder_calls: the decoder's own call schedule for the T tokens, or for [start, T) of a
+  // tail (see Dsv4CacheProgram).
+  Dsv4SegmentProgram(const Dsv4DecoderWeights* weights, const std::vector<int64_t>& decoder_calls,
+                     int64_t start = 0)
+      : weights_(weights), program_(weights, decoder_calls, start) {}
   const DecoderCacheLayout& layout() const override { return weights_->layout; }
   Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
              std::vector<WireArray>* arrays) override;
   Status close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) override;
+  Result<std::shared_ptr<const Checkpoint>> checkpoint() const override {
+    return program_.checkpoint();
+  }
+  Status resume(const Checkpoint& c) override { return program_.resume(c); }
 
  private:
   const Dsv4DecoderWeights* weights_;
   Dsv4CacheProgram program_;
 };
 
+// start > 0: a tail, rows [start, T) of the decoder's cache of ids[:start]; its pooled arrays
+// hold the rows of the windows completed from start on, and its entry says "start" (the seam
+// puts the decoder's own rows of the prefix before them).
 class Dsv4Assembler : public Assembler {
  public:
-  Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens);
+  Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens, int64_t start = 0);
   Status accept(const Segment& s) override;
   Status finish(const Manifest& m) override;
   int64_t covered_tokens() const override { return covered_; }
@@ -52,11 +61,11 @@ class Dsv4Assembler : public Assembler {
   int64_t max_segment_bytes() const override;
   bool can_mount(int64_t b) const override { return b == requested_ && covered_ == requested_; }
   TensorMap arrays(int64_t b) const override;
-  nlohmann::json entry_extra() const override { return {{"window_idx", window_idx_}}; }
+  nlohmann::json entry_extra() const override;
 
  private:
   DecoderCacheLayout layout_;
-  int64_t requested_, covered_ = 0, segments_ = 0, window_idx_ = 0;
+  int64_t requested_, start_, covered_, segments_ = 0, window_idx_ = 0;
   std::map<std::string, std::vector<uint16_t>> pooled_;  // by array name
   TensorMap tail_;                                       // window and buffers (last segment)
 };

@@ -57,9 +57,6 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vo
       return invalid_argument("'start' must be an integer in [0, " + std::to_string(r.ids.size()) +
                               ") (the rows the decoder already holds)");
     r.start = v.get<int64_t>();
-    if (r.start > 0 && layout.family != "llama")
-      return invalid_argument("'start' > 0: a " + layout.family +
-                              " decoder's cache is not extended by rows; ask for the whole prefix");
   }
   if (j.contains("stream_nonce")) {
     if (!j["stream_nonce"].is_string() || !valid_stream_nonce(j["stream_nonce"].get<std::string>()))
@@ -70,7 +67,8 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vo
     const json& c = j["decoder_calls"];
     int64_t total = 0;
     if (!c.is_array()) return invalid_argument("'decoder_calls' must be an array of lengths");
-    const int64_t n = static_cast<int64_t>(r.ids.size());
+    // A tail's calls cover its rows [start, n): the decoder runs them on its cache of the rest.
+    const int64_t n = static_cast<int64_t>(r.ids.size()) - r.start;
     for (const json& v : c) {
       if (!v.is_number_integer() || v.get<int64_t>() <= 0)
         return invalid_argument("'decoder_calls' entries must be positive integers");
@@ -80,9 +78,9 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vo
       r.decoder_calls.push_back(v.get<int64_t>());
       total += r.decoder_calls.back();
     }
-    if (total != static_cast<int64_t>(r.ids.size()))
-      return invalid_argument("'decoder_calls' cover " + std::to_string(total) +
-                              " tokens, 'ids' has " + std::to_string(r.ids.size()));
+    if (total != n)
+      return invalid_argument("'decoder_calls' cover " + std::to_string(total) + " tokens, 'ids' " +
+                              (r.start > 0 ? "from 'start' " : "") + "has " + std::to_string(n));
   }
   return r;
 }

@@ -21,16 +21,16 @@ struct PrefillRequest {
   std::vector<int32_t> ids;
   std::string fingerprint;   // the decoder's, as the caller knows it
   int64_t chunk_tokens = 0;  // 0: the prefill host's default
-  // deepseek_v4 (required there): the decoder's own call schedule for these ids, on which its
-  // cache depends.
+  // deepseek_v4 (required there): the decoder's own call schedule for these ids (for a tail, for
+  // ids[start:], which the decoder runs on its cache of the rest), on which its cache depends.
   std::vector<int64_t> decoder_calls;
   // Between hosts that share the stack's secret: the decode side's fresh nonce for this stream,
   // from which the frames' tags are keyed (frame_tag.h). "" without a secret.
   std::string stream_nonce;
   // The rows the decoder already holds: only rows [start, ids.size()) are wanted (a warm turn's
-  // tail). The prefill host still needs the engine's state for [0, start), from its own prefix
-  // cache or computed again. 0: the whole prefix. Only for a family whose decoder entry can be
-  // extended by rows (llama).
+  // tail). The prefill host still needs the engine's state for [0, start): llama's from its own
+  // prefix cache or computed again; deepseek_v4's from its checkpoint of exactly ids[:start]
+  // (HTTP 409 "prefix_state_missing" without one). 0: the whole prefix.
   int64_t start = 0;
 };
 
@@ -39,8 +39,8 @@ nlohmann::json prefill_request_json(const PrefillRequest& req);
 
 // Parses and validates a /v1/prefill body against the prefill host's model and export:
 // ids in [0, vocab), at most max_tokens of them, the caller's fingerprint equal to the export's
-// (else kFailedPrecondition naming both), decoder_calls covering the ids exactly, start in
-// [0, len(ids)) and 0 for a family that cannot take a tail (deepseek_v4).
+// (else kFailedPrecondition naming both), start in [0, len(ids)), decoder_calls covering the ids
+// from start exactly.
 Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vocab,
                                              const DecoderCacheLayout& layout, int64_t max_tokens);
 

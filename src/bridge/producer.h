@@ -8,6 +8,7 @@
 #include <atomic>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -17,6 +18,7 @@
 #include "bridge/decoder_weights.h"
 #include "bridge/llama_program.h"
 #include "bridge/wire.h"
+#include "common/checkpoint.h"
 #include "common/queue.h"
 #include "engine/tap.h"
 
@@ -36,6 +38,17 @@ class SegmentProgram {
   virtual Status close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) {
     (void)pos0, (void)n, (void)arrays;
     return Status::ok();
+  }
+  // A program whose state at a sequence's end is not rows (DeepSeek-V4) keeps it for a later
+  // tail: checkpoint() once every row arrived, and resume() on a new program for the tail
+  // before its first row. Default: a program that needs no state of the prefix (llama), or
+  // cannot give it (kFailedPrecondition).
+  virtual Result<std::shared_ptr<const Checkpoint>> checkpoint() const {
+    return failed_precondition("this cache program keeps no checkpoints");
+  }
+  virtual Status resume(const Checkpoint& c) {
+    (void)c;
+    return failed_precondition("this cache program does not resume from checkpoints");
   }
   // A GPU program reads x in device memory and runs on its own stream (a cudaStream_t), which
   // it returns here; run() then gets a device pointer that is ready in that stream's order, and

@@ -313,13 +313,16 @@ Result<Segment> decode_segment_with(const Frame& f, Take take) {
       // arrived: a hostile header cannot make a bound wrap around.
       const std::string_view payload = f.payload();
       const int64_t payload_bytes = static_cast<int64_t>(payload.size());
+      // (The bound is checked on the whole product: a zero-row array after a dim of 1 fits an
+      // empty payload, as a segment whose tokens complete no compressed row has.)
       int64_t want = dtype_size(w.tensor.dtype);
       for (const auto& d : a.at("shape")) {
         const int64_t v = d.get<int64_t>();
-        if (v < 0 || __builtin_mul_overflow(want, v, &want) || want > payload_bytes)
-          return data_loss("array '" + w.name + "' has a bad dim or does not fit the payload");
+        if (v < 0 || __builtin_mul_overflow(want, v, &want))
+          return data_loss("array '" + w.name + "' has a bad dim");
         w.tensor.shape.push_back(v);
       }
+      if (want > payload_bytes) return data_loss("array '" + w.name + "' does not fit the payload");
       const int64_t off = a.at("offset").get<int64_t>(), bytes = a.at("bytes").get<int64_t>();
       if (bytes != want || off < 0 || off > payload_bytes || bytes > payload_bytes - off)
         return data_loss("array '" + w.name + "' does not fit its shape or the payload");

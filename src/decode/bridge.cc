@@ -31,22 +31,31 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   const int64_t want = v.t - 1;  // the decoder keeps at least one token to process
 
   // A warm prompt: the decoder's own cache of ids[:start] stays, and only the tail is asked for.
-  const int64_t start =
-      p.tails && layout.family == "llama" && decoder_cached > 0 && decoder_cached < want
-          ? decoder_cached
-          : 0;
+  const int64_t start = p.tails && decoder_cached > 0 && decoder_cached < want ? decoder_cached : 0;
   // The rows go into the store's file as they verify: no whole cache in this process's memory.
   auto assembler = make_assembler(layout, want, p.store_dir, start);
   PrefillRequest req;
   req.ids.assign(ids.begin(), ids.begin() + want);
   req.fingerprint = layout.fingerprint;
   req.chunk_tokens = p.chunk_tokens;
-  req.decoder_calls = decoder_calls_from_info(info, want);
+  req.decoder_calls = decoder_calls_from_info(info, want, start);
   req.start = start;
   v.start = start;
   out.fetch = fetch_prefill(p.prefill_host, p.prefill_port, req, assembler.get(), p.stall_ms,
                             p.deadline_ms, p.secret, p.client_gone);
   const FetchResult& f = out.fetch;
+  if (start > 0 && f.error_code == "prefix_state_missing") {
+    // A deepseek_v4 tail resumes only from the prefill host's checkpoint of exactly ids[:start]
+    // (a prefix it did not bridge, or one it evicted): the whole prefix then, which the decoder
+    // takes in place of its own.
+    BridgeParams whole = p;
+    whole.tails = false;
+    BridgeOutcome again = run_bridge(seam, info, ids, decoder_cached, whole);
+    again.verdict.timings_ms["tail_refused"] = f.total_ms;
+    if (again.verdict.reason.empty() && again.verdict.bridged())
+      again.verdict.reason = "whole prefix: " + f.status.message();
+    return again;
+  }
   v.bytes = f.bytes;
   // From the request's turn at the prefill host: the wait for it is the verdict's bridge_queue.
   v.timings_ms["prefill"] = f.total_ms - f.queued_ms;

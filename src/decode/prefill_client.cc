@@ -204,6 +204,9 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
     if (j.is_ok() && j->is_object() && j->contains("error") && (*j)["error"].is_object() &&
         (*j)["error"].contains("message") && (*j)["error"]["message"].is_string())
       msg = (*j)["error"]["message"].get<std::string>();
+    if (j.is_ok() && j->is_object() && j->contains("error") && (*j)["error"].is_object() &&
+        (*j)["error"].contains("code") && (*j)["error"]["code"].is_string())
+      out.error_code = (*j)["error"]["code"].get<std::string>();
     out.status =
         Status(code_for_http(http_status),
                "prefill host refused (HTTP " + std::to_string(http_status.load()) + "): " + msg);

@@ -60,6 +60,7 @@ struct FetchResult {
   std::string arith;
   int64_t computed_from = -1;  // where the prefill host's forward began (-1: not said)
   double queued_ms = 0;        // how long the prefill host kept it waiting for its turn
+  std::string error_code;      // a refusal's JSON "code" (e.g. "prefix_state_missing"), if any
 };
 
 // stall_ms: longest silence tolerated between bytes; deadline_ms: the whole stream's budget.

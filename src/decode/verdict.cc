@@ -71,7 +71,7 @@ nlohmann::json Verdict::to_json() const {
   }
   if (computed >= 0) j["computed"] = computed;
   // A partial's label is its numbers; why the rest was not bridged is said beside it.
-  if (kind == VerdictKind::kPartial && !reason.empty()) j["reason"] = reason;
+  if (bridged() && !reason.empty()) j["reason"] = reason;
   return j;
 }
 

@@ -322,6 +322,7 @@ void Dsv4CpuEngine::reset() {
       state_[i].index_pool = Pool{4, L.index_compressor.out_dim, c.index_head_dim, {}, {}, 0, {}};
   }
   n_cached_ = 0;
+  resumed_at_ = 0;
 }
 
 Status Dsv4CpuEngine::set_full_forward(bool on) {
@@ -331,8 +332,47 @@ Status Dsv4CpuEngine::set_full_forward(bool on) {
 }
 
 Status Dsv4CpuEngine::set_decoder_calls(const std::vector<int64_t>& calls) {
-  if (n_cached_ != 0) return failed_precondition("decoder calls change only between sequences");
-  calls_.set(calls);
+  if (n_cached_ != resumed_at_)
+    return failed_precondition("decoder calls change only between sequences");
+  calls_.set(calls, n_cached_);
+  return Status::ok();
+}
+
+namespace {
+
+struct Dsv4EngineCheckpoint : Checkpoint {
+  std::vector<Dsv4CpuEngine::LayerState> state;
+  int64_t n = 0, held = 0;
+  bool full_forward = false;
+  int64_t tokens() const override { return n; }
+  int64_t bytes() const override { return held; }
+};
+
+int64_t pool_bytes(const Pool& p) {
+  return static_cast<int64_t>(p.buf_kv.size() + p.buf_gate.size() + p.pooled.size()) * 2;
+}
+
+}  // namespace
+
+std::shared_ptr<const Checkpoint> Dsv4CpuEngine::checkpoint() const {
+  auto c = std::make_shared<Dsv4EngineCheckpoint>();
+  c->state = state_;
+  c->n = n_cached_;
+  c->full_forward = full_forward_;
+  for (const LayerState& s : state_)
+    c->held += static_cast<int64_t>(s.window.keys.size()) * 2 + pool_bytes(s.pool) +
+               pool_bytes(s.index_pool);
+  return c;
+}
+
+Status Dsv4CpuEngine::restore(const Checkpoint& c) {
+  const auto* mine = dynamic_cast<const Dsv4EngineCheckpoint*>(&c);
+  if (!mine) return invalid_argument("not a checkpoint of this engine");
+  if (mine->state.size() != state_.size() || mine->full_forward != full_forward_)
+    return failed_precondition("the checkpoint was made by an engine of another shape");
+  state_ = mine->state;
+  n_cached_ = resumed_at_ = mine->n;
+  calls_.clear();
   return Status::ok();
 }
 

@@ -21,6 +21,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/checkpoint.h"
 #include "common/status.h"
 #include "engine/tap.h"
 #include "model/dsv4.h"
@@ -65,8 +66,14 @@ class Dsv4CpuEngine {
   Status set_full_forward(bool on);
   // The decoder's call schedule for this sequence (model/dsv4_calls.h): a chunk then runs each
   // decoder call inside it as the decoder did. Unset (and after reset()), every chunk is one
-  // call. Settable only while no token is cached.
+  // call. Settable only before the first chunk after reset() or restore(); after restore() the
+  // calls cover the positions from cached_tokens() on.
   Status set_decoder_calls(const std::vector<int64_t>& calls);
+  // The whole state after the tokens so far (every layer's window, pools and indexer pool, in
+  // the decoder's shapes), for the prefill host's prefix checkpoints; restore() puts one back
+  // in place of the current sequence, which then goes on from its end as if it had run here.
+  std::shared_ptr<const Checkpoint> checkpoint() const;
+  Status restore(const Checkpoint& c);
   // Runs the next chunk: ids are positions [cached_tokens(), +ids.size()). Ids outside the
   // vocabulary are refused before anything changes.
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap);
@@ -83,6 +90,7 @@ class Dsv4CpuEngine {
   std::unique_ptr<Prepared> p_;
   std::vector<LayerState> state_;
   int64_t n_cached_ = 0;
+  int64_t resumed_at_ = 0;  // where the sequence's first chunk (since reset/restore) begins
   bool full_forward_ = false;
   Dsv4Calls calls_;
 };

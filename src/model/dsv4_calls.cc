@@ -4,9 +4,9 @@
 
 namespace hetero {
 
-void Dsv4Calls::set(const std::vector<int64_t>& calls) {
+void Dsv4Calls::set(const std::vector<int64_t>& calls, int64_t start) {
   ends_.clear();
-  int64_t at = 0;
+  int64_t at = start;
   for (int64_t len : calls)
     if (len > 0) ends_.push_back(at += len);
 }

@@ -21,8 +21,9 @@ constexpr int64_t kDsv4DecodeBlock = 8;
 class Dsv4Calls {
  public:
   // Empty: every engine chunk is one decoder call (what a caller that cuts its chunks at the
-  // decoder's calls, or a test of one call, wants).
-  void set(const std::vector<int64_t>& calls);
+  // decoder's calls, or a test of one call, wants). start: the first call's first position (a
+  // sequence resumed there from a checkpoint).
+  void set(const std::vector<int64_t>& calls, int64_t start = 0);
   void clear() { ends_.clear(); }
   // The calls the decoder ran over positions [pos0, pos0 + n), as (first row in the chunk,
   // rows), with calls of 2..kDsv4DecodeBlock tokens as single tokens. A chunk edge inside a

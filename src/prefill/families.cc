@@ -73,7 +73,7 @@ Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& 
   s.programs = [w](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
     HETERO_RETURN_IF_ERROR(require_decoder_calls(req));
     return std::unique_ptr<SegmentProgram>(
-        std::make_unique<Dsv4SegmentProgram>(w, req.decoder_calls));
+        std::make_unique<Dsv4SegmentProgram>(w, req.decoder_calls, req.start));
   };
   // Every later layer's attention input depends on where the decoder's calls were cut (the
   // ratio-4 overlap lane): the engine runs the decoder's own calls, grouped into chunks of up to

@@ -176,8 +176,9 @@ void PrefillService::give_turn() {
 std::vector<int64_t> PrefillService::plan_for(const PrefillRequest& req, int64_t from) const {
   const int64_t T = static_cast<int64_t>(req.ids.size());
   const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
-  if (chunk_plan_ && from == 0 && req.start == 0) return chunk_plan_(req, chunk);
-  HETERO_CHECK(!chunk_plan_ && from <= req.start);  // tails: llama only (parse_prefill_request)
+  // A family with a chunk plan (its decoder's calls) runs a tail from its checkpoint at start.
+  if (chunk_plan_ && from == req.start) return chunk_plan_(req, chunk);
+  HETERO_CHECK(!chunk_plan_ && from <= req.start);
   std::vector<int64_t> plan;
   for (int64_t p = from; p < req.start; p += chunk) plan.push_back(std::min(chunk, req.start - p));
   for (int64_t p = req.start; p < T; p += chunk) plan.push_back(std::min(chunk, T - p));
@@ -198,9 +199,23 @@ Status PrefillService::reserve_plan(int64_t from, const std::vector<int64_t>& pl
 
 Status PrefillService::admit(const PrefillRequest& req, Admission* a) {
   a->sealed.clear();
-  // Where the forward can start: the longest prefix of the request's tail start whose state
-  // the prefix cache holds.
-  a->from = states_ && engine_->state_row_bytes() > 0 ? states_->lookup(req.ids, req.start) : 0;
+  a->resume.reset();
+  a->missing_state = false;
+  if (req.start > 0 && tails_need_checkpoints()) {
+    a->resume = checkpoints_ ? checkpoints_->find(req.ids, req.start) : nullptr;
+    if (!a->resume) {
+      a->missing_state = true;
+      return failed_precondition("this prefill host holds no checkpoint of exactly the first " +
+                                 std::to_string(req.start) + " tokens (a " + layout_.family +
+                                 " tail resumes only from one); ask for the whole prefix");
+    }
+  }
+  // Where the forward can start: the tail's checkpointed start, or the longest prefix of the
+  // tail's start whose state the prefix cache holds.
+  if (a->resume)
+    a->from = req.start;
+  else
+    a->from = states_ && engine_->state_row_bytes() > 0 ? states_->lookup(req.ids, req.start) : 0;
   a->plan = plan_for(req, a->from);
   std::vector<int64_t>* plan = &a->plan;
   const int64_t from = a->from;
@@ -242,7 +257,9 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a) {
       }
     }
   }
-  if (st.is_ok() && from > 0) {
+  if (st.is_ok() && a->resume) {
+    st = engine_->restore(*a->resume->engine);
+  } else if (st.is_ok() && from > 0) {
     st = states_->restore(req.ids, from, engine_);
     if (!st.is_ok()) {  // evicted meanwhile: compute it all (admission again, from 0)
       log_line("prefill", "the cached state is gone (" + st.message() + "); computing from 0");
@@ -292,6 +309,9 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
   int64_t planned = a.from;
   for (int64_t n : a.plan) planned += n;
   auto program = programs_(req);
+  if (program.is_ok() && a.resume) {  // a tail: the program's own state at its start
+    if (Status r = program.value()->resume(*a.resume->program); !r.is_ok()) program = r;
+  }
   if (!program.is_ok()) {
     Manifest m;
     m.fingerprint = layout_.fingerprint;
@@ -389,6 +409,21 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
   if (st.is_ok() && !cancelled && states_ && holding.held) {
     const Status kept = states_->save(req.ids, planned, engine_);
     if (!kept.is_ok()) log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
+  }
+  // A family whose tails resume from whole checkpoints: the engine's and the program's, for
+  // exactly these ids (what the decoder checkpoints once it holds them).
+  if (st.is_ok() && !cancelled && checkpoints_ && tails_need_checkpoints() && m.complete) {
+    auto engine_state = engine_->checkpoint();
+    auto program_state = program.value()->checkpoint();
+    if (!engine_state || !program_state.is_ok())
+      log_line("prefill", "no checkpoint for a later tail: " +
+                              (engine_state ? program_state.status().message()
+                                            : std::string("the engine keeps none")));
+    else if (!checkpoints_->put(req.ids, engine_state, program_state.value()))
+      log_line("prefill",
+               "no checkpoint for a later tail: its " +
+                   std::to_string(engine_state->bytes() + program_state.value()->bytes()) +
+                   " bytes exceed the prefix cache");
   }
   return m;
 }
@@ -488,7 +523,9 @@ Status PrefillService::start(const std::string& host, int port) {
         if (Status admitted = admit(*request, admission.get()); !admitted.is_ok()) {
           give_turn();
           res.status = http_status_for(admitted);
-          res.set_content(error_body(admitted), "application/json");
+          json body = json::parse(error_body(admitted));
+          if (admission->missing_state) body["error"]["code"] = "prefix_state_missing";
+          res.set_content(body.dump(), "application/json");
           return;
         }
         // The prefill runs on its own thread, which gives the turn back when it ends; this handler

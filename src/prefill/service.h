@@ -96,6 +96,14 @@ class PrefillEngine {
     (void)pos0, (void)n, (void)in;
     return failed_precondition("this engine does not take state");
   }
+  // An engine whose state is not rows (DeepSeek-V4) hands out whole checkpoints instead
+  // (common/checkpoint.h): the state after the sequence so far (null: none), and, after
+  // reserve(), a restore that goes on from a checkpoint's end as if its tokens had run here.
+  virtual std::shared_ptr<const Checkpoint> checkpoint() const { return nullptr; }
+  virtual Status restore(const Checkpoint& c) {
+    (void)c;
+    return failed_precondition("this engine does not take checkpoints");
+  }
 };
 
 template <class Engine>
@@ -153,6 +161,18 @@ class EngineAdapter : public PrefillEngine {
       return engine_->load_state(pos0, n, in);
     else
       return PrefillEngine::load_state(pos0, n, in);
+  }
+  std::shared_ptr<const Checkpoint> checkpoint() const override {
+    if constexpr (requires(const Engine& e) { e.checkpoint(); })
+      return engine_->checkpoint();
+    else
+      return nullptr;
+  }
+  Status restore(const Checkpoint& c) override {
+    if constexpr (requires(Engine & e) { e.restore(c); })
+      return engine_->restore(c);
+    else
+      return PrefillEngine::restore(c);
   }
   Status finish() override {
     if constexpr (requires(Engine & e) { e.synchronize(); })
@@ -224,8 +244,13 @@ class PrefillService {
   // Keep the engine's state of finished requests in a prefix cache of this many bytes (blocks
   // of block_tokens), from which a later request sharing their prefix resumes (state_cache.h).
   // 0 bytes, or an engine that hands out no state: every request computes from position 0.
+  // An engine and program that keep whole checkpoints instead (DeepSeek-V4) keep them in a cache
+  // of the same bytes, for exactly each finished request's ids; a tail resumes only from one
+  // of exactly its start (PrefixCheckpoints), and without one it is refused (HTTP 409
+  // "prefix_state_missing": the decode side asks for the whole prefix instead).
   void set_state_cache(int64_t block_tokens, int64_t max_bytes) {
     states_ = std::make_unique<PrefixStateCache>(block_tokens, max_bytes);
+    checkpoints_ = std::make_unique<PrefixCheckpoints>(max_bytes);
   }
   const PrefixStateCache* state_cache() const { return states_.get(); }
   // Requests that may wait for the running one (>= 0); more are answered 503 with Retry-After.
@@ -282,7 +307,13 @@ class PrefillService {
     int64_t from = 0;
     std::vector<int64_t> plan;
     std::string sealed;
+    std::shared_ptr<const PrefixCheckpoints::Entry> resume;  // a tail's start, checkpointed
+    bool missing_state = false;  // a tail refused for want of a checkpoint of its start
   };
+  // A family whose tail cannot be computed again from position 0 without the decoder's calls
+  // for its prefix (DeepSeek-V4): a tail resumes from a checkpoint of exactly its start or not
+  // at all. llama's tails resume from the row cache, or are computed from 0.
+  bool tails_need_checkpoints() const { return layout_.family != "llama"; }
   // The chunks of ids[from, len) (a boundary at the request's start).
   std::vector<int64_t> plan_for(const PrefillRequest& req, int64_t from) const;
   // With the turn: the engine reset, the request's memory reserved and the cached state loaded,
@@ -301,6 +332,7 @@ class PrefillService {
   // `tokens` tokens.
   bool should_yield(int64_t tokens);
   std::unique_ptr<PrefixStateCache> states_;
+  std::unique_ptr<PrefixCheckpoints> checkpoints_;
   std::mutex turn_mu_;
   std::condition_variable turn_free_;
   bool busy_ = false;

@@ -133,4 +133,53 @@ void PrefixStateCache::clear() {
   bytes_ = 0;
 }
 
+// ----------------------------------------------------------------------------- checkpoints
+
+bool PrefixCheckpoints::put(std::vector<int32_t> ids, std::shared_ptr<const Checkpoint> engine,
+                            std::shared_ptr<const Checkpoint> program) {
+  HETERO_CHECK(engine && program);
+  auto e = std::make_shared<Entry>(Entry{std::move(ids), std::move(engine), std::move(program)});
+  const int64_t need = e->bytes();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = held_.begin(); it != held_.end(); ++it)
+    if (it->entry->ids == e->ids) {
+      bytes_ -= it->entry->bytes();
+      held_.erase(it);
+      break;
+    }
+  if (need > max_bytes_) return false;
+  while (bytes_ + need > max_bytes_ && !held_.empty()) {
+    auto oldest = std::min_element(held_.begin(), held_.end(),
+                                   [](const Held& a, const Held& b) { return a.used < b.used; });
+    bytes_ -= oldest->entry->bytes();
+    held_.erase(oldest);
+  }
+  held_.push_back({std::move(e), ++tick_});
+  bytes_ += need;
+  return true;
+}
+
+std::shared_ptr<const PrefixCheckpoints::Entry> PrefixCheckpoints::find(
+    const std::vector<int32_t>& ids, int64_t n) {
+  if (n <= 0 || n > static_cast<int64_t>(ids.size())) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Held& h : held_)
+    if (static_cast<int64_t>(h.entry->ids.size()) == n &&
+        std::equal(h.entry->ids.begin(), h.entry->ids.end(), ids.begin())) {
+      h.used = ++tick_;
+      return h.entry;
+    }
+  return nullptr;
+}
+
+int64_t PrefixCheckpoints::bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_;
+}
+
+int64_t PrefixCheckpoints::entries() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(held_.size());
+}
+
 }  // namespace hetero

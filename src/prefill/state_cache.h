@@ -11,10 +11,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
 
+#include "common/checkpoint.h"
 #include "common/status.h"
 
 namespace hetero {
@@ -57,6 +59,39 @@ class PrefixStateCache {
   int64_t block_tokens_, max_bytes_;
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, Block> blocks_;
+  int64_t bytes_ = 0;
+  uint64_t tick_ = 0;
+};
+
+// Whole checkpoints of finished requests, for an engine and a cache program whose state is not
+// rows (common/checkpoint.h): each kept for exactly its request's ids, as the decoder's own
+// prefix cache keeps DeepSeek-V4 prefixes. A tail resumes only from a checkpoint of exactly its
+// start. Bounded in bytes, least recently used first out. Thread-safe.
+class PrefixCheckpoints {
+ public:
+  struct Entry {
+    std::vector<int32_t> ids;
+    std::shared_ptr<const Checkpoint> engine, program;
+    int64_t bytes() const { return engine->bytes() + program->bytes(); }
+  };
+  explicit PrefixCheckpoints(int64_t max_bytes) : max_bytes_(max_bytes) {}
+  // Keeps the checkpoints of ids (replacing one of the same ids); false when they alone exceed
+  // the bound.
+  bool put(std::vector<int32_t> ids, std::shared_ptr<const Checkpoint> engine,
+           std::shared_ptr<const Checkpoint> program);
+  // The entry of exactly ids[0, n), or null.
+  std::shared_ptr<const Entry> find(const std::vector<int32_t>& ids, int64_t n);
+  int64_t bytes() const;
+  int64_t entries() const;
+
+ private:
+  struct Held {
+    std::shared_ptr<const Entry> entry;
+    uint64_t used = 0;
+  };
+  int64_t max_bytes_;
+  mutable std::mutex mu_;
+  std::vector<Held> held_;  // few, and large: found by a scan
   int64_t bytes_ = 0;
   uint64_t tick_ = 0;
 };

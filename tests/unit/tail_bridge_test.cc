@@ -298,7 +298,7 @@ TEST(PrefixStateCacheTest, EvictsTheLeastRecentlyUsedChainFromItsEnd) {
   EXPECT_EQ(cache.restore(b, 16, &other).code(), Code::kNotFound);
 }
 
-TEST(TailRequestTest, StartIsCheckedAndOnlyForLlama) {
+TEST(TailRequestTest, StartIsCheckedAndTheDecoderCallsCoverTheTail) {
   const DecoderCacheLayout llama = test_layout();
   auto body = [](const std::string& extra) {
     return std::string(R"({"ids":[1,2,3,4],"fingerprint":"fp-tail")") + extra + "}";
@@ -313,9 +313,13 @@ TEST(TailRequestTest, StartIsCheckedAndOnlyForLlama) {
         << bad;
   DecoderCacheLayout dsv4 = llama;
   dsv4.family = "deepseek_v4";
-  const auto refused = parse_prefill_request(body(R"(,"start":2)"), kVocab, dsv4, 100);
-  EXPECT_EQ(refused.status().code(), Code::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("whole prefix"), std::string::npos);
+  auto tail = parse_prefill_request(body(R"(,"start":1,"decoder_calls":[2,1])"), kVocab, dsv4, 100);
+  ASSERT_TRUE(tail.is_ok()) << tail.status().to_string();
+  EXPECT_EQ(tail->decoder_calls, (std::vector<int64_t>{2, 1}));
+  const auto whole =
+      parse_prefill_request(body(R"(,"start":1,"decoder_calls":[1,1])"), kVocab, dsv4, 100);
+  EXPECT_EQ(whole.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(whole.status().message().find("from 'start'"), std::string::npos);
 }
 
 Segment tail_segment(int64_t pos0, int64_t n, int64_t seq) {

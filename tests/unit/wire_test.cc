@@ -61,6 +61,24 @@ TEST(Wire, RoundTripByteAtATime) {
   EXPECT_EQ(m->arith, "exact");
 }
 
+// A segment whose arrays all have no rows (a DeepSeek-V4 call of a few tokens that completes no
+// compressed row) has an empty payload, and decodes.
+TEST(Wire, ASegmentOfEmptyArraysRoundTrips) {
+  Segment s;
+  s.seq = 2, s.family = "deepseek_v4", s.fingerprint = "fp", s.pos0 = 128, s.n_tokens = 2;
+  s.arrays.push_back({"layers.1.pool.pooled", Tensor(DType::kBF16, {1, 0, 16})});
+  s.arrays.push_back({"layers.1.index.pooled", Tensor(DType::kBF16, {1, 0, 8})});
+  FrameParser p(1 << 20);
+  const std::string bytes = encode_segment(s);
+  p.feed(bytes.data(), bytes.size());
+  auto f = p.next();
+  ASSERT_TRUE(f.is_ok() && f.value()) << f.status().to_string();
+  auto d = decode_segment(*f.value());
+  ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+  ASSERT_EQ(d->arrays.size(), 2u);
+  EXPECT_EQ(d->arrays[1].tensor.shape, (std::vector<int64_t>{1, 0, 8}));
+}
+
 // An array that views memory it does not own (a GPU program's page-locked staging) encodes to the
 // same bytes as one that owns a copy.
 TEST(Wire, ViewArraysEncodeAsOwnedOnes) {
