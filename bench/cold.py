@@ -96,13 +96,14 @@ def post(url: str, body: dict, headers: dict) -> tuple:
         return e.code, e.headers, e.read().decode(errors="replace")
 
 
-def start_stack(model: str, work: Path = None) -> tuple:
+def start_stack(model: str, work: Path = None, prefill_model: str = "") -> tuple:
     """`hetero up` on free ports: (process, front url, decoder url, decoder secret)."""
     ports = [free_port() for _ in range(3)]
     work = work or Path(os.environ.get("TMPDIR", "/tmp")) / f"hetero-bench-{os.getpid()}"
+    extra = ["--prefill-model", prefill_model] if prefill_model else []
     proc = subprocess.Popen([str(ROOT / "build" / "hetero"), "up", "--model", model,
                              "--port", str(ports[0]), "--decoder-port", str(ports[1]),
-                             "--prefill-port", str(ports[2]), "--work-dir", str(work)],
+                             "--prefill-port", str(ports[2]), "--work-dir", str(work)] + extra,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         if "hetero is up" in line:

@@ -17,8 +17,9 @@ weights are the model's own, linked): for a conversation longer than the model's
 window, which the front door would refuse; rope without scaling does not read the field.
 Writes JSON lines to bench/results/warm-turns-<model>-<rev>.jsonl and prints a table.
 
-usage: python3 bench/warm_turns.py [--model DIR] [--turns 20] [--min-words 900]
-                                   [--max-words 3500] [--context 65536]
+usage: python3 bench/warm_turns.py [--model DIR] [--prefill-model DIR] [--turns 20]
+                                   [--min-words 900] [--max-words 3500] [--context 65536]
+(DeepSeek-V4: --model models/dsv4-tiny/native --prefill-model models/dsv4-tiny/fp8)
 """
 
 import argparse
@@ -52,8 +53,9 @@ def user_turns(n: int, lo: int, hi: int, seed: int) -> list:
             for k in range(n)]
 
 
-def run_conversation(model: Path, turns: list, mode: str, max_tokens: int) -> list:
-    proc, url, *_ = start_stack(str(model))
+def run_conversation(model: Path, turns: list, mode: str, max_tokens: int,
+                     prefill_model: str = "") -> list:
+    proc, url, *_ = start_stack(str(model), prefill_model=prefill_model)
     rows, messages = [], []
     try:
         for k, content in enumerate(turns):
@@ -86,6 +88,7 @@ def run_conversation(model: Path, turns: list, mode: str, max_tokens: int) -> li
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    p.add_argument("--prefill-model", default="", help="the prefill host's checkpoint")
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--min-words", type=int, default=900)
     p.add_argument("--max-words", type=int, default=3500)
@@ -101,11 +104,12 @@ def main() -> int:
     turns = user_turns(args.turns, args.min_words, args.max_words, args.seed)
     print(f"warm turns on {model.name}: {args.turns} turns of {args.min_words}-{args.max_words} "
           "words", flush=True)
-    bridged = run_conversation(model, turns, "", args.max_tokens)
-    native = run_conversation(model, turns, "native", args.max_tokens)
+    bridged = run_conversation(model, turns, "", args.max_tokens, args.prefill_model)
+    native = run_conversation(model, turns, "native", args.max_tokens, args.prefill_model)
 
     rev = git_rev()
-    out = Path(args.out_dir) / f"warm-turns-{Path(args.model).name}-{rev}.jsonl"
+    name = "-".join(Path(args.model).resolve().parts[-2:]) if args.prefill_model else model.name
+    out = Path(args.out_dir) / f"warm-turns-{name}-{rev}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.node()} ({platform.machine()}, {platform.system()})"
     print("\n| turn | T | decoder held | computed | wire bytes | verdict | bridged s | "

@@ -79,9 +79,11 @@ std::vector<OptionSpec> prefill_backend_specs() {
        false,
        {"seal", "refuse"}},
       {"prefix-cache-mb", "HETERO_PREFILL_PREFIX_CACHE_MB", "2048",
-       "llama, cpu: the prefill host keeps its engine's state of finished requests in a prefix "
-       "cache of this many MiB (least recently used out first), so a warm turn's tail is computed "
-       "from where the conversation's earlier request left off, not from position 0 (0: off)"},
+       "the prefill host keeps its engine's state of finished requests in a prefix cache of "
+       "this many MiB (least recently used out first), so a warm turn's tail is computed from "
+       "where the conversation's earlier request left off, not from position 0 (llama: in "
+       "blocks, cpu and cuda exact; deepseek_v4, cpu: whole checkpoints of each request's "
+       "prompt, with the cache program's state; 0: off)"},
       {"prefix-cache-block", "HETERO_PREFILL_PREFIX_CACHE_BLOCK", "256",
        "the prefix cache's block in tokens: state is kept and found in whole blocks"},
       {"queue", "HETERO_PREFILL_QUEUE", "16",

@@ -22,6 +22,7 @@ import pytest
 
 requests = pytest.importorskip("requests")
 
+from frontstack import Decoder  # noqa: E402
 from test_front import (  # noqa: E402
     ENV,
     HETERO,
@@ -150,3 +151,81 @@ def test_prefill_without_the_decoder_schedule_makes_no_cache(dsv4, tmp_path) -> 
     assert run.returncode != 0
     assert "needs 'decoder_calls'" in run.stderr, run.stderr
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_warm_turns_bridge_only_their_tail_and_answer_as_the_decoder(dsv4) -> None:
+    """A conversation: the decoder's own, warm as it goes, is the truth. Through the front door
+    from a cold decoder, the first turn is bridged whole; each later one only from what the
+    decoder holds (its checkpoint of the previous prompt), resumed from the prefill host's own
+    checkpoints of that prompt, and every answer is the decoder's own."""
+    turns = 4
+    decoder = Decoder(dsv4.decoder.port)
+
+    def body_of(messages: list) -> dict:
+        return {"model": dsv4.info["forward_model"], "messages": messages, "max_tokens": 12,
+                "temperature": 0.0}
+
+    def turn_text(k: int) -> str:
+        return text(f"dsv4-turn-{k}", 60 + 35 * k)
+
+    decoder.clear()
+    native, messages = [], []
+    for k in range(turns):
+        messages.append({"role": "user", "content": turn_text(k)})
+        native.append(answer(decoder.post("/v1/chat/completions", body_of(messages), timeout=600)))
+        messages.append({"role": "assistant", "content": native[-1]})
+
+    front = dsv4.front(dsv4.prefill(chunk=64, model=DSV4 / "fp8", fresh=True).port,
+                       **{"bridge-min-tail": 16})
+    decoder.clear()
+    messages, row_bytes = [], []
+    for k in range(turns):
+        messages.append({"role": "user", "content": turn_text(k)})
+        body = body_of(messages)
+        ids = decoder.post("/hetero/tokenize", body)["ids"]
+        held = decoder.cached(ids)
+        r = post_front(front, body)
+        assert r.status_code == 200, r.text
+        v = verdict_of(r.headers)
+        T, B = len(ids), len(ids) - 1
+        print("turn", k + 1, json.dumps({"T": T, "held": held, "verdict": v["verdict"],
+                                         "start": v.get("start", 0), "computed": v.get("computed"),
+                                         "bytes": v["bytes"]}))
+        assert v["verdict"] == "complete" and v["B"] == B, v
+        assert v["confirmed"] and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == B
+        if k == 0:
+            assert held == 0 and "start" not in v and v["computed"] == B, v
+        else:
+            # The decoder holds the previous prompt (its checkpoint); only the tail is computed.
+            assert held > 0 and v["start"] == held and v["computed"] == B - held, (held, v)
+            assert "reason" not in v, v  # not the whole prefix after a refused tail
+            row_bytes.append(v["bytes"])
+        assert answer(r.json()) == native[k], (k, v)
+        messages.append({"role": "assistant", "content": answer(r.json())})
+
+
+def test_a_tail_the_prefill_host_holds_no_checkpoint_for_is_bridged_whole(dsv4) -> None:
+    # A prefill host that never saw the first turn: it refuses the tail (409
+    # prefix_state_missing) and the front asks for the whole prefix, which the decoder mounts in
+    # place of its own; the answer is still the decoder's.
+    # The whole prefix is computed in the decoder's calls for a cold prompt, so the answer to
+    # compare with is the decoder's own to the same prompt, cold.
+    decoder = Decoder(dsv4.decoder.port)
+    body = served(dsv4, text("dsv4-first", 90))
+    decoder.clear()
+    first = decoder.post("/v1/chat/completions", body, timeout=600)
+    body["messages"] += [{"role": "assistant", "content": answer(first)},
+                         {"role": "user", "content": text("dsv4-second", 80)}]
+    native = dsv4.native(body)
+    decoder.post("/v1/chat/completions", dict(body, messages=body["messages"][:1]), timeout=600)
+    ids = decoder.post("/hetero/tokenize", body)["ids"]
+    held = decoder.cached(ids)
+    assert held > 0
+    front = dsv4.front(dsv4.prefill(chunk=64, model=DSV4 / "fp8", fresh=True).port,
+                       **{"bridge-min-tail": 16})
+    r = post_front(front, body)
+    assert r.status_code == 200, r.text
+    v = verdict_of(r.headers)
+    assert v["verdict"] == "complete" and "start" not in v and v["B"] == len(ids) - 1, v
+    assert "no checkpoint of exactly the first" in v["reason"], v
+    assert answer(r.json()) == answer(native)
