@@ -20,22 +20,31 @@
 // --attention the attention kernel (auto, own, cudnn: LlamaCudaOptions::attention).
 // --program-device N runs the cache program on GPU N (the engine stays on GPU 0): the tap's rows
 // cross peer to peer and the program takes none of the engine's SMs.
-// Output: one JSON line per (T, mode) on stdout; a table on stderr.
+// --drift: no timing; the fast forward (--kv, --attention, --weights) against the exact one over
+// the same first --tokens T tokens, the exact one being the CPU engine's (and the decoder's)
+// arithmetic bit for bit (tests/gpu/llama_cuda_test.cc): every layer's attention inputs in
+// windows of --window positions starting at --at (default 0, T/4, T/2, 3T/4, T - window), each
+// window's cosine and normalized squared error and its rows' lowest cosine (common/compare.h).
+// Output: one JSON line per (T, mode) on stdout (--drift: per layer and window); a table on
+// stderr.
 #include <cuda_runtime.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench_common.h"
 #include "bridge/cuda/gpu_programs.h"
 #include "bridge/llama_program.h"
 #include "bridge/producer.h"
+#include "common/compare.h"
 #include "engine/cuda/llama_cuda.h"
 #include "engine/llama_cpu.h"
 
@@ -53,6 +62,9 @@ struct Args {
   int64_t layers = 0;       // 0: the shape's
   int program_device = -1;  // the cache program's GPU (-1: the engine's)
   bool refcheck = false;
+  bool drift = false;
+  int64_t window = 1024;    // --drift: positions per window
+  std::vector<int64_t> at;  // --drift: window starts (empty: spread over T)
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -204,6 +216,80 @@ int refcheck() {
   return 0;
 }
 
+// --drift (see the header): per layer and window, the fast rows against the exact ones.
+int drift(const Args& a, const LlamaWeights& w, const cuda::LlamaCudaOptions& fast) {
+  const LlamaConfig& c = w.config;
+  const int64_t T = a.tokens.front(), win = std::min(a.window, T), H = c.hidden;
+  std::vector<int64_t> at = a.at;
+  if (at.empty()) at = {0, T / 4, T / 2, 3 * T / 4, T - win};
+  for (int64_t& p : at) p = std::clamp<int64_t>(p, 0, T - win);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  Draw d{static_cast<uint64_t>(T)};
+  for (auto& id : ids)
+    id = static_cast<int32_t>((d.next(1.f) + 1.f) * 0.5f * static_cast<float>(c.vocab - 1));
+  using Rows = std::vector<std::vector<Tensor>>;  // [layer][window] bf16 [win, hidden]
+  auto run = [&](cuda::LlamaCudaOptions o, Rows* rows, double* secs) -> Status {
+    o.host_tap = true;
+    HETERO_ASSIGN_OR_RETURN(auto engine, cuda::LlamaCudaEngine::create(w, o));
+    rows->assign(static_cast<size_t>(c.layers), std::vector<Tensor>());
+    for (auto& l : *rows)
+      for (size_t k = 0; k < at.size(); ++k) l.emplace_back(DType::kBF16, std::vector{win, H});
+    const AttentionInputTap tap = [&](const TapEvent& e) {
+      for (size_t k = 0; k < at.size(); ++k) {
+        const int64_t lo = std::max(e.pos0, at[k]), hi = std::min(e.pos0 + e.n_tokens, at[k] + win);
+        if (lo >= hi) continue;
+        std::memcpy((*rows)[static_cast<size_t>(e.layer)][k].data<uint16_t>() + (lo - at[k]) * H,
+                    e.x_bf16 + (lo - e.pos0) * H, static_cast<size_t>((hi - lo) * H) * 2);
+      }
+    };
+    const double t0 = bench::now_s();
+    for (int64_t p = 0; p < T; p += a.chunk) {
+      const std::vector<int32_t> part(ids.begin() + p, ids.begin() + std::min(T, p + a.chunk));
+      HETERO_RETURN_IF_ERROR(engine->prefill_chunk(part, tap));
+    }
+    HETERO_RETURN_IF_ERROR(engine->synchronize());
+    *secs = bench::now_s() - t0;
+    return Status::ok();
+  };
+  Rows exact, got;
+  double exact_s = 0, fast_s = 0;
+  cuda::LlamaCudaOptions o = fast;
+  o.arith = cuda::LlamaCudaArith::kExact;
+  for (auto [opt, rows, secs] : {std::tuple{o, &exact, &exact_s}, std::tuple{fast, &got, &fast_s}})
+    if (Status st = run(opt, rows, secs); !st.is_ok())
+      return std::fprintf(stderr, "drift: %s\n", st.to_string().c_str()), 1;
+  std::fprintf(stderr, "T %lld: exact %.1f s, fast %.1f s\n%5s %9s %10s %10s %12s\n",
+               static_cast<long long>(T), exact_s, fast_s, "layer", "from", "cosine", "nmse",
+               "min row cos");
+  for (int64_t l = 0; l < c.layers; ++l)
+    for (size_t k = 0; k < at.size(); ++k) {
+      const Tensor& g = got[static_cast<size_t>(l)][k];
+      const Tensor& e = exact[static_cast<size_t>(l)][k];
+      const CompareReport r = compare_tensors(g, e, CompareSpec{});
+      double min_row = 1.0;
+      for (int64_t i = 0; i < win; ++i) {
+        Tensor gr(DType::kBF16, {H}), er(DType::kBF16, {H});
+        std::memcpy(gr.bytes.data(), g.bytes.data() + i * H * 2, static_cast<size_t>(H) * 2);
+        std::memcpy(er.bytes.data(), e.bytes.data() + i * H * 2, static_cast<size_t>(H) * 2);
+        min_row = std::min(min_row, compare_tensors(gr, er, CompareSpec{}).cosine);
+      }
+      nlohmann::json j = {{"bench", "llama_drift"},       {"T", T},
+                          {"layer", l},                   {"from", at[k]},
+                          {"window", win},                {"cosine", r.cosine},
+                          {"nmse", r.nmse},               {"max_abs", r.max_abs},
+                          {"equal_fraction", r.equal_fraction},
+                          {"min_row_cosine", min_row},    {"exact_s", exact_s},
+                          {"fast_s", fast_s},             {"kv", a.kv},
+                          {"attention", a.attention},     {"weights", a.weights},
+                          {"shape", a.shape},             {"layers", c.layers},
+                          {"gpu", bench::gpu_name()},     {"rev", a.rev}};
+      std::printf("%s\n", j.dump().c_str());
+      std::fprintf(stderr, "%5lld %9lld %10.6f %10.2e %12.6f\n", static_cast<long long>(l),
+                   static_cast<long long>(at[k]), r.cosine, r.nmse, min_row);
+    }
+  return 0;
+}
+
 }  // namespace
 }  // namespace hetero
 
@@ -213,8 +299,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : "";
-    if (k == "--refcheck") {
-      a.refcheck = true;
+    if (k == "--refcheck" || k == "--drift") {
+      (k == "--drift" ? a.drift : a.refcheck) = true;
       continue;
     }
     ++i;
@@ -243,6 +329,10 @@ int main(int argc, char** argv) {
       a.program_device = std::atoi(v);
     else if (k == "--rev")
       a.rev = v;
+    else if (k == "--window")
+      a.window = std::atoll(v);
+    else if (k == "--at")
+      for (const auto& t : split(v)) a.at.push_back(std::atoll(t.c_str()));
     else
       return std::fprintf(stderr, "unknown option %s\n", k.c_str()), 2;
   }
@@ -267,6 +357,7 @@ int main(int argc, char** argv) {
     return std::fprintf(stderr, "%s\n", attention.status().to_string().c_str()), 2;
   cuda::LlamaCudaOptions options{*kv, false, 0, cuda::LlamaCudaArith::kFast, *wdt};
   options.attention = *attention;
+  if (a.drift) return drift(a, w, options);
   auto engine = cuda::LlamaCudaEngine::create(w, options);
   if (!engine.is_ok()) return std::fprintf(stderr, "%s\n", engine.status().to_string().c_str()), 1;
   const std::string attention_name = (*engine)->attention_name();
