@@ -273,16 +273,25 @@ int drift(const Args& a, const LlamaWeights& w, const cuda::LlamaCudaOptions& fa
         std::memcpy(er.bytes.data(), e.bytes.data() + i * H * 2, static_cast<size_t>(H) * 2);
         min_row = std::min(min_row, compare_tensors(gr, er, CompareSpec{}).cosine);
       }
-      nlohmann::json j = {{"bench", "llama_drift"},       {"T", T},
-                          {"layer", l},                   {"from", at[k]},
-                          {"window", win},                {"cosine", r.cosine},
-                          {"nmse", r.nmse},               {"max_abs", r.max_abs},
+      nlohmann::json j = {{"bench", "llama_drift"},
+                          {"T", T},
+                          {"layer", l},
+                          {"from", at[k]},
+                          {"window", win},
+                          {"cosine", r.cosine},
+                          {"nmse", r.nmse},
+                          {"max_abs", r.max_abs},
                           {"equal_fraction", r.equal_fraction},
-                          {"min_row_cosine", min_row},    {"exact_s", exact_s},
-                          {"fast_s", fast_s},             {"kv", a.kv},
-                          {"attention", a.attention},     {"weights", a.weights},
-                          {"shape", a.shape},             {"layers", c.layers},
-                          {"gpu", bench::gpu_name()},     {"rev", a.rev}};
+                          {"min_row_cosine", min_row},
+                          {"exact_s", exact_s},
+                          {"fast_s", fast_s},
+                          {"kv", a.kv},
+                          {"attention", a.attention},
+                          {"weights", a.weights},
+                          {"shape", a.shape},
+                          {"layers", c.layers},
+                          {"gpu", bench::gpu_name()},
+                          {"rev", a.rev}};
       std::printf("%s\n", j.dump().c_str());
       std::fprintf(stderr, "%5lld %9lld %10.6f %10.2e %12.6f\n", static_cast<long long>(l),
                    static_cast<long long>(at[k]), r.cosine, r.nmse, min_row);

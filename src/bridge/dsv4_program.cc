@@ -334,6 +334,9 @@ Status Dsv4CacheProgram::resume(const Checkpoint& checkpoint) {
     const int64_t kept = start_ - sched_.window_first;  // rows of the prefix still in a slot
     if (kept > 0)
       std::copy(L.window_rows.end() - kept * hd, L.window_rows.end(), s.window_rows.begin());
+    const auto recent = static_cast<std::ptrdiff_t>(
+        std::min<size_t>(L.window_rows.size(), static_cast<size_t>(w_->window * hd)));
+    s.recent.assign(L.window_rows.end() - recent, L.window_rows.end());
     const Dsv4ProgramLayer& W = w_->layers[l];
     auto take = [&](const Dsv4ProgramCheckpoint::Raw& raw, int64_t ratio, PoolState* p) {
       p->raw_kv = raw.kv;
@@ -426,6 +429,21 @@ Status Dsv4CacheProgram::feed(int64_t layer, int64_t pos0, int64_t n, const uint
     rms_norm(dst, m, hd, L.kv_norm.data<uint16_t>(), static_cast<float>(w_->rms_norm_eps), dst);
     dsv4_rope(dst, m, 1, hd, from, L.ratio == 0 ? w_->freqs_local : w_->freqs_compressed, 1, false);
   }
+  // The last `window` rows of every feed, for a state at its end (boundary_layer).
+  const int64_t W = w_->window, recent_from = std::max(pos0, pos0 + n - W);
+  if (recent_from < pos0 + n) {
+    const int64_t m = pos0 + n - recent_from;
+    std::vector<uint16_t> rows(static_cast<size_t>(m * hd));
+    L.wkv.apply(x + (recent_from - pos0) * H, m, rows.data());
+    rms_norm(rows.data(), m, hd, L.kv_norm.data<uint16_t>(), static_cast<float>(w_->rms_norm_eps),
+             rows.data());
+    dsv4_rope(rows.data(), m, 1, hd, recent_from,
+              L.ratio == 0 ? w_->freqs_local : w_->freqs_compressed, 1, false);
+    s.recent.insert(s.recent.end(), rows.begin(), rows.end());
+    const auto keep = static_cast<size_t>(W * hd);
+    if (s.recent.size() > keep)
+      s.recent.erase(s.recent.begin(), s.recent.end() - static_cast<std::ptrdiff_t>(keep));
+  }
   Dsv4NewRows rows;
   rows.first = s.pool.pooled_rows;
   if (L.ratio > 0) feed_pool(L.pool, s.pool, pos0, n, x, &rows.pool);
@@ -436,15 +454,43 @@ Status Dsv4CacheProgram::feed(int64_t layer, int64_t pos0, int64_t n, const uint
   return Status::ok();
 }
 
-Dsv4PoolArrays Dsv4CacheProgram::pool_arrays(const Dsv4ProgramCompressor& c,
-                                             const PoolState& s) const {
-  const int64_t D = c.out_dim, r = c.ratio, rem = sched_.tokens % r;
+Dsv4PoolArrays Dsv4CacheProgram::pending_rows(const Dsv4ProgramCompressor& c, const PoolState& s,
+                                              int64_t fed) const {
+  const int64_t D = c.out_dim, r = c.ratio, rem = fed % r;
   Dsv4PoolArrays a;
   a.buf_kv = Tensor(DType::kBF16, {1, rem, D});
   a.buf_gate = Tensor(DType::kBF16, {1, rem, D});
-  const int64_t start = (sched_.tokens - rem - s.raw_base) * D;
+  const int64_t start = (fed - rem - s.raw_base) * D;
   std::memcpy(a.buf_kv.bytes.data(), s.raw_kv.data() + start, static_cast<size_t>(rem * D * 2));
   std::memcpy(a.buf_gate.bytes.data(), s.raw_gate.data() + start, static_cast<size_t>(rem * D * 2));
+  a.pooled = Tensor(DType::kBF16, {1, 0, c.head_dim});
+  return a;
+}
+
+Result<Dsv4LayerArrays> Dsv4CacheProgram::boundary_layer(int64_t layer) const {
+  HETERO_RETURN_IF_ERROR(check_dsv4_layer(layer, w_->layout.layers));
+  const LayerState& s = state_[static_cast<size_t>(layer)];
+  if (s.fed <= start_ || s.fed >= sched_.tokens)
+    return failed_precondition("layer " + std::to_string(layer) + ": no boundary at row " +
+                               std::to_string(s.fed));
+  const Dsv4ProgramLayer& L = w_->layers[static_cast<size_t>(layer)];
+  const int64_t hd = w_->layout.head_dim;
+  Dsv4LayerArrays a;
+  a.ratio = L.ratio;
+  const auto S = static_cast<int64_t>(s.recent.size()) / hd;
+  if (S != std::min(s.fed, w_->window))  // a tail's first feed must reach its window
+    return failed_precondition("layer " + std::to_string(layer) + " holds " + std::to_string(S) +
+                               " window rows at row " + std::to_string(s.fed));
+  a.window = Tensor(DType::kBF16, {1, 1, S, hd});
+  std::memcpy(a.window.bytes.data(), s.recent.data(), s.recent.size() * 2);
+  if (L.ratio > 0) a.pool = pending_rows(L.pool, s.pool, s.fed);
+  if (L.has_index) a.index = pending_rows(L.index, s.index, s.fed);
+  return a;
+}
+
+Dsv4PoolArrays Dsv4CacheProgram::pool_arrays(const Dsv4ProgramCompressor& c,
+                                             const PoolState& s) const {
+  Dsv4PoolArrays a = pending_rows(c, s, sched_.tokens);
   a.pooled =
       Tensor(DType::kBF16, {1, static_cast<int64_t>(s.pooled.size()) / c.head_dim, c.head_dim});
   std::memcpy(a.pooled.bytes.data(), s.pooled.data(), s.pooled.size() * 2);

@@ -148,6 +148,12 @@ class Dsv4CacheProgram {
   Status feed(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x, Dsv4NewRows* out);
   // After all T rows of the layer arrived: its window and buffers (and every pooled row).
   Result<Dsv4LayerArrays> finish_layer(int64_t layer);
+  // The layer's state at the end b < T of the rows fed so far, for a stream that breaks there
+  // (partial salvage): the window's last min(b, window) rows in temporal order, whose slot index
+  // is their count, and the compressors' pending rows (no pooled rows). The decoder goes on from
+  // that window exactly as from the one its own calls leave (docs/design/cache-program-dsv4.md,
+  // "State at a boundary"); a call from b needs no overlap rows before b.
+  Result<Dsv4LayerArrays> boundary_layer(int64_t layer) const;
 
  private:
   struct PoolState {
@@ -159,8 +165,12 @@ class Dsv4CacheProgram {
   struct LayerState {
     int64_t fed = 0;
     std::vector<uint16_t> window_rows;  // head_dim wide, one per needed position
+    std::vector<uint16_t> recent;       // the last min(fed, window) rows, temporal
     PoolState pool, index;
   };
+  // The pending rows [fed - fed % ratio, fed) of a compressor, as buffers.
+  Dsv4PoolArrays pending_rows(const Dsv4ProgramCompressor& c, const PoolState& s,
+                              int64_t fed) const;
   void feed_pool(const Dsv4ProgramCompressor& c, PoolState& s, int64_t pos0, int64_t n,
                  const uint16_t* x, std::vector<uint16_t>* new_rows);
   Dsv4PoolArrays pool_arrays(const Dsv4ProgramCompressor& c, const PoolState& s) const;

@@ -17,9 +17,10 @@ Tensor rows_tensor(const std::vector<uint16_t>& rows, int64_t width) {
   return t;
 }
 
-// The arrays a segment [pos0, pos0+n) carries, with their shapes, in order.
+// The arrays a segment [pos0, pos0+n) carries, with their shapes, in order: the pooled rows, and
+// with_state (always at T) the state at its end.
 std::vector<std::pair<std::string, std::vector<int64_t>>> expected_arrays(
-    const DecoderCacheLayout& l, int64_t pos0, int64_t n, int64_t T) {
+    const DecoderCacheLayout& l, int64_t pos0, int64_t n, int64_t T, bool with_state) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
   const int64_t end = pos0 + n;
   for (int64_t i = 0; i < l.layers; ++i) {
@@ -29,17 +30,17 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_arrays(
     out.push_back({layer_name(i, "pool.pooled"), {1, rows, l.head_dim}});
     if (r == 4) out.push_back({layer_name(i, "index.pooled"), {1, rows, l.index_head_dim}});
   }
-  if (end != T) return out;
+  if (end != T && !with_state) return out;
   for (int64_t i = 0; i < l.layers; ++i) {
     const int64_t r = l.ratios[static_cast<size_t>(i)];
     out.push_back({layer_name(i, "window"), {1, 1, -1, l.head_dim}});
     if (r == 0) continue;
     const int64_t width = r == 4 ? 2 * l.head_dim : l.head_dim;
-    out.push_back({layer_name(i, "pool.buf_kv"), {1, T % r, width}});
-    out.push_back({layer_name(i, "pool.buf_gate"), {1, T % r, width}});
+    out.push_back({layer_name(i, "pool.buf_kv"), {1, end % r, width}});
+    out.push_back({layer_name(i, "pool.buf_gate"), {1, end % r, width}});
     if (r != 4) continue;
-    out.push_back({layer_name(i, "index.buf_kv"), {1, T % 4, 2 * l.index_head_dim}});
-    out.push_back({layer_name(i, "index.buf_gate"), {1, T % 4, 2 * l.index_head_dim}});
+    out.push_back({layer_name(i, "index.buf_kv"), {1, end % 4, 2 * l.index_head_dim}});
+    out.push_back({layer_name(i, "index.buf_gate"), {1, end % 4, 2 * l.index_head_dim}});
   }
   out.push_back({"window_idx", {1}});
   return out;
@@ -82,13 +83,31 @@ Status Dsv4SegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uin
   Dsv4NewRows rows;
   HETERO_RETURN_IF_ERROR(program_.feed(layer, pos0, n, x, &rows));
   dsv4_feed_arrays(*weights_, layer, std::move(rows), arrays);
+  if (pos0 + n < program_.tokens()) {
+    HETERO_ASSIGN_OR_RETURN(Dsv4LayerArrays state, program_.boundary_layer(layer));
+    auto& at = at_boundary_[pos0 + n];
+    at.resize(static_cast<size_t>(weights_->layout.layers));
+    at[static_cast<size_t>(layer)] = std::move(state);
+  }
   return Status::ok();
 }
 
 Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) {
-  if (pos0 + n != program_.tokens()) return Status::ok();
+  const int64_t end = pos0 + n;
+  if (end == program_.tokens())
+    return dsv4_close_arrays(
+        *weights_, program_.window_idx(), [this](int64_t l) { return program_.finish_layer(l); },
+        arrays);
+  auto it = at_boundary_.find(end);
+  if (it == at_boundary_.end()) return internal_error("no state at row " + std::to_string(end));
+  std::vector<Dsv4LayerArrays> state = std::move(it->second);
+  at_boundary_.erase(it);
+  // The window's rows in temporal order: its slot index is their count.
   return dsv4_close_arrays(
-      *weights_, program_.window_idx(), [this](int64_t l) { return program_.finish_layer(l); },
+      *weights_, std::min(end, weights_->window),
+      [&state](int64_t l) -> Result<Dsv4LayerArrays> {
+        return std::move(state[static_cast<size_t>(l)]);
+      },
       arrays);
 }
 
@@ -106,7 +125,7 @@ nlohmann::json Dsv4Assembler::entry_extra() const {
 int64_t Dsv4Assembler::max_segment_bytes() const {
   int64_t bytes = 0;  // the one segment [start, T): every pooled row, the window at its longest
   for (const auto& [name, shape] :
-       expected_arrays(layout_, start_, requested_ - start_, requested_)) {
+       expected_arrays(layout_, start_, requested_ - start_, requested_, true)) {
     int64_t n = name == "window_idx" ? 8 : 2;
     for (int64_t d : shape) n *= d == -1 ? requested_ : d;
     bytes += n;
@@ -116,11 +135,14 @@ int64_t Dsv4Assembler::max_segment_bytes() const {
 
 Status Dsv4Assembler::accept(const Segment& s) {
   HETERO_RETURN_IF_ERROR(check_segment_order(layout_, requested_, covered_, segments_, s));
-  const auto want = expected_arrays(layout_, s.pos0, s.n_tokens, requested_);
+  const int64_t end = s.pos0 + s.n_tokens;
+  // Before T a segment may carry the state at its end, or not (a program that makes none).
+  auto want = expected_arrays(layout_, s.pos0, s.n_tokens, requested_, true);
+  if (end != requested_ && s.arrays.size() != want.size())
+    want = expected_arrays(layout_, s.pos0, s.n_tokens, requested_, false);
   if (s.arrays.size() != want.size())
     return data_loss("segment has " + std::to_string(s.arrays.size()) + " arrays, expected " +
                      std::to_string(want.size()));
-  const int64_t T = requested_;
   int64_t window_rows = -1, idx = -1;
   for (size_t k = 0; k < want.size(); ++k) {
     const WireArray& a = s.arrays[k];
@@ -134,14 +156,14 @@ Status Dsv4Assembler::accept(const Segment& s) {
       continue;
     }
     std::vector<int64_t> expect = shape;
-    if (expect[2] == -1) {  // window rows: the same S in every layer, min(T, window) <= S <= T
+    if (expect[2] == -1) {  // window rows: the same S in every layer, min(b, window) <= S <= b
       if (a.tensor.shape.size() != 4)
         return data_loss("'" + name + "' is " + a.tensor.shape_string() + ", not 4-D");
       const int64_t S = a.tensor.shape[2];
       if (window_rows < 0) window_rows = S;
-      if (S != window_rows || S < std::min(T, layout_.window) || S > T)
-        return data_loss("'" + name + "' holds " + std::to_string(S) + " rows; T=" +
-                         std::to_string(T) + ", window " + std::to_string(layout_.window));
+      if (S != window_rows || S < std::min(end, layout_.window) || S > end)
+        return data_loss("'" + name + "' holds " + std::to_string(S) + " rows at row " +
+                         std::to_string(end) + ", window " + std::to_string(layout_.window));
       expect[2] = S;
     }
     if (a.tensor.dtype != DType::kBF16 || a.tensor.shape != expect)
@@ -151,7 +173,8 @@ Status Dsv4Assembler::accept(const Segment& s) {
   if (idx >= 0 && (idx > window_rows || idx < 0))
     return data_loss("window_idx " + std::to_string(idx) + " outside the window's " +
                      std::to_string(window_rows) + " rows");
-  // Everything checked: keep it.
+  // Everything checked: keep it (a state replaces the one before it).
+  if (idx >= 0) tail_.clear();
   for (const WireArray& a : s.arrays) {
     if (a.name == "window_idx") continue;
     if (a.name.size() > 7 && a.name.compare(a.name.size() - 7, 7, ".pooled") == 0) {
@@ -162,7 +185,7 @@ Status Dsv4Assembler::accept(const Segment& s) {
       tail_[a.name] = a.owned();
     }
   }
-  if (idx >= 0) window_idx_ = idx;
+  if (idx >= 0) window_idx_ = idx, state_at_ = end;
   covered_ += s.n_tokens;
   ++segments_;
   return Status::ok();

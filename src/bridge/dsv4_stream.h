@@ -1,9 +1,12 @@
 // DeepSeek-V4 on the wire. Segments follow the prefill's chunk boundaries; each carries the
 // compressed rows its range completed, per compressed layer (`layers.{i}.pool.pooled` and, at
-// ratio 4, `layers.{i}.index.pooled`, bf16 [1, rows, head_dim]); the last one also carries the
-// end-of-prefix state: per layer `layers.{i}.window` [1, 1, S, head_dim] in the decoder's slot
-// order, the compressors' `buf_kv` / `buf_gate` [1, T mod r, out_dim], and `window_idx` (i64
-// [1]). Only the whole request can be mounted: the window and buffers exist for T alone.
+// ratio 4, `layers.{i}.index.pooled`, bf16 [1, rows, head_dim]), then the state at its end b:
+// per layer `layers.{i}.window` [1, 1, S, head_dim], the compressors' `buf_kv` / `buf_gate`
+// [1, b mod r, out_dim], and `window_idx` (i64 [1]). At T the window is in the decoder's slot
+// order for its calls; at an earlier b it is the last min(b, window) rows in temporal order
+// (Dsv4CacheProgram::boundary_layer), from which the decoder goes on as from its own, so a
+// stream that breaks mounts its longest verified prefix. A program that makes no state before T
+// (the GPU ones) sends the pooled rows alone there, and only the whole request can be mounted.
 // Names and shapes are those of the decoder store (python/hetero_mlx/dsv4.py).
 #pragma once
 
@@ -46,6 +49,8 @@ class Dsv4SegmentProgram : public SegmentProgram {
  private:
   const Dsv4DecoderWeights* weights_;
   Dsv4CacheProgram program_;
+  // Each layer's state at a boundary b < T, from its run() until the segment closes.
+  std::map<int64_t, std::vector<Dsv4LayerArrays>> at_boundary_;
 };
 
 // start > 0: a tail, rows [start, T) of the decoder's cache of ids[:start]; its pooled arrays
@@ -59,15 +64,19 @@ class Dsv4Assembler : public Assembler {
   int64_t covered_tokens() const override { return covered_; }
   int64_t segments() const override { return segments_; }
   int64_t max_segment_bytes() const override;
-  bool can_mount(int64_t b) const override { return b == requested_ && covered_ == requested_; }
+  // The longest verified prefix, when its last segment carried the state at its end.
+  bool can_mount(int64_t b) const override {
+    return b > start_ && b == covered_ && state_at_ == covered_;
+  }
   TensorMap arrays(int64_t b) const override;
   nlohmann::json entry_extra() const override;
 
  private:
   DecoderCacheLayout layout_;
   int64_t requested_, start_, covered_, segments_ = 0, window_idx_ = 0;
+  int64_t state_at_ = -1;                                // where tail_'s state is from
   std::map<std::string, std::vector<uint16_t>> pooled_;  // by array name
-  TensorMap tail_;                                       // window and buffers (last segment)
+  TensorMap tail_;  // window and buffers at state_at_ (the last segment that carried them)
 };
 
 }  // namespace hetero

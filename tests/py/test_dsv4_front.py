@@ -6,8 +6,9 @@ A bridged chat request must come back with verdict `complete`, B = T - 1, and th
 accounting (`usage.prompt_tokens_details.cached_tokens`) must show that only the last token was
 processed. The answer must equal the decoder's native answer to the same request, computed
 cold. A prefill host whose export disagrees with its checkpoint (a wrong YaRN factor) must be
-refused before it serves. A failed DeepSeek-V4 bridge must be declined with its reason and
-still return the native answer, never a partial mount.
+refused before it serves. A stream that breaks mounts its longest verified prefix (the state at
+each segment's end travels with it) and the answer is the decoder's own; one that breaks too
+early is declined with its reason, and the answer is still the decoder's.
 
 Needs HETERO_DSV4_MODEL (models/dsv4-tiny) and build/hetero.
 """
@@ -107,18 +108,35 @@ def test_front_bridges_deepseek_v4_complete(dsv4, chunk) -> None:
     assert answer(reply) == answer(native), (answer(reply), answer(native))
 
 
-def test_failed_bridge_is_declined_not_partial(dsv4) -> None:
-    # The prefill host stops after two segments: the window and buffers never arrive, so no
-    # prefix can be mounted; the reply is the native answer with the reason.
-    front = dsv4.front(dsv4.prefill(chunk=16, model=DSV4 / "fp8", fault="truncate-after:2",
+# A stream that breaks after its second segment (chunks of 64: two of the decoder's 32-token
+# calls each) mounts the first 128 rows with the state at their end; the decoder goes on natively
+# from there, in its calls from row 128, which are those of its own cold run of the prompt (its
+# steps count from 128, a multiple of 32). So the answer must be the decoder's own, cold.
+@pytest.mark.parametrize("fault", ["truncate-after:2", "corrupt:2", "exit-after:2"])
+def test_broken_stream_mounts_its_longest_verified_prefix(dsv4, fault) -> None:
+    front = dsv4.front(dsv4.prefill(chunk=64, model=DSV4 / "fp8", fault=fault, fresh=True).port,
+                       **{"partial-min-fraction": 0.05})
+    body = served(dsv4, text("dsv4-broken", 120))
+    native = dsv4.native(body)
+    r = post_front(front, body)
+    assert r.status_code == 200, r.text
+    v = verdict_of(r.headers)
+    T = r.json()["usage"]["prompt_tokens"]
+    assert v["verdict"] == f"partial 128/{T}" and v["B"] == 128, v
+    assert v["confirmed"] and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    assert answer(r.json()) == answer(native), (answer(r.json()), answer(native))
+
+
+def test_a_break_before_the_partial_minimum_is_declined(dsv4) -> None:
+    # One segment of ~170 rows is under --partial-min-fraction 0.5: the native answer, and why.
+    front = dsv4.front(dsv4.prefill(chunk=64, model=DSV4 / "fp8", fault="truncate-after:1",
                                     fresh=True).port)
     body = served(dsv4, text("dsv4-truncated", 120))
     native = dsv4.native(body)
     r = post_front(front, body)
     assert r.status_code == 200, r.text
     v = verdict_of(r.headers)
-    assert v["verdict"].startswith("declined"), v
-    assert "cannot be mounted partially" in v.get("reason", v["verdict"]), v
+    assert v["verdict"].startswith("declined") and "(verified 64/" in v["verdict"], v
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert answer(r.json()) == answer(native)
 

@@ -182,5 +182,53 @@ TEST(Dsv4Stream, MalformedSegmentsAreRefused) {
   }
 }
 
+// A stream that breaks after a segment mounts the rows up to that segment's end b: the pooled
+// rows the decoder's calls up to b make, its pending rows, and the window's last rows up to b in
+// temporal order (slot index = their count), from which the decoder goes on as from its own.
+TEST(Dsv4Stream, ABrokenStreamMountsItsLongestVerifiedPrefix) {
+  const auto w = random_dsv4_weights();  // an 8-row window
+  const int64_t T = 301, chunk = 50;
+  const std::vector<int64_t> calls = dsv4_server_calls(T, 50);  // calls end at the chunks' ends
+  std::vector<std::vector<uint16_t>> xs;
+  for (uint32_t l = 0; l < 3; ++l) xs.push_back(random_dsv4_x(T, w.layout.hidden, 60 + l));
+  const auto s = stream(w, xs, T, chunk, calls);
+  ASSERT_EQ(s.frames.size(), 8u);  // 7 segments and the manifest
+  for (int64_t kept : {1, 3, 6}) {
+    const int64_t b = kept * chunk;
+    SCOPED_TRACE("b = " + std::to_string(b));
+    Dsv4Assembler a(w.layout, T);
+    ASSERT_TRUE(assemble({s.frames.begin(), s.frames.begin() + kept}, &a).is_ok());
+    EXPECT_EQ(a.covered_tokens(), b);
+    ASSERT_TRUE(a.can_mount(b));
+    EXPECT_FALSE(a.can_mount(b - 1));
+    EXPECT_EQ(a.entry_extra()["window_idx"].get<int64_t>(), std::min<int64_t>(b, w.window));
+    const TensorMap got = a.arrays(b);
+    // The truth: the decoder's calls cut at b, and its window's rows from one call over [0, b).
+    const std::vector<int64_t> cut(calls.begin(), calls.begin() + kept);
+    Dsv4CacheProgram upto(&w, cut), one(&w, {b});
+    for (int64_t l = 0; l < 3; ++l) {
+      const uint16_t* x = xs[static_cast<size_t>(l)].data();
+      ASSERT_TRUE(upto.feed(l, 0, b, x, nullptr).is_ok());
+      ASSERT_TRUE(one.feed(l, 0, b, x, nullptr).is_ok());
+      auto want = upto.finish_layer(l);
+      auto rows = one.finish_layer(l);
+      ASSERT_TRUE(want.is_ok() && rows.is_ok());
+      const std::string p = "layers." + std::to_string(l) + ".";
+      const Tensor& win = got.at(p + "window");
+      const int64_t S = std::min<int64_t>(b, w.window), hd = w.layout.head_dim;
+      ASSERT_EQ(win.shape, (std::vector<int64_t>{1, 1, S, hd}));
+      EXPECT_TRUE(std::equal(win.bytes.begin(), win.bytes.end(),
+                             rows->window.bytes.end() - static_cast<std::ptrdiff_t>(S * hd * 2)));
+      if (want->ratio == 0) continue;
+      EXPECT_EQ(got.at(p + "pool.pooled").bytes, want->pool.pooled.bytes);
+      EXPECT_EQ(got.at(p + "pool.buf_kv").bytes, want->pool.buf_kv.bytes);
+      EXPECT_EQ(got.at(p + "pool.buf_gate").bytes, want->pool.buf_gate.bytes);
+      if (want->ratio != 4) continue;
+      EXPECT_EQ(got.at(p + "index.pooled").bytes, want->index.pooled.bytes);
+      EXPECT_EQ(got.at(p + "index.buf_kv").bytes, want->index.buf_kv.bytes);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace hetero

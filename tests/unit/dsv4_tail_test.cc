@@ -63,8 +63,7 @@ TEST(Dsv4Tail, AResumedProgramMakesTheWholeRunsArrays) {
       ASSERT_TRUE(first.feed(l, 0, C, x, nullptr).is_ok());
     }
     // A tail program takes no row before it resumed.
-    EXPECT_EQ(tail.feed(0, C, 1, xs[0].data() + C * H, nullptr).code(),
-              Code::kFailedPrecondition);
+    EXPECT_EQ(tail.feed(0, C, 1, xs[0].data() + C * H, nullptr).code(), Code::kFailedPrecondition);
     auto cp = first.checkpoint();
     ASSERT_TRUE(cp.is_ok()) << cp.status().to_string();
     EXPECT_EQ(cp.value()->tokens(), C);
@@ -86,7 +85,8 @@ TEST(Dsv4Tail, AResumedProgramMakesTheWholeRunsArrays) {
       EXPECT_EQ(got->window.bytes, want->window.bytes);
       if (want->ratio == 0) continue;
       const int64_t r = want->ratio;
-      for (auto [g, e] : {std::pair{&got->pool, &want->pool}, std::pair{&got->index, &want->index}}) {
+      for (auto [g, e] :
+           {std::pair{&got->pool, &want->pool}, std::pair{&got->index, &want->index}}) {
         if (r != 4 && g == &got->index) continue;
         EXPECT_EQ(g->buf_kv.bytes, e->buf_kv.bytes);
         EXPECT_EQ(g->buf_gate.bytes, e->buf_gate.bytes);
@@ -143,7 +143,7 @@ TEST(Dsv4Tail, ARestoredCpuEngineGoesOnBitForBit) {
   const auto tap = [&](const TapEvent& e) {
     if (e.x_bf16)
       got[static_cast<size_t>(e.layer)].insert(got[static_cast<size_t>(e.layer)].end(), e.x_bf16,
-                                                e.x_bf16 + e.n_tokens * e.hidden);
+                                               e.x_bf16 + e.n_tokens * e.hidden);
   };
   ASSERT_TRUE(engine.prefill_chunk({ids.begin() + C, ids.begin() + C + 50}, tap).is_ok());
   EXPECT_EQ(engine.set_decoder_calls(tail).code(), Code::kFailedPrecondition);
