@@ -37,7 +37,7 @@ class Assembler {
   // once): the receiver's cap on a frame, so no peer can make it reserve more on its word.
   virtual int64_t max_segment_bytes() const = 0;
   // Whether a prefix of b verified tokens can be mounted (llama: any b <= covered; a family
-  // whose cache carries end-of-prefix state: only the whole request once it arrived).
+  // whose cache carries end-of-prefix state: a b whose segment carried it).
   virtual bool can_mount(int64_t b) const = 0;
   // The store arrays for the prefix [0, b) (can_mount(b) must hold).
   virtual TensorMap arrays(int64_t b) const = 0;

@@ -105,8 +105,10 @@ void configure_service(PrefillService* service, const PrefillStack& stack,
   service->set_capture(stack.capture);
   service->set_arith(stack.arith);
   if (stack.gpu_memory) service->set_gpu_memory(stack.gpu_memory);
-  // Only a llama prefix mounts shorter than the request (a deepseek_v4 one needs the window and
-  // buffers at its end, which its stream carries only at T).
+  // The floor seals at a chunk the engine's reserve() refuses: llama's engines reserve. A
+  // deepseek_v4 stream from the CPU program carries the state at every segment's end, so a
+  // broken one mounts partially, but its CPU engine reserves nothing to refuse and its GPU
+  // programs make no state before T: for it the floor stays off (a request is refused whole).
   service->set_memory_floor(backend.memory_floor == "seal" && stack.family == "llama");
   service->set_state_cache(backend.prefix_cache_block, backend.prefix_cache_bytes);
   service->set_queue(backend.queue);

@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "bridge/decoder_weights.h"
+
 namespace hetero {
 namespace {
 
@@ -47,6 +49,35 @@ TEST(PrefillRequest, RefusesWhatCannotBeServed) {
   EXPECT_NE(wraps.message().find("cover more than"), std::string::npos) << wraps.message();
   EXPECT_EQ(parse(R"({"ids": [1, 2], "fingerprint": "fp", "decoder_calls": [1]})").code(),
             Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace hetero
+
+namespace hetero {
+namespace {
+
+// The decoder's calls as its /hetero/info describes them (mlx-vlm's APC): steps counted from
+// where the prefill starts, cut at its interval checkpoints, of which it keeps only the latest
+// checkpoint_entries - 1 (none when it keeps one entry).
+TEST(DecoderCalls, StepsFromTheStartCutAtTheIntervalCheckpoints) {
+  nlohmann::json info = {
+      {"prefill", {{"step", 32}, {"checkpoint_interval", 64}, {"last_alone", false}}}};
+  using V = std::vector<int64_t>;
+  EXPECT_EQ(decoder_calls_from_info(info, 200), (V{32, 32, 32, 32, 32, 32, 8}));
+  EXPECT_EQ(decoder_calls_from_info(info, 200, 50), (V{14, 32, 32, 32, 32, 8}));
+  info["prefill"]["checkpoint_entries"] = 2;  // only the checkpoint at 192 before 200
+  EXPECT_EQ(decoder_calls_from_info(info, 200, 50), (V{32, 32, 32, 32, 14, 8}));
+  info["prefill"]["checkpoint_entries"] = 0;  // one entry: the prompt's own, no interval cuts
+  EXPECT_EQ(decoder_calls_from_info(info, 200, 50), (V{32, 32, 32, 32, 22}));
+  info["prefill"]["last_alone"] = true;
+  EXPECT_EQ(decoder_calls_from_info(info, 40), (V{32, 7, 1}));
+  info["prefill"]["min_tokens"] = 100;
+  info["prefill"]["step"] = 50;
+  info["prefill"].erase("checkpoint_entries");  // every multiple of 64 from 100 on: 128, 192
+  EXPECT_EQ(decoder_calls_from_info(info, 200, 0), (V{50, 50, 28, 50, 14, 7, 1}));
+  EXPECT_EQ(decoder_calls_from_info(info, 200, 200), V{});  // nothing to run
+  EXPECT_EQ(decoder_calls_from_info(nlohmann::json::object(), 200), V{});
 }
 
 }  // namespace
