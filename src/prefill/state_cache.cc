@@ -172,14 +172,4 @@ std::shared_ptr<const PrefixCheckpoints::Entry> PrefixCheckpoints::find(
   return nullptr;
 }
 
-int64_t PrefixCheckpoints::bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return bytes_;
-}
-
-int64_t PrefixCheckpoints::entries() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(held_.size());
-}
-
 }  // namespace hetero

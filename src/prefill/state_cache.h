@@ -81,8 +81,6 @@ class PrefixCheckpoints {
            std::shared_ptr<const Checkpoint> program);
   // The entry of exactly ids[0, n), or null.
   std::shared_ptr<const Entry> find(const std::vector<int32_t>& ids, int64_t n);
-  int64_t bytes() const;
-  int64_t entries() const;
 
  private:
   struct Held {
@@ -90,7 +88,7 @@ class PrefixCheckpoints {
     uint64_t used = 0;
   };
   int64_t max_bytes_;
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::vector<Held> held_;  // few, and large: found by a scan
   int64_t bytes_ = 0;
   uint64_t tick_ = 0;

@@ -318,6 +318,16 @@ def post_front(front: Proc, body, path: str = "/v1/chat/completions", mode: str 
     return requests.post(Stack.url(front.port, path), data=data, headers=headers, timeout=timeout)
 
 
+def warm_turn(decoder: "Decoder", front: Proc, body: dict) -> tuple:
+    """One turn of a conversation through the front door: (its ids, what the decoder held of
+    them before, the reply, its verdict)."""
+    ids = decoder.post("/hetero/tokenize", body)["ids"]
+    held = decoder.cached(ids)
+    r = post_front(front, body)
+    assert r.status_code == 200, r.text
+    return ids, held, r, verdict_of(r.headers)
+
+
 def cached_tokens(reply: dict) -> int:
     return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 

@@ -23,7 +23,7 @@ import pytest
 
 requests = pytest.importorskip("requests")
 
-from frontstack import Decoder  # noqa: E402
+from frontstack import Decoder, warm_turn  # noqa: E402
 from test_front import (  # noqa: E402
     ENV,
     HETERO,
@@ -196,15 +196,10 @@ def test_warm_turns_bridge_only_their_tail_and_answer_as_the_decoder(dsv4) -> No
     front = dsv4.front(dsv4.prefill(chunk=64, model=DSV4 / "fp8", fresh=True).port,
                        **{"bridge-min-tail": 16})
     decoder.clear()
-    messages, row_bytes = [], []
+    messages = []
     for k in range(turns):
         messages.append({"role": "user", "content": turn_text(k)})
-        body = body_of(messages)
-        ids = decoder.post("/hetero/tokenize", body)["ids"]
-        held = decoder.cached(ids)
-        r = post_front(front, body)
-        assert r.status_code == 200, r.text
-        v = verdict_of(r.headers)
+        ids, held, r, v = warm_turn(decoder, front, body_of(messages))
         T, B = len(ids), len(ids) - 1
         print("turn", k + 1, json.dumps({"T": T, "held": held, "verdict": v["verdict"],
                                          "start": v.get("start", 0), "computed": v.get("computed"),
@@ -217,7 +212,6 @@ def test_warm_turns_bridge_only_their_tail_and_answer_as_the_decoder(dsv4) -> No
             # The decoder holds the previous prompt (its checkpoint); only the tail is computed.
             assert held > 0 and v["start"] == held and v["computed"] == B - held, (held, v)
             assert "reason" not in v, v  # not the whole prefix after a refused tail
-            row_bytes.append(v["bytes"])
         assert answer(r.json()) == native[k], (k, v)
         messages.append({"role": "assistant", "content": answer(r.json())})
 

@@ -15,7 +15,7 @@ import json
 
 import pytest
 from frontstack import (MODEL_NAME, TINY, Decoder, answer, cached_tokens, post_front,
-                        running_stack, text, verdict_of)
+                        running_stack, text, verdict_of, warm_turn)
 
 ROW_BYTES = 256  # the tiny model's cache per token
 TURNS = 8
@@ -54,12 +54,7 @@ def test_every_later_turn_bridges_only_its_tail_and_answers_as_the_decoder(tiny)
     messages, rows = [], []
     for k in range(TURNS):
         messages.append({"role": "user", "content": turn_text(k)})
-        body = body_of(messages)
-        ids = decoder.post("/hetero/tokenize", body)["ids"]
-        held = decoder.cached(ids)
-        r = post_front(front, body)
-        assert r.status_code == 200, r.text
-        v = verdict_of(r.headers)
+        ids, held, r, v = warm_turn(decoder, front, body_of(messages))
         T, B = len(ids), len(ids) - 1
         rows.append({"turn": k + 1, "T": T, "held": held, "start": v.get("start", 0),
                      "computed": v.get("computed"), "bytes": v["bytes"], "verdict": v["verdict"]})
