@@ -21,13 +21,11 @@ using nlohmann::json;
 
 namespace {
 
-std::string error_body(const Status& s) {
-  return json{{"error",
-               {{
-                    "code",
-                    code_name(s.code()),
-                },
-                {"message", s.message()}}}}
+// code: the refusal's own name where the caller acts on it ("queue_full",
+// "prefix_state_missing"); empty: the status code's.
+std::string error_body(const Status& s, const std::string& code = "") {
+  return json{
+      {"error", {{"code", code.empty() ? code_name(s.code()) : code}, {"message", s.message()}}}}
       .dump();
 }
 
@@ -465,121 +463,117 @@ Status PrefillService::start(const std::string& host, int port) {
     }
     res.set_content(j.dump(), "application/json");
   }));
-  server_->Post(
-      "/v1/prefill", guard_->handler([this](const httplib::Request& req, httplib::Response& res) {
-        if (!bearer_matches(req.get_header_value(kAuthHeader), secret_)) {
-          res.status = 401;
-          res.set_header("WWW-Authenticate", "Bearer");
-          res.set_content(R"({"error":{"code":"unauthorized","message":"POST /v1/prefill needs )"
-                          R"(Authorization: Bearer <secret>"}})",
-                          "application/json");
-          return;
-        }
-        auto parsed = parse_prefill_request(req.body, engine_->vocab(), layout_, max_tokens_);
-        if (!parsed.is_ok()) {
-          res.status = http_status_for(parsed.status());
-          res.set_content(error_body(parsed.status()), "application/json");
-          return;
-        }
-        auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
-        // With the stack's secret, every frame leaves with its tag (frame_tag.h), keyed by the
-        // caller's nonce: the decode side then knows the stream came from a holder of the secret.
-        std::shared_ptr<const FrameTagger> tags;
-        if (!secret_.empty()) {
-          if (request->stream_nonce.empty()) {
-            const Status st = invalid_argument(
-                "this prefill host tags its frames with the stack's secret: the request needs a "
-                "'stream_nonce'");
-            res.status = http_status_for(st);
-            res.set_content(error_body(st), "application/json");
-            return;
-          }
-          tags = std::make_shared<const FrameTagger>(secret_, request->stream_nonce);
-          res.set_header(kFrameTagsHeader, kFrameTagsScheme);
-        }
-        // Admission, before any byte of the response: this request's turn, then its memory. A
-        // refusal answers with an error body and gives the turn to the next request.
-        // A client that hung up (ConnectionGuard sees its socket's hang-up) leaves the queue or
-        // cancels the stream.
-        auto cancelled = std::make_shared<std::atomic<bool>>(false);
-        std::function<bool()> receiver_gone = [guard = guard_.get(), addr = req.remote_addr,
-                                               port = req.remote_port, cancelled] {
-          if (!cancelled->load() && guard->client_gone(addr, port)) cancelled->store(true);
-          return cancelled->load();
-        };
-        const Turn turn = take_turn(receiver_gone);
-        if (!turn.status.is_ok()) {
-          res.status = http_status_for(turn.status);
-          json body = json::parse(error_body(turn.status));
-          if (turn.retry_after_s > 0) {
-            res.set_header("Retry-After", std::to_string(turn.retry_after_s));
-            body["error"]["code"] = "queue_full";
-          }
-          res.set_content(body.dump(), "application/json");
-          return;
-        }
-        res.set_header(kQueuedMsHeader, std::to_string(turn.waited_ms));
-        auto admission = std::make_shared<Admission>();
-        if (Status admitted = admit(*request, admission.get()); !admitted.is_ok()) {
-          give_turn();
-          res.status = http_status_for(admitted);
-          json body = json::parse(error_body(admitted));
-          if (admission->missing_state) body["error"]["code"] = "prefix_state_missing";
-          res.set_content(body.dump(), "application/json");
-          return;
-        }
-        // The prefill runs on its own thread, which gives the turn back when it ends; this handler
-        // thread writes frames as they come.
-        auto frames = std::make_shared<BoundedQueue<std::string>>(4);
-        auto buffers = buffers_;
-        auto worker = std::make_shared<std::thread>(
-            [this, frames, cancelled, request, admission, receiver_gone] {
-              run_admitted(
-                  *request, *admission,
-                  [frames, cancelled](std::string f) {
-                    return !cancelled->load() && frames->push(std::move(f));
-                  },
-                  receiver_gone, /*may_yield=*/true);
-              frames->close();
-            });
-        const FaultSpec fault = fault_;
-        auto stopping = stopping_;
-        res.set_chunked_content_provider(
-            "application/x-hetero-segments",
-            [frames, cancelled, fault, stopping, buffers, tags, receiver_gone](
-                size_t, httplib::DataSink& sink) {
-              int64_t i = 0;
-              uint64_t sent = 0;  // the frame's place in the stream: its tag's key
-              while (auto f = frames->pop()) {
-                if (!fault.kind.empty()) {
-                  if (fault.kind == "exit-after" && i == fault.n) _exit(3);
-                  if (fault.kind == "truncate-after" && i == fault.n) break;
-                  if (fault.kind == "stall-after" && i == fault.n) {
-                    while (!receiver_gone())  // until the receiver hangs up
-                      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-                    return false;
-                  }
-                  if (!apply_fault(fault, i++, &*f)) continue;
-                }
-                FrameTag tag{};
-                if (tags) tag = tags->tag(sent++, f->data(), f->size());
-                if (!sink.write(f->data(), f->size()) ||
-                    (tags && !sink.write(reinterpret_cast<const char*>(tag.data()), tag.size()))) {
-                  cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
-                  frames->close();
-                  return false;
-                }
-                buffers->give(std::move(*f));  // sent: its memory frames a later segment
+  server_->Post("/v1/prefill", guard_->handler([this](const httplib::Request& req,
+                                                      httplib::Response& res) {
+    if (!bearer_matches(req.get_header_value(kAuthHeader), secret_)) {
+      res.status = 401;
+      res.set_header("WWW-Authenticate", "Bearer");
+      res.set_content(R"({"error":{"code":"unauthorized","message":"POST /v1/prefill needs )"
+                      R"(Authorization: Bearer <secret>"}})",
+                      "application/json");
+      return;
+    }
+    auto parsed = parse_prefill_request(req.body, engine_->vocab(), layout_, max_tokens_);
+    if (!parsed.is_ok()) {
+      res.status = http_status_for(parsed.status());
+      res.set_content(error_body(parsed.status()), "application/json");
+      return;
+    }
+    auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
+    // With the stack's secret, every frame leaves with its tag (frame_tag.h), keyed by the
+    // caller's nonce: the decode side then knows the stream came from a holder of the secret.
+    std::shared_ptr<const FrameTagger> tags;
+    if (!secret_.empty()) {
+      if (request->stream_nonce.empty()) {
+        const Status st = invalid_argument(
+            "this prefill host tags its frames with the stack's secret: the request needs a "
+            "'stream_nonce'");
+        res.status = http_status_for(st);
+        res.set_content(error_body(st), "application/json");
+        return;
+      }
+      tags = std::make_shared<const FrameTagger>(secret_, request->stream_nonce);
+      res.set_header(kFrameTagsHeader, kFrameTagsScheme);
+    }
+    // Admission, before any byte of the response: this request's turn, then its memory. A
+    // refusal answers with an error body and gives the turn to the next request.
+    // A client that hung up (ConnectionGuard sees its socket's hang-up) leaves the queue or
+    // cancels the stream.
+    auto cancelled = std::make_shared<std::atomic<bool>>(false);
+    std::function<bool()> receiver_gone = [guard = guard_.get(), addr = req.remote_addr,
+                                           port = req.remote_port, cancelled] {
+      if (!cancelled->load() && guard->client_gone(addr, port)) cancelled->store(true);
+      return cancelled->load();
+    };
+    const Turn turn = take_turn(receiver_gone);
+    if (!turn.status.is_ok()) {
+      res.status = http_status_for(turn.status);
+      if (turn.retry_after_s > 0) res.set_header("Retry-After", std::to_string(turn.retry_after_s));
+      res.set_content(error_body(turn.status, turn.retry_after_s > 0 ? "queue_full" : ""),
+                      "application/json");
+      return;
+    }
+    res.set_header(kQueuedMsHeader, std::to_string(turn.waited_ms));
+    auto admission = std::make_shared<Admission>();
+    if (Status admitted = admit(*request, admission.get()); !admitted.is_ok()) {
+      give_turn();
+      res.status = http_status_for(admitted);
+      res.set_content(error_body(admitted, admission->missing_state ? "prefix_state_missing" : ""),
+                      "application/json");
+      return;
+    }
+    // The prefill runs on its own thread, which gives the turn back when it ends; this handler
+    // thread writes frames as they come.
+    auto frames = std::make_shared<BoundedQueue<std::string>>(4);
+    auto buffers = buffers_;
+    auto worker =
+        std::make_shared<std::thread>([this, frames, cancelled, request, admission, receiver_gone] {
+          run_admitted(
+              *request, *admission,
+              [frames, cancelled](std::string f) {
+                return !cancelled->load() && frames->push(std::move(f));
+              },
+              receiver_gone, /*may_yield=*/true);
+          frames->close();
+        });
+    const FaultSpec fault = fault_;
+    auto stopping = stopping_;
+    res.set_chunked_content_provider(
+        "application/x-hetero-segments",
+        [frames, cancelled, fault, stopping, buffers, tags, receiver_gone](
+            size_t, httplib::DataSink& sink) {
+          int64_t i = 0;
+          uint64_t sent = 0;  // the frame's place in the stream: its tag's key
+          while (auto f = frames->pop()) {
+            if (!fault.kind.empty()) {
+              if (fault.kind == "exit-after" && i == fault.n) _exit(3);
+              if (fault.kind == "truncate-after" && i == fault.n) break;
+              if (fault.kind == "stall-after" && i == fault.n) {
+                while (!receiver_gone())  // until the receiver hangs up
+                  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                return false;
               }
-              sink.done();
-              return true;
-            },
-            [frames, cancelled, worker](bool) {
-              cancelled->store(true);
+              if (!apply_fault(fault, i++, &*f)) continue;
+            }
+            FrameTag tag{};
+            if (tags) tag = tags->tag(sent++, f->data(), f->size());
+            if (!sink.write(f->data(), f->size()) ||
+                (tags && !sink.write(reinterpret_cast<const char*>(tag.data()), tag.size()))) {
+              cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
               frames->close();
-              if (worker->joinable()) worker->join();
-            });
-      }));
+              return false;
+            }
+            buffers->give(std::move(*f));  // sent: its memory frames a later segment
+          }
+          sink.done();
+          return true;
+        },
+        [frames, cancelled, worker](bool) {
+          cancelled->store(true);
+          frames->close();
+          if (worker->joinable()) worker->join();
+        });
+  }));
   if (port == 0) {
     port_ = server_->bind_to_any_port(host.c_str());
     if (port_ < 0) return unavailable("cannot bind " + host);
