@@ -236,7 +236,9 @@ int cmd_prefill(int argc, char** argv) {
       std::map<std::string, std::string> meta;
       const nlohmann::json extra = assembler->entry_extra();
       for (const auto& [k, v] : extra.items()) meta[k] = v.dump();
-      Status w = write_safetensors(opts.get("out"), assembler->arrays(T), meta);
+      auto rows = assembler->arrays(T);
+      Status w =
+          rows.is_ok() ? write_safetensors(opts.get("out"), rows.value(), meta) : rows.status();
       if (!w.is_ok()) return std::fprintf(stderr, "prefill: %s\n", w.to_string().c_str()), 1;
     }
     std::printf("%s\n",

@@ -160,7 +160,7 @@ nlohmann::json CacheAssembler::entry_extra() const {
   return {{"start", start_}};
 }
 
-TensorMap CacheAssembler::arrays(int64_t b) const {
+Result<TensorMap> CacheAssembler::arrays(int64_t b) const {
   HETERO_CHECK(b >= start_ && b <= covered_);
   TensorMap out;
   const int64_t hd = layout_.head_dim, n = b - start_;
@@ -168,8 +168,7 @@ TensorMap CacheAssembler::arrays(int64_t b) const {
     for (int which = 0; which < 2; ++which) {
       Tensor t(DType::kBF16, {layout_.kv_heads, n, hd});
       if (file_) {
-        const Status st = file_->read_rows(array_name(l, which), 0, n, t.data<uint16_t>());
-        HETERO_CHECK(st.is_ok());  // the file this assembler wrote, still open
+        HETERO_RETURN_IF_ERROR(file_->read_rows(array_name(l, which), 0, n, t.data<uint16_t>()));
         out.emplace(array_name(l, which), std::move(t));
         continue;
       }
@@ -256,7 +255,8 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
 Result<StoreEntry> Assembler::store(const std::string& store_dir, const DecoderCacheLayout& layout,
                                     const std::vector<int32_t>& ids, int64_t b,
                                     int64_t requested_tokens) {
-  return write_store_entry(store_dir, layout, ids, b, requested_tokens, arrays(b), entry_extra());
+  HETERO_ASSIGN_OR_RETURN(TensorMap rows, arrays(b));
+  return write_store_entry(store_dir, layout, ids, b, requested_tokens, rows, entry_extra());
 }
 
 Result<StoreEntry> CacheAssembler::store(const std::string& store_dir,

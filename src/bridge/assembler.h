@@ -39,8 +39,9 @@ class Assembler {
   // Whether a prefix of b verified tokens can be mounted (llama: any b <= covered; a family
   // whose cache carries end-of-prefix state: a b whose segment carried it).
   virtual bool can_mount(int64_t b) const = 0;
-  // The store arrays for the prefix [0, b) (can_mount(b) must hold).
-  virtual TensorMap arrays(int64_t b) const = 0;
+  // The store arrays for the prefix [0, b) (can_mount(b) must hold); an error when rows written
+  // to the store cannot be read back.
+  virtual Result<TensorMap> arrays(int64_t b) const = 0;
   // Extra fields for the store entry's entry.json (e.g. the window slot index).
   virtual nlohmann::json entry_extra() const { return nlohmann::json::object(); }
   // Publishes the prefix [0, b) (can_mount(b)) as a decoder-store entry for ids[:b] (default:
@@ -82,7 +83,7 @@ class CacheAssembler : public Assembler {
   bool can_mount(int64_t b) const override { return b >= 1 && b > start_ && b <= covered_; }
   // Per layer `layers.{i}.keys` / `.values`, bf16 [kv_heads, b - start, head_dim], for rows
   // [start, b) (read back from the file when the rows went to the store).
-  TensorMap arrays(int64_t b) const override;
+  Result<TensorMap> arrays(int64_t b) const override;
   nlohmann::json entry_extra() const override;
   Result<StoreEntry> store(const std::string& store_dir, const DecoderCacheLayout& layout,
                            const std::vector<int32_t>& ids, int64_t b,

@@ -195,7 +195,7 @@ Status Dsv4Assembler::finish(const Manifest& m) {
   return check_manifest(layout_, requested_, covered_, segments_, m, start_);
 }
 
-TensorMap Dsv4Assembler::arrays(int64_t b) const {
+Result<TensorMap> Dsv4Assembler::arrays(int64_t b) const {
   HETERO_CHECK(can_mount(b));
   TensorMap out = tail_;
   for (int64_t i = 0; i < layout_.layers; ++i) {

@@ -68,7 +68,7 @@ class Dsv4Assembler : public Assembler {
   bool can_mount(int64_t b) const override {
     return b > start_ && b == covered_ && state_at_ == covered_;
   }
-  TensorMap arrays(int64_t b) const override;
+  Result<TensorMap> arrays(int64_t b) const override;
   nlohmann::json entry_extra() const override;
 
  private:

@@ -32,7 +32,7 @@ TEST(Assembler, UnevenSegmentsAssembleInPlace) {
   ASSERT_TRUE(a.accept(make_segment(1, 3, 6, 2, 2, 4, "fp")).is_ok());
   ASSERT_TRUE(a.accept(make_segment(2, 9, 1, 2, 2, 4, "fp")).is_ok());
   ASSERT_TRUE(a.finish({"fp", 10, 10, 3, true, ""}).is_ok());
-  TensorMap m = a.arrays(9);
+  TensorMap m = a.arrays(9).value();
   for (int64_t l = 0; l < 2; ++l)
     for (int k = 0; k < 2; ++k) {
       const Tensor& t = m.at("layers." + std::to_string(l) + (k ? ".values" : ".keys"));
@@ -80,7 +80,7 @@ TEST(Assembler, StoreEntryIsComplete) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("hetero_store_" + std::to_string(::getpid()));
   std::vector<int32_t> ids = {5, 6, 7, 8, 9, 10};
-  auto e = write_store_entry(dir.string(), layout(), ids, 5, 5, a.arrays(5));
+  auto e = write_store_entry(dir.string(), layout(), ids, 5, 5, a.arrays(5).value());
   ASSERT_TRUE(e.is_ok()) << e.status().to_string();
   std::ifstream in(std::filesystem::path(e->path) / "entry.json");
   auto j = nlohmann::json::parse(in);
@@ -105,7 +105,8 @@ TEST(Assembler, AFailedStoreWriteLeavesNothingBehind) {
   rlimit small = saved;
   small.rlim_cur = 64;
   ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-  auto e = write_store_entry(dir.string(), layout(), {5, 6, 7, 8, 9, 10}, 5, 5, a.arrays(5));
+  auto e =
+      write_store_entry(dir.string(), layout(), {5, 6, 7, 8, 9, 10}, 5, 5, a.arrays(5).value());
   setrlimit(RLIMIT_FSIZE, &saved);
   std::signal(SIGXFSZ, previous);
   EXPECT_FALSE(e.is_ok());
@@ -132,8 +133,8 @@ TEST(Assembler, RowsWrittenIntoTheStoreGiveTheSameEntry) {
       ASSERT_TRUE(a->accept(make_segment(2, 9, 1, 2, 2, 4, "fp")).is_ok());
     }
     EXPECT_TRUE(fs::exists(dir / "fp"));
-    const TensorMap want = memory.arrays(b);
-    const TensorMap read_back = streamed.arrays(b);
+    const TensorMap want = memory.arrays(b).value();
+    const TensorMap read_back = streamed.arrays(b).value();
     for (const auto& [name, t] : want) EXPECT_EQ(read_back.at(name).bytes, t.bytes) << name;
     auto e = streamed.store(dir.string(), layout(), ids, b, 10);
     ASSERT_TRUE(e.is_ok()) << e.status().to_string();

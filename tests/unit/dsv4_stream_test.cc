@@ -130,7 +130,7 @@ TEST(Dsv4Stream, AssembledArraysEqualTheProgramRunAlone) {
   EXPECT_FALSE(asmb.can_mount(T - 1));
   ASSERT_TRUE(asmb.can_mount(T));
   EXPECT_EQ(asmb.entry_extra()["window_idx"].get<int64_t>(), direct.window_idx());
-  TensorMap got = asmb.arrays(T);
+  TensorMap got = asmb.arrays(T).value();
   ASSERT_EQ(got.size(), want.size());
   for (const auto& [name, t] : want) {
     ASSERT_TRUE(got.count(name)) << name;
@@ -202,7 +202,7 @@ TEST(Dsv4Stream, ABrokenStreamMountsItsLongestVerifiedPrefix) {
     ASSERT_TRUE(a.can_mount(b));
     EXPECT_FALSE(a.can_mount(b - 1));
     EXPECT_EQ(a.entry_extra()["window_idx"].get<int64_t>(), std::min<int64_t>(b, w.window));
-    const TensorMap got = a.arrays(b);
+    const TensorMap got = a.arrays(b).value();
     // The truth: the decoder's calls cut at b, and its window's rows from one call over [0, b).
     const std::vector<int64_t> cut(calls.begin(), calls.begin() + kept);
     Dsv4CacheProgram upto(&w, cut), one(&w, {b});

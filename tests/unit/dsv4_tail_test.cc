@@ -248,7 +248,8 @@ TEST_F(Dsv4TailServiceTest, ASecondTurnStreamsItsTailFromTheFirstTurnsCheckpoint
   ASSERT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
   ASSERT_TRUE(tail.can_mount(T));
   EXPECT_EQ(tail.entry_extra()["start"].get<int64_t>(), C);
-  const TensorMap want = whole.arrays(T), got = tail.arrays(T), head = first.arrays(C);
+  const TensorMap want = whole.arrays(T).value(), got = tail.arrays(T).value(),
+                  head = first.arrays(C).value();
   ASSERT_EQ(got.size(), want.size());
   for (const auto& [name, t] : want) {
     SCOPED_TRACE(name);

@@ -351,7 +351,7 @@ TEST(TailAssemblerTest, ATailVerifiesFromItsStartAndItsEntrySaysSo) {
     m.start = 12;
     EXPECT_TRUE(a->finish(m).is_ok());
     EXPECT_TRUE(a->can_mount(19));
-    const TensorMap arrays = a->arrays(19);
+    const TensorMap arrays = a->arrays(19).value();
     EXPECT_EQ(arrays.at("layers.1.values").shape, (std::vector<int64_t>{1, 7, 2}));
     EXPECT_EQ(arrays.at("layers.1.values").data<uint16_t>()[0], 1000 + 24);
     const std::vector<int32_t> ids = conversation(20);
