@@ -29,6 +29,19 @@ std::string error_body(const Status& s, const std::string& code = "") {
       .dump();
 }
 
+}  // namespace
+
+Result<std::vector<int64_t>> decoder_calls_after(const std::vector<int64_t>& calls, int64_t start,
+                                                 int64_t at) {
+  int64_t pos = start;
+  size_t i = 0;
+  while (i < calls.size() && pos < at) pos += calls[i++];
+  if (pos != at) return invalid_argument("row " + std::to_string(at) + " is inside a decoder call");
+  return std::vector<int64_t>(calls.begin() + static_cast<std::ptrdiff_t>(i), calls.end());
+}
+
+namespace {
+
 int http_status_for(const Status& s) {
   switch (s.code()) {
     case Code::kInvalidArgument:
@@ -151,8 +164,10 @@ PrefillService::Turn PrefillService::take_turn(const std::function<bool()>& gone
 }
 
 bool PrefillService::should_yield(int64_t tokens) {
-  if (turn_ms_limit_ <= 0 || !states_ || engine_->state_row_bytes() <= 0 ||
-      tokens * engine_->state_row_bytes() > states_->max_bytes())
+  if (turn_ms_limit_ <= 0) return false;
+  if (tails_need_checkpoints() ? !engine_->keeps_checkpoints()
+                               : !states_ || engine_->state_row_bytes() <= 0 ||
+                                     tokens * engine_->state_row_bytes() > states_->max_bytes())
     return false;  // its state would not be kept: giving the engine up would lose the work
   std::lock_guard<std::mutex> lock(turn_mu_);
   return !waiting_.empty() && std::chrono::steady_clock::now() - turn_began_ >=
@@ -195,12 +210,15 @@ Status PrefillService::reserve_plan(int64_t from, const std::vector<int64_t>& pl
   }
 }
 
-Status PrefillService::admit(const PrefillRequest& req, Admission* a) {
+Status PrefillService::admit(const PrefillRequest& req, Admission* a,
+                             std::shared_ptr<const Checkpoint> paused) {
   a->sealed.clear();
   a->resume.reset();
+  a->engine_state = std::move(paused);
   a->missing_state = false;
-  if (req.start > 0 && tails_need_checkpoints()) {
+  if (req.start > 0 && tails_need_checkpoints() && !a->engine_state) {
     a->resume = checkpoints_ ? checkpoints_->find(req.ids, req.start) : nullptr;
+    if (a->resume) a->engine_state = a->resume->engine;
     if (!a->resume) {
       a->missing_state = true;
       return failed_precondition("this prefill host holds no checkpoint of exactly the first " +
@@ -210,7 +228,7 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a) {
   }
   // Where the forward can start: the tail's checkpointed start, or the longest prefix of the
   // tail's start whose state the prefix cache holds.
-  if (a->resume)
+  if (a->engine_state)
     a->from = req.start;
   else
     a->from = states_ && engine_->state_row_bytes() > 0 ? states_->lookup(req.ids, req.start) : 0;
@@ -255,8 +273,8 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a) {
       }
     }
   }
-  if (st.is_ok() && a->resume) {
-    st = engine_->restore(*a->resume->engine);
+  if (st.is_ok() && a->engine_state) {
+    st = engine_->restore(*a->engine_state);
   } else if (st.is_ok() && from > 0) {
     st = states_->restore(req.ids, from, engine_);
     if (!st.is_ok()) {  // evicted meanwhile: compute it all (admission again, from 0)
@@ -358,8 +376,20 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
       // the turn to the next in line, and this request to the back of the queue.
       int64_t at = now.from;
       for (size_t i = 0; i + 1 < chunks_done; ++i) at += now.plan[i];
-      if (const Status kept = states_->save(req.ids, at, engine_); !kept.is_ok())
+      std::shared_ptr<const Checkpoint> paused;  // families whose tails need checkpoints
+      std::vector<int64_t> calls_after;          // ... and the decoder's calls from `at` on
+      if (tails_need_checkpoints()) {
+        paused = engine_->checkpoint();
+        auto calls = decoder_calls_after(req.decoder_calls, req.start, at);
+        if (!paused || paused->tokens() != at || !calls.is_ok()) {
+          st = internal_error("no engine checkpoint at the chunk boundary " + std::to_string(at) +
+                              (calls.is_ok() ? "" : ": " + calls.status().message()));
+          break;
+        }
+        calls_after = std::move(calls.value());
+      } else if (const Status kept = states_->save(req.ids, at, engine_); !kept.is_ok()) {
         log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
+      }
       log_line("prefill", "gave the engine to the next request at " + std::to_string(at) + " of " +
                               std::to_string(T) + " tokens");
       give_turn();
@@ -382,15 +412,16 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
       rest.ids.assign(req.ids.begin(), req.ids.begin() + planned);
       rest.start = at;
       rest.chunk_tokens = req.chunk_tokens;
-      rest.decoder_calls = req.decoder_calls;
-      st = admit(rest, &now);
+      rest.decoder_calls = paused ? calls_after : req.decoder_calls;
+      st = admit(rest, &now, paused);
       if (!st.is_ok()) break;
       if (!now.sealed.empty()) sealed = now.sealed;
       planned = now.from;
       for (int64_t n : now.plan) planned += n;
       emitted = at;
       log_line("prefill", "resumed at " + std::to_string(at) + " of " + std::to_string(T) +
-                              " tokens (from " + std::to_string(now.from) + ", the prefix cache)");
+                              " tokens (from " + std::to_string(now.from) +
+                              (paused ? ", its own checkpoint)" : ", the prefix cache)"));
     }
   } catch (const std::bad_alloc&) {  // the request ends, sealed by its manifest; the host serves on
     st = resource_exhausted("out of host memory during the prefill of " + std::to_string(T) +

@@ -100,6 +100,7 @@ class PrefillEngine {
   // (common/checkpoint.h): the state after the sequence so far (null: none), and, after
   // reserve(), a restore that goes on from a checkpoint's end as if its tokens had run here.
   virtual std::shared_ptr<const Checkpoint> checkpoint() const { return nullptr; }
+  virtual bool keeps_checkpoints() const { return false; }
   virtual Status restore(const Checkpoint& c) {
     (void)c;
     return failed_precondition("this engine does not take checkpoints");
@@ -168,6 +169,9 @@ class EngineAdapter : public PrefillEngine {
     else
       return nullptr;
   }
+  bool keeps_checkpoints() const override {
+    return requires(const Engine& e) { e.checkpoint(); };
+  }
   Status restore(const Checkpoint& c) override {
     if constexpr (requires(Engine & e) { e.restore(c); })
       return engine_->restore(c);
@@ -205,6 +209,11 @@ struct FaultSpec {
   int64_t n = 0;
 };
 Result<FaultSpec> parse_fault(const std::string& text);
+
+// The decoder's calls from row `at` on, of `calls` that begin at row `start` (at must be a call
+// boundary, as a chunk boundary of a family that chunks by the decoder's calls is).
+Result<std::vector<int64_t>> decoder_calls_after(const std::vector<int64_t>& calls, int64_t start,
+                                                 int64_t at);
 
 // The export must describe this model: same layer count, hidden size, kv heads and head dim.
 // A mismatch would make the program read tap rows with the wrong width; it is refused here.
@@ -256,9 +265,11 @@ class PrefillService {
   // Requests that may wait for the running one (>= 0); more are answered 503 with Retry-After.
   void set_queue(int64_t max_waiting) { max_waiting_ = max_waiting; }
   // A streamed prefill that has held the engine this long while another request waits gives
-  // it up at its next chunk boundary: its state so far goes to the prefix cache, and it waits
+  // it up at its next chunk boundary: its state so far goes to the prefix cache (a family
+  // whose tails need checkpoints: the engine's checkpoint, kept by the request), and it waits
   // at the back of the queue (sending keep-alive frames) to resume from there. Only for an
-  // engine that hands out its state and a prefix cache that can hold it; 0: never.
+  // engine that hands out its state and a prefix cache that can hold it, or an engine that
+  // keeps checkpoints; 0: never.
   void set_turn_ms(int64_t ms) { turn_ms_limit_ = ms; }
 
   // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
@@ -308,6 +319,7 @@ class PrefillService {
     std::vector<int64_t> plan;
     std::string sealed;
     std::shared_ptr<const PrefixCheckpoints::Entry> resume;  // a tail's start, checkpointed
+    std::shared_ptr<const Checkpoint> engine_state;          // what the engine restores
     bool missing_state = false;  // a tail refused for want of a checkpoint of its start
   };
   // A family whose tail cannot be computed again from position 0 without the decoder's calls
@@ -318,7 +330,10 @@ class PrefillService {
   std::vector<int64_t> plan_for(const PrefillRequest& req, int64_t from) const;
   // With the turn: the engine reset, the request's memory reserved and the cached state loaded,
   // or why not. With the memory floor, the plan may come back shorter than the request.
-  Status admit(const PrefillRequest& req, Admission* a);
+  // paused: the engine's own checkpoint at req.start, taken when this request gave up its turn
+  // (families whose tails need checkpoints); else the prefix cache's.
+  Status admit(const PrefillRequest& req, Admission* a,
+               std::shared_ptr<const Checkpoint> paused = nullptr);
   // Reserves `from` tokens of state and the whole of `plan` (reset first).
   Status reserve_plan(int64_t from, const std::vector<int64_t>& plan);
   // With the turn, after admit(): the chunks, frames to sink, manifest last; the turn given

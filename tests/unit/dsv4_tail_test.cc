@@ -2,12 +2,17 @@
 // checkpoints at a prefix's end go on exactly as one run over the whole prompt with the same
 // decoder calls (the tail's first call starting at the prefix's end, as the decoder runs a warm
 // request); the prefill service keeps the checkpoints of finished requests and streams a later
-// request's tail from them, and refuses a tail whose start it holds no checkpoint of. Against
+// request's tail from them, and refuses a tail whose start it holds no checkpoint of; a long
+// request gives its turn to a short one and resumes from its engine's checkpoint. Against
 // the decoder itself: tests/py/test_dsv4_front.py (warm turns).
 #include <gtest/gtest.h>
+#include <httplib.h>
 
+#include <chrono>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "../common/dsv4_model_weights.h"
 #include "../common/dsv4_test_weights.h"
@@ -205,12 +210,19 @@ class Dsv4TailServiceTest : public ::testing::Test {
       return true;
     });
     if (reason) *reason = m.reason;
+    return assemble_bytes(bytes, a);
+  }
+
+  // A response's frames into the assembler, keep-alives skipped (status of the assembly).
+  static Status assemble_bytes(const std::string& bytes, Dsv4Assembler* a) {
     FrameParser parser(int64_t{1} << 26);
     parser.feed(bytes.data(), bytes.size());
     for (;;) {
       HETERO_ASSIGN_OR_RETURN(auto frame, parser.next());
       if (!frame) return data_loss("no manifest");
-      if (frame->header.value("kind", "") == "manifest") {
+      const std::string kind = frame->header.value("kind", "");
+      if (kind == "keepalive") continue;
+      if (kind == "manifest") {
         HETERO_ASSIGN_OR_RETURN(Manifest got, decode_manifest(*frame));
         return a->finish(got);
       }
@@ -269,6 +281,48 @@ TEST_F(Dsv4TailServiceTest, ASecondTurnStreamsItsTailFromTheFirstTurnsCheckpoint
   Dsv4Assembler again(weights_.layout, T, C);
   st = run(T, C, turn2, &again, &reason);  // the first turn's checkpoint is still held
   EXPECT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
+}
+
+// Turns: a long request that has held the engine past --turn-ms while a short one waits gives
+// it up at a chunk boundary, keeping the engine's checkpoint there, and resumes from it after
+// the short one with the decoder's calls from that boundary: its stream is the one it sends
+// alone.
+TEST_F(Dsv4TailServiceTest, ALongRequestGivesItsTurnToAShortOneAndSendsTheSameArrays) {
+  const int64_t T = 300, S = 40;
+  const std::vector<int64_t> calls = {64, 64, 64, 64, 43, 1}, short_calls = {39, 1};
+  Dsv4Assembler alone(weights_.layout, T);
+  std::string reason;
+  Status st = run(T, 0, calls, &alone, &reason);  // no HTTP: never gives the engine up
+  ASSERT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
+  service_->set_turn_ms(1);
+  ASSERT_TRUE(service_->start("127.0.0.1", 0).is_ok());
+  auto post = [&](int64_t n, const std::vector<int64_t>& c, Dsv4Assembler* a,
+                  std::chrono::steady_clock::time_point* done) {
+    httplib::Client cli("127.0.0.1", service_->bound_port());
+    cli.set_read_timeout(120, 0);
+    const nlohmann::json body = {{"ids", std::vector<int32_t>(ids_.begin(), ids_.begin() + n)},
+                                 {"fingerprint", weights_.layout.fingerprint},
+                                 {"decoder_calls", c}};
+    auto res = cli.Post("/v1/prefill", body.dump(), "application/json");
+    *done = std::chrono::steady_clock::now();
+    if (!res || res->status != 200) return internal_error(res ? res->body : "no response");
+    return assemble_bytes(res->body, a);
+  };
+  Dsv4Assembler long_one(weights_.layout, T), short_one(weights_.layout, S);
+  std::chrono::steady_clock::time_point long_done, short_done;
+  Status long_st, short_st;
+  std::thread a([&] { long_st = post(T, calls, &long_one, &long_done); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));  // the long one holds the engine
+  std::thread b([&] { short_st = post(S, short_calls, &short_one, &short_done); });
+  a.join();
+  b.join();
+  service_->stop();
+  ASSERT_TRUE(long_st.is_ok()) << long_st.to_string();
+  ASSERT_TRUE(short_st.is_ok()) << short_st.to_string();
+  EXPECT_LT(short_done, long_done);  // the short one did not wait for the whole long one
+  const TensorMap want = alone.arrays(T).value(), got = long_one.arrays(T).value();
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, t] : want) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
 }
 
 }  // namespace
