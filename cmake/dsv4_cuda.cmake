@@ -8,6 +8,7 @@ target_sources(hetero_engine_cuda PRIVATE src/engine/cuda/dsv4_cuda.cc
                                           src/kernels/cuda/dsv4_fwd_ops.cu
                                           src/kernels/cuda/dsv4_fwd_attention.cu)
 target_sources(hetero_gpu_tests PRIVATE tests/gpu/dsv4_cuda_test.cc
+                                        tests/gpu/dsv4_attention_test.cc
                                         tests/gpu/checkpoint_precision_test.cc
                                         tests/gpu/dsv4_pipeline_test.cc)
 add_executable(hetero_gpu_dsv4_layer_bench bench/gpu/dsv4_layer_bench.cc)

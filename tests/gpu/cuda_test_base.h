@@ -29,6 +29,33 @@ class CudaDeviceTest : public ::testing::Test {
   }
 };
 
+// A device copy of a host array, freed with the object.
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(const std::vector<T>& host) : n_(host.size()) {
+    EXPECT_EQ(cudaMalloc(&p_, n_ * sizeof(T) + 16), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DeviceArray() { cudaFree(p_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+
+  T* get() const { return p_; }
+  // Waits for the device and copies the whole array back; a failed launch fails the test.
+  std::vector<T> to_host() const {
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<T> v(n_);
+    EXPECT_EQ(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_;
+};
+
 // n normal(0, scale) values rounded to bf16, reproducible from the seed.
 inline std::vector<uint16_t> random_bf16(size_t n, float scale, uint32_t seed) {
   std::mt19937 rng(seed);

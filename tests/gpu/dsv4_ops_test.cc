@@ -25,33 +25,6 @@ namespace {
 
 class Dsv4CudaOps : public CudaDeviceTest {};
 
-// A device copy of a host array, freed with the object.
-template <typename T>
-class DeviceArray {
- public:
-  explicit DeviceArray(const std::vector<T>& host) : n_(host.size()) {
-    EXPECT_EQ(cudaMalloc(&p_, n_ * sizeof(T) + 16), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~DeviceArray() { cudaFree(p_); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-
-  T* get() const { return p_; }
-  // Waits for the device and copies the whole array back; a failed launch fails the test.
-  std::vector<T> to_host() const {
-    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<T> v(n_);
-    EXPECT_EQ(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return v;
-  }
-
- private:
-  T* p_ = nullptr;
-  size_t n_;
-};
-
 // Bit-exact comparison (the contract of these ops); on failure names the first differing index.
 void expect_same_bits(const std::vector<uint16_t>& gpu, const std::vector<uint16_t>& cpu,
                       const std::string& what) {

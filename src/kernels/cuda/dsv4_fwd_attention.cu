@@ -11,6 +11,7 @@
 #include "kernels/cuda/dsv4_fwd_common.cuh"
 #include "kernels/cuda/dsv4_fwd_ops.h"
 #include "kernels/cuda/mlx_math.cuh"
+#include "kernels/cuda/mma_sm80.cuh"
 
 namespace hetero::cuda {
 namespace {
@@ -185,154 +186,208 @@ __device__ inline const uint16_t* key_row(const SparseAttnParams& p, int64_t i, 
   return r < k.vis ? p.pooled + r * p.head_dim : nullptr;
 }
 
-__device__ inline void load_key_tile(const SparseAttnParams& p, int64_t i, const KeyList& kl,
-                                     int64_t t0, __nv_bfloat16* Ks, int64_t ldb) {
-  const int64_t D = p.head_dim;
-  for (int64_t e = threadIdx.x; e < kAttnKeys * D / 8; e += blockDim.x) {
-    const int64_t r = e / (D / 8), c = (e % (D / 8)) * 8;
-    const uint16_t* src = key_row(p, i, kl, t0 + r);
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (src) v = *reinterpret_cast<const uint4*>(src + c);
-    *reinterpret_cast<uint4*>(Ks + r * ldb + c) = v;
-  }
-}
+// All heads of one query in one block (64 rows: DeepSeek-V4-Flash's head count), two passes over
+// the keys with the decoder's rounding points: every score into shared memory as the bf16 value
+// the decoder rounds it to, an exact softmax with the sink as an extra logit (P = exp(s - max) in
+// bf16), then P.V. The kv head is shared, so each 32-key tile is read once per pass for all 64
+// heads (arithmetic per byte loaded is what bounds this kernel; 32 heads per block halved it).
+// Tiles arrive by cp.async, two buffers deep: the next tile loads while this one is multiplied.
+// mma.sync m16n8k16 throughout. Warp w owns query rows 16 (w % 4) ..; in pass 1 it keeps those
+// rows' Q fragments in registers (D / 4 of them) and scores keys 16 (w / 4) .. of each tile; in
+// pass 2 it accumulates output columns (w / 4) D/2 .. in registers (D / 4 floats).
+constexpr int kWideRows = 64, kWideKeys = 32, kWideThreads = 256;
+constexpr size_t kWideSmemMax = 227 * 1024;  // sm_90's opt-in shared memory per block
 
-constexpr int kTwoPassHeads = 32, kTwoPassThreads = 256;
-
-struct TwoPassSmem {
-  int64_t ldb, lds;
-  size_t q_off, k_off, s_off, v_off, x_off, row_off, bytes;
+struct WideSmem {
+  int64_t ldk, lds;  // row pitches (elements): 16-byte rows fall in distinct banks for ldmatrix
+  size_t s_off, v_off, l_off, bytes;
 };
-__host__ __device__ inline TwoPassSmem two_pass_smem(int64_t D, int64_t nk_max) {
-  TwoPassSmem s;
-  s.ldb = D + 8;
-  s.lds = (nk_max + kAttnKeys - 1) / kAttnKeys * kAttnKeys + 16;  // bf16 per score row
-  s.q_off = 0;
-  s.k_off = s.q_off + size_t(kTwoPassHeads * s.ldb) * 2;
-  s.s_off = s.k_off + size_t(kAttnKeys * s.ldb) * 2;
-  s.v_off = s.s_off + size_t(kTwoPassHeads * s.lds) * 2;
-  s.x_off = s.v_off + (size_t(s.lds) + 31) / 32 * 32;
-  s.row_off = s.x_off + size_t(kTwoPassThreads / 32) * 256 * 4;
-  s.bytes = s.row_off + size_t(kTwoPassHeads) * 4;
+__host__ __device__ inline WideSmem wide_smem(int64_t D, int64_t nk_max) {
+  WideSmem s;
+  s.ldk = D + 8;
+  s.lds = (nk_max + kWideKeys - 1) / kWideKeys * kWideKeys + 8;
+  // Two key tiles first; before pass 1 they hold the 64 staged query rows.
+  s.s_off = size_t(2 * kWideKeys * s.ldk) * 2;
+  s.v_off = s.s_off + size_t(kWideRows * s.lds) * 2;
+  s.l_off = s.v_off + (size_t(s.lds) + 15) / 16 * 16;
+  s.bytes = s.l_off + size_t(kWideRows) * 4;
   return s;
 }
+static_assert(2 * kWideKeys == kWideRows, "the staged query rows fill the two key tiles");
 
-// Two passes over the keys: every score of the query into shared memory (as the bf16 values the
-// decoder rounds them to), an exact softmax with the sink as an extra logit, then P.V with the
-// output accumulators held in registers for the whole pass. One block per (query, 32 heads), so
-// each key tile is read once per 32 heads; head_dim a multiple of 64, at most 512.
-__global__ void __launch_bounds__(kTwoPassThreads)
-    two_pass_attention_kernel(SparseAttnParams p, int64_t nk_max) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int64_t D = p.head_dim;
-  const TwoPassSmem L = two_pass_smem(D, nk_max);
-  __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem + L.q_off);
-  __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(smem + L.k_off);
-  __nv_bfloat16* Ss = reinterpret_cast<__nv_bfloat16*>(smem + L.s_off);
-  uint8_t* valid = smem + L.v_off;
-  float* Xs = reinterpret_cast<float*>(smem + L.x_off);
-  float* inv_l = reinterpret_cast<float*>(smem + L.row_off);
-  const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * kTwoPassHeads;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const KeyList kl = key_list(p, i);
-  const int64_t tiles = (kl.nk + kAttnKeys - 1) / kAttnKeys;
-
-  for (int64_t e = tid; e < kTwoPassHeads * D; e += blockDim.x) {
-    const int64_t r = e / D, c = e % D, h = h0 + r;
-    const float v = h < p.heads ? rb(b2f(p.q[(i * p.heads + h) * D + c]) * p.scale) : 0.0f;
-    Qs[r * L.ldb + c] = __float2bfloat16_rn(v);
+// Issue tile t's rows into buffer `dst` (zeros where a key is masked); with `valid`, mark which
+// are keys (pass 1: the softmax reads the marks while pass 2 reloads the tiles).
+template <int D>
+__device__ inline void issue_key_tile(const SparseAttnParams& p, int64_t i, const KeyList& kl,
+                                      int64_t t, uint16_t* dst, int64_t ldk, uint8_t* valid) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  for (int e = threadIdx.x; e < kWideKeys * kChunks; e += kWideThreads) {
+    const int r = e / kChunks, c = (e % kChunks) * 8;
+    const int64_t j = t * kWideKeys + r;
+    const uint16_t* src = key_row(p, i, kl, j);
+    mma::cp_async16(dst + r * ldk + c, src ? src + c : p.q, src ? 16 : 0);
+    if (valid && c == 0) valid[j] = src != nullptr;
   }
-  // Pass 1: warp w computes rows (w & 1), key sub-tile ((w >> 1) & 1), half (w >> 2) of the
-  // head dim; the halves meet in Xs.
-  const int rt = warp & 1, kt = (warp >> 1) & 1, kh = warp >> 2;
-  float* x_part = Xs + (rt * 2 + kt) * 256;        // the upper half's partial
-  float* x_sum = Xs + 1024 + (rt * 2 + kt) * 256;  // the sum, before rounding to bf16
-  for (int64_t t = 0; t < tiles; ++t) {
-    __syncthreads();
-    load_key_tile(p, i, kl, t * kAttnKeys, Ks, L.ldb);
-    if (tid < kAttnKeys)
-      valid[t * kAttnKeys + tid] = key_row(p, i, kl, t * kAttnKeys + tid) != nullptr;
-    __syncthreads();
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.0f);
-    const int64_t steps = D / 32;
-    for (int64_t s = kh * steps; s < (kh + 1) * steps; ++s) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
-      wmma::load_matrix_sync(a, Qs + rt * 16 * L.ldb + s * 16, L.ldb);
-      wmma::load_matrix_sync(b, Ks + kt * 16 * L.ldb + s * 16, L.ldb);
-      wmma::mma_sync(acc, a, b, acc);
+  mma::cp_async_commit();
+}
+
+template <int D>
+__global__ void __launch_bounds__(kWideThreads, 1)
+    wide_attention_kernel(SparseAttnParams p, int64_t nk_max) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const WideSmem L = wide_smem(D, nk_max);
+  uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* Ss = reinterpret_cast<uint16_t*>(smem + L.s_off);
+  uint8_t* valid = smem + L.v_off;
+  float* inv_l = reinterpret_cast<float*>(smem + L.l_off);
+  const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * kWideRows;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int rt = warp % 4, half = warp / 4;
+  const int mi = lane / 8, mr = lane % 8;  // ldmatrix: this lane addresses row mr of matrix mi
+  const int g = lane / 4, c2 = (lane % 4) * 2;
+  const KeyList kl = key_list(p, i);
+  const int64_t tiles = (kl.nk + kWideKeys - 1) / kWideKeys;
+  const int64_t ldk = L.ldk, lds = L.lds;
+  uint16_t* tile[2] = {Ks, Ks + kWideKeys * ldk};
+
+  // Q scaled and rounded to bf16 as the decoder does, staged, then held as A fragments.
+  for (int e = tid; e < kWideRows * D / 2; e += kWideThreads) {
+    const int r = e / (D / 2), c = (e % (D / 2)) * 2;
+    const int64_t h = h0 + r;
+    float v0 = 0.0f, v1 = 0.0f;
+    if (h < p.heads) {
+      const uint16_t* q = p.q + (i * p.heads + h) * D + c;
+      v0 = rb(b2f(q[0]) * p.scale), v1 = rb(b2f(q[1]) * p.scale);
     }
-    if (kh == 1) wmma::store_matrix_sync(x_part, acc, 16, wmma::mem_row_major);
-    __syncthreads();
-    if (kh == 0) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> other;
-      wmma::load_matrix_sync(other, x_part, 16, wmma::mem_row_major);
-      for (int e = 0; e < acc.num_elements; ++e) acc.x[e] += other.x[e];
-      wmma::store_matrix_sync(x_sum, acc, 16, wmma::mem_row_major);
-      __syncwarp();
-      for (int e = lane; e < 256; e += 32) {
-        const int r = rt * 16 + e / 16, c = int(t * kAttnKeys) + kt * 16 + e % 16;
-        Ss[r * L.lds + c] = __float2bfloat16_rn(x_sum[e]);
-      }
+    *reinterpret_cast<uint32_t*>(Ks + r * ldk + c) = mma::pack_bf2(v0, v1);
+  }
+  __syncthreads();
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+    mma::ldsm_x4(qa[ks], Ks + (rt * 16 + (mi % 2) * 8 + mr) * ldk + ks * 16 + (mi / 2) * 8);
+  __syncthreads();
+
+  // Pass 1: S = Q K^T, each score rounded to bf16 into Ss.
+  issue_key_tile<D>(p, i, kl, 0, tile[0], ldk, valid);
+  for (int64_t t = 0; t < tiles; ++t) {
+    mma::cp_async_wait_all();
+    __syncthreads();  // tile t is in; every warp is done with tile t - 1's buffer
+    if (t + 1 < tiles) issue_key_tile<D>(p, i, kl, t + 1, tile[(t + 1) % 2], ldk, valid);
+    const uint16_t* kb = tile[t % 2] + (half * 16 + (mi / 2) * 8 + mr) * ldk + (mi % 2) * 8;
+    float acc[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t b[4];
+      mma::ldsm_x4(b, kb + ks * 16);
+      mma::mma16816(acc[0], qa[ks], b[0], b[1]);
+      mma::mma16816(acc[1], qa[ks], b[2], b[3]);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int64_t col = t * kWideKeys + half * 16 + n * 8 + c2;
+      uint16_t* s0 = Ss + (rt * 16 + g) * lds + col;
+      *reinterpret_cast<uint32_t*>(s0) = mma::pack_bf2(acc[n][0], acc[n][1]);
+      *reinterpret_cast<uint32_t*>(s0 + 8 * lds) = mma::pack_bf2(acc[n][2], acc[n][3]);
     }
   }
   __syncthreads();
-  // Softmax per row (warp w: rows 4w..4w+3) over the bf16 scores, the sink's mass in the sum;
+  issue_key_tile<D>(p, i, kl, 0, tile[0], ldk, nullptr);  // pass 2's first tile, under the softmax
+
+  // Softmax per row (warp w: rows 8w..8w+7) over the bf16 scores, the sink's mass in the sum;
   // P = exp(s - max) in bf16, in place.
-  for (int rr = 0; rr < kTwoPassHeads / 8; ++rr) {
-    const int r = warp * (kTwoPassHeads / 8) + rr;
-    __nv_bfloat16* srow = Ss + r * L.lds;
+  for (int rr = 0; rr < kWideRows / 8; ++rr) {
+    const int r = warp * (kWideRows / 8) + rr;
+    uint16_t* srow = Ss + r * lds;
     const float sink = h0 + r < p.heads ? p.sinks[h0 + r] : 0.0f;
     float mx = sink;
     for (int64_t j = lane; j < kl.nk; j += 32)
-      if (valid[j]) mx = fmaxf(mx, __bfloat162float(srow[j]));
+      if (valid[j]) mx = fmaxf(mx, b2f(srow[j]));
     mx = warp_max(mx);
     float tot = 0.0f;
-    for (int64_t j = lane; j < tiles * kAttnKeys; j += 32) {
-      const float e = (j < kl.nk && valid[j]) ? mlx_exp(__bfloat162float(srow[j]) - mx) : 0.0f;
+    for (int64_t j = lane; j < tiles * kWideKeys; j += 32) {
+      const float e = (j < kl.nk && valid[j]) ? mlx_exp(b2f(srow[j]) - mx) : 0.0f;
       tot += e;
-      srow[j] = __float2bfloat16_rn(e);
+      srow[j] = f2b(e);
     }
     tot = warp_sum(tot) + mlx_exp(sink - mx);
     if (lane == 0) inv_l[r] = 1.0f / tot;
   }
-  // Pass 2: O = P V; warp w owns rows (w & 1) and column tiles (w >> 1) + 4f.
-  constexpr int kMaxFrag = 8;
-  const int64_t nfrag = D / 64;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[kMaxFrag];
-#pragma unroll
-  for (int f = 0; f < kMaxFrag; ++f) wmma::fill_fragment(o[f], 0.0f);
+
+  // Pass 2: O = P V over this warp's 16 rows and D/2 columns.
+  float o[D / 16][4] = {};
+  const int64_t col0 = half * (D / 2);
   for (int64_t t = 0; t < tiles; ++t) {
-    __syncthreads();
-    load_key_tile(p, i, kl, t * kAttnKeys, Ks, L.ldb);
-    __syncthreads();
-    for (int ks = 0; ks < kAttnKeys / 16; ++ks) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-      wmma::load_matrix_sync(a, Ss + rt * 16 * L.lds + t * kAttnKeys + ks * 16, L.lds);
+    mma::cp_async_wait_all();
+    __syncthreads();  // tile t (and, at t = 0, every P row) is in
+    if (t + 1 < tiles) issue_key_tile<D>(p, i, kl, t + 1, tile[(t + 1) % 2], ldk, nullptr);
 #pragma unroll
-      for (int f = 0; f < kMaxFrag; ++f) {
-        if (f >= nfrag) break;
-        const int64_t ct = (warp >> 1) + 4 * f;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
-        wmma::load_matrix_sync(b, Ks + ks * 16 * L.ldb + ct * 16, L.ldb);
-        wmma::mma_sync(o[f], a, b, o[f]);
+    for (int ks = 0; ks < kWideKeys / 16; ++ks) {
+      uint32_t a[4];
+      mma::ldsm_x4(
+          a, Ss + (rt * 16 + (mi % 2) * 8 + mr) * lds + t * kWideKeys + ks * 16 + (mi / 2) * 8);
+      const uint16_t* vb = tile[t % 2] + (ks * 16 + (mi % 2) * 8 + mr) * ldk + col0 + (mi / 2) * 8;
+#pragma unroll
+      for (int np = 0; np < D / 32; ++np) {
+        uint32_t b[4];
+        mma::ldsm_x4_trans(b, vb + np * 16);
+        mma::mma16816(o[2 * np], a, b[0], b[1]);
+        mma::mma16816(o[2 * np + 1], a, b[2], b[3]);
       }
     }
   }
-  __syncthreads();
-  float* stage = Xs + warp * 256;
+  const int r0 = rt * 16 + g;
 #pragma unroll
-  for (int f = 0; f < kMaxFrag; ++f) {
-    if (f >= nfrag) break;
-    const int64_t ct = (warp >> 1) + 4 * f;
-    wmma::store_matrix_sync(stage, o[f], 16, wmma::mem_row_major);
-    __syncwarp();
-    for (int e = lane; e < 256; e += 32) {
-      const int64_t r = rt * 16 + e / 16, c = ct * 16 + e % 16, h = h0 + r;
-      if (h < p.heads) p.out[(i * p.heads + h) * D + c] = f2b(stage[e] * inv_l[r]);
-    }
-    __syncwarp();
+  for (int half_row = 0; half_row < 2; ++half_row) {
+    const int r = r0 + 8 * half_row;
+    const int64_t h = h0 + r;
+    if (h >= p.heads) continue;
+    const float inv = inv_l[r];
+    uint16_t* out = p.out + (i * p.heads + h) * D + col0 + c2;
+#pragma unroll
+    for (int nt = 0; nt < D / 16; ++nt)
+      *reinterpret_cast<uint32_t*>(out + nt * 8) =
+          mma::pack_bf2(o[nt][2 * half_row] * inv, o[nt][2 * half_row + 1] * inv);
+  }
+}
+
+template <int D>
+bool launch_wide(const SparseAttnParams& p, int64_t nk_max, cudaStream_t stream) {
+  const WideSmem L = wide_smem(D, nk_max);
+  if (L.bytes > kWideSmemMax) return false;
+  static bool configured = false;
+  if (!configured) {
+    cudaFuncSetAttribute(wide_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(kWideSmemMax));
+    configured = true;
+  }
+  const dim3 grid(static_cast<unsigned>(p.m),
+                  static_cast<unsigned>((p.heads + kWideRows - 1) / kWideRows));
+  wide_attention_kernel<D><<<grid, kWideThreads, L.bytes, stream>>>(p, nk_max);
+  return true;
+}
+
+// The two-pass kernel where its scores fit in shared memory; false where they do not.
+bool wide_attention(const SparseAttnParams& p, int64_t nk_max, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64:
+      return launch_wide<64>(p, nk_max, stream);
+    case 128:
+      return launch_wide<128>(p, nk_max, stream);
+    case 192:
+      return launch_wide<192>(p, nk_max, stream);
+    case 256:
+      return launch_wide<256>(p, nk_max, stream);
+    case 320:
+      return launch_wide<320>(p, nk_max, stream);
+    case 384:
+      return launch_wide<384>(p, nk_max, stream);
+    case 448:
+      return launch_wide<448>(p, nk_max, stream);
+    case 512:
+      return launch_wide<512>(p, nk_max, stream);
+    default:
+      return false;
   }
 }
 
@@ -398,12 +453,110 @@ __device__ float score_row(const ROW* row, const float* qT, const float* wk, int
   return warp_sum(s);
 }
 
+// The keys the selection sorts: every row, or with HISA the block means and the kept blocks' rows.
+__host__ __device__ inline int64_t index_sort_keys(int64_t rows, int64_t block, int64_t keep) {
+  if (block <= 0) return rows;
+  const int64_t nb = rows / block, kb = keep < nb ? keep : nb;
+  return nb > kb * block ? nb : kb * block;
+}
+
+// Tensor-core scoring of bf16 rows: a block of 8 warps scores n rows (row_of(j): the row's 128
+// values, or null for a row scored as zeros) in tiles of 64 arriving by cp.async, two buffers
+// deep. Warp w holds heads 16 (w % 4) .. of the query as A fragments (qa) and scores rows
+// 32 (w / 4) .. of each tile; relu(dot) * wk per head, summed over its 16 heads across the
+// lanes, then over the four head groups in order. keys[j] = key_of(j, score) for j < n, 0 up to
+// n2 (the sort's padding).
+constexpr int kIdxTile = 64, kIdxLd = kIdxDim + 8;
+struct IdxScratch {
+  uint16_t* tiles;  // [2][kIdxTile][kIdxLd]
+  float* part;      // [4][kIdxTile]
+};
+// Shared memory: qT [128][64] f32, wk [64], the sort's keys (a power of two), HISA's kept blocks,
+// the row tiles, the partial sums.
+struct IdxSmem {
+  size_t keys_off, blocks_off, tiles_off, part_off, bytes;
+};
+__host__ __device__ inline IdxSmem idx_smem(const IndexSelectParams& p) {
+  IdxSmem s;
+  s.keys_off = size_t(kIdxDim * kIdxMaxHeads + kIdxMaxHeads) * 4;
+  s.blocks_off = s.keys_off + size_t(pow2_at_least(index_sort_keys(p.rows, p.block, p.keep))) * 8;
+  const int64_t nb = p.block > 0 ? p.rows / p.block : 0;
+  s.tiles_off = s.blocks_off + (size_t(p.keep < nb ? p.keep : nb) * 4 + 15) / 16 * 16;
+  s.part_off = s.tiles_off + size_t(2 * kIdxTile * kIdxLd) * 2;
+  s.bytes = s.part_off + size_t(4 * kIdxTile) * 4;
+  return s;
+}
+template <typename RowOf, typename KeyOf>
+__device__ void score_rows_mma(int64_t n, int64_t n2, const RowOf& row_of, const KeyOf& key_of,
+                               const uint32_t (&qa)[kIdxDim / 16][4], float w_lo, float w_hi,
+                               const IdxScratch& sc, const uint16_t* any, uint64_t* keys) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, ht = warp % 4, half = warp / 4;
+  const int mi = lane / 8, mr = lane % 8, g = lane / 4, c2 = (lane % 4) * 2;
+  const int64_t ntiles = (n + kIdxTile - 1) / kIdxTile;
+  auto issue = [&](int64_t t) {
+    uint16_t* dst = sc.tiles + (t % 2) * kIdxTile * kIdxLd;
+    for (int e = tid; e < kIdxTile * kIdxDim / 8; e += kIdxThreads) {
+      const int r = e / (kIdxDim / 8), c = (e % (kIdxDim / 8)) * 8;
+      const int64_t j = t * kIdxTile + r;
+      const uint16_t* src = j < n ? row_of(j) : nullptr;
+      mma::cp_async16(dst + r * kIdxLd + c, src ? src + c : any, src ? 16 : 0);
+    }
+    mma::cp_async_commit();
+  };
+  if (ntiles > 0) issue(0);
+  for (int64_t t = 0; t < ntiles; ++t) {
+    mma::cp_async_wait_all();
+    __syncthreads();  // tile t is in; tile t - 1's buffer and partial sums are read
+    if (t + 1 < ntiles) issue(t + 1);
+    const uint16_t* kb = sc.tiles + (t % 2) * kIdxTile * kIdxLd +
+                         (half * 32 + (mi / 2) * 8 + mr) * kIdxLd + (mi % 2) * 8;
+    float acc[4][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kIdxDim / 16; ++ks)
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t b[4];
+        mma::ldsm_x4(b, kb + np * 16 * kIdxLd + ks * 16);
+        mma::mma16816(acc[2 * np], qa[ks], b[0], b[1]);
+        mma::mma16816(acc[2 * np + 1], qa[ks], b[2], b[3]);
+      }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float v0 = fmaxf(acc[j][0], 0.0f) * w_lo + fmaxf(acc[j][2], 0.0f) * w_hi;
+      float v1 = fmaxf(acc[j][1], 0.0f) * w_lo + fmaxf(acc[j][3], 0.0f) * w_hi;
+      for (int o = 4; o < 32; o <<= 1) {
+        v0 += __shfl_xor_sync(0xffffffffu, v0, o);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+      }
+      if (g == 0) {
+        float* out = sc.part + ht * kIdxTile + half * 32 + j * 8 + c2;
+        out[0] = v0, out[1] = v1;
+      }
+    }
+    __syncthreads();
+    if (tid < kIdxTile) {
+      const int64_t j = t * kIdxTile + tid;
+      if (j < n2) {
+        const float* pt = sc.part + tid;
+        keys[j] =
+            j < n ? key_of(j, ((pt[0] + pt[kIdxTile]) + pt[2 * kIdxTile]) + pt[3 * kIdxTile]) : 0;
+      }
+    }
+  }
+  for (int64_t j = ntiles * kIdxTile + tid; j < n2; j += kIdxThreads) keys[j] = 0;
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kIdxThreads)
     index_select_kernel(IndexSelectParams p, uint32_t* topk) {
   extern __shared__ __align__(16) unsigned char smem[];
-  float* qT = reinterpret_cast<float*>(smem);  // [128][64]
-  float* wk = qT + kIdxDim * kIdxMaxHeads;     // [64]
-  uint64_t* keys = reinterpret_cast<uint64_t*>(wk + kIdxMaxHeads);
+  const IdxSmem L = idx_smem(p);
+  float* qT = reinterpret_cast<float*>(smem);
+  float* wk = qT + kIdxDim * kIdxMaxHeads;
+  uint64_t* keys = reinterpret_cast<uint64_t*>(smem + L.keys_off);
+  uint32_t* blocks = reinterpret_cast<uint32_t*>(smem + L.blocks_off);
+  const IdxScratch sc{reinterpret_cast<uint16_t*>(smem + L.tiles_off),
+                      reinterpret_cast<float*>(smem + L.part_off)};
   const int64_t i = blockIdx.x;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = kIdxThreads / 32;
   for (int64_t e = threadIdx.x; e < kIdxDim * kIdxMaxHeads; e += blockDim.x) {
@@ -412,11 +565,29 @@ __global__ void __launch_bounds__(kIdxThreads)
   }
   for (int64_t h = threadIdx.x; h < kIdxMaxHeads; h += blockDim.x)
     wk[h] = h < p.heads ? b2f(p.w[i * p.heads + h]) * p.wscale * p.scale : 0.0f;
+  // This warp's 16 heads as A fragments (rows g and g + 8, columns 2c.. and 2c + 8..).
+  uint32_t qa[kIdxDim / 16][4];
+  {
+    const int g = lane / 4, c2 = (lane % 4) * 2;
+    const int64_t h_lo = (warp % 4) * 16 + g, h_hi = h_lo + 8;
+    const uint16_t* q_lo = p.q + (i * p.heads + h_lo) * kIdxDim;
+    const uint16_t* q_hi = p.q + (i * p.heads + h_hi) * kIdxDim;
+    auto ld = [&](const uint16_t* q, int64_t h, int col) {
+      return h < p.heads ? *reinterpret_cast<const uint32_t*>(q + col) : 0u;
+    };
+#pragma unroll
+    for (int ks = 0; ks < kIdxDim / 16; ++ks) {
+      qa[ks][0] = ld(q_lo, h_lo, ks * 16 + c2), qa[ks][1] = ld(q_hi, h_hi, ks * 16 + c2);
+      qa[ks][2] = ld(q_lo, h_lo, ks * 16 + 8 + c2), qa[ks][3] = ld(q_hi, h_hi, ks * 16 + 8 + c2);
+    }
+  }
   __syncthreads();
+  const float w_lo = wk[(warp % 4) * 16 + lane / 4], w_hi = wk[(warp % 4) * 16 + lane / 4 + 8];
   int64_t vis = (p.off + i + 1) / 4;
   if (vis > p.rows) vis = p.rows;
   const bool masked = !p.one_token;
   if (p.block > 0) {
+    // Stage one, the block means (float32 rows: CUDA cores, in the CPU engine's order).
     const int64_t nb = p.rows / p.block, kb = p.keep < nb ? p.keep : nb, cand = kb * p.block;
     int64_t n2 = pow2_at_least(nb);
     for (int64_t j = warp; j < n2; j += nw) {
@@ -429,34 +600,27 @@ __global__ void __launch_bounds__(kIdxThreads)
       if (lane == 0) keys[j] = key;
     }
     bitonic_desc(keys, n2);
-    // Candidates: the rows of the kept blocks (their order does not matter for the set).
-    uint32_t* blocks = reinterpret_cast<uint32_t*>(keys + kIdxMaxSort);
+    // Stage two, the rows of the kept blocks (their order does not matter for the set).
     for (int64_t b = threadIdx.x; b < kb; b += blockDim.x) blocks[b] = key_index(keys[b]);
     __syncthreads();
-    n2 = pow2_at_least(cand);
-    for (int64_t c = warp; c < n2; c += nw) {
-      uint64_t key = 0;
-      if (c < cand) {
-        const int64_t pos = int64_t(blocks[c / p.block]) * p.block + c % p.block;
-        float s = score_row(p.pooled + pos * kIdxDim, qT, wk, p.heads, lane);
-        if (masked && !(pos < vis)) s = -1e30f;
-        key = order_key(s, uint32_t(pos));
-      }
-      if (lane == 0) keys[c] = key;
-    }
-    bitonic_desc(keys, n2);
+    const int64_t block = p.block;
+    auto pos_of = [&](int64_t c) { return int64_t(blocks[c / block]) * block + c % block; };
+    score_rows_mma(
+        cand, pow2_at_least(cand), [&](int64_t c) { return p.pooled + pos_of(c) * kIdxDim; },
+        [&](int64_t c, float s) {
+          const int64_t pos = pos_of(c);
+          return order_key(masked && !(pos < vis) ? -1e30f : s, uint32_t(pos));
+        },
+        qa, w_lo, w_hi, sc, p.q, keys);
+    bitonic_desc(keys, pow2_at_least(cand));
   } else {
-    const int64_t n2 = pow2_at_least(p.rows);
-    for (int64_t r = warp; r < n2; r += nw) {
-      uint64_t key = 0;
-      if (r < p.rows) {
-        float s = score_row(p.pooled + r * kIdxDim, qT, wk, p.heads, lane);
-        if (masked && !(r < vis)) s = -FLT_MAX;
-        key = order_key(s, uint32_t(r));
-      }
-      if (lane == 0) keys[r] = key;
-    }
-    bitonic_desc(keys, n2);
+    score_rows_mma(
+        p.rows, pow2_at_least(p.rows), [&](int64_t r) { return p.pooled + r * kIdxDim; },
+        [&](int64_t r, float s) {
+          return order_key(masked && !(r < vis) ? -FLT_MAX : s, uint32_t(r));
+        },
+        qa, w_lo, w_hi, sc, p.q, keys);
+    bitonic_desc(keys, pow2_at_least(p.rows));
   }
   for (int64_t t = threadIdx.x; t < p.k; t += blockDim.x) topk[i * p.k + t] = key_index(keys[t]);
 }
@@ -476,13 +640,6 @@ __global__ void block_means_kernel(const uint16_t* pooled, int64_t nb, int64_t b
 }
 
 }  // namespace
-
-// The keys the selection sorts: every row, or with HISA the block means and the kept blocks' rows.
-static int64_t index_sort_keys(int64_t rows, int64_t block, int64_t keep) {
-  if (block <= 0) return rows;
-  const int64_t nb = rows / block;
-  return std::max<int64_t>(nb, (keep < nb ? keep : nb) * block);
-}
 
 Status check_attention_shapes(int64_t head_dim, int64_t index_heads) {
   if (head_dim % 64 != 0 || head_dim > 512)
@@ -508,26 +665,18 @@ Status check_index_select(int64_t rows, int64_t block, int64_t keep) {
 void sparse_attention(const SparseAttnParams& p, cudaStream_t stream) {
   if (p.m == 0) return;
   HETERO_CHECK(p.head_dim % 64 == 0 && p.head_dim <= 512);
-  static bool configured = false;
-  if (!configured) {
-    cudaFuncSetAttribute(online_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         220 * 1024);
-    cudaFuncSetAttribute(two_pass_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         220 * 1024);
-    configured = true;
-  }
   // The most keys a query of this call has: the last one's (both counts grow with position).
   const int64_t last = p.off + p.m - 1;
   int64_t nk_max = std::min<int64_t>(p.window, last + 1);
   if (p.ratio > 0) nk_max += p.topk ? p.k : std::min<int64_t>(p.pooled_rows, (last + 1) / p.ratio);
-  const TwoPassSmem L3 = two_pass_smem(p.head_dim, nk_max);
-  if (L3.bytes <= 200 * 1024 && !p.online_only) {
-    const dim3 grid3(static_cast<unsigned>(p.m),
-                     static_cast<unsigned>((p.heads + kTwoPassHeads - 1) / kTwoPassHeads));
-    two_pass_attention_kernel<<<grid3, kTwoPassThreads, L3.bytes, stream>>>(p, nk_max);
-    return;
+  if (!p.online_only && wide_attention(p, nk_max, stream)) return;
+  static bool configured = false;  // long key lists: the online-softmax kernel
+  if (!configured) {
+    cudaFuncSetAttribute(online_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         220 * 1024);
+    configured = true;
   }
-  const AttnSmem L = attn_smem(p.head_dim);  // long key lists: the online-softmax kernel
+  const AttnSmem L = attn_smem(p.head_dim);
   const dim3 grid(static_cast<unsigned>(p.m),
                   static_cast<unsigned>((p.heads + kAttnHeads - 1) / kAttnHeads));
   online_attention_kernel<<<grid, kAttnThreads, L.bytes, stream>>>(p);
@@ -536,14 +685,8 @@ void sparse_attention(const SparseAttnParams& p, cudaStream_t stream) {
 void index_select(const IndexSelectParams& p, uint32_t* topk, cudaStream_t stream) {
   if (p.m == 0) return;
   HETERO_CHECK(p.heads <= kIdxMaxHeads);
-  int64_t extra = 0;
-  if (p.block > 0) {
-    const int64_t nb = p.rows / p.block;
-    extra = (p.keep < nb ? p.keep : nb) * 4;
-  }
   HETERO_CHECK(pow2_at_least(index_sort_keys(p.rows, p.block, p.keep)) <= kIdxMaxSort);
-  const size_t bytes = size_t(kIdxDim * kIdxMaxHeads + kIdxMaxHeads) * 4 + size_t(kIdxMaxSort) * 8 +
-                       size_t(extra) + 16;
+  const size_t bytes = idx_smem(p).bytes;
   static bool configured = false;
   if (!configured) {
     cudaFuncSetAttribute(index_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -116,9 +116,11 @@ struct SparseAttnParams {
 void sparse_attention(const SparseAttnParams& p, cudaStream_t stream);
 
 // The indexer's selection for one call of m queries (index head dim 128): top k pooled rows
-// by sum_h relu(q_h . row) * scale * w_h, exactly as the CPU engine scores them (float32 sums in
-// order), with its masks; HISA (block > 0) first keeps the best `keep` blocks of `block` rows by
-// their mean rows (rep, from hisa_block_means). topk [m][k].
+// by sum_h relu(q_h . row) * scale * w_h, with the CPU engine's masks; HISA (block > 0) first
+// keeps the best `keep` blocks of `block` rows by their mean rows (rep, from hisa_block_means).
+// The pooled rows are scored on tensor cores (each dot and the head sum in another order than the
+// CPU engine's, so a near-tie can order differently); the float32 block means as the CPU engine
+// scores them. topk [m][k].
 struct IndexSelectParams {
   const uint16_t* q;       // [m][heads][128], roped
   const uint16_t* w;       // [m][heads] weights_proj output (bf16)

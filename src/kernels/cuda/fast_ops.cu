@@ -6,9 +6,12 @@
 #include <type_traits>
 
 #include "kernels/cuda/fast_ops.h"
+#include "kernels/cuda/mma_sm80.cuh"
 
 namespace hetero::cuda {
 namespace {
+
+using namespace mma;
 
 __device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
 __device__ __forceinline__ uint16_t to_bf(float f) {
@@ -134,39 +137,14 @@ __global__ void silu_mul_kernel(const uint16_t* gate_up, int64_t n, int64_t inte
 // ---- attention: flash loop on mma.sync m16n8k16 (bf16 in, f32 accumulate) ----
 // Block: 8 warps, 128 query rows of one head (16 per warp); key tiles of 64 = one cache page,
 // staged into shared memory as bf16 rows (FP8 dequantized on the way), two buffers deep: the next
-// page's loads are in flight while the current one is multiplied. Fragment layouts are PTX's for
-// m16n8k16 (g = lane/4, c = lane%4): A holds row g (or g+8), columns 2c, 2c+1 (or +8); B holds
-// column g, rows 2c, 2c+1 (or +8); C holds rows g and g+8, columns 2c, 2c+1. K and V fragments
-// come from shared memory through ldmatrix (V transposed by ldmatrix.trans).
+// page's loads are in flight while the current one is multiplied. Fragment layouts: mma_sm80.cuh.
+// K and V fragments come from shared memory through ldmatrix (V transposed by ldmatrix.trans).
 constexpr int kWarps = 8, kRows = 16 * kWarps, kKeys = kKvPageTokens;
 
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-__device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
-  return uint32_t(to_bf(lo)) | (uint32_t(to_bf(hi)) << 16);
 }
 __device__ __forceinline__ uint32_t ld32(const uint16_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
