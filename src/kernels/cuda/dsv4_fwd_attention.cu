@@ -176,69 +176,76 @@ __device__ inline KeyList key_list(const SparseAttnParams& p, int64_t i) {
   k.nk = k.nloc + (p.ratio > 0 ? (p.topk ? p.k : k.vis) : 0);
   return k;
 }
-// Row of key j, or null where it is masked.
-__device__ inline const uint16_t* key_row(const SparseAttnParams& p, int64_t i, const KeyList& k,
-                                          int64_t j) {
-  if (j < k.nloc) return p.lk + (k.lo - p.lk_pos0 + j) * p.head_dim;
-  if (j >= k.nk) return nullptr;
-  const int64_t c = j - k.nloc;
-  const int64_t r = p.topk ? int64_t(p.topk[i * p.k + c]) : c;
-  return r < k.vis ? p.pooled + r * p.head_dim : nullptr;
-}
-
 // All heads of one query in one block (64 rows: DeepSeek-V4-Flash's head count), two passes over
 // the keys with the decoder's rounding points: every score into shared memory as the bf16 value
 // the decoder rounds it to, an exact softmax with the sink as an extra logit (P = exp(s - max) in
 // bf16), then P.V. The kv head is shared, so each 32-key tile is read once per pass for all 64
 // heads (arithmetic per byte loaded is what bounds this kernel; 32 heads per block halved it).
-// Tiles arrive by cp.async, two buffers deep: the next tile loads while this one is multiplied.
-// mma.sync m16n8k16 throughout. Warp w owns query rows 16 (w % 4) ..; in pass 1 it keeps those
-// rows' Q fragments in registers (D / 4 of them) and scores keys 16 (w / 4) .. of each tile; in
-// pass 2 it accumulates output columns (w / 4) D/2 .. in registers (D / 4 floats).
-constexpr int kWideRows = 64, kWideKeys = 32, kWideThreads = 256;
+// Tiles arrive by cp.async, 2 to 4 buffers deep (as many as shared memory holds beside the
+// scores), so the next tiles load while this one is multiplied; where each key's row lies is
+// worked out once per query (kidx). mma.sync m16n8k16 throughout. Warp w owns query rows
+// 16 (w % 4) ..; in pass 1 it keeps those rows' Q fragments in registers (D / 4 of them) and
+// scores keys 16 (w / 4) .. of each tile; in pass 2 it accumulates output columns (w / 4) D/2 ..
+// in registers (D / 4 floats).
+constexpr int kWideRows = 64, kWideKeys = 32, kWideThreads = 256, kWideMaxStages = 4;
 constexpr size_t kWideSmemMax = 227 * 1024;  // sm_90's opt-in shared memory per block
+constexpr int32_t kMaskedKey = -1;           // kidx: -1 masked, >= 0 pooled row, <= -2 local row
 
 struct WideSmem {
   int64_t ldk, lds;  // row pitches (elements): 16-byte rows fall in distinct banks for ldmatrix
-  size_t s_off, v_off, l_off, bytes;
+  int stages;
+  size_t s_off, k_off, l_off, bytes;
 };
-__host__ __device__ inline WideSmem wide_smem(int64_t D, int64_t nk_max) {
+__host__ __device__ inline WideSmem wide_smem(int64_t D, int64_t nk_max, int stages) {
   WideSmem s;
   s.ldk = D + 8;
   s.lds = (nk_max + kWideKeys - 1) / kWideKeys * kWideKeys + 8;
-  // Two key tiles first; before pass 1 they hold the 64 staged query rows.
-  s.s_off = size_t(2 * kWideKeys * s.ldk) * 2;
-  s.v_off = s.s_off + size_t(kWideRows * s.lds) * 2;
-  s.l_off = s.v_off + (size_t(s.lds) + 15) / 16 * 16;
+  s.stages = stages;
+  // The key tiles first; before pass 1 the first two hold the 64 staged query rows.
+  s.s_off = size_t(stages * kWideKeys * s.ldk) * 2;
+  s.k_off = s.s_off + size_t(kWideRows * s.lds) * 2;
+  s.l_off = s.k_off + size_t(s.lds) * 4;
   s.bytes = s.l_off + size_t(kWideRows) * 4;
   return s;
 }
-static_assert(2 * kWideKeys == kWideRows, "the staged query rows fill the two key tiles");
+static_assert(2 * kWideKeys == kWideRows, "the staged query rows fill two key tiles");
 
-// Issue tile t's rows into buffer `dst` (zeros where a key is masked); with `valid`, mark which
-// are keys (pass 1: the softmax reads the marks while pass 2 reloads the tiles).
+__device__ __forceinline__ void cp_async_wait_stages(int stages) {
+  // Leaves stages - 2 groups in flight: the oldest (this tile's) has landed.
+  if (stages >= 4)
+    asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+  else if (stages == 3)
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+  else
+    mma::cp_async_wait_all();
+}
+
+// Issues tile t's rows into buffer `dst` (zeros where a key is masked or past the list); always
+// commits a group, empty past the last tile, so that the groups in flight count tiles.
 template <int D>
-__device__ inline void issue_key_tile(const SparseAttnParams& p, int64_t i, const KeyList& kl,
-                                      int64_t t, uint16_t* dst, int64_t ldk, uint8_t* valid) {
+__device__ inline void issue_key_tile(const SparseAttnParams& p, const int32_t* kidx, int64_t t,
+                                      int64_t tiles, uint16_t* dst, int64_t ldk) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int e = threadIdx.x; e < kWideKeys * kChunks; e += kWideThreads) {
-    const int r = e / kChunks, c = (e % kChunks) * 8;
-    const int64_t j = t * kWideKeys + r;
-    const uint16_t* src = key_row(p, i, kl, j);
-    mma::cp_async16(dst + r * ldk + c, src ? src + c : p.q, src ? 16 : 0);
-    if (valid && c == 0) valid[j] = src != nullptr;
-  }
+  if (t < tiles)
+    for (int e = threadIdx.x; e < kWideKeys * kChunks; e += kWideThreads) {
+      const int r = e / kChunks, c = (e % kChunks) * 8;
+      const int32_t k = kidx[t * kWideKeys + r];
+      const uint16_t* src = k == kMaskedKey ? nullptr
+                            : k >= 0        ? p.pooled + int64_t(k) * D
+                                            : p.lk + int64_t(-k - 2) * D;
+      mma::cp_async16(dst + r * ldk + c, src ? src + c : p.q, src ? 16 : 0);
+    }
   mma::cp_async_commit();
 }
 
 template <int D>
 __global__ void __launch_bounds__(kWideThreads, 1)
-    wide_attention_kernel(SparseAttnParams p, int64_t nk_max) {
+    wide_attention_kernel(SparseAttnParams p, int64_t nk_max, int stages) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const WideSmem L = wide_smem(D, nk_max);
+  const WideSmem L = wide_smem(D, nk_max, stages);
   uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);
   uint16_t* Ss = reinterpret_cast<uint16_t*>(smem + L.s_off);
-  uint8_t* valid = smem + L.v_off;
+  int32_t* kidx = reinterpret_cast<int32_t*>(smem + L.k_off);
   float* inv_l = reinterpret_cast<float*>(smem + L.l_off);
   const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * kWideRows;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -247,9 +254,20 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   const int g = lane / 4, c2 = (lane % 4) * 2;
   const KeyList kl = key_list(p, i);
   const int64_t tiles = (kl.nk + kWideKeys - 1) / kWideKeys;
-  const int64_t ldk = L.ldk, lds = L.lds;
-  uint16_t* tile[2] = {Ks, Ks + kWideKeys * ldk};
+  const int64_t ldk = L.ldk, lds = L.lds, tile_elems = kWideKeys * ldk;
 
+  // Where each key's row lies (the tiles' padding masked).
+  for (int64_t j = tid; j < tiles * kWideKeys; j += kWideThreads) {
+    int32_t k = kMaskedKey;
+    if (j < kl.nloc) {
+      k = int32_t(-(kl.lo - p.lk_pos0 + j) - 2);
+    } else if (j < kl.nk) {
+      const int64_t c = j - kl.nloc;
+      const int64_t r = p.topk ? int64_t(p.topk[i * p.k + c]) : c;
+      if (r < kl.vis) k = int32_t(r);
+    }
+    kidx[j] = k;
+  }
   // Q scaled and rounded to bf16 as the decoder does, staged, then held as A fragments.
   for (int e = tid; e < kWideRows * D / 2; e += kWideThreads) {
     const int r = e / (D / 2), c = (e % (D / 2)) * 2;
@@ -269,12 +287,15 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   __syncthreads();
 
   // Pass 1: S = Q K^T, each score rounded to bf16 into Ss.
-  issue_key_tile<D>(p, i, kl, 0, tile[0], ldk, valid);
+  for (int s = 0; s < stages - 1; ++s)
+    issue_key_tile<D>(p, kidx, s, tiles, Ks + s * tile_elems, ldk);
   for (int64_t t = 0; t < tiles; ++t) {
-    mma::cp_async_wait_all();
+    cp_async_wait_stages(stages);
     __syncthreads();  // tile t is in; every warp is done with tile t - 1's buffer
-    if (t + 1 < tiles) issue_key_tile<D>(p, i, kl, t + 1, tile[(t + 1) % 2], ldk, valid);
-    const uint16_t* kb = tile[t % 2] + (half * 16 + (mi / 2) * 8 + mr) * ldk + (mi % 2) * 8;
+    issue_key_tile<D>(p, kidx, t + stages - 1, tiles, Ks + ((t + stages - 1) % stages) * tile_elems,
+                      ldk);
+    const uint16_t* kb =
+        Ks + (t % stages) * tile_elems + (half * 16 + (mi / 2) * 8 + mr) * ldk + (mi % 2) * 8;
     float acc[2][4] = {};
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -291,8 +312,11 @@ __global__ void __launch_bounds__(kWideThreads, 1)
       *reinterpret_cast<uint32_t*>(s0 + 8 * lds) = mma::pack_bf2(acc[n][2], acc[n][3]);
     }
   }
+  mma::cp_async_wait_all();  // the empty groups past the last tile
   __syncthreads();
-  issue_key_tile<D>(p, i, kl, 0, tile[0], ldk, nullptr);  // pass 2's first tile, under the softmax
+  // Pass 2's first tiles load under the softmax.
+  for (int s = 0; s < stages - 1; ++s)
+    issue_key_tile<D>(p, kidx, s, tiles, Ks + s * tile_elems, ldk);
 
   // Softmax per row (warp w: rows 8w..8w+7) over the bf16 scores, the sink's mass in the sum;
   // P = exp(s - max) in bf16, in place.
@@ -302,11 +326,11 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     const float sink = h0 + r < p.heads ? p.sinks[h0 + r] : 0.0f;
     float mx = sink;
     for (int64_t j = lane; j < kl.nk; j += 32)
-      if (valid[j]) mx = fmaxf(mx, b2f(srow[j]));
+      if (kidx[j] != kMaskedKey) mx = fmaxf(mx, b2f(srow[j]));
     mx = warp_max(mx);
     float tot = 0.0f;
     for (int64_t j = lane; j < tiles * kWideKeys; j += 32) {
-      const float e = (j < kl.nk && valid[j]) ? mlx_exp(b2f(srow[j]) - mx) : 0.0f;
+      const float e = kidx[j] != kMaskedKey ? mlx_exp(b2f(srow[j]) - mx) : 0.0f;
       tot += e;
       srow[j] = f2b(e);
     }
@@ -318,15 +342,17 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   float o[D / 16][4] = {};
   const int64_t col0 = half * (D / 2);
   for (int64_t t = 0; t < tiles; ++t) {
-    mma::cp_async_wait_all();
+    cp_async_wait_stages(stages);
     __syncthreads();  // tile t (and, at t = 0, every P row) is in
-    if (t + 1 < tiles) issue_key_tile<D>(p, i, kl, t + 1, tile[(t + 1) % 2], ldk, nullptr);
+    issue_key_tile<D>(p, kidx, t + stages - 1, tiles, Ks + ((t + stages - 1) % stages) * tile_elems,
+                      ldk);
+    const uint16_t* vt = Ks + (t % stages) * tile_elems;
 #pragma unroll
     for (int ks = 0; ks < kWideKeys / 16; ++ks) {
       uint32_t a[4];
       mma::ldsm_x4(
           a, Ss + (rt * 16 + (mi % 2) * 8 + mr) * lds + t * kWideKeys + ks * 16 + (mi / 2) * 8);
-      const uint16_t* vb = tile[t % 2] + (ks * 16 + (mi % 2) * 8 + mr) * ldk + col0 + (mi / 2) * 8;
+      const uint16_t* vb = vt + (ks * 16 + (mi % 2) * 8 + mr) * ldk + col0 + (mi / 2) * 8;
 #pragma unroll
       for (int np = 0; np < D / 32; ++np) {
         uint32_t b[4];
@@ -336,6 +362,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
       }
     }
   }
+  mma::cp_async_wait_all();
   const int r0 = rt * 16 + g;
 #pragma unroll
   for (int half_row = 0; half_row < 2; ++half_row) {
@@ -353,8 +380,9 @@ __global__ void __launch_bounds__(kWideThreads, 1)
 
 template <int D>
 bool launch_wide(const SparseAttnParams& p, int64_t nk_max, cudaStream_t stream) {
-  const WideSmem L = wide_smem(D, nk_max);
-  if (L.bytes > kWideSmemMax) return false;
+  int stages = kWideMaxStages;
+  while (stages >= 2 && wide_smem(D, nk_max, stages).bytes > kWideSmemMax) --stages;
+  if (stages < 2) return false;
   static bool configured = false;
   if (!configured) {
     cudaFuncSetAttribute(wide_attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -363,7 +391,8 @@ bool launch_wide(const SparseAttnParams& p, int64_t nk_max, cudaStream_t stream)
   }
   const dim3 grid(static_cast<unsigned>(p.m),
                   static_cast<unsigned>((p.heads + kWideRows - 1) / kWideRows));
-  wide_attention_kernel<D><<<grid, kWideThreads, L.bytes, stream>>>(p, nk_max);
+  wide_attention_kernel<D>
+      <<<grid, kWideThreads, wide_smem(D, nk_max, stages).bytes, stream>>>(p, nk_max, stages);
   return true;
 }
 
