@@ -296,20 +296,24 @@ __global__ void __launch_bounds__(kWideThreads, 1)
                       ldk);
     const uint16_t* kb =
         Ks + (t % stages) * tile_elems + (half * 16 + (mi / 2) * 8 + mr) * ldk + (mi % 2) * 8;
-    float acc[2][4] = {};
+    // Even and odd depth steps into separate accumulators: four independent chains per warp
+    // keep the tensor cores fed (two chains of D / 16 dependent mma left them waiting).
+    float acc[2][2][4] = {};
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t b[4];
       mma::ldsm_x4(b, kb + ks * 16);
-      mma::mma16816(acc[0], qa[ks], b[0], b[1]);
-      mma::mma16816(acc[1], qa[ks], b[2], b[3]);
+      mma::mma16816(acc[0][ks % 2], qa[ks], b[0], b[1]);
+      mma::mma16816(acc[1][ks % 2], qa[ks], b[2], b[3]);
     }
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int64_t col = t * kWideKeys + half * 16 + n * 8 + c2;
       uint16_t* s0 = Ss + (rt * 16 + g) * lds + col;
-      *reinterpret_cast<uint32_t*>(s0) = mma::pack_bf2(acc[n][0], acc[n][1]);
-      *reinterpret_cast<uint32_t*>(s0 + 8 * lds) = mma::pack_bf2(acc[n][2], acc[n][3]);
+      const float(&e)[4] = acc[n][0];
+      const float(&f)[4] = acc[n][1];
+      *reinterpret_cast<uint32_t*>(s0) = mma::pack_bf2(e[0] + f[0], e[1] + f[1]);
+      *reinterpret_cast<uint32_t*>(s0 + 8 * lds) = mma::pack_bf2(e[2] + f[2], e[3] + f[3]);
     }
   }
   mma::cp_async_wait_all();  // the empty groups past the last tile
