@@ -184,32 +184,67 @@ __global__ void hc_params_kernel(HcParams p, int64_t n, float* mix_out, int64_t 
   }
 }
 
-__global__ void hc_collapse_kernel(HcParams p, const uint16_t* h, int64_t n, const float* mix_out,
-                                   int64_t stride, uint16_t* x) {
-  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (id >= n * p.hidden) return;
-  const int64_t t = id / p.hidden, d = id % p.hidden, K = p.hc;
-  const float* pre = mix_out + t * stride + (2 + K) * K;
-  float acc = 0.0f;
-  for (int64_t k = 0; k < K; ++k)
-    acc = __fadd_rn(acc, __fmul_rn(pre[k], b2f(h[(t * K + k) * p.hidden + d])));
-  x[id] = f2b(acc);
+// The collapse and the expand: one thread per 8 columns of a token (16-byte loads and stores),
+// its mix coefficients in registers (K = hc_mult a template argument); each element's arithmetic
+// in the CPU engine's order.
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    f[2 * e] = b2f(uint16_t(w[e] & 0xffffu)), f[2 * e + 1] = b2f(uint16_t(w[e] >> 16));
+}
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) w[e] = uint32_t(f2b(f[2 * e])) | (uint32_t(f2b(f[2 * e + 1])) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+template <int K>
+__global__ void hc_collapse_kernel(HcParams p, const uint16_t* h, int64_t n, const float* mix_out,
+                                   int64_t stride, uint16_t* x) {
+  const int64_t H = p.hidden, groups = H / 8;
+  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (id >= n * groups) return;
+  const int64_t t = id / groups, d0 = (id % groups) * 8;
+  const float* pre = mix_out + t * stride + (2 + K) * K;
+  float acc[8] = {};
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float v[8];
+    unpack8(*reinterpret_cast<const uint4*>(h + (t * K + k) * H + d0), v);
+    const float w = pre[k];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, v[e]));
+  }
+  *reinterpret_cast<uint4*>(x + t * H + d0) = pack8(acc);
+}
+
+template <int K>
 __global__ void hc_expand_kernel(HcParams p, const float* mix_out, int64_t stride,
                                  const uint16_t* y, int64_t n, uint16_t* h) {
+  const int64_t H = p.hidden, groups = H / 8;
   const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (id >= n * p.hidden) return;
-  const int64_t t = id / p.hidden, d = id % p.hidden, K = p.hc, H = p.hidden;
+  if (id >= n * groups) return;
+  const int64_t t = id / groups, d0 = (id % groups) * 8;
   const float* post = mix_out + t * stride + (2 + K) * K + K;
   const float* cb = post + K;
-  float res[8];
-  for (int64_t j = 0; j < K; ++j) res[j] = b2f(h[(t * K + j) * H + d]);
-  const float yv = b2f(y[t * H + d]);
-  for (int64_t k = 0; k < K; ++k) {
-    float mixed = 0.0f;
-    for (int64_t j = 0; j < K; ++j) mixed = __fadd_rn(mixed, __fmul_rn(cb[j * K + k], res[j]));
-    h[(t * K + k) * H + d] = f2b(__fadd_rn(__fmul_rn(post[k], yv), mixed));
+  float res[K][8], yv[8];
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+    unpack8(*reinterpret_cast<const uint4*>(h + (t * K + j) * H + d0), res[j]);
+  unpack8(*reinterpret_cast<const uint4*>(y + t * H + d0), yv);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float out[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float mixed = 0.0f;
+#pragma unroll
+      for (int j = 0; j < K; ++j) mixed = __fadd_rn(mixed, __fmul_rn(cb[j * K + k], res[j][e]));
+      out[e] = __fadd_rn(__fmul_rn(post[k], yv[e]), mixed);
+    }
+    *reinterpret_cast<uint4*>(h + (t * K + k) * H + d0) = pack8(out);
   }
 }
 
@@ -429,23 +464,51 @@ int64_t hc_mix_floats(int64_t hc) {
 void hc_collapse(const HcParams& p, const uint16_t* h, int64_t n, float* mix_out, uint16_t* x,
                  cudaStream_t stream) {
   if (n == 0) return;
-  HETERO_CHECK((2 + p.hc) * p.hc <= kHcMaxMix && p.hc <= 8);
-  HETERO_CHECK((p.hc * p.hidden) % kHcTile == 0);
+  HETERO_CHECK((2 + p.hc) * p.hc <= kHcMaxMix && p.hc >= 1 && p.hc <= 4);
+  HETERO_CHECK((p.hc * p.hidden) % kHcTile == 0 && p.hidden % 8 == 0);
   const int64_t stride = hc_mix_floats(p.hc);
   int64_t splits = kHcSplits;
   while (splits > 1 && (p.hc * p.hidden) % (splits * kHcTile) != 0) splits /= 2;
   const dim3 grid(static_cast<unsigned>(blocks_for(n, kHcTok)), static_cast<unsigned>(splits));
   hc_mix_kernel<<<grid, 256, 0, stream>>>(p, h, n, mix_out, stride, splits);
   hc_params_kernel<<<blocks_for(n, 128), 128, 0, stream>>>(p, n, mix_out, stride, splits);
-  hc_collapse_kernel<<<blocks_for(n * p.hidden, 256), 256, 0, stream>>>(p, h, n, mix_out, stride,
-                                                                        x);
+  const int blocks = blocks_for(n * p.hidden / 8, 256);
+  switch (p.hc) {
+    case 1:
+      hc_collapse_kernel<1><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
+      break;
+    case 2:
+      hc_collapse_kernel<2><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
+      break;
+    case 3:
+      hc_collapse_kernel<3><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
+      break;
+    default:
+      hc_collapse_kernel<4><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
+      break;
+  }
 }
 
 void hc_expand(const HcParams& p, const float* mix_out, const uint16_t* y, int64_t n, uint16_t* h,
                cudaStream_t stream) {
   if (n == 0) return;
-  hc_expand_kernel<<<blocks_for(n * p.hidden, 256), 256, 0, stream>>>(p, mix_out,
-                                                                      hc_mix_floats(p.hc), y, n, h);
+  HETERO_CHECK(p.hc >= 1 && p.hc <= 4 && p.hidden % 8 == 0);
+  const int blocks = blocks_for(n * p.hidden / 8, 256);
+  const int64_t stride = hc_mix_floats(p.hc);
+  switch (p.hc) {
+    case 1:
+      hc_expand_kernel<1><<<blocks, 256, 0, stream>>>(p, mix_out, stride, y, n, h);
+      break;
+    case 2:
+      hc_expand_kernel<2><<<blocks, 256, 0, stream>>>(p, mix_out, stride, y, n, h);
+      break;
+    case 3:
+      hc_expand_kernel<3><<<blocks, 256, 0, stream>>>(p, mix_out, stride, y, n, h);
+      break;
+    default:
+      hc_expand_kernel<4><<<blocks, 256, 0, stream>>>(p, mix_out, stride, y, n, h);
+      break;
+  }
 }
 
 void broadcast_rows(const uint16_t* bias, int64_t n, int64_t cols, uint16_t* out,
