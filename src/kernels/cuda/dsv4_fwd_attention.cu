@@ -209,6 +209,7 @@ __host__ __device__ inline WideSmem wide_smem(int64_t D, int64_t nk_max, int sta
   return s;
 }
 static_assert(2 * kWideKeys == kWideRows, "the staged query rows fill two key tiles");
+static_assert(kWideRows * 64 / 8 % kWideThreads == 0, "whole 16-byte loads of Q per thread");
 
 __device__ __forceinline__ void cp_async_wait_stages(int stages) {
   // Leaves stages - 2 groups in flight: the oldest (this tile's) has landed.
@@ -268,16 +269,27 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     }
     kidx[j] = k;
   }
-  // Q scaled and rounded to bf16 as the decoder does, staged, then held as A fragments.
-  for (int e = tid; e < kWideRows * D / 2; e += kWideThreads) {
-    const int r = e / (D / 2), c = (e % (D / 2)) * 2;
-    const int64_t h = h0 + r;
-    float v0 = 0.0f, v1 = 0.0f;
-    if (h < p.heads) {
-      const uint16_t* q = p.q + (i * p.heads + h) * D + c;
-      v0 = rb(b2f(q[0]) * p.scale), v1 = rb(b2f(q[1]) * p.scale);
-    }
-    *reinterpret_cast<uint32_t*>(Ks + r * ldk + c) = mma::pack_bf2(v0, v1);
+  // Q scaled and rounded to bf16 as the decoder does, staged, then held as A fragments. Every
+  // 16-byte load is issued before the first is used: q comes from device memory, and one
+  // latency per load in turn was most of a short key list's time.
+  constexpr int kQLoads = kWideRows * D / 8 / kWideThreads;
+  uint4 qv[kQLoads];
+#pragma unroll
+  for (int u = 0; u < kQLoads; ++u) {
+    const int e = tid + u * kWideThreads, r = e / (D / 8), c = (e % (D / 8)) * 8;
+    qv[u] = h0 + r < p.heads ? *reinterpret_cast<const uint4*>(p.q + (i * p.heads + h0 + r) * D + c)
+                             : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = 0; u < kQLoads; ++u) {
+    const int e = tid + u * kWideThreads, r = e / (D / 8), c = (e % (D / 8)) * 8;
+    const uint32_t w[4] = {qv[u].x, qv[u].y, qv[u].z, qv[u].w};
+    uint32_t o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      o[k] = mma::pack_bf2(rb(b2f(uint16_t(w[k] & 0xffffu)) * p.scale),
+                           rb(b2f(uint16_t(w[k] >> 16)) * p.scale));
+    *reinterpret_cast<uint4*>(Ks + r * ldk + c) = make_uint4(o[0], o[1], o[2], o[3]);
   }
   __syncthreads();
   uint32_t qa[D / 16][4];

@@ -76,7 +76,7 @@ __global__ void embed_kernel(const uint16_t* embed, const int32_t* ids, int64_t 
 
 // ---- hyper-connections -------------------------------------------------------------------
 
-constexpr int kHcTok = 32, kHcTile = 128, kHcMaxMix = 32, kHcSplits = 16;
+constexpr int kHcTile = 128, kHcMaxMix = 32, kHcSplits = 16;
 
 // Per token, mix_out holds: mixes [mix], pre [hc], post [hc], comb [hc*hc], then the partial
 // sums of each column split [kHcSplits][mix + 1] (the last one the sum of squares).
@@ -84,44 +84,50 @@ __host__ __device__ inline int64_t hc_partial_offset(int64_t hc) {
   return (2 + hc) * hc + 2 * hc + hc * hc;
 }
 
-// Partial mixes over one split of the hc*hidden columns: 32 tokens per block, 8 threads per
-// token; blockIdx.y is the split. hc_params_kernel adds the splits in order.
-__global__ void hc_mix_kernel(HcParams p, const uint16_t* h, int64_t n, float* mix_out,
-                              int64_t stride, int64_t splits) {
-  __shared__ float hs[kHcTok][kHcTile + 1];
-  __shared__ float fs[kHcMaxMix][kHcTile + 1];
-  const int64_t W = p.hc * p.hidden, mix = (2 + p.hc) * p.hc, cols = W / splits;
-  const int64_t t0 = int64_t(blockIdx.x) * kHcTok, c0 = int64_t(blockIdx.y) * cols;
-  const int tok = threadIdx.x / 8, jg = threadIdx.x % 8;
-  float acc[4] = {0, 0, 0, 0}, sq = 0.0f;
-  for (int64_t k0 = c0; k0 < c0 + cols; k0 += kHcTile) {
-    for (int i = threadIdx.x; i < kHcTok * kHcTile; i += blockDim.x) {
-      const int r = i / kHcTile, c = i % kHcTile;
+// Partial mixes over one split of the hc*hidden columns: one thread per token holding all its
+// (2 + K) K mixes, kHcMixTok tokens per block; blockIdx.y is the split. Columns come through
+// shared memory in tiles of kHcMixCols (the fn tile read as broadcasts, four mixes a load); each
+// sum runs over the split's columns in order. hc_params_kernel adds the splits in order.
+constexpr int kHcMixTok = 128, kHcMixCols = 32;
+template <int K>
+__global__ void __launch_bounds__(kHcMixTok)
+    hc_mix_kernel(HcParams p, const uint16_t* h, int64_t n, float* mix_out, int64_t stride,
+                  int64_t splits) {
+  constexpr int kMix = (2 + K) * K, kMixPad = (kMix + 3) / 4 * 4;
+  __shared__ float hs[kHcMixTok][kHcMixCols + 1];
+  __shared__ __align__(16) float fs[kHcMixCols][kMixPad];
+  const int64_t W = p.hc * p.hidden, cols = W / splits;
+  const int64_t t0 = int64_t(blockIdx.x) * kHcMixTok, c0 = int64_t(blockIdx.y) * cols;
+  const int tok = threadIdx.x;
+  float acc[kMixPad] = {}, sq = 0.0f;
+  for (int64_t k0 = c0; k0 < c0 + cols; k0 += kHcMixCols) {
+#pragma unroll 8
+    for (int e = threadIdx.x; e < kHcMixTok * kHcMixCols; e += kHcMixTok) {
+      const int r = e / kHcMixCols, c = e % kHcMixCols;
       hs[r][c] = (t0 + r < n) ? b2f(h[(t0 + r) * W + k0 + c]) : 0.0f;
     }
-    for (int i = threadIdx.x; i < mix * kHcTile; i += blockDim.x) {
-      const int r = i / kHcTile, c = i % kHcTile;
-      fs[r][c] = p.fn[r * W + k0 + c];
+    for (int e = threadIdx.x; e < kMixPad * kHcMixCols; e += kHcMixTok) {
+      const int j = e / kHcMixCols, c = e % kHcMixCols;
+      fs[c][j] = j < kMix ? p.fn[j * W + k0 + c] : 0.0f;
     }
     __syncthreads();
-    for (int c = 0; c < kHcTile; ++c) {
+#pragma unroll 4
+    for (int c = 0; c < kHcMixCols; ++c) {
       const float v = hs[tok][c];
-      if (jg == 0) sq += v * v;
+      sq += v * v;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int j = jg + 8 * q;
-        if (j < mix) acc[q] += v * fs[j][c];
+      for (int j = 0; j < kMixPad; j += 4) {
+        const float4 f = *reinterpret_cast<const float4*>(&fs[c][j]);
+        acc[j] += v * f.x, acc[j + 1] += v * f.y, acc[j + 2] += v * f.z, acc[j + 3] += v * f.w;
       }
     }
     __syncthreads();
   }
   if (t0 + tok >= n) return;
-  float* part = mix_out + (t0 + tok) * stride + hc_partial_offset(p.hc) + blockIdx.y * (mix + 1);
-  for (int q = 0; q < 4; ++q) {
-    const int j = jg + 8 * q;
-    if (j < mix) part[j] = acc[q];
-  }
-  if (jg == 0) part[mix] = sq;
+  float* part = mix_out + (t0 + tok) * stride + hc_partial_offset(K) + blockIdx.y * (kMix + 1);
+#pragma unroll
+  for (int j = 0; j < kMix; ++j) part[j] = acc[j];
+  part[kMix] = sq;
 }
 
 __device__ __forceinline__ float sigmoid_mlx(float x) {
@@ -129,59 +135,79 @@ __device__ __forceinline__ float sigmoid_mlx(float x) {
   return x < 0.0f ? y : 1.0f - y;
 }
 
-// One thread per token: pre, post and the Sinkhorn-normalised comb.
+// One thread per token: pre, post and the Sinkhorn-normalised comb, the comb held in registers
+// (K a template argument) and written once at the end.
+template <int K>
 __global__ void hc_params_kernel(HcParams p, int64_t n, float* mix_out, int64_t stride,
                                  int64_t splits) {
   const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (t >= n) return;
-  const int64_t K = p.hc, mix = (2 + K) * K;
+  constexpr int kMix = (2 + K) * K;
   float* m = mix_out + t * stride;
+  float mixes[kMix];
   {  // mixes = (h . fn) / rms(h), from the splits' partial sums
     const float* part = m + hc_partial_offset(K);
     float sq = 0.0f;
-    for (int64_t s = 0; s < splits; ++s) sq += part[s * (mix + 1) + mix];
+    for (int64_t s = 0; s < splits; ++s) sq += part[s * (kMix + 1) + kMix];
     const float r = 1.0f / sqrtf(sq / float(K * p.hidden) + p.norm_eps);
-    for (int64_t j = 0; j < mix; ++j) {
+#pragma unroll
+    for (int j = 0; j < kMix; ++j) {
       float a = 0.0f;
-      for (int64_t s = 0; s < splits; ++s) a += part[s * (mix + 1) + j];
-      m[j] = a * r;
+      for (int64_t s = 0; s < splits; ++s) a += part[s * (kMix + 1) + j];
+      m[j] = mixes[j] = a * r;
     }
   }
-  float* pre = m + mix;
+  float* pre = m + kMix;
   float* post = pre + K;
-  float* cb = post + K;
   const float s0 = p.scale[0], s1 = p.scale[1], s2 = p.scale[2], eps = p.eps;
-  for (int64_t k = 0; k < K; ++k) {
-    pre[k] = sigmoid_mlx(m[k] * s0 + p.base[k]) + eps;
-    post[k] = 2.0f * sigmoid_mlx(m[K + k] * s1 + p.base[K + k]);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    pre[k] = sigmoid_mlx(mixes[k] * s0 + p.base[k]) + eps;
+    post[k] = 2.0f * sigmoid_mlx(mixes[K + k] * s1 + p.base[K + k]);
   }
-  for (int64_t j = 0; j < K; ++j) {
-    float* r = cb + j * K;
+  float cb[K][K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
     float mx = -INFINITY;
-    for (int64_t k = 0; k < K; ++k) {
-      r[k] = m[2 * K + j * K + k] * s2 + p.base[2 * K + j * K + k];
-      mx = fmaxf(mx, r[k]);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      cb[j][k] = mixes[2 * K + j * K + k] * s2 + p.base[2 * K + j * K + k];
+      mx = fmaxf(mx, cb[j][k]);
     }
     float tot = 0.0f;
-    for (int64_t k = 0; k < K; ++k) tot += (r[k] = mlx_exp(r[k] - mx));
+#pragma unroll
+    for (int k = 0; k < K; ++k) tot += (cb[j][k] = mlx_exp(cb[j][k] - mx));
     const float inv = 1.0f / tot;
-    for (int64_t k = 0; k < K; ++k) r[k] = r[k] * inv + eps;
+#pragma unroll
+    for (int k = 0; k < K; ++k) cb[j][k] = cb[j][k] * inv + eps;
   }
   for (int64_t it = 0; it < p.sinkhorn_iters; ++it) {
-    if (it > 0)
-      for (int64_t j = 0; j < K; ++j) {
+    if (it > 0) {
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
         float s = 0.0f;
-        for (int64_t k = 0; k < K; ++k) s += cb[j * K + k];
+#pragma unroll
+        for (int k = 0; k < K; ++k) s += cb[j][k];
         const float d = s + eps;
-        for (int64_t k = 0; k < K; ++k) cb[j * K + k] = cb[j * K + k] / d;
+#pragma unroll
+        for (int k = 0; k < K; ++k) cb[j][k] = cb[j][k] / d;
       }
-    for (int64_t k = 0; k < K; ++k) {
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
       float s = 0.0f;
-      for (int64_t j = 0; j < K; ++j) s += cb[j * K + k];
+#pragma unroll
+      for (int j = 0; j < K; ++j) s += cb[j][k];
       const float d = s + eps;
-      for (int64_t j = 0; j < K; ++j) cb[j * K + k] = cb[j * K + k] / d;
+#pragma unroll
+      for (int j = 0; j < K; ++j) cb[j][k] = cb[j][k] / d;
     }
   }
+  float* out = post + K;
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[j * K + k] = cb[j][k];
 }
 
 // The collapse and the expand: one thread per 8 columns of a token (16-byte loads and stores),
@@ -461,6 +487,18 @@ int64_t hc_mix_floats(int64_t hc) {
   return hc_partial_offset(hc) + kHcSplits * ((2 + hc) * hc + 1);
 }
 
+namespace {
+// The mixes, the coefficients and the collapse for hc_mult = K.
+template <int K>
+void hc_collapse_steps(const HcParams& p, const uint16_t* h, int64_t n, float* mix_out,
+                       int64_t stride, int64_t splits, uint16_t* x, dim3 grid, int pb, int blocks,
+                       cudaStream_t stream) {
+  hc_mix_kernel<K><<<grid, kHcMixTok, 0, stream>>>(p, h, n, mix_out, stride, splits);
+  hc_params_kernel<K><<<pb, 128, 0, stream>>>(p, n, mix_out, stride, splits);
+  hc_collapse_kernel<K><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
+}
+}  // namespace
+
 void hc_collapse(const HcParams& p, const uint16_t* h, int64_t n, float* mix_out, uint16_t* x,
                  cudaStream_t stream) {
   if (n == 0) return;
@@ -469,22 +507,20 @@ void hc_collapse(const HcParams& p, const uint16_t* h, int64_t n, float* mix_out
   const int64_t stride = hc_mix_floats(p.hc);
   int64_t splits = kHcSplits;
   while (splits > 1 && (p.hc * p.hidden) % (splits * kHcTile) != 0) splits /= 2;
-  const dim3 grid(static_cast<unsigned>(blocks_for(n, kHcTok)), static_cast<unsigned>(splits));
-  hc_mix_kernel<<<grid, 256, 0, stream>>>(p, h, n, mix_out, stride, splits);
-  hc_params_kernel<<<blocks_for(n, 128), 128, 0, stream>>>(p, n, mix_out, stride, splits);
-  const int blocks = blocks_for(n * p.hidden / 8, 256);
+  const dim3 grid(static_cast<unsigned>(blocks_for(n, kHcMixTok)), static_cast<unsigned>(splits));
+  const int pb = blocks_for(n, 128), blocks = blocks_for(n * p.hidden / 8, 256);
   switch (p.hc) {
     case 1:
-      hc_collapse_kernel<1><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
+      hc_collapse_steps<1>(p, h, n, mix_out, stride, splits, x, grid, pb, blocks, stream);
       break;
     case 2:
-      hc_collapse_kernel<2><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
+      hc_collapse_steps<2>(p, h, n, mix_out, stride, splits, x, grid, pb, blocks, stream);
       break;
     case 3:
-      hc_collapse_kernel<3><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
+      hc_collapse_steps<3>(p, h, n, mix_out, stride, splits, x, grid, pb, blocks, stream);
       break;
     default:
-      hc_collapse_kernel<4><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
+      hc_collapse_steps<4>(p, h, n, mix_out, stride, splits, x, grid, pb, blocks, stream);
       break;
   }
 }
