@@ -19,7 +19,9 @@
 // weight_dtype): about half the bytes per layer, so about twice the layers fit one GPU; the
 // fraction of peak is still against the bf16 peak. --weights checkpoint draws the official
 // precision (FP8 projections with UE8M0 block scales, FP4 routed experts widened per expert
-// before their GEMMs): about a quarter of bf16's bytes.
+// before their GEMMs): about a quarter of bf16's bytes. --widen-experts at-load widens those
+// experts to FP8 once, after drawing them (Dsv4CudaOptions::widen_experts_at_load: half of bf16's
+// bytes, no widening in the chunks; the same FP8 codes the per-chunk path feeds its GEMMs).
 //
 // JSON lines to stdout (one per T and bridge mode), a table to stderr. --refcheck first compares
 // the engine with the CPU engine on the small test model (tests/common/dsv4_model_weights.h) and
@@ -167,6 +169,11 @@ int main(int argc, char** argv) {
       auto w = cuda::parse_weight_dtype(next());
       if (!w.is_ok()) return std::fprintf(stderr, "%s\n", w.status().to_string().c_str()), 2;
       opts.weight_dtype = w.value();
+    } else if (a == "--widen-experts") {
+      const std::string w = next();
+      if (w != "at-load" && w != "per-chunk")
+        return std::fprintf(stderr, "--widen-experts takes at-load or per-chunk\n"), 2;
+      opts.widen_experts_at_load = w == "at-load";
     } else if (a == "--bridge") {
       bridge_modes.clear();
       std::stringstream ss(next());
@@ -181,7 +188,7 @@ int main(int argc, char** argv) {
           stderr,
           "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
           "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8|checkpoint] "
-          "[--bridge off,on] [--program-device N] [--phases] "
+          "[--widen-experts per-chunk|at-load] [--bridge off,on] [--program-device N] [--phases] "
           "[--refcheck] "
           "[--rev GIT_REV]\n",
           argv[0]);
@@ -355,7 +362,9 @@ int main(int argc, char** argv) {
           gpu.c_str(), rev.c_str(),
           opts.weight_dtype == cuda::WeightDtype::kFp8 ? "experts fp8, rest bf16"
           : opts.weight_dtype == cuda::WeightDtype::kCheckpoint
-              ? "checkpoint: fp8 projections, fp4 experts"
+              ? (opts.widen_experts_at_load
+                     ? "checkpoint: fp8 projections, fp4 experts widened to fp8 at load"
+                     : "checkpoint: fp8 projections, fp4 experts")
               : "bf16",
           opts.expert_streams, program_device, engine->weight_bytes() / 1e9,
           static_cast<long long>(T), static_cast<long long>(chunk), static_cast<long long>(layers),

@@ -3,12 +3,13 @@
 # checkpoint's precision (FP8 projections, FP4 experts; random weights drawn on the device), and
 # against a base binary in the same run. Every GPU test first (GPU_TESTS=1), then the layer bench
 # with --phases for build/ and for $BASE (another build's hetero_gpu_dsv4_layer_bench, carried:
-# e.g. out/base/ built at the revision before a change), then (NCU=1) one kernel-time summary of
+# e.g. out/base/ built at the revision before a change), with WIDEN=1 build/ again with the
+# experts widened to FP8 at load (--widen-experts at-load; named $REV-at-load), then (NCU=1) one kernel-time summary of
 # a 3-layer, 8,192-token prefill under Nsight Compute (one metric: each kernel's duration).
 #
 # Carry: .devkit/lib, build/hetero_gpu_tests, build/hetero_gpu_dsv4_layer_bench[, the base's].
 # Env: REV (names the output), BASE (a directory holding the base binary), T (8192,32768,131072),
-# LAYERS (8), CHUNK (32768), REPEATS (2). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,
+# LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,
 # ncu.txt}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,8 +26,8 @@ if [[ ${GPU_TESTS:-1} == 1 ]]; then
   timeout 300 build/hetero_gpu_tests >"$OUT_DIR/gpu_tests.log" 2>&1 || rc=1
   grep -E "attn \]|index \]|^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests ran" "$OUT_DIR/gpu_tests.log"
 fi
-run_bench() {  # name binary_dir
-  timeout 200 "$2/hetero_gpu_dsv4_layer_bench" --weights checkpoint --layers "${LAYERS:-8}" \
+run_bench() {  # name binary_dir [more flags]
+  timeout 200 "$2/hetero_gpu_dsv4_layer_bench" "${@:3}" --weights checkpoint --layers "${LAYERS:-8}" \
     --t "${T:-8192,32768,131072}" --chunk "${CHUNK:-32768}" --repeats "${REPEATS:-2}" --warmup 1 \
     --phases --bridge off --rev "$1" >"$OUT_DIR/layer-$1.jsonl" 2>"$OUT_DIR/layer-$1.txt" || rc=1
   echo "== $1"
@@ -34,6 +35,7 @@ run_bench() {  # name binary_dir
 }
 [[ -n ${BASE:-} ]] && run_bench base "$BASE"
 run_bench "$REV" build
+[[ ${WIDEN:-0} == 1 ]] && run_bench "$REV-at-load" build --widen-experts at-load
 if [[ ${NCU:-0} == 1 ]]; then
   timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
     build/hetero_gpu_dsv4_layer_bench --weights checkpoint --layers 3 --t 8192 --chunk 8192 \

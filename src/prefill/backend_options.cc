@@ -47,6 +47,15 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "shards)",
        false,
        {"bf16", "fp8", "checkpoint"}},
+      {"expert-widening",
+       "HETERO_PREFILL_EXPERT_WIDENING",
+       "per-chunk",
+       "cuda, deepseek_v4, --weight-dtype checkpoint: when the FP4 routed experts are widened to "
+       "the FP8 their GEMMs read (per-chunk: each layer's before its GEMMs, so only the FP4 bytes "
+       "stay on the GPU; at-load: once, kept as FP8: twice the experts' bytes, no widening in "
+       "any chunk; the same codes and scales, so the same results, either way)",
+       false,
+       {"per-chunk", "at-load"}},
       {"gemm",
        "HETERO_PREFILL_GEMM",
        "ordered",
@@ -111,6 +120,7 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
   b.attention = opts.get("attention");
   b.weights = opts.get("weight-dtype");
   b.gemm = opts.get("gemm");
+  b.expert_widening = opts.get("expert-widening");
   HETERO_ASSIGN_OR_RETURN(int64_t device, opts.get_int("device"));
   HETERO_ASSIGN_OR_RETURN(int64_t program_device, opts.get_int("program-device"));
   HETERO_ASSIGN_OR_RETURN(o.chunk_tokens, opts.get_int("chunk"));

@@ -46,6 +46,10 @@ struct PrefillBackend {
   // deepseek_v4's experts) or "checkpoint" (deepseek_v4: the official FP8 projections and FP4
   // experts as stored, streamed from the shards).
   std::string weights = "bf16";
+  // cuda, deepseek_v4, weights "checkpoint": "per-chunk" (the FP4 experts widened before each
+  // layer's GEMMs) or "at-load" (widened once and kept as FP8; Dsv4CudaOptions::
+  // widen_experts_at_load).
+  std::string expert_widening = "per-chunk";
   // cuda: the GPU the cache program runs on (-1: the engine's). Another GPU than the engine's
   // keeps the program's work off the engine's SMs; the tap's rows cross peer to peer.
   int program_device = -1;

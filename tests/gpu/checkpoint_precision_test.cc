@@ -427,5 +427,62 @@ TEST_F(CheckpointPrecisionTest, StagesHandingTheResidualOnGiveTheSameBits) {
   EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
 }
 
+// The experts widened once at load (widen_experts_at_load) against widened before each layer's
+// GEMMs: the same FP8 codes and scales reach the GEMMs, so every layer's attention input is the
+// same bits, over chunk schedules, for random weights and for weights streamed from an official
+// checkpoint; the resident bytes grow by the widened experts less their FP4 form.
+TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
+  TempDir dir;
+  ASSERT_TRUE(write_dsv4_official_checkpoint(dir.path, c, 29).is_ok());
+  const int64_t T = 300;
+  std::mt19937 rng(4);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
+  Dsv4CudaOptions o;
+  o.host_tap = true;
+  o.weight_dtype = cuda::WeightDtype::kCheckpoint;
+  Dsv4CudaOptions wide = o;
+  wide.widen_experts_at_load = true;
+  const int64_t E = c.n_routed_experts, I = c.moe_inter, H = c.hidden;
+  const int64_t fp8_bytes =
+      E * (2 * I * H + H * I) + E * 4 *
+                                    (cuda::fp8_blocks(2 * I) * cuda::fp8_weight_scale_ld(H) +
+                                     cuda::fp8_blocks(H) * cuda::fp8_weight_scale_ld(I));
+  const int64_t fp4_bytes = E * static_cast<int64_t>(cuda::Fp4GroupWeight::code_bytes(2 * I, H) +
+                                                     cuda::Fp4GroupWeight::scale_bytes(2 * I, H) +
+                                                     cuda::Fp4GroupWeight::code_bytes(H, I) +
+                                                     cuda::Fp4GroupWeight::scale_bytes(H, I));
+  for (bool streamed : {false, true}) {
+    auto make = [&](const Dsv4CudaOptions& so) {
+      return streamed ? Dsv4CudaEngine::load(dir.path, so) : Dsv4CudaEngine::random(c, 9, so);
+    };
+    auto per_chunk = make(o);
+    auto at_load = make(wide);
+    ASSERT_TRUE(per_chunk.is_ok()) << per_chunk.status().to_string();
+    ASSERT_TRUE(at_load.is_ok()) << at_load.status().to_string();
+    EXPECT_EQ((*at_load)->weight_bytes() - (*per_chunk)->weight_bytes(),
+              c.layers * (fp8_bytes - fp4_bytes));
+    for (const std::vector<int64_t>& schedule :
+         std::vector<std::vector<int64_t>>{{T}, {37, 37, 37, 37, 37, 37, 37, 37, 4}, {5, 3, 200}}) {
+      Status st;
+      const auto want = dsv4_taps(**per_chunk, ids, schedule, &st);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+      const auto got = dsv4_taps(**at_load, ids, schedule, &st);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t l = 0; l < got.size(); ++l)
+        EXPECT_EQ(got[l], want[l]) << (streamed ? "streamed" : "random") << ", " << schedule.size()
+                                   << " chunks, layer " << l;
+    }
+    auto lossy = (*at_load)->fp4_lossy_groups();
+    ASSERT_TRUE(lossy.is_ok());
+    EXPECT_GE(*lossy, 0);
+  }
+  Dsv4CudaOptions bad;
+  bad.widen_experts_at_load = true;  // bf16 weights have no FP4 experts
+  EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace hetero

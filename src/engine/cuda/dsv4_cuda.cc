@@ -137,7 +137,11 @@ Status Dsv4CudaEngine::init() {
     for (auto [n, k] : shapes)
       if (n > 0 && k > 0) HETERO_RETURN_IF_ERROR(m.fp8_gemm->prepare(16, n, k));
   }
-  if (m.ckpt) {  // the widened experts of one projection, the active list, the loss counter
+  if (m.ckpt) {  // the loss counter; per chunk: one projection's widened experts, the active list
+    HETERO_RETURN_IF_ERROR(m.alloc(m.lossy, sizeof(unsigned long long), "a counter"));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemset(m.lossy.get(), 0, sizeof(unsigned long long)));
+  }
+  if (m.ckpt && !options_.widen_experts_at_load) {
     const int64_t I = c.moe_inter, H = c.hidden;
     const size_t q = static_cast<size_t>(c.n_routed_experts * std::max(2 * I * H, H * I));
     const size_t sc =
@@ -149,8 +153,6 @@ Status Dsv4CudaEngine::init() {
     HETERO_RETURN_IF_ERROR(m.alloc(m.wide_scale, sc, "widened FP4 experts"));
     HETERO_RETURN_IF_ERROR(m.alloc(m.active, E * 4, "active experts"));
     HETERO_RETURN_IF_ERROR(m.host_active.allocate(E * 4, "active experts"));
-    HETERO_RETURN_IF_ERROR(m.alloc(m.lossy, sizeof(unsigned long long), "a counter"));
-    HETERO_CUDA_RETURN_IF_ERROR(cudaMemset(m.lossy.get(), 0, sizeof(unsigned long long)));
   }
 
   const std::vector<float> lf =
@@ -220,6 +222,7 @@ Result<std::unique_ptr<Dsv4CudaEngine>> Dsv4CudaEngine::random(const Dsv4Config&
   std::unique_ptr<Dsv4CudaEngine> e(new Dsv4CudaEngine(config, options));
   HETERO_RETURN_IF_ERROR(e->init());
   HETERO_RETURN_IF_ERROR(e->fill_random(seed));
+  if (options.widen_experts_at_load) HETERO_RETURN_IF_ERROR(e->widen_experts());
   return e;
 }
 
@@ -236,6 +239,7 @@ Result<std::unique_ptr<Dsv4CudaEngine>> Dsv4CudaEngine::load(const std::string& 
     std::unique_ptr<Dsv4CudaEngine> e(new Dsv4CudaEngine(config, options));
     HETERO_RETURN_IF_ERROR(e->init());
     HETERO_RETURN_IF_ERROR(e->stream_checkpoint(model_dir));
+    if (options.widen_experts_at_load) HETERO_RETURN_IF_ERROR(e->widen_experts());
     return e;
   }
   HETERO_ASSIGN_OR_RETURN(Dsv4Weights w, load_dsv4_weights(model_dir));
@@ -267,6 +271,10 @@ Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions&
   HETERO_RETURN_IF_ERROR(
       cuda::check_forward_shapes(c.hidden, c.hc_mult, c.n_routed_experts, c.experts_per_tok));
   HETERO_RETURN_IF_ERROR(cuda::check_attention_shapes(c.head_dim, c.index_n_heads));
+  if (options.widen_experts_at_load && options.weight_dtype != cuda::WeightDtype::kCheckpoint)
+    return invalid_argument(
+        "widen_experts_at_load widens the checkpoint's FP4 experts: it needs weight dtype "
+        "checkpoint");
   if (options.weight_dtype == cuda::WeightDtype::kBf16) return Status::ok();
   if (options.grouped_experts)
     return invalid_argument(

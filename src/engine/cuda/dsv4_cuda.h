@@ -65,6 +65,12 @@ struct Dsv4CudaOptions {
   // their inputs per token and 128 columns. The other projections stay bf16. Hopper (sm_90) only;
   // the hidden and expert widths must be multiples of 16; not with grouped_experts.
   cuda::WeightDtype weight_dtype = cuda::WeightDtype::kBf16;
+  // Under kCheckpoint: widen every routed expert's FP4 weight to FP8 once, when the weights are
+  // in, and keep only the FP8 form (the FP4 bytes are freed): twice the experts' bytes on the
+  // device, and no widening in any chunk (at 8K tokens it was a quarter of a Flash layer's
+  // time). The GEMMs read the same FP8 codes and scales either way, so the forward's bits do not
+  // change; fp4_lossy_groups() counts the inexact groups at load instead.
+  bool widen_experts_at_load = false;
   // Routed experts' GEMMs over this many side streams (1: on the compute stream), each taking a
   // run of consecutive experts with about equal rows: one expert's GEMM (a few hundred rows at
   // 8K tokens) fills only part of the GPU. At most 16; 1 with grouped_experts. 4 measured 2%
@@ -153,6 +159,8 @@ class Dsv4CudaEngine {
   // The official checkpoint's tensors, streamed (WeightDtype::kCheckpoint; dsv4_cuda_weights.cc).
   Status stream_checkpoint(const std::string& model_dir);
   Status fill_random(uint64_t seed);
+  // Dsv4CudaOptions::widen_experts_at_load, once the FP4 experts are on the device.
+  Status widen_experts();
   Status size_scratch(int64_t n);
   void release_sequence_memory();
 

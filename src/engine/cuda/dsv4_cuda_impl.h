@@ -168,7 +168,8 @@ struct Dsv4CudaEngine::Impl {
   bool ckpt = false;  // WeightDtype::kCheckpoint: FP8 projections, FP4 experts widened per expert
   // The layer's active FP4 experts widened to FP8 (one projection at a time: [E] matrices of the
   // larger shape), the active experts' ids (host and device), and the count of groups whose
-  // widening was not exact (device, unsigned long long).
+  // widening was not exact (device, unsigned long long). With widen_experts_at_load only the
+  // counter: each layer holds its experts widened (DLayer::w13_8, w2_8).
   cuda::DeviceBuffer wide_q, wide_scale, active, lossy;
   cuda::PinnedBuffer host_active;  // int32 [E]
   int64_t active_count = 0;

@@ -192,12 +192,13 @@ Status fp8_linear(Impl& m, const uint16_t* x, int64_t rows, const cuda::Fp8Block
 // the row offsets.
 Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* dev_off,
                         const uint16_t* x, const DFp8& w8, const DFp4& w4, uint16_t* y) {
-  const int64_t wn = m.ckpt ? w4.n : w8.n, wk = m.ckpt ? w4.k : w8.k;
+  const bool widen = w4.mats > 0;  // FP4 experts widened here (else FP8, resident)
+  const int64_t wn = widen ? w4.n : w8.n, wk = widen ? w4.k : w8.k;
   const int64_t groups = cuda::fp8_blocks(wk);
   const int32_t* host_pad = m.host_pad.get<int32_t>();
   cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
                                   m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get());
-  if (m.ckpt)  // every active expert's FP4 weight widened at once, ahead of the GEMMs
+  if (widen)  // every active expert's FP4 weight widened at once, ahead of the GEMMs
     cuda::widen_fp4_experts_to_fp8(w4.at(0), m.active.get<int32_t>(), m.active_count,
                                    m.wide_q.get<uint8_t>(), f32(m.wide_scale),
                                    m.lossy.get<unsigned long long>(), m.stream.get());
@@ -216,11 +217,11 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
         lane >= 0 && last[static_cast<size_t>(lane)] == e && cuda::fp8_act_rows(rows) != rows;
     uint16_t* out = spills ? bf(m.lanes[static_cast<size_t>(lane)].spill) : y + off[e] * wn;
     const cuda::Fp8BlockWeight w =
-        m.ckpt ? cuda::Fp8BlockWeight{m.wide_q.get<uint8_t>() + e * wn * wk,
-                                      f32(m.wide_scale) +
-                                          e * cuda::fp8_blocks(wn) * cuda::fp8_weight_scale_ld(wk),
-                                      wn, wk}
-               : w8.at(e);
+        widen ? cuda::Fp8BlockWeight{m.wide_q.get<uint8_t>() + e * wn * wk,
+                                     f32(m.wide_scale) +
+                                         e * cuda::fp8_blocks(wn) * cuda::fp8_weight_scale_ld(wk),
+                                     wn, wk}
+              : w8.at(e);
     HETERO_RETURN_IF_ERROR(
         g.run(m.act_q.get<uint8_t>() + p * wk, f32(m.act_scale) + p * groups, rows, w, out, st));
     if (spills)
@@ -442,7 +443,8 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
     // The previous layer's copy of host_pad is done: the stream was waited for above.
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.pad.get(), host_pad, sizeof(int32_t) * (E + 1),
                                                 cudaMemcpyHostToDevice, st));
-    if (m.ckpt) {  // the experts with rows, whose FP4 weights get widened (host_active: as above)
+    if (L.w13_4.mats > 0) {  // the experts with rows, whose FP4 weights get widened (host_active:
+                             // as above)
       int32_t* active = m.host_active.get<int32_t>();
       m.active_count = 0;
       for (int64_t e = 0; e < E; ++e)

@@ -485,4 +485,35 @@ Status Dsv4CudaEngine::stream_checkpoint(const std::string& model_dir) {
   return Status::ok();
 }
 
+// Each layer's routed experts from FP4 to FP8, one layer at a time, its FP4 form freed before
+// the next layer is widened (so the peak is the widened layers, the rest still FP4, and one
+// layer of both). The widening kernel is the one the per-chunk path runs, so the codes and
+// scales the GEMMs read are the same bits.
+Status Dsv4CudaEngine::widen_experts() {
+  Impl& m = *impl_;
+  cudaStream_t st = m.stream.get();
+  for (int64_t l = m.first; l < m.end; ++l) {
+    DLayer& L = m.layers[static_cast<size_t>(l)];
+    for (auto [f4, f8] : {std::pair{&L.w13_4, &L.w13_8}, std::pair{&L.w2_4, &L.w2_8}}) {
+      f8->n = f4->n, f8->k = f4->k, f8->mats = f4->mats;
+      HETERO_RETURN_IF_ERROR(
+          m.alloc(f8->q, static_cast<size_t>(f8->mats * f8->n * f8->k), "widened FP8 experts"));
+      HETERO_RETURN_IF_ERROR(m.alloc(f8->scale,
+                                     static_cast<size_t>(f8->mats * f8->scale_floats()) * 4,
+                                     "widened FP8 experts"));
+      for (int64_t i = 0; i < f8->mats; ++i) {
+        const cuda::Fp8BlockWeight w = f8->at(i);
+        cuda::widen_fp4_to_fp8(f4->at(i), const_cast<uint8_t*>(w.q), const_cast<float*>(w.scale),
+                               m.lossy.get<unsigned long long>(), st);
+      }
+      HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+      weight_bytes_ += static_cast<int64_t>(f8->q.bytes() + f8->scale.bytes()) -
+                       static_cast<int64_t>(f4->codes.bytes() + f4->scale.bytes());
+      f4->codes.reset(), f4->scale.reset(), f4->mats = 0;
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace hetero

@@ -92,12 +92,19 @@ __global__ void ue8m0_scales_kernel(const uint8_t* __restrict__ e8m0, int64_t nb
   scale[i] = c < kb ? ue8m0(e8m0[r * kb + c]) : 1.f;
 }
 
-// One CUDA block per 128x128 block of the weight; each thread widens whole 32-element groups.
-// blockIdx.z picks the matrix: experts[z] of the matrices laid back to back (null: the one).
-__global__ void widen_fp4_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ sc,
-                                 int64_t n, int64_t k, uint8_t* __restrict__ q,
-                                 float* __restrict__ scale, int64_t scale_ld,
-                                 unsigned long long* lossy, const int32_t* __restrict__ experts) {
+// One CUDA block of 128 threads per 128x128 block of the weight. Thread t widens the 32-element
+// group t % 4 of rows t / 4 + 32 j (j < 4): a warp's loads cover 8 rows' 64 contiguous bytes
+// each. Every load (four codes of 16 bytes, four scale bytes) is issued before the block's
+// exponent is known: the kernel is bound by memory, and the earlier form (two passes over the
+// scales around a barrier, one group in flight per thread) ran at under half the bandwidth.
+constexpr int kWidenThreads = 128;
+constexpr int kWidenUnits = kFp8Block * (kFp8Block / kFp4Group) / kWidenThreads;  // 4
+
+__global__ void __launch_bounds__(kWidenThreads)
+    widen_fp4_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ sc, int64_t n,
+                     int64_t k, uint8_t* __restrict__ q, float* __restrict__ scale,
+                     int64_t scale_ld, unsigned long long* lossy,
+                     const int32_t* __restrict__ experts) {
   const int64_t bk = blockIdx.x, bn = blockIdx.y;
   if (experts) {
     const int64_t e = experts[blockIdx.z];
@@ -106,30 +113,38 @@ __global__ void widen_fp4_kernel(const uint8_t* __restrict__ codes, const uint8_
   }
   const int64_t r0 = bn * kFp8Block, c0 = bk * kFp8Block;
   const int64_t rows = n - r0 < kFp8Block ? n - r0 : kFp8Block;
-  const int64_t gpr = k / kFp4Group;                    // groups per row
-  constexpr int kGroupsPerRow = kFp8Block / kFp4Group;  // in the block: 4
-  const int units = static_cast<int>(rows) * kGroupsPerRow;
-  __shared__ int part[kThreads / 32];
+  const int64_t gpr = k / kFp4Group;  // groups per row
+  const int64_t g = c0 / kFp4Group + threadIdx.x % 4;
+  uint4 raw[kWidenUnits];
+  int e8[kWidenUnits];
   int mx = 0;
-  for (int u = threadIdx.x; u < units; u += kThreads) {
-    const int64_t r = r0 + u / kGroupsPerRow, g = c0 / kFp4Group + u % kGroupsPerRow;
-    mx = max(mx, int(sc[r * gpr + g]));
+#pragma unroll
+  for (int j = 0; j < kWidenUnits; ++j) {
+    const int64_t r = threadIdx.x / 4 + 32 * j;
+    e8[j] = 0;
+    if (r < rows) {
+      raw[j] = *reinterpret_cast<const uint4*>(codes + (r0 + r) * (k / 2) + g * (kFp4Group / 2));
+      e8[j] = sc[(r0 + r) * gpr + g];
+    }
   }
+#pragma unroll
+  for (int j = 0; j < kWidenUnits; ++j) mx = max(mx, e8[j]);
+  __shared__ int part[kWidenThreads / 32];
   for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = mx;
   __syncthreads();
-  mx = 0;
-  for (int i = 0; i < kThreads / 32; ++i) mx = max(mx, part[i]);
+  mx = max(max(part[0], part[1]), max(part[2], part[3]));
   if (threadIdx.x == 0) scale[bn * scale_ld + bk] = ldexpf(1.f, mx - 133);
   if (bk == 0)
-    for (int64_t j = gridDim.x + threadIdx.x; j < scale_ld; j += kThreads)
+    for (int64_t j = gridDim.x + threadIdx.x; j < scale_ld; j += kWidenThreads)
       scale[bn * scale_ld + j] = 1.f;
   unsigned long long lost = 0;
-  for (int u = threadIdx.x; u < units; u += kThreads) {
-    const int64_t r = r0 + u / kGroupsPerRow, g = c0 / kFp4Group + u % kGroupsPerRow;
-    const int d = int(sc[r * gpr + g]) - mx + 6;
-    const uint4 raw = *reinterpret_cast<const uint4*>(codes + r * (k / 2) + g * (kFp4Group / 2));
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < kWidenUnits; ++j) {
+    const int64_t r = threadIdx.x / 4 + 32 * j;
+    if (r >= rows) continue;
+    const int d = e8[j] - mx + 6;
+    const uint32_t w[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
     uint32_t out[8];
     bool nonzero = false;
     if (d >= -5) {
@@ -137,10 +152,10 @@ __global__ void widen_fp4_kernel(const uint8_t* __restrict__ codes, const uint8_
       // float below made this kernel compute-bound at a quarter of the memory bandwidth).
       for (int i = 0; i < 4; ++i) {
         uint32_t bytes[8];
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t nib = (w[i] >> (4 * j)) & 0xfu, mag = nib & 7u;
+        for (int b = 0; b < 8; ++b) {
+          const uint32_t nib = (w[i] >> (4 * b)) & 0xfu, mag = nib & 7u;
           nonzero = nonzero || mag != 0;
-          bytes[j] = e2m1_to_e4m3_normal(nib, d);
+          bytes[b] = e2m1_to_e4m3_normal(nib, d);
         }
         out[2 * i] = bytes[0] | bytes[1] << 8 | bytes[2] << 16 | bytes[3] << 24;
         out[2 * i + 1] = bytes[4] | bytes[5] << 8 | bytes[6] << 16 | bytes[7] << 24;
@@ -148,16 +163,16 @@ __global__ void widen_fp4_kernel(const uint8_t* __restrict__ codes, const uint8_
     } else {
       for (int i = 0; i < 4; ++i) {
         float v[8];
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t nib = (w[i] >> (4 * j)) & 0xfu;
+        for (int b = 0; b < 8; ++b) {
+          const uint32_t nib = (w[i] >> (4 * b)) & 0xfu;
           nonzero = nonzero || (nib & 7u) != 0;
-          v[j] = ldexpf(e2m1(nib), d);
+          v[b] = ldexpf(e2m1(nib), d);
         }
         out[2 * i] = e4m3x2(v[0], v[1]) | (uint32_t(e4m3x2(v[2], v[3])) << 16);
         out[2 * i + 1] = e4m3x2(v[4], v[5]) | (uint32_t(e4m3x2(v[6], v[7])) << 16);
       }
     }
-    uint4* dst = reinterpret_cast<uint4*>(q + r * k + g * kFp4Group);
+    uint4* dst = reinterpret_cast<uint4*>(q + (r0 + r) * k + g * kFp4Group);
     dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
     dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
     if (nonzero && d < -8) ++lost;
@@ -224,8 +239,8 @@ void widen_fp4_to_fp8(const Fp4GroupWeight& w, uint8_t* q, float* scale,
                       unsigned long long* lossy_groups, cudaStream_t stream) {
   if (w.n <= 0 || w.k <= 0) return;
   const dim3 grid(static_cast<unsigned>(fp8_blocks(w.k)), static_cast<unsigned>(fp8_blocks(w.n)));
-  widen_fp4_kernel<<<grid, kThreads, 0, stream>>>(w.codes, w.scale, w.n, w.k, q, scale,
-                                                  fp8_weight_scale_ld(w.k), lossy_groups, nullptr);
+  widen_fp4_kernel<<<grid, kWidenThreads, 0, stream>>>(
+      w.codes, w.scale, w.n, w.k, q, scale, fp8_weight_scale_ld(w.k), lossy_groups, nullptr);
 }
 
 void widen_fp4_experts_to_fp8(const Fp4GroupWeight& w0, const int32_t* experts, int64_t count,
@@ -234,8 +249,8 @@ void widen_fp4_experts_to_fp8(const Fp4GroupWeight& w0, const int32_t* experts, 
   if (w0.n <= 0 || w0.k <= 0 || count <= 0) return;
   const dim3 grid(static_cast<unsigned>(fp8_blocks(w0.k)), static_cast<unsigned>(fp8_blocks(w0.n)),
                   static_cast<unsigned>(count));
-  widen_fp4_kernel<<<grid, kThreads, 0, stream>>>(w0.codes, w0.scale, w0.n, w0.k, q, scale,
-                                                  fp8_weight_scale_ld(w0.k), lossy_groups, experts);
+  widen_fp4_kernel<<<grid, kWidenThreads, 0, stream>>>(
+      w0.codes, w0.scale, w0.n, w0.k, q, scale, fp8_weight_scale_ld(w0.k), lossy_groups, experts);
 }
 
 void dequant_fp8_ue8m0_to_bf16(const uint8_t* codes, const uint8_t* e8m0, int64_t n, int64_t k,
