@@ -75,8 +75,10 @@ struct Dsv4CudaOptions {
   // run of consecutive experts with about equal rows: one expert's GEMM (a few hundred rows at
   // 8K tokens) fills only part of the GPU. At most 16; 1 with grouped_experts. 4 measured 2%
   // faster end to end than 1 with bf16 experts and 8% with FP8 ones (H200, 4 Flash layers, 8K to
-  // 128K tokens; bench/gpu/dsv4_layer_bench --expert-streams).
-  int expert_streams = 4;
+  // 128K tokens; bench/gpu/dsv4_layer_bench --expert-streams), and 8 took the routed experts of 8
+  // Flash layers in the checkpoint's precision (widened at load) from 43.9 to 38.4 ms at 8K
+  // tokens, the same as 4 at 32K (RESULTS §25).
+  int expert_streams = 8;
   // The layers this engine holds and runs, [first_layer, end_layer) (end_layer -1: through the
   // last): a stage of a layer pipeline. Only the stage holding layer 0 holds the embedding and
   // takes prefill_chunk; a later stage runs prefill_stage from the previous stage's residual.

@@ -223,19 +223,28 @@ __device__ __forceinline__ void cp_async_wait_stages(int stages) {
 
 // Issues tile t's rows into buffer `dst` (zeros where a key is masked or past the list); always
 // commits a group, empty past the last tile, so that the groups in flight count tiles.
+// Thread t copies row t / 8 of the tile, its 16-byte pieces t % 8, t % 8 + 8, ...: one key-table
+// lookup and one row address per thread and tile, and each 8 threads' copies 128 contiguous
+// bytes of a row.
+constexpr int kWideRowThreads = kWideThreads / kWideKeys;  // 8
 template <int D>
 __device__ inline void issue_key_tile(const SparseAttnParams& p, const int32_t* kidx, int64_t t,
                                       int64_t tiles, uint16_t* dst, int64_t ldk) {
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  if (t < tiles)
-    for (int e = threadIdx.x; e < kWideKeys * kChunks; e += kWideThreads) {
-      const int r = e / kChunks, c = (e % kChunks) * 8;
-      const int32_t k = kidx[t * kWideKeys + r];
-      const uint16_t* src = k == kMaskedKey ? nullptr
-                            : k >= 0        ? p.pooled + int64_t(k) * D
-                                            : p.lk + int64_t(-k - 2) * D;
-      mma::cp_async16(dst + r * ldk + c, src ? src + c : p.q, src ? 16 : 0);
+  static_assert(D % (8 * kWideRowThreads) == 0, "whole 16-byte pieces for every thread of a row");
+  if (t < tiles) {
+    const int r = threadIdx.x / kWideRowThreads, c0 = (threadIdx.x % kWideRowThreads) * 8;
+    const int32_t k = kidx[t * kWideKeys + r];
+    const uint16_t* src = k == kMaskedKey ? p.q
+                          : k >= 0        ? p.pooled + int64_t(k) * D
+                                          : p.lk + int64_t(-k - 2) * D;
+    const int bytes = k == kMaskedKey ? 0 : 16;
+    uint16_t* row = dst + r * ldk;
+#pragma unroll
+    for (int j = 0; j < D / (8 * kWideRowThreads); ++j) {
+      const int c = c0 + j * 8 * kWideRowThreads;
+      mma::cp_async16(row + c, bytes ? src + c : src, bytes);
     }
+  }
   mma::cp_async_commit();
 }
 
@@ -324,8 +333,12 @@ __global__ void __launch_bounds__(kWideThreads, 1)
       uint16_t* s0 = Ss + (rt * 16 + g) * lds + col;
       const float(&e)[4] = acc[n][0];
       const float(&f)[4] = acc[n][1];
-      *reinterpret_cast<uint32_t*>(s0) = mma::pack_bf2(e[0] + f[0], e[1] + f[1]);
-      *reinterpret_cast<uint32_t*>(s0 + 8 * lds) = mma::pack_bf2(e[2] + f[2], e[3] + f[3]);
+      // A masked key's score is -inf: the softmax below then needs no key table.
+      const bool m0 = kidx[col] == kMaskedKey, m1 = kidx[col + 1] == kMaskedKey;
+      *reinterpret_cast<uint32_t*>(s0) =
+          mma::pack_bf2(m0 ? -INFINITY : e[0] + f[0], m1 ? -INFINITY : e[1] + f[1]);
+      *reinterpret_cast<uint32_t*>(s0 + 8 * lds) =
+          mma::pack_bf2(m0 ? -INFINITY : e[2] + f[2], m1 ? -INFINITY : e[3] + f[3]);
     }
   }
   mma::cp_async_wait_all();  // the empty groups past the last tile
@@ -335,18 +348,18 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     issue_key_tile<D>(p, kidx, s, tiles, Ks + s * tile_elems, ldk);
 
   // Softmax per row (warp w: rows 8w..8w+7) over the bf16 scores, the sink's mass in the sum;
-  // P = exp(s - max) in bf16, in place.
+  // P = exp(s - max) in bf16, in place (a masked key's -inf gives 0).
+  const int cols = int(tiles * kWideKeys);
   for (int rr = 0; rr < kWideRows / 8; ++rr) {
     const int r = warp * (kWideRows / 8) + rr;
     uint16_t* srow = Ss + r * lds;
     const float sink = h0 + r < p.heads ? p.sinks[h0 + r] : 0.0f;
     float mx = sink;
-    for (int64_t j = lane; j < kl.nk; j += 32)
-      if (kidx[j] != kMaskedKey) mx = fmaxf(mx, b2f(srow[j]));
+    for (int j = lane; j < cols; j += 32) mx = fmaxf(mx, b2f(srow[j]));
     mx = warp_max(mx);
     float tot = 0.0f;
-    for (int64_t j = lane; j < tiles * kWideKeys; j += 32) {
-      const float e = kidx[j] != kMaskedKey ? mlx_exp(b2f(srow[j]) - mx) : 0.0f;
+    for (int j = lane; j < cols; j += 32) {
+      const float e = mlx_exp(b2f(srow[j]) - mx);
       tot += e;
       srow[j] = f2b(e);
     }

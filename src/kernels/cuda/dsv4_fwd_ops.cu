@@ -8,6 +8,7 @@
 #include "kernels/cuda/dsv4_fwd_common.cuh"
 #include "kernels/cuda/dsv4_fwd_ops.h"
 #include "kernels/cuda/mlx_math.cuh"
+#include "kernels/cuda/mma_sm80.cuh"
 
 namespace hetero::cuda {
 namespace {
@@ -84,50 +85,126 @@ __host__ __device__ inline int64_t hc_partial_offset(int64_t hc) {
   return (2 + hc) * hc + 2 * hc + hc * hc;
 }
 
-// Partial mixes over one split of the hc*hidden columns: one thread per token holding all its
-// (2 + K) K mixes, kHcMixTok tokens per block; blockIdx.y is the split. Columns come through
-// shared memory in tiles of kHcMixCols (the fn tile read as broadcasts, four mixes a load); each
-// sum runs over the split's columns in order. hc_params_kernel adds the splits in order.
-constexpr int kHcMixTok = 128, kHcMixCols = 32;
+// Partial mixes over one split of the hc*hidden columns on the tensor cores: the mixes are a
+// skinny GEMM [tokens, hc*hidden] x [hc*hidden, (2 + K) K] whose float32 fn would lose bits as a
+// bf16 operand, so each fn value goes in as two bf16 terms, hi = bf16(fn) and lo = bf16(fn - hi)
+// (what is left is below 2^-16 of fn), each product exact in the float32 accumulator. h is bf16
+// already. 128 tokens per block, 16 per warp; columns in chunks of 32: h by cp.async two chunks
+// deep, fn's hi and lo terms staged through registers; the sum of squares from the A fragments.
+// The CUDA-core form this replaced (one thread per token, 24 sums in registers) ran at an eighth
+// of the memory bandwidth, two thirds of the hyper-connections' time (Nsight Compute, 8K tokens).
+// hc_params_kernel adds the splits in order.
+constexpr int kHcMixTok = 128, kHcMixCols = 32, kHcMixLd = kHcMixCols + 8, kHcMixRows = 32;
+static_assert(kHcMaxMix <= kHcMixRows, "the fn tile holds every mix");
+
+__device__ __forceinline__ uint32_t hi_lo_bf16(float f, uint16_t* lo) {
+  const __nv_bfloat16 hi = __float2bfloat16_rn(f);
+  *lo = __bfloat16_as_ushort(__float2bfloat16_rn(f - __bfloat162float(hi)));
+  return __bfloat16_as_ushort(hi);
+}
+
 template <int K>
-__global__ void __launch_bounds__(kHcMixTok)
+__global__ void __launch_bounds__(256)
     hc_mix_kernel(HcParams p, const uint16_t* h, int64_t n, float* mix_out, int64_t stride,
                   int64_t splits) {
-  constexpr int kMix = (2 + K) * K, kMixPad = (kMix + 3) / 4 * 4;
-  __shared__ float hs[kHcMixTok][kHcMixCols + 1];
-  __shared__ __align__(16) float fs[kHcMixCols][kMixPad];
+  constexpr int kMix = (2 + K) * K;
+  __shared__ __align__(16) uint16_t hs[2][kHcMixTok][kHcMixLd];
+  __shared__ __align__(16) uint16_t fs[2][2][kHcMixRows][kHcMixLd];  // [buffer][hi, lo][mix][col]
   const int64_t W = p.hc * p.hidden, cols = W / splits;
   const int64_t t0 = int64_t(blockIdx.x) * kHcMixTok, c0 = int64_t(blockIdx.y) * cols;
-  const int tok = threadIdx.x;
-  float acc[kMixPad] = {}, sq = 0.0f;
-  for (int64_t k0 = c0; k0 < c0 + cols; k0 += kHcMixCols) {
-#pragma unroll 8
-    for (int e = threadIdx.x; e < kHcMixTok * kHcMixCols; e += kHcMixTok) {
-      const int r = e / kHcMixCols, c = e % kHcMixCols;
-      hs[r][c] = (t0 + r < n) ? b2f(h[(t0 + r) * W + k0 + c]) : 0.0f;
-    }
-    for (int e = threadIdx.x; e < kMixPad * kHcMixCols; e += kHcMixTok) {
-      const int j = e / kHcMixCols, c = e % kHcMixCols;
-      fs[c][j] = j < kMix ? p.fn[j * W + k0 + c] : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll 4
-    for (int c = 0; c < kHcMixCols; ++c) {
-      const float v = hs[tok][c];
-      sq += v * v;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int mi = lane / 8, mr = lane % 8, g = lane / 4, c2 = (lane % 4) * 2;
+  const int chunks = int(cols / kHcMixCols);
+  // h: 128 rows x 4 pieces of 16 bytes per chunk, 2 a thread; rows past n read as zeros.
+  constexpr int kPieces = kHcMixCols / 8;
+  auto issue_h = [&](int ch, int buf) {
 #pragma unroll
-      for (int j = 0; j < kMixPad; j += 4) {
-        const float4 f = *reinterpret_cast<const float4*>(&fs[c][j]);
-        acc[j] += v * f.x, acc[j + 1] += v * f.y, acc[j + 2] += v * f.z, acc[j + 3] += v * f.w;
+    for (int u = 0; u < kHcMixTok * kPieces / 256; ++u) {
+      const int e = tid + u * 256, r = e / kPieces, c = (e % kPieces) * 8;
+      const bool in = t0 + r < n;
+      mma::cp_async16(&hs[buf][r][c], h + (in ? (t0 + r) * W : 0) + c0 + ch * kHcMixCols + c,
+                      in ? 16 : 0);
+    }
+    mma::cp_async_commit();
+  };
+  // fn: kHcMixRows x 32 floats per chunk, a float4 a thread, rows past kMix as zeros.
+  constexpr int kFnLoads = kHcMixRows * kHcMixCols / 4 / 256;
+  float4 fv[kFnLoads];
+  auto load_fn = [&](int ch) {
+#pragma unroll
+    for (int u = 0; u < kFnLoads; ++u) {
+      const int e = tid + u * 256, j = e / (kHcMixCols / 4), c = (e % (kHcMixCols / 4)) * 4;
+      fv[u] = j < kMix ? *reinterpret_cast<const float4*>(p.fn + j * W + c0 + ch * kHcMixCols + c)
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  auto store_fn = [&](int buf) {
+#pragma unroll
+    for (int u = 0; u < kFnLoads; ++u) {
+      const int e = tid + u * 256, j = e / (kHcMixCols / 4), c = (e % (kHcMixCols / 4)) * 4;
+      uint16_t lo[4];
+      const uint32_t h0 = hi_lo_bf16(fv[u].x, &lo[0]), h1 = hi_lo_bf16(fv[u].y, &lo[1]);
+      const uint32_t h2 = hi_lo_bf16(fv[u].z, &lo[2]), h3 = hi_lo_bf16(fv[u].w, &lo[3]);
+      *reinterpret_cast<uint2*>(&fs[buf][0][j][c]) = make_uint2(h0 | h1 << 16, h2 | h3 << 16);
+      *reinterpret_cast<uint2*>(&fs[buf][1][j][c]) = make_uint2(
+          uint32_t(lo[0]) | uint32_t(lo[1]) << 16, uint32_t(lo[2]) | uint32_t(lo[3]) << 16);
+    }
+  };
+  float acc[kHcMixRows / 8][4] = {};
+  float sq[2] = {0.f, 0.f};  // rows g and g + 8 of this warp, this lane's columns
+  issue_h(0, 0);
+  load_fn(0);
+  store_fn(0);
+  for (int ch = 0; ch < chunks; ++ch) {
+    const int buf = ch % 2;
+    const bool more = ch + 1 < chunks;
+    if (more) issue_h(ch + 1, buf ^ 1), load_fn(ch + 1);
+    if (more)
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    else
+      mma::cp_async_wait_all();
+    __syncthreads();  // chunk ch's h and fn are in
+#pragma unroll
+    for (int ks = 0; ks < kHcMixCols / 16; ++ks) {
+      uint32_t a[4];
+      mma::ldsm_x4(a, &hs[buf][warp * 16 + (mi % 2) * 8 + mr][ks * 16 + (mi / 2) * 8]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float x = __uint_as_float(a[q] << 16), y = __uint_as_float(a[q] & 0xffff0000u);
+        sq[q % 2] = fmaf(x, x, fmaf(y, y, sq[q % 2]));
       }
-    }
-    __syncthreads();
-  }
-  if (t0 + tok >= n) return;
-  float* part = mix_out + (t0 + tok) * stride + hc_partial_offset(K) + blockIdx.y * (kMix + 1);
 #pragma unroll
-  for (int j = 0; j < kMix; ++j) part[j] = acc[j];
-  part[kMix] = sq;
+      for (int part = 0; part < 2; ++part)
+#pragma unroll
+        for (int nb = 0; nb < kHcMixRows / 16; ++nb) {
+          uint32_t b[4];
+          mma::ldsm_x4(b, &fs[buf][part][nb * 16 + (mi / 2) * 8 + mr][ks * 16 + (mi % 2) * 8]);
+          mma::mma16816(acc[2 * nb], a, b[0], b[1]);
+          mma::mma16816(acc[2 * nb + 1], a, b[2], b[3]);
+        }
+    }
+    if (more) store_fn(buf ^ 1);  // its last readers passed the barrier above
+    __syncthreads();              // every warp is done with buffer `buf`
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 1);
+    sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t t = t0 + warp * 16 + g + 8 * r;
+    if (t >= n) continue;
+    float* part = mix_out + t * stride + hc_partial_offset(K) + blockIdx.y * (kMix + 1);
+#pragma unroll
+    for (int nt = 0; nt < kHcMixRows / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = nt * 8 + c2 + e;
+        if (j < kMix) part[j] = acc[nt][2 * r + e];
+      }
+    if (c2 == 0) part[kMix] = sq[r];
+  }
 }
 
 __device__ __forceinline__ float sigmoid_mlx(float x) {
@@ -493,8 +570,10 @@ template <int K>
 void hc_collapse_steps(const HcParams& p, const uint16_t* h, int64_t n, float* mix_out,
                        int64_t stride, int64_t splits, uint16_t* x, dim3 grid, int pb, int blocks,
                        cudaStream_t stream) {
-  hc_mix_kernel<K><<<grid, kHcMixTok, 0, stream>>>(p, h, n, mix_out, stride, splits);
-  hc_params_kernel<K><<<pb, 128, 0, stream>>>(p, n, mix_out, stride, splits);
+  hc_mix_kernel<K><<<grid, 256, 0, stream>>>(p, h, n, mix_out, stride, splits);
+  // One warp a block: each thread's Sinkhorn is a long dependent chain, so the tokens go to
+  // every SM rather than to a few blocks of four warps.
+  hc_params_kernel<K><<<pb, 32, 0, stream>>>(p, n, mix_out, stride, splits);
   hc_collapse_kernel<K><<<blocks, 256, 0, stream>>>(p, h, n, mix_out, stride, x);
 }
 }  // namespace
@@ -508,7 +587,7 @@ void hc_collapse(const HcParams& p, const uint16_t* h, int64_t n, float* mix_out
   int64_t splits = kHcSplits;
   while (splits > 1 && (p.hc * p.hidden) % (splits * kHcTile) != 0) splits /= 2;
   const dim3 grid(static_cast<unsigned>(blocks_for(n, kHcMixTok)), static_cast<unsigned>(splits));
-  const int pb = blocks_for(n, 128), blocks = blocks_for(n * p.hidden / 8, 256);
+  const int pb = blocks_for(n, 32), blocks = blocks_for(n * p.hidden / 8, 256);
   switch (p.hc) {
     case 1:
       hc_collapse_steps<1>(p, h, n, mix_out, stride, splits, x, grid, pb, blocks, stream);

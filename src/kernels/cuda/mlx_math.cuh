@@ -26,7 +26,12 @@ __device__ __forceinline__ float mlx_exp(float xin) {
   if (xin > 88.0f) return INFINITY;
   if (xin < -88.0f) return 0.0f;
   const float x = __fmul_rn(xin, 1.442695f);
-  const float ip = float(floor(double(x) + 0.5));
+  // floor(x + 0.5) as MLX computes it (in double, where x + 0.5 is exact), in float: the nearest
+  // integer, one up where x lies halfway and rintf went to the even one below (|x| <= 128 here,
+  // so x - ip is exact): the same integer for every float x, without the double conversions and
+  // rounding, long-latency on the GPU, that the softmax of DeepSeek-V4's attention waited on.
+  float ip = rintf(x);
+  if (__fsub_rn(x, ip) == 0.5f) ip = __fadd_rn(ip, 1.0f);
   const float f = __fsub_rn(x, ip);
   float p = 1.535336188319500e-4f;
   p = __fmaf_rn(p, f, 1.339887440266574e-3f);
