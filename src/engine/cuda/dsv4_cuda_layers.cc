@@ -89,8 +89,8 @@ Status compress(Impl& mi, DPool& pool, const DComp& cm, const CompressScratch& s
   else
     cuda::dsv4_pool_simple(rkv, rgate, f32(cm.ape), windows, r, pool.head_dim, out, st);
   cuda::fast_rms_norm(out, windows, pool.head_dim, bf(cm.norm), s.eps, out, st);
-  cuda::dsv4_rope(out, windows, 1, pool.head_dim, base / r, s.freqs, s.rope_pairs,
-                  static_cast<int>(r), false, st);
+  cuda::rope_pairs_only(out, windows, 1, pool.head_dim, base / r, s.freqs, s.rope_pairs,
+                        static_cast<int>(r), false, st);
   pool.rows += windows;
   return Status::ok();
 }
@@ -284,10 +284,10 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
   cuda::fast_rms_norm(bf(m.qr), n, QL, bf(L.q_norm), eps, bf(m.qr), st);
   HETERO_RETURN_IF_ERROR(proj(m, bf(m.qr), n, QL, L.wq_b, L.wq_b_8, Hh * hd, bf(m.q)));
   cuda::fast_rms_norm(bf(m.q), n * Hh, hd, nullptr, eps, bf(m.q), st);
-  cuda::dsv4_rope(bf(m.q), n, Hh, hd, pos0, freqs, m.rope_pairs, 1, false, st);
+  cuda::rope_pairs_only(bf(m.q), n, Hh, hd, pos0, freqs, m.rope_pairs, 1, false, st);
   HETERO_RETURN_IF_ERROR(proj(m, x, n, H, L.wkv, L.wkv_8, hd, bf(m.kv)));
   cuda::fast_rms_norm(bf(m.kv), n, hd, bf(L.kv_norm), eps, bf(m.kv), st);
-  cuda::dsv4_rope(bf(m.kv), n, 1, hd, pos0, freqs, m.rope_pairs, 1, false, st);
+  cuda::rope_pairs_only(bf(m.kv), n, 1, hd, pos0, freqs, m.rope_pairs, 1, false, st);
   if (L.ratio > 0) {
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.comp.wkv), L.comp.out_dim, bf(m.ckv)));
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.comp.wgate), L.comp.out_dim, bf(m.cgate)));
@@ -296,7 +296,7 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.icomp.wkv), L.icomp.out_dim, bf(m.ikv)));
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.icomp.wgate), L.icomp.out_dim, bf(m.igate)));
     HETERO_RETURN_IF_ERROR(proj(m, bf(m.qr), n, QL, L.idx_wq_b, L.idx_wq_b_8, ih * ihd, bf(m.iq)));
-    cuda::dsv4_rope(bf(m.iq), n, ih, ihd, pos0, freqs, m.rope_pairs, 1, false, st);
+    cuda::rope_pairs_only(bf(m.iq), n, ih, ihd, pos0, freqs, m.rope_pairs, 1, false, st);
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.idx_wproj), ih, bf(m.iw)));
   }
   const CompressScratch cs{&m.stage_kv,           &m.stage_gate, m.has_prev.get<uint8_t>(),
@@ -375,7 +375,7 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
 
   HETERO_RETURN_IF_ERROR(m.timer.mark(st, "attn output projections"));
   // De-rotate the output's rope dims, then the grouped low-rank output (one batched GEMM).
-  cuda::dsv4_rope(bf(m.attn), n, Hh, hd, pos0, freqs, m.rope_pairs, 1, true, st);
+  cuda::rope_pairs_only(bf(m.attn), n, Hh, hd, pos0, freqs, m.rope_pairs, 1, true, st);
   const int64_t G = c.o_groups, feat = Hh * hd / G, R = c.o_lora_rank;
   const float alpha = 1.0f, beta0 = 0.0f;
   HETERO_CUDA_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(

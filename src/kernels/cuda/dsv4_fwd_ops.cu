@@ -351,6 +351,39 @@ __global__ void hc_expand_kernel(HcParams p, const float* mix_out, int64_t strid
   }
 }
 
+// One block per row t: the rope pairs' cos and sin into shared memory (as dsv4_rope_kernel
+// computes them), then every (head, rope pair) of the row, a pair a 32-bit word.
+__global__ void rope_pairs_kernel(uint16_t* x, int64_t heads, int64_t head_dim, int64_t pos0,
+                                  const float* freqs, int64_t rope_pairs, int freq_scale,
+                                  bool inverse) {
+  extern __shared__ float trig[];  // [rope_pairs] cos, then [rope_pairs] sin, bf16-rounded
+  float* cs = trig;
+  float* sn = trig + rope_pairs;
+  const int64_t t = blockIdx.x;
+  const float pos = __fadd_rn(float(t), float(pos0));
+  for (int64_t p = threadIdx.x; p < rope_pairs; p += blockDim.x) {
+    float f = freqs[p];
+    if (freq_scale != 1) f = __fdiv_rn(f, float(freq_scale));
+    if (inverse) f = -f;
+    const float theta = __fmul_rn(pos, __fdiv_rn(1.0f, f));
+    cs[p] = rb(mlx_sincos(theta, false));
+    sn[p] = rb(mlx_sincos(theta, true));
+  }
+  __syncthreads();
+  const int64_t half = head_dim / 2, nope = half - rope_pairs;
+  uint32_t* xt = reinterpret_cast<uint32_t*>(x + t * heads * head_dim);
+  for (int64_t id = threadIdx.x; id < heads * rope_pairs; id += blockDim.x) {
+    const int64_t h = id / rope_pairs, p = id % rope_pairs;
+    uint32_t* pair = xt + h * half + nope + p;
+    const uint32_t v = *pair;
+    const float x1 = b2f(uint16_t(v & 0xffffu)), x2 = b2f(uint16_t(v >> 16));
+    const float c = cs[p], s = sn[p];
+    const uint16_t y1 = f2b(__fsub_rn(rb(__fmul_rn(x1, c)), rb(__fmul_rn(x2, s))));
+    const uint16_t y2 = f2b(__fadd_rn(rb(__fmul_rn(x1, s)), rb(__fmul_rn(x2, c))));
+    *pair = uint32_t(y1) | (uint32_t(y2) << 16);
+  }
+}
+
 __global__ void broadcast_rows_kernel(const uint16_t* bias, int64_t n, int64_t cols,
                                       uint16_t* out) {
   const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -359,12 +392,7 @@ __global__ void broadcast_rows_kernel(const uint16_t* bias, int64_t n, int64_t c
 
 // ---- MoE -----------------------------------------------------------------------------------
 
-__global__ void swiglu_kernel(const uint16_t* gu, int64_t m, int64_t inter, float limit,
-                              uint16_t* act) {
-  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (id >= m * inter) return;
-  const int64_t row = id / inter, j = id % inter;
-  float g = b2f(gu[row * 2 * inter + j]), u = b2f(gu[row * 2 * inter + inter + j]);
+__device__ __forceinline__ float swiglu_one(float g, float u, float limit) {
   if (limit > 0.0f) {
     const float lb = rb(limit);
     g = fminf(g, lb);
@@ -374,7 +402,26 @@ __global__ void swiglu_kernel(const uint16_t* gu, int64_t m, int64_t inter, floa
   const float y = __fdiv_rn(1.0f, __fadd_rn(1.0f, e));
   const float sig = rb(g < 0 ? y : __fsub_rn(1.0f, y));
   const float silu = rb(__fmul_rn(g, sig));
-  act[id] = f2b(__fmul_rn(silu, u));
+  return __fmul_rn(silu, u);
+}
+// V consecutive outputs a thread (V = 8: 16-byte loads and stores, where inter % 8 == 0).
+template <int V>
+__global__ void swiglu_kernel(const uint16_t* gu, int64_t m, int64_t inter, float limit,
+                              uint16_t* act) {
+  const int64_t id = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * V;
+  if (id >= m * inter) return;
+  const int64_t row = id / inter, j = id % inter;
+  const uint16_t* g = gu + row * 2 * inter + j;
+  if constexpr (V == 8) {
+    float gv[8], uv[8], y[8];
+    unpack8(*reinterpret_cast<const uint4*>(g), gv);
+    unpack8(*reinterpret_cast<const uint4*>(g + inter), uv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = swiglu_one(gv[e], uv[e], limit);
+    *reinterpret_cast<uint4*>(act + id) = pack8(y);
+  } else {
+    act[id] = f2b(swiglu_one(b2f(g[0]), b2f(g[inter]), limit));
+  }
 }
 
 // One warp per token; E <= 32 * kRouteMaxPerLane.
@@ -502,20 +549,31 @@ __global__ void gather_kernel(const uint16_t* x, const int32_t* perm, int64_t to
   uint4* dst = reinterpret_cast<uint4*>(xe + row * hidden);
   for (int64_t j = threadIdx.x; j < hidden / 8; j += blockDim.x) dst[j] = src[j];
 }
+// Eight columns of a token a thread (hidden % 8 == 0), each column's sum in the expert order.
 __global__ void combine_kernel(const uint16_t* ye, const int32_t* slot_row, const float* weights,
                                const uint16_t* shared, int64_t n, int64_t K, int64_t H,
                                uint16_t* out) {
-  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t id = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * 8;
   if (id >= n * H) return;
   const int64_t t = id / H, d = id % H;
-  float acc = 0.0f;
+  float acc[8] = {};
   for (int64_t k = 0; k < K; ++k) {
-    const float v = b2f(ye[int64_t(slot_row[t * K + k]) * H + d]);
-    acc = __fadd_rn(acc, rb(__fmul_rn(v, rb(weights[t * K + k]))));
+    float v[8];
+    unpack8(*reinterpret_cast<const uint4*>(ye + int64_t(slot_row[t * K + k]) * H + d), v);
+    const float w = rb(weights[t * K + k]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], rb(__fmul_rn(v[e], w)));
   }
-  float y = rb(acc);
-  if (shared) y = __fadd_rn(y, b2f(shared[id]));
-  out[id] = f2b(y);
+  float y[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) y[e] = rb(acc[e]);
+  if (shared) {
+    float sh[8];
+    unpack8(*reinterpret_cast<const uint4*>(shared + id), sh);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = __fadd_rn(y[e], sh[e]);
+  }
+  *reinterpret_cast<uint4*>(out + id) = pack8(y);
 }
 
 }  // namespace
@@ -626,6 +684,16 @@ void hc_expand(const HcParams& p, const float* mix_out, const uint16_t* y, int64
   }
 }
 
+void rope_pairs_only(uint16_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t pos0,
+                     const float* freqs, int64_t rope_pairs, int freq_scale, bool inverse,
+                     cudaStream_t stream) {
+  HETERO_CHECK(head_dim % 2 == 0 && rope_pairs <= head_dim / 2);
+  if (rows <= 0 || heads <= 0 || rope_pairs <= 0) return;
+  const size_t smem = size_t(2 * rope_pairs) * sizeof(float);
+  rope_pairs_kernel<<<unsigned(rows), 256, smem, stream>>>(x, heads, head_dim, pos0, freqs,
+                                                           rope_pairs, freq_scale, inverse);
+}
+
 void broadcast_rows(const uint16_t* bias, int64_t n, int64_t cols, uint16_t* out,
                     cudaStream_t stream) {
   if (n > 0)
@@ -634,8 +702,11 @@ void broadcast_rows(const uint16_t* bias, int64_t n, int64_t cols, uint16_t* out
 
 void swiglu(const uint16_t* gu, int64_t m, int64_t inter, float limit, uint16_t* act,
             cudaStream_t stream) {
-  if (m > 0)
-    swiglu_kernel<<<blocks_for(m * inter, 256), 256, 0, stream>>>(gu, m, inter, limit, act);
+  if (m <= 0) return;
+  if (inter % 8 == 0)
+    swiglu_kernel<8><<<blocks_for(m * inter / 8, 256), 256, 0, stream>>>(gu, m, inter, limit, act);
+  else
+    swiglu_kernel<1><<<blocks_for(m * inter, 256), 256, 0, stream>>>(gu, m, inter, limit, act);
 }
 
 void moe_route(const RouterParams& p, const uint16_t* logits, const int32_t* ids, int64_t n,
@@ -661,9 +732,10 @@ void moe_group(const int32_t* inds, int64_t slots, int64_t top_k, int64_t expert
 void moe_combine(const uint16_t* ye, const int32_t* slot_row, const float* weights,
                  const uint16_t* shared, int64_t n, int64_t top_k, int64_t hidden, uint16_t* out,
                  cudaStream_t stream) {
+  HETERO_CHECK(hidden % 8 == 0);
   if (n > 0)
-    combine_kernel<<<blocks_for(n * hidden, 256), 256, 0, stream>>>(ye, slot_row, weights, shared,
-                                                                    n, top_k, hidden, out);
+    combine_kernel<<<blocks_for(n * hidden / 8, 256), 256, 0, stream>>>(
+        ye, slot_row, weights, shared, n, top_k, hidden, out);
 }
 
 }  // namespace hetero::cuda

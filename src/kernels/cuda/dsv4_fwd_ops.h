@@ -36,6 +36,14 @@ void fill_random_i32(int32_t* x, int64_t n, int32_t modulo, uint64_t seed, cudaS
 void fast_rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
                    uint16_t* out, cudaStream_t stream);
 
+// dsv4_rope (kernels/cuda/dsv4_ops.h) over the rope pairs only, each pair one 32-bit access: the
+// forward's q, kv and output carry 256 pairs a head of which 32 rotate, and the exact op rotates
+// the rest by +-0 (the same values, up to the sign of a zero). The rope pairs' arithmetic is the
+// exact op's.
+void rope_pairs_only(uint16_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t pos0,
+                     const float* freqs, int64_t rope_pairs, int freq_scale, bool inverse,
+                     cudaStream_t stream);
+
 // h [n][hc][hidden] = embed[ids[t]] for every copy.
 void embed_rows(const uint16_t* embed, const int32_t* ids, int64_t n, int64_t hc, int64_t hidden,
                 uint16_t* h, cudaStream_t stream);
