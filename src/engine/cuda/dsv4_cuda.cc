@@ -469,7 +469,7 @@ Status Dsv4CudaEngine::size_scratch(int64_t n) {
               {&m.offsets, static_cast<size_t>(E + 1) * 4},
               {&m.perm, N * K * 4},
               {&m.slot_row, N * K * 4},
-              {&m.xe, N * K * H * 2},
+              {&m.xe, m.fp8 ? 0 : N * K * H * 2},  // FP8 experts read x's rows in place
               {&m.ye, (N * K + P) * H * 2},
               {&m.gu, (N * K + P) * 2 * I * 2},
               {&m.act, N * K * I * 2},

@@ -191,13 +191,15 @@ Status fp8_linear(Impl& m, const uint16_t* x, int64_t rows, const cuda::Fp8Block
 // lane's own buffer, and its real rows are copied into place). off: host and device copies of
 // the row offsets.
 Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* dev_off,
-                        const uint16_t* x, const DFp8& w8, const DFp4& w4, uint16_t* y) {
+                        const uint16_t* x, const DFp8& w8, const DFp4& w4, uint16_t* y,
+                        const int32_t* rows_from = nullptr, int64_t per = 1) {
   const bool widen = w4.mats > 0;  // FP4 experts widened here (else FP8, resident)
   const int64_t wn = widen ? w4.n : w8.n, wk = widen ? w4.k : w8.k;
   const int64_t groups = cuda::fp8_blocks(wk);
   const int32_t* host_pad = m.host_pad.get<int32_t>();
   cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
-                                  m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get());
+                                  m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get(),
+                                  rows_from, per);
   if (widen)  // every active expert's FP4 weight widened at once, ahead of the GEMMs
     cuda::widen_fp4_experts_to_fp8(w4.at(0), m.active.get<int32_t>(), m.active_count,
                                    m.wide_q.get<uint8_t>(), f32(m.wide_scale),
@@ -408,9 +410,11 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
   rp.tid2eid = L.tid2eid ? L.tid2eid.get<int32_t>() : nullptr;
   cuda::moe_route(rp, bf(m.logits), m.ids.get<int32_t>(), n, m.inds.get<int32_t>(), f32(m.weights),
                   st);
+  // FP8 experts quantize their rows straight from x (expert_gemms_fp8's rows_from): no gathered
+  // copy.
   cuda::moe_group(m.inds.get<int32_t>(), n * K, K, E, x, H, m.counts.get<int32_t>(),
                   m.offsets.get<int32_t>(), m.perm.get<int32_t>(), m.slot_row.get<int32_t>(),
-                  bf(m.xe), st);
+                  m.fp8 ? nullptr : bf(m.xe), st);
   // cuBLAS takes the per-expert row counts from the host.
   HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.host_offsets.get(), m.offsets.get(),
                                               sizeof(int32_t) * (E + 1), cudaMemcpyDeviceToHost,
@@ -452,8 +456,8 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
       HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
           m.active.get(), active, sizeof(int32_t) * m.active_count, cudaMemcpyHostToDevice, st));
     }
-    HETERO_RETURN_IF_ERROR(
-        expert_gemms_fp8(m, E, off, dev_off, bf(m.xe), L.w13_8, L.w13_4, bf(m.gu)));
+    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, dev_off, x, L.w13_8, L.w13_4, bf(m.gu),
+                                            m.perm.get<int32_t>(), K));
   } else {
     HETERO_RETURN_IF_ERROR(expert_gemms(m, E, off, bf(m.xe), H, bf(L.w13), 2 * I, bf(m.gu)));
   }

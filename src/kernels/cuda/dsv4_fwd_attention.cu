@@ -348,20 +348,28 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     issue_key_tile<D>(p, kidx, s, tiles, Ks + s * tile_elems, ldk);
 
   // Softmax per row (warp w: rows 8w..8w+7) over the bf16 scores, the sink's mass in the sum;
-  // P = exp(s - max) in bf16, in place (a masked key's -inf gives 0).
-  const int cols = int(tiles * kWideKeys);
+  // P = exp(s - max) in bf16, in place (a masked key's -inf gives 0). Two scores a lane at a
+  // time, one 32-bit word: an exp and a rounding per score are many more instructions than the
+  // score's share of the mma.
+  const int pairs = int(tiles * kWideKeys / 2);
   for (int rr = 0; rr < kWideRows / 8; ++rr) {
     const int r = warp * (kWideRows / 8) + rr;
-    uint16_t* srow = Ss + r * lds;
+    uint32_t* srow = reinterpret_cast<uint32_t*>(Ss + r * lds);
     const float sink = h0 + r < p.heads ? p.sinks[h0 + r] : 0.0f;
     float mx = sink;
-    for (int j = lane; j < cols; j += 32) mx = fmaxf(mx, b2f(srow[j]));
+    for (int j = lane; j < pairs; j += 32) {
+      const uint32_t v = srow[j];
+      mx = fmaxf(mx, fmaxf(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u)));
+    }
     mx = warp_max(mx);
     float tot = 0.0f;
-    for (int j = lane; j < cols; j += 32) {
-      const float e = mlx_exp(b2f(srow[j]) - mx);
-      tot += e;
-      srow[j] = f2b(e);
+    for (int j = lane; j < pairs; j += 32) {
+      const uint32_t v = srow[j];
+      const float e0 = mlx_exp(__uint_as_float(v << 16) - mx);
+      const float e1 = mlx_exp(__uint_as_float(v & 0xffff0000u) - mx);
+      tot += e0;
+      tot += e1;
+      srow[j] = mma::pack_bf2(e0, e1);  // finite and >= 0: rounds as f2b does
     }
     tot = warp_sum(tot) + mlx_exp(sink - mx);
     if (lane == 0) inv_l[r] = 1.0f / tot;

@@ -726,7 +726,7 @@ void moe_group(const int32_t* inds, int64_t slots, int64_t top_k, int64_t expert
   count_kernel<<<blocks_for(slots, 256), 256, 0, stream>>>(inds, slots, counts);
   scan_kernel<<<1, 32, 0, stream>>>(counts, experts, offsets);
   perm_kernel<<<static_cast<int>(experts), 256, 0, stream>>>(inds, slots, offsets, perm, slot_row);
-  gather_kernel<<<static_cast<int>(slots), 128, 0, stream>>>(x, perm, top_k, hidden, xe);
+  if (xe) gather_kernel<<<static_cast<int>(slots), 128, 0, stream>>>(x, perm, top_k, hidden, xe);
 }
 
 void moe_combine(const uint16_t* ye, const int32_t* slot_row, const float* weights,

@@ -88,7 +88,7 @@ struct RouterParams {
 void moe_route(const RouterParams& p, const uint16_t* logits, const int32_t* ids, int64_t n,
                int32_t* inds, float* weights, cudaStream_t stream);
 // Groups the n*K slots by expert, stably: counts [E], offsets [E+1], perm [n*K] (row of the
-// grouped layout -> slot), and xe [n*K][hidden] = x[slot / K].
+// grouped layout -> slot), and xe [n*K][hidden] = x[slot / K] (xe null: no gathered copy).
 void moe_group(const int32_t* inds, int64_t slots, int64_t top_k, int64_t experts,
                const uint16_t* x, int64_t hidden, int32_t* counts, int32_t* offsets, int32_t* perm,
                int32_t* slot_row, uint16_t* xe, cudaStream_t stream);

@@ -101,6 +101,7 @@ __global__ void quantize_act_segments_kernel(const uint16_t* __restrict__ x,
                                              const int32_t* __restrict__ off,
                                              const int32_t* __restrict__ pad, int64_t segments,
                                              int64_t total, int64_t k, int64_t groups,
+                                             const int32_t* __restrict__ rows_from, int64_t per,
                                              uint8_t* __restrict__ q, float* __restrict__ scale) {
   const int64_t unit = (static_cast<int64_t>(blockIdx.x) * kActThreads + threadIdx.x) / 16;
   const int sub = threadIdx.x % 16;
@@ -116,7 +117,9 @@ __global__ void quantize_act_segments_kernel(const uint16_t* __restrict__ x,
   }
   const int64_t e = lo, i = p - pad[e], rows = pad[e + 1] - pad[e];
   const int64_t col = g * kFp8Block + sub * 8;
-  const uint16_t* src = i < off[e + 1] - off[e] ? x + (off[e] + i) * k + col : nullptr;
+  const int64_t at = off[e] + i;
+  const uint16_t* src =
+      i < off[e + 1] - off[e] ? x + (rows_from ? rows_from[at] / per : at) * k + col : nullptr;
   quantize_unit(src, exists && col < k, sub, q + p * k + col,
                 scale + pad[e] * groups + g * rows + i, exists);
 }
@@ -143,12 +146,13 @@ void quantize_act_fp8_group(const uint16_t* x, int64_t m, int64_t k, uint8_t* q,
 
 void quantize_act_fp8_segments(const uint16_t* x, const int32_t* off, const int32_t* pad,
                                int64_t segments, int64_t total_rows, int64_t k, uint8_t* q,
-                               float* scale, cudaStream_t stream) {
+                               float* scale, cudaStream_t stream, const int32_t* rows_from,
+                               int64_t per) {
   const int64_t groups = fp8_blocks(k), units = total_rows * groups;
   if (units == 0 || segments == 0) return;
   const int64_t blocks = (units * 16 + kActThreads - 1) / kActThreads;
   quantize_act_segments_kernel<<<static_cast<unsigned>(blocks), kActThreads, 0, stream>>>(
-      x, off, pad, segments, total_rows, k, groups, q, scale);
+      x, off, pad, segments, total_rows, k, groups, rows_from, per, q, scale);
 }
 
 }  // namespace hetero::cuda

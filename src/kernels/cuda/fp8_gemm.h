@@ -74,10 +74,14 @@ void quantize_act_fp8_group(const uint16_t* x, int64_t m, int64_t k, uint8_t* q,
 // others: its q at q + pad[e] * k ([fp8_act_rows(rows_e), k]) and its scales at
 // scale + pad[e] * ceil(k/128) ([ceil(k/128)][fp8_act_rows(rows_e)]), where
 // pad[e] = the sum of fp8_act_rows(rows_j) for j < e and total_rows = pad[segments].
-// off and pad: device int32 [segments + 1].
+// off and pad: device int32 [segments + 1]. With rows_from (device int32, one per row), row j of
+// the segments is x's row rows_from[j] / per instead of row j: an MoE's rows gathered from the
+// tokens as they are quantized (rows_from the slot permutation, per the experts per token), with
+// no gathered copy in between.
 void quantize_act_fp8_segments(const uint16_t* x, const int32_t* off, const int32_t* pad,
                                int64_t segments, int64_t total_rows, int64_t k, uint8_t* q,
-                               float* scale, cudaStream_t stream);
+                               float* scale, cudaStream_t stream,
+                               const int32_t* rows_from = nullptr, int64_t per = 1);
 
 // out bf16 [fp8_act_rows(m), n] = dequant(act) · dequant(W)^T with float32 accumulation, through
 // cuBLASLt. The plan (descriptors, layouts, heuristic algorithm) is chosen once per (m, n, k) and
