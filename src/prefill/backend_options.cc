@@ -163,6 +163,10 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
     at = comma + 1;
   }
   if (!b.gpus.empty() && b.name != "cuda") return invalid_argument("--gpus is for --backend cuda");
+  if (b.expert_widening != "per-chunk" && (b.name != "cuda" || b.weights != "checkpoint"))
+    return invalid_argument(
+        "--expert-widening at-load widens deepseek_v4's FP4 experts: it needs --backend cuda and "
+        "--weight-dtype checkpoint");
   if (!b.gpus.empty() && device != 0) return invalid_argument("pass --gpus or --device, not both");
   return o;
 }

@@ -113,10 +113,6 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   HETERO_ASSIGN_OR_RETURN(cuda::KvDtype kv, cuda::parse_kv_dtype(backend.kv_dtype));
   HETERO_ASSIGN_OR_RETURN(cuda::LlamaCudaArith arith, cuda::parse_llama_cuda_arith(backend.arith));
   HETERO_ASSIGN_OR_RETURN(cuda::WeightDtype wdt, cuda::parse_weight_dtype(backend.weights));
-  if (backend.expert_widening != "per-chunk")
-    return invalid_argument(
-        "--expert-widening is for deepseek_v4's FP4 experts (--weight-dtype checkpoint); llama "
-        "has none");
   HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(LlamaConfig config, load_llama_config(model_dir));
   HETERO_RETURN_IF_ERROR(check_export_matches_model(config, weights.layout));

@@ -104,6 +104,28 @@ TEST(PrefillBackend, GpusNameThePipelinesStagesInOrder) {
   EXPECT_NE(both.status().message().find("not both"), std::string::npos);
 }
 
+// --expert-widening: per-chunk by default; at-load only where there are FP4 experts to widen.
+TEST(PrefillBackend, ExpertWideningAtLoadNeedsCheckpointWeightsOnCuda) {
+  auto d = parse_backend({"--backend", "cuda", "--weight-dtype", "checkpoint"});
+  ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+  EXPECT_EQ(d->backend.expert_widening, "per-chunk");
+  auto at = parse_backend(
+      {"--backend", "cuda", "--weight-dtype", "checkpoint", "--expert-widening", "at-load"});
+  ASSERT_TRUE(at.is_ok()) << at.status().to_string();
+  EXPECT_EQ(at->backend.expert_widening, "at-load");
+  for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
+           {"--expert-widening", "at-load"},
+           {"--backend", "cuda", "--expert-widening", "at-load"},
+           {"--backend", "cuda", "--weight-dtype", "fp8", "--expert-widening", "at-load"}}) {
+    auto r = parse_backend(bad);
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("--weight-dtype checkpoint"), std::string::npos)
+        << r.status().message();
+  }
+  EXPECT_FALSE(parse_backend({"--expert-widening", "never"}).is_ok());
+}
+
 // Every flag a child prefill host gets carries --gpus as parsed, so `hetero up` passes it on.
 TEST(PrefillBackend, GpusPassToTheChildHost) {
   Options opts("prefill", "test", prefill_backend_specs());
