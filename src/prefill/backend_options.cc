@@ -163,7 +163,7 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
     at = comma + 1;
   }
   if (!b.gpus.empty() && b.name != "cuda") return invalid_argument("--gpus is for --backend cuda");
-  if (b.expert_widening != "per-chunk" && (b.name != "cuda" || b.weights != "checkpoint"))
+  if (b.expert_widening == "at-load" && (b.name != "cuda" || b.weights != "checkpoint"))
     return invalid_argument(
         "--expert-widening at-load widens deepseek_v4's FP4 experts: it needs --backend cuda and "
         "--weight-dtype checkpoint");

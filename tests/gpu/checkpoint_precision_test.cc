@@ -475,13 +475,14 @@ TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
         EXPECT_EQ(got[l], want[l]) << (streamed ? "streamed" : "random") << ", " << schedule.size()
                                    << " chunks, layer " << l;
     }
-    auto lossy = (*at_load)->fp4_lossy_groups();
-    ASSERT_TRUE(lossy.is_ok());
-    EXPECT_GE(*lossy, 0);
   }
   Dsv4CudaOptions bad;
-  bad.widen_experts_at_load = true;  // bf16 weights have no FP4 experts
+  bad.widen_experts_at_load = true;  // bf16 and fp8 weights have no FP4 experts
   EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
+  bad.weight_dtype = cuda::WeightDtype::kFp8;
+  EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
+  bad.weight_dtype = cuda::WeightDtype::kCheckpoint;
+  EXPECT_TRUE(Dsv4CudaEngine::check_options(c, bad).is_ok());
 }
 
 }  // namespace

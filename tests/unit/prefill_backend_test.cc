@@ -116,7 +116,8 @@ TEST(PrefillBackend, ExpertWideningAtLoadNeedsCheckpointWeightsOnCuda) {
   for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
            {"--expert-widening", "at-load"},
            {"--backend", "cuda", "--expert-widening", "at-load"},
-           {"--backend", "cuda", "--weight-dtype", "fp8", "--expert-widening", "at-load"}}) {
+           {"--backend", "cuda", "--weight-dtype", "fp8", "--expert-widening", "at-load"},
+           {"--backend", "cpu", "--weight-dtype", "checkpoint", "--expert-widening", "at-load"}}) {
     auto r = parse_backend(bad);
     ASSERT_FALSE(r.is_ok());
     EXPECT_EQ(r.status().code(), Code::kInvalidArgument);

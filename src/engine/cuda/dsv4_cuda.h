@@ -69,7 +69,9 @@ struct Dsv4CudaOptions {
   // in, and keep only the FP8 form (the FP4 bytes are freed): twice the experts' bytes on the
   // device, and no widening in any chunk (at 8K tokens it was a quarter of a Flash layer's
   // time). The GEMMs read the same FP8 codes and scales either way, so the forward's bits do not
-  // change; fp4_lossy_groups() counts the inexact groups at load instead.
+  // change; fp4_lossy_groups() counts the inexact groups at load instead. Loading peaks at the
+  // widened footprint plus one projection's FP4 form (a layer's FP8 form is allocated before its
+  // FP4 one is freed).
   bool widen_experts_at_load = false;
   // Routed experts' GEMMs over this many side streams (1: on the compute stream), each taking a
   // run of consecutive experts with about equal rows: one expert's GEMM (a few hundred rows at
@@ -77,7 +79,9 @@ struct Dsv4CudaOptions {
   // faster end to end than 1 with bf16 experts and 8% with FP8 ones (H200, 4 Flash layers, 8K to
   // 128K tokens; bench/gpu/dsv4_layer_bench --expert-streams), and 8 took the routed experts of 8
   // Flash layers in the checkpoint's precision (widened at load) from 43.9 to 38.4 ms at 8K
-  // tokens, the same as 4 at 32K (RESULTS §25).
+  // tokens, the same as 4 at 32K (RESULTS §25). Each stream past the first holds a spill buffer
+  // of a chunk's rows at the widest expert projection (256 MiB at Flash shapes and a
+  // 32,768-token chunk) and its own cuBLAS handles.
   int expert_streams = 8;
   // The layers this engine holds and runs, [first_layer, end_layer) (end_layer -1: through the
   // last): a stage of a layer pipeline. Only the stage holding layer 0 holds the embedding and
@@ -145,7 +149,9 @@ class Dsv4CudaEngine {
   std::vector<std::pair<std::string, double>> phase_ms() const;
   // Under WeightDtype::kCheckpoint: how many 32-element FP4 groups of the routed experts lost
   // low bits when widened to FP8 since the engine was made (their block's exponents span more
-  // than 14; kernels/cuda/checkpoint_formats.h). 0 otherwise. Waits for the compute stream.
+  // than 14; kernels/cuda/checkpoint_formats.h): per chunk, every widening counts again (the
+  // active experts of every chunk); with widen_experts_at_load, each group once, at load. 0
+  // otherwise. Waits for the compute stream.
   Result<int64_t> fp4_lossy_groups() const;
   // Bytes of device memory the weights take.
   int64_t weight_bytes() const { return weight_bytes_; }

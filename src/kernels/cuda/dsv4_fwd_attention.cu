@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
       const float e1 = mlx_exp(__uint_as_float(v & 0xffff0000u) - mx);
       tot += e0;
       tot += e1;
-      srow[j] = mma::pack_bf2(e0, e1);  // finite and >= 0: rounds as f2b does
+      srow[j] = mma::pack_bf2(e0, e1);  // >= 0: rounds as f2b does (NaN payloads aside)
     }
     tot = warp_sum(tot) + mlx_exp(sink - mx);
     if (lane == 0) inv_l[r] = 1.0f / tot;

@@ -361,14 +361,8 @@ __global__ void rope_pairs_kernel(uint16_t* x, int64_t heads, int64_t head_dim, 
   float* sn = trig + rope_pairs;
   const int64_t t = blockIdx.x;
   const float pos = __fadd_rn(float(t), float(pos0));
-  for (int64_t p = threadIdx.x; p < rope_pairs; p += blockDim.x) {
-    float f = freqs[p];
-    if (freq_scale != 1) f = __fdiv_rn(f, float(freq_scale));
-    if (inverse) f = -f;
-    const float theta = __fmul_rn(pos, __fdiv_rn(1.0f, f));
-    cs[p] = rb(mlx_sincos(theta, false));
-    sn[p] = rb(mlx_sincos(theta, true));
-  }
+  for (int64_t p = threadIdx.x; p < rope_pairs; p += blockDim.x)
+    mlx_rope_trig(pos, freqs[p], freq_scale, inverse, &cs[p], &sn[p]);
   __syncthreads();
   const int64_t half = head_dim / 2, nope = half - rope_pairs;
   uint32_t* xt = reinterpret_cast<uint32_t*>(x + t * heads * head_dim);

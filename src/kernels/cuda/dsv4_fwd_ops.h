@@ -38,8 +38,8 @@ void fast_rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, f
 
 // dsv4_rope (kernels/cuda/dsv4_ops.h) over the rope pairs only, each pair one 32-bit access: the
 // forward's q, kv and output carry 256 pairs a head of which 32 rotate, and the exact op rotates
-// the rest by +-0 (the same values, up to the sign of a zero). The rope pairs' arithmetic is the
-// exact op's.
+// the rest by +-0 (the same values, up to the sign of a zero; an inf there stays inf where the
+// exact op's product with 0 gives NaN). The rope pairs' arithmetic is the exact op's.
 void rope_pairs_only(uint16_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t pos0,
                      const float* freqs, int64_t rope_pairs, int freq_scale, bool inverse,
                      cudaStream_t stream);

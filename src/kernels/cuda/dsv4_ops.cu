@@ -20,18 +20,10 @@ __global__ void dsv4_rope_kernel(uint16_t* x, int64_t heads, int64_t head_dim, i
   float* cs = trig;
   float* sn = trig + pairs;
   const float pos = __fadd_rn(float(t), float(pos0));
-  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
-    // No-rope pairs carry +inf (their reciprocal, a signed zero, makes the angle +-0).
-    float f = INFINITY;
-    if (p >= nope) {
-      f = freqs[p - nope];
-      if (freq_scale != 1) f = __fdiv_rn(f, float(freq_scale));
-    }
-    if (inverse) f = -f;
-    const float theta = __fmul_rn(pos, __fdiv_rn(1.0f, f));
-    cs[p] = rb(mlx_sincos(theta, false));
-    sn[p] = rb(mlx_sincos(theta, true));
-  }
+  // No-rope pairs carry +inf (their reciprocal, a signed zero, makes the angle +-0; +inf divided
+  // by freq_scale stays +inf).
+  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x)
+    mlx_rope_trig(pos, p >= nope ? freqs[p - nope] : INFINITY, freq_scale, inverse, &cs[p], &sn[p]);
   __syncthreads();
   uint16_t* xt = x + t * heads * head_dim;
   for (int64_t id = threadIdx.x; id < heads * pairs; id += blockDim.x) {

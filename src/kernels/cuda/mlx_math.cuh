@@ -76,4 +76,15 @@ __device__ __forceinline__ float mlx_sincos(float xin, bool sine) {
   return sign_cos ? c : -c;
 }
 
+// The bf16-rounded cos and sin of a rope angle as the decoder computes them: theta = pos *
+// (1 / f') with f' = f / freq_scale, negated for the inverse rotation (f = +inf: angle +-0).
+__device__ __forceinline__ void mlx_rope_trig(float pos, float f, int freq_scale, bool inverse,
+                                              float* c, float* s) {
+  if (freq_scale != 1) f = __fdiv_rn(f, float(freq_scale));
+  if (inverse) f = -f;
+  const float theta = __fmul_rn(pos, __fdiv_rn(1.0f, f));
+  *c = rb(mlx_sincos(theta, false));
+  *s = rb(mlx_sincos(theta, true));
+}
+
 }  // namespace hetero::cuda
