@@ -237,6 +237,15 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
                                      const std::vector<int32_t>& ids, int64_t b,
                                      int64_t requested_tokens, const TensorMap& arrays,
                                      const nlohmann::json& extra) {
+  TensorViews views;
+  for (const auto& [name, t] : arrays) views.emplace(name, TensorView::of(t));
+  return write_store_entry(store_dir, layout, ids, b, requested_tokens, views, extra);
+}
+
+Result<StoreEntry> write_store_entry(const std::string& store_dir, const DecoderCacheLayout& layout,
+                                     const std::vector<int32_t>& ids, int64_t b,
+                                     int64_t requested_tokens, const TensorViews& arrays,
+                                     const nlohmann::json& extra) {
   if (b <= 0 || b > static_cast<int64_t>(ids.size()))
     return invalid_argument("store entry needs 0 < B <= len(ids)");
   const std::vector<int32_t> prefix(ids.begin(), ids.begin() + b);

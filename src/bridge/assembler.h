@@ -113,6 +113,11 @@ Result<StoreEntry> write_store_entry(const std::string& store_dir, const Decoder
                                      const std::vector<int32_t>& ids, int64_t b,
                                      int64_t requested_tokens, const TensorMap& arrays,
                                      const nlohmann::json& extra = nlohmann::json::object());
+// The same from arrays held elsewhere (written as they are, no copy).
+Result<StoreEntry> write_store_entry(const std::string& store_dir, const DecoderCacheLayout& layout,
+                                     const std::vector<int32_t>& ids, int64_t b,
+                                     int64_t requested_tokens, const TensorViews& arrays,
+                                     const nlohmann::json& extra = nlohmann::json::object());
 
 // Removes the "<entry>.partial" directories a process that died mid-write left in the store
 // (the front door's start: it is the store's only writer). Returns how many.

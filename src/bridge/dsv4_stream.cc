@@ -114,6 +114,33 @@ Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<Wi
 Dsv4Assembler::Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens, int64_t start)
     : layout_(std::move(expected)), requested_(requested_tokens), start_(start), covered_(start) {
   HETERO_CHECK(start_ >= 0 && start_ < requested_);
+  for (int64_t i = 0; i < layout_.layers; ++i) {
+    const int64_t r = layout_.ratios[static_cast<size_t>(i)];
+    if (r == 0) continue;
+    const auto rows = static_cast<size_t>(requested_ / r - start_ / r);
+    pooled_[layer_name(i, "pool.pooled")].reserve(rows * static_cast<size_t>(layout_.head_dim));
+    if (r == 4)
+      pooled_[layer_name(i, "index.pooled")].reserve(rows *
+                                                     static_cast<size_t>(layout_.index_head_dim));
+  }
+}
+
+void Dsv4Assembler::for_each_pooled(
+    const std::function<void(const std::string&, int64_t, const std::vector<uint16_t>&)>& fn)
+    const {
+  static const std::vector<uint16_t> kNone;
+  for (int64_t i = 0; i < layout_.layers; ++i) {
+    const int64_t r = layout_.ratios[static_cast<size_t>(i)];
+    if (r == 0) continue;
+    for (const char* pool : {"pool.pooled", "index.pooled"}) {
+      const bool index = std::string(pool) == "index.pooled";
+      if (r != 4 && index) continue;
+      const std::string name = layer_name(i, pool);
+      auto it = pooled_.find(name);
+      fn(name, index ? layout_.index_head_dim : layout_.head_dim,
+         it == pooled_.end() ? kNone : it->second);
+    }
+  }
 }
 
 nlohmann::json Dsv4Assembler::entry_extra() const {
@@ -198,19 +225,31 @@ Status Dsv4Assembler::finish(const Manifest& m) {
 Result<TensorMap> Dsv4Assembler::arrays(int64_t b) const {
   HETERO_CHECK(can_mount(b));
   TensorMap out = tail_;
-  for (int64_t i = 0; i < layout_.layers; ++i) {
-    const int64_t r = layout_.ratios[static_cast<size_t>(i)];
-    if (r == 0) continue;
-    for (const char* pool : {"pool.pooled", "index.pooled"}) {
-      if (r != 4 && std::string(pool) == "index.pooled") continue;
-      const std::string name = layer_name(i, pool);
-      const int64_t width =
-          std::string(pool) == "index.pooled" ? layout_.index_head_dim : layout_.head_dim;
-      auto it = pooled_.find(name);
-      out[name] = rows_tensor(it == pooled_.end() ? std::vector<uint16_t>{} : it->second, width);
-    }
-  }
+  for_each_pooled(
+      [&out](const std::string& name, int64_t width, const std::vector<uint16_t>& rows) {
+        out[name] = rows_tensor(rows, width);
+      });
   return out;
+}
+
+Result<StoreEntry> Dsv4Assembler::store(const std::string& store_dir,
+                                        const DecoderCacheLayout& layout,
+                                        const std::vector<int32_t>& ids, int64_t b,
+                                        int64_t requested_tokens) {
+  if (!can_mount(b) || b > static_cast<int64_t>(ids.size()))
+    return invalid_argument(
+        "a DeepSeek-V4 store entry needs B at a verified segment's end that "
+        "carried its state, not " +
+        std::to_string(b));
+  TensorViews views;
+  for (const auto& [name, t] : tail_) views.emplace(name, TensorView::of(t));
+  for_each_pooled([&views](const std::string& name, int64_t width,
+                           const std::vector<uint16_t>& rows) {
+    const auto n = static_cast<int64_t>(rows.size());
+    views.emplace(
+        name, TensorView{DType::kBF16, {1, width > 0 ? n / width : 0, width}, rows.data(), n * 2});
+  });
+  return write_store_entry(store_dir, layout, ids, b, requested_tokens, views, entry_extra());
 }
 
 std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,

@@ -70,12 +70,21 @@ class Dsv4Assembler : public Assembler {
   }
   Result<TensorMap> arrays(int64_t b) const override;
   nlohmann::json entry_extra() const override;
+  // Writes the entry straight from the rows this assembler holds (no second copy of them in
+  // the front door's memory), for a b that can_mount.
+  Result<StoreEntry> store(const std::string& store_dir, const DecoderCacheLayout& layout,
+                           const std::vector<int32_t>& ids, int64_t b,
+                           int64_t requested_tokens) override;
 
  private:
+  // Each compressed layer's pooled arrays in order: name, row width, the rows held.
+  void for_each_pooled(const std::function<void(const std::string&, int64_t,
+                                                const std::vector<uint16_t>&)>& fn) const;
   DecoderCacheLayout layout_;
   int64_t requested_, start_, covered_, segments_ = 0, window_idx_ = 0;
-  int64_t state_at_ = -1;                                // where tail_'s state is from
-  std::map<std::string, std::vector<uint16_t>> pooled_;  // by array name
+  int64_t state_at_ = -1;  // where tail_'s state is from
+  // By array name, each sized at construction for the whole request (no regrowth's spare copy).
+  std::map<std::string, std::vector<uint16_t>> pooled_;
   TensorMap tail_;  // window and buffers at state_at_ (the last segment that carried them)
 };
 

@@ -205,13 +205,20 @@ Status CheckpointReader::read(const TensorEntry& e, int64_t offset, int64_t n, v
 
 Status write_safetensors(const std::string& path, const TensorMap& tensors,
                          const std::map<std::string, std::string>& metadata) {
+  TensorViews views;
+  for (const auto& [name, t] : tensors) views.emplace(name, TensorView::of(t));
+  return write_safetensors(path, views, metadata);
+}
+
+Status write_safetensors(const std::string& path, const TensorViews& tensors,
+                         const std::map<std::string, std::string>& metadata) {
   json h = json::object();
   int64_t offset = 0;
   for (auto& [name, t] : tensors) {
     h[name] = {{"dtype", dtype_name(t.dtype)},
                {"shape", t.shape},
-               {"data_offsets", {offset, offset + t.nbytes()}}};
-    offset += t.nbytes();
+               {"data_offsets", {offset, offset + t.nbytes}}};
+    offset += t.nbytes;
   }
   if (!metadata.empty()) h["__metadata__"] = metadata;
   std::string header = h.dump();
@@ -224,7 +231,7 @@ Status write_safetensors(const std::string& path, const TensorMap& tensors,
     out.write(reinterpret_cast<const char*>(&n), 8);
     out.write(header.data(), static_cast<std::streamsize>(header.size()));
     for (auto& [name, t] : tensors)
-      out.write(reinterpret_cast<const char*>(t.bytes.data()), t.nbytes());
+      out.write(static_cast<const char*>(t.data), static_cast<std::streamsize>(t.nbytes));
     if (!out) return unavailable("short write to " + tmp);
   }
   std::error_code ec;

@@ -61,7 +61,19 @@ class CheckpointReader {
   std::map<std::string, TensorEntry> entries_;
 };
 
+// A tensor's bytes held elsewhere (`data`, dtype and shape's size), to write without a copy.
+struct TensorView {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  int64_t nbytes = 0;
+  static TensorView of(const Tensor& t) { return {t.dtype, t.shape, t.bytes.data(), t.nbytes()}; }
+};
+using TensorViews = std::map<std::string, TensorView>;
+
 // Writes atomically (temp file + rename) so a reader never sees half a file.
+Status write_safetensors(const std::string& path, const TensorViews& tensors,
+                         const std::map<std::string, std::string>& metadata = {});
 Status write_safetensors(const std::string& path, const TensorMap& tensors,
                          const std::map<std::string, std::string>& metadata = {});
 

@@ -7,9 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
+#include <sstream>
 
 #include "../common/dsv4_test_weights.h"
+#include "../common/temp_dir.h"
 #include "common/bf16.h"
 
 namespace hetero {
@@ -227,6 +231,48 @@ TEST(Dsv4Stream, ABrokenStreamMountsItsLongestVerifiedPrefix) {
       EXPECT_EQ(got.at(p + "index.pooled").bytes, want->index.pooled.bytes);
       EXPECT_EQ(got.at(p + "index.buf_kv").bytes, want->index.buf_kv.bytes);
     }
+  }
+}
+
+// The front door's store entry is written straight from the assembler's own rows (no copy of
+// them into a TensorMap first): the same file, byte for byte, and the same entry.json as the
+// entry written from arrays(b), for a broken stream's prefixes and the whole request; a B the
+// assembler cannot mount writes nothing.
+TEST(Dsv4Stream, TheStoreEntryIsWrittenFromTheAssemblersOwnRows) {
+  const auto w = random_dsv4_weights();
+  const int64_t T = 301, chunk = 50;
+  const std::vector<int64_t> calls = dsv4_server_calls(T, 50);
+  std::vector<std::vector<uint16_t>> xs;
+  for (uint32_t l = 0; l < 3; ++l) xs.push_back(random_dsv4_x(T, w.layout.hidden, 90 + l));
+  const auto s = stream(w, xs, T, chunk, calls);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i) ids[static_cast<size_t>(i)] = static_cast<int32_t>(i % 97);
+  auto slurp = [](const std::filesystem::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  for (int64_t kept : {1, 4, 7}) {
+    const int64_t b = std::min(kept * chunk, T);
+    SCOPED_TRACE("b = " + std::to_string(b));
+    Dsv4Assembler a(w.layout, T);
+    ASSERT_TRUE(assemble({s.frames.begin(), s.frames.begin() + kept}, &a).is_ok());
+    ASSERT_TRUE(a.can_mount(b));
+    TempDir direct, via_map;
+    EXPECT_EQ(a.store(direct.path, w.layout, ids, b - 1, T).status().code(),
+              Code::kInvalidArgument);
+    EXPECT_TRUE(std::filesystem::is_empty(direct.path));
+    auto got = a.store(direct.path, w.layout, ids, b, T);
+    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+    auto want =
+        write_store_entry(via_map.path, w.layout, ids, b, T, a.arrays(b).value(), a.entry_extra());
+    ASSERT_TRUE(want.is_ok()) << want.status().to_string();
+    EXPECT_EQ(got->bytes, want->bytes);
+    for (const char* f : {"cache.safetensors", "entry.json"})
+      EXPECT_EQ(slurp(std::filesystem::path(got->path) / f),
+                slurp(std::filesystem::path(want->path) / f))
+          << f;
   }
 }
 
