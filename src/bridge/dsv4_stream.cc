@@ -78,6 +78,26 @@ Status dsv4_close_arrays(const Dsv4DecoderWeights& weights, int64_t window_idx,
   return Status::ok();
 }
 
+void Dsv4BoundaryStates::keep(int64_t layers, int64_t end, int64_t layer, Dsv4LayerArrays state) {
+  auto& at = at_[end];
+  at.resize(static_cast<size_t>(layers));
+  at[static_cast<size_t>(layer)] = std::move(state);
+}
+
+Status Dsv4BoundaryStates::close(const Dsv4DecoderWeights& weights, int64_t end,
+                                 std::vector<WireArray>* arrays) {
+  auto it = at_.find(end);
+  if (it == at_.end()) return internal_error("no state at row " + std::to_string(end));
+  std::vector<Dsv4LayerArrays> state = std::move(it->second);
+  at_.erase(it);
+  return dsv4_close_arrays(
+      weights, std::min(end, weights.window),
+      [&state](int64_t l) -> Result<Dsv4LayerArrays> {
+        return std::move(state[static_cast<size_t>(l)]);
+      },
+      arrays);
+}
+
 Status Dsv4SegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                std::vector<WireArray>* arrays) {
   Dsv4NewRows rows;
@@ -85,9 +105,7 @@ Status Dsv4SegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uin
   dsv4_feed_arrays(*weights_, layer, std::move(rows), arrays);
   if (pos0 + n < program_.tokens()) {
     HETERO_ASSIGN_OR_RETURN(Dsv4LayerArrays state, program_.boundary_layer(layer));
-    auto& at = at_boundary_[pos0 + n];
-    at.resize(static_cast<size_t>(weights_->layout.layers));
-    at[static_cast<size_t>(layer)] = std::move(state);
+    boundaries_.keep(weights_->layout.layers, pos0 + n, layer, std::move(state));
   }
   return Status::ok();
 }
@@ -98,17 +116,7 @@ Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<Wi
     return dsv4_close_arrays(
         *weights_, program_.window_idx(), [this](int64_t l) { return program_.finish_layer(l); },
         arrays);
-  auto it = at_boundary_.find(end);
-  if (it == at_boundary_.end()) return internal_error("no state at row " + std::to_string(end));
-  std::vector<Dsv4LayerArrays> state = std::move(it->second);
-  at_boundary_.erase(it);
-  // The window's rows in temporal order: its slot index is their count.
-  return dsv4_close_arrays(
-      *weights_, std::min(end, weights_->window),
-      [&state](int64_t l) -> Result<Dsv4LayerArrays> {
-        return std::move(state[static_cast<size_t>(l)]);
-      },
-      arrays);
+  return boundaries_.close(*weights_, end, arrays);
 }
 
 Dsv4Assembler::Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens, int64_t start)

@@ -4,9 +4,9 @@
 // per layer `layers.{i}.window` [1, 1, S, head_dim], the compressors' `buf_kv` / `buf_gate`
 // [1, b mod r, out_dim], and `window_idx` (i64 [1]). At T the window is in the decoder's slot
 // order for its calls; at an earlier b it is the last min(b, window) rows in temporal order
-// (Dsv4CacheProgram::boundary_layer), from which the decoder goes on as from its own, so a
-// stream that breaks mounts its longest verified prefix. A program that makes no state before T
-// (the GPU ones) sends the pooled rows alone there, and only the whole request can be mounted.
+// (Dsv4CacheProgram::boundary_layer, and the GPU program's twin), from which the decoder goes on
+// as from its own, so a stream that breaks, or is sealed at the memory floor, mounts its longest
+// verified prefix.
 // Names and shapes are those of the decoder store (python/hetero_mlx/dsv4.py).
 #pragma once
 
@@ -30,6 +30,20 @@ Status dsv4_close_arrays(const Dsv4DecoderWeights& weights, int64_t window_idx,
                          const std::function<Result<Dsv4LayerArrays>(int64_t)>& finish_layer,
                          std::vector<WireArray>* arrays);
 
+// Each layer's state at a segment's end b < T, kept from the layer's run() until the segment
+// closes (any program with boundary_layer: the CPU one and the GPU one). The producer runs
+// programs from one thread.
+class Dsv4BoundaryStates {
+ public:
+  void keep(int64_t layers, int64_t end, int64_t layer, Dsv4LayerArrays state);
+  // The segment that ends at `end` < T closes: its state's arrays (the window's rows are in
+  // temporal order, so its slot index is their count).
+  Status close(const Dsv4DecoderWeights& weights, int64_t end, std::vector<WireArray>* arrays);
+
+ private:
+  std::map<int64_t, std::vector<Dsv4LayerArrays>> at_;
+};
+
 class Dsv4SegmentProgram : public SegmentProgram {
  public:
   // decoder_calls: the decoder's own call schedule for the T tokens, or for [start, T) of a
@@ -49,8 +63,7 @@ class Dsv4SegmentProgram : public SegmentProgram {
  private:
   const Dsv4DecoderWeights* weights_;
   Dsv4CacheProgram program_;
-  // Each layer's state at a boundary b < T, from its run() until the segment closes.
-  std::map<int64_t, std::vector<Dsv4LayerArrays>> at_boundary_;
+  Dsv4BoundaryStates boundaries_;
 };
 
 // start > 0: a tail, rows [start, T) of the decoder's cache of ids[:start]; its pooled arrays

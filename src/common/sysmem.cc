@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 namespace hetero {
 namespace {
@@ -18,6 +19,14 @@ int64_t read_int(const char* path) {
   } catch (...) {
     return -1;
   }
+}
+
+// "1.2 MiB" for each, or with the exact bytes beside them where the two would read the same.
+std::pair<std::string, std::string> show_both(int64_t a, int64_t b) {
+  std::string x = format_bytes(a), y = format_bytes(b);
+  if (x == y && a != b)
+    x += " (" + std::to_string(a) + " bytes)", y += " (" + std::to_string(b) + " bytes)";
+  return {x, y};
 }
 
 }  // namespace
@@ -52,6 +61,25 @@ int64_t host_available_bytes() {
     available = available < 0 ? left : std::min(available, left);
   }
   return available;
+}
+
+Status check_host_memory(int64_t whole, int64_t held, int64_t budget, const std::string& what) {
+  if (budget > 0 && whole > budget) {
+    const auto [asked, allowed] = show_both(whole, budget);
+    return resource_exhausted("over the host memory budget: " + what + " needs " + asked +
+                              "; the budget is " + allowed);
+  }
+  const int64_t available = host_available_bytes();
+  if (budget <= 0 && available >= 0 && whole > (available + held) / 2)
+    return resource_exhausted("out of host memory: asked " + format_bytes(whole) + " for " + what +
+                              "; half the host's available memory is " +
+                              format_bytes((available + held) / 2) +
+                              " (--host-memory-budget-mb sets the budget)");
+  const int64_t more = whole - held;
+  if (more > 0 && available >= 0 && more > available)
+    return resource_exhausted("out of host memory: asked " + format_bytes(more) + " for " + what +
+                              "; " + format_bytes(available) + " available");
+  return Status::ok();
 }
 
 }  // namespace hetero

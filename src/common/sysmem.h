@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/status.h"
+
 namespace hetero {
 
 // "12.3 GiB", "512.0 MiB", "96 B".
@@ -13,5 +15,12 @@ std::string format_bytes(int64_t bytes);
 // MemAvailable, lowered to what the process's cgroup limit leaves (containers report the
 // host's meminfo). -1 when neither can be read.
 int64_t host_available_bytes();
+
+// Whether an engine may hold `whole` bytes for `what` ("the cache of 5481 tokens"), `held` of
+// them held already: within `budget` when it is > 0; without one, within half of what the host
+// could give (the other half is left to the decoder and the rest of the machine); and the part
+// not yet held within what is available now. kResourceExhausted with the numbers otherwise, so
+// that a prompt that would not fit is sealed or refused before its first allocation.
+Status check_host_memory(int64_t whole, int64_t held, int64_t budget, const std::string& what);
 
 }  // namespace hetero

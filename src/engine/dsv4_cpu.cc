@@ -11,6 +11,7 @@
 #include <numeric>
 
 #include "common/bf16.h"
+#include "common/sysmem.h"
 #include "kernels/cpu_ops.h"
 #include "kernels/dsv4_ops.h"
 #include "kernels/mlx_math.h"
@@ -323,6 +324,53 @@ void Dsv4CpuEngine::reset() {
   }
   n_cached_ = 0;
   resumed_at_ = 0;
+}
+
+int64_t Dsv4CpuEngine::reserve_bytes(int64_t tokens, int64_t max_chunk_tokens) const {
+  const Dsv4Config& c = w_.config;
+  const int64_t n = std::max<int64_t>(max_chunk_tokens, 1), hd = c.head_dim, H = c.hidden;
+  // The state after `tokens` tokens: pooled rows, the compressors' raw rows, and the window,
+  // which holds up to window - 1 old rows beside a call's new ones.
+  int64_t state = 0;
+  for (const Dsv4LayerWeights& L : w_.layers) {
+    state += (c.sliding_window + n) * hd * 2;
+    if (L.ratio > 0) state += (tokens / L.ratio * hd + 2 * L.ratio * L.compressor.out_dim) * 2;
+    if (L.ratio == 4)
+      state += (tokens / 4 * c.index_head_dim + 2 * 4 * L.index_compressor.out_dim) * 2;
+  }
+  // A chunk's largest buffers, per token: the residual stream (hc_mult copies) and its mixes,
+  // the attention's projections and output, a call's visibility mask against the window, the
+  // indexer's queries and selection, the router's scores and the experts' hidden rows.
+  const int64_t per_token = (c.hc_mult + 2) * H * 2 + 2 * c.hc_mix() * 4 + c.q_lora_rank * 2 +
+                            2 * c.heads * hd * 2 + 6 * hd * 2 + c.o_groups * c.o_lora_rank * 2 +
+                            (c.sliding_window + n) + c.index_n_heads * (c.index_head_dim * 2 + 2) +
+                            c.index_topk * 4 + c.n_routed_experts * 4 * 2 +
+                            (c.experts_per_tok + c.n_shared_experts) * c.moe_inter * 3 * 2;
+  return state + n * per_token;
+}
+
+Status Dsv4CpuEngine::reserve(int64_t tokens, int64_t max_chunk_tokens) {
+  const Dsv4Config& c = w_.config;
+  const int64_t n = std::max<int64_t>(max_chunk_tokens, 1), hd = c.head_dim;
+  const int64_t whole = reserve_bytes(tokens, n);
+  int64_t held = 0;
+  for (const LayerState& s : state_)
+    held += static_cast<int64_t>(s.pool.pooled.capacity() + s.index_pool.pooled.capacity()) * 2;
+  HETERO_RETURN_IF_ERROR(check_host_memory(
+      whole, held, budget_,
+      "the state of " + std::to_string(tokens) + " tokens and a chunk of " + std::to_string(n)));
+  try {
+    for (size_t i = 0; i < state_.size(); ++i) {
+      const int64_t r = w_.layers[i].ratio;
+      if (r > 0) state_[i].pool.pooled.reserve(static_cast<size_t>(tokens / r * hd));
+      if (r == 4)
+        state_[i].index_pool.pooled.reserve(static_cast<size_t>(tokens / 4 * c.index_head_dim));
+    }
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted("out of host memory: could not allocate the pooled rows of " +
+                              std::to_string(tokens) + " tokens");
+  }
+  return Status::ok();
 }
 
 Status Dsv4CpuEngine::set_full_forward(bool on) {

@@ -59,6 +59,18 @@ class Dsv4CpuEngine {
   const Dsv4EngineOptions& options() const { return options_; }
   // Forgets the sequence.
   void reset();
+  // Takes what a sequence of `tokens` tokens run in chunks of at most `max_chunk_tokens` needs
+  // before its first chunk: every layer's pooled rows (and the indexer's) are allocated for
+  // the whole sequence, so the state never grows (nor copies itself) mid-request; the budget
+  // counts them with the window and a chunk's largest working buffers. A prompt the host
+  // cannot hold is refused up front (kResourceExhausted with the bytes), which the prefill
+  // host's memory floor turns into a sealed prefix. Call after reset(), before restore().
+  Status reserve(int64_t tokens, int64_t max_chunk_tokens);
+  // What reserve() counts for such a sequence (monotone in both).
+  int64_t reserve_bytes(int64_t tokens, int64_t max_chunk_tokens) const;
+  // The most bytes reserve() may count (0: half of what the host has free, counting what the
+  // state holds).
+  void set_memory_budget(int64_t bytes) { budget_ = bytes; }
   int64_t cached_tokens() const { return n_cached_; }
   // By default a chunk stops after the last layer's tap (nothing downstream needs more). With
   // full_forward the last layer's attention and MoE run too, so that its state and the final
@@ -90,6 +102,7 @@ class Dsv4CpuEngine {
   std::unique_ptr<Prepared> p_;
   std::vector<LayerState> state_;
   int64_t n_cached_ = 0;
+  int64_t budget_ = 0;
   int64_t resumed_at_ = 0;  // where the sequence's first chunk (since reset/restore) begins
   bool full_forward_ = false;
   Dsv4Calls calls_;

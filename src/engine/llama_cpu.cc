@@ -110,29 +110,15 @@ Status LlamaCpuEngine::reserve(int64_t tokens, int64_t max_chunk_tokens) {
   const int64_t layers = static_cast<int64_t>(k_cache_.size());
   const int64_t whole = 2 * layers * row_bytes * blocks * kKvBlockTokens;
   const int64_t held = 2 * layers * row_bytes * kv_capacity_;
-  if (budget_ > 0 && whole > budget_)
-    return resource_exhausted("over the host memory budget: the cache of " +
-                              std::to_string(tokens) + " tokens needs " + format_bytes(whole) +
-                              "; the budget is " + format_bytes(budget_));
-  const int64_t available = host_available_bytes();
-  // Without a budget, half of what the host could give the cache: the other half is left to the
-  // decoder and the rest of the machine (a prompt that would take more is sealed or refused).
-  if (budget_ <= 0 && available >= 0 && whole > (available + held) / 2)
-    return resource_exhausted(
-        "out of host memory: asked " + format_bytes(whole) + " for the cache of " +
-        std::to_string(tokens) + " tokens; half the host's available memory is " +
-        format_bytes((available + held) / 2) + " (--host-memory-budget-mb sets the budget)");
+  const std::string what = "the cache of " + std::to_string(tokens) + " tokens";
+  HETERO_RETURN_IF_ERROR(check_host_memory(whole, held, budget_, what));
   const int64_t more = whole - held;
   if (more <= 0) return Status::ok();
-  if (available >= 0 && more > available)
-    return resource_exhausted("out of host memory: asked " + format_bytes(more) +
-                              " for the cache of " + std::to_string(tokens) + " tokens; " +
-                              format_bytes(available) + " available");
   try {
     ensure_kv_capacity(tokens);
   } catch (const std::bad_alloc&) {
     return resource_exhausted("out of host memory: could not allocate " + format_bytes(more) +
-                              " for the cache of " + std::to_string(tokens) + " tokens");
+                              " for " + what);
   }
   return Status::ok();
 }

@@ -76,14 +76,14 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "device; with --gpus, each stage's engine); a request that would pass it is sealed or "
        "refused as --memory-floor says"},
       {"host-memory-budget-mb", "HETERO_PREFILL_HOST_MEMORY_BUDGET_MB", "0",
-       "cpu, llama: host memory the engine's cache may take in MiB (0: half of what the host has "
-       "free "
+       "cpu: host memory the engine's state may take in MiB (llama: its cache; deepseek_v4: its "
+       "pooled rows, window and a chunk's working buffers; 0: half of what the host has free "
        "when a request is admitted)"},
       {"memory-floor",
        "HETERO_PREFILL_MEMORY_FLOOR",
        "seal",
-       "what a request that does not fit gets: seal (llama: the longest prefix of whole chunks "
-       "that fits is prefilled and its stream sealed there; the decode side mounts it and the "
+       "what a request that does not fit gets: seal (the longest prefix of whole chunks that "
+       "fits is prefilled and its stream sealed there; the decode side mounts it and the "
        "decoder goes on natively) or refuse (HTTP 507 before its response starts)",
        false,
        {"seal", "refuse"}},

@@ -52,8 +52,10 @@ Result<PrefillStack> load_llama(const std::string& model_dir, const std::string&
   return s;
 }
 
-Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& weights_dir) {
+Result<PrefillStack> load_dsv4(const std::string& model_dir, const std::string& weights_dir,
+                               int64_t memory_budget) {
   HETERO_ASSIGN_OR_RETURN(auto engine, Dsv4CpuEngine::load(model_dir));
+  engine->set_memory_budget(memory_budget);
   HETERO_ASSIGN_OR_RETURN(Dsv4DecoderWeights weights, load_dsv4_decoder_weights(weights_dir));
   HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(engine->config(), weights));
   struct Owned {
@@ -105,11 +107,10 @@ void configure_service(PrefillService* service, const PrefillStack& stack,
   service->set_capture(stack.capture);
   service->set_arith(stack.arith);
   if (stack.gpu_memory) service->set_gpu_memory(stack.gpu_memory);
-  // The floor seals at a chunk the engine's reserve() refuses: llama's engines reserve. A
-  // deepseek_v4 stream from the CPU program carries the state at every segment's end, so a
-  // broken one mounts partially, but its CPU engine reserves nothing to refuse and its GPU
-  // programs make no state before T: for it the floor stays off (a request is refused whole).
-  service->set_memory_floor(backend.memory_floor == "seal" && stack.family == "llama");
+  // The floor seals at a chunk the engine's reserve() refuses. Every family's stream carries what
+  // the decode side needs at each segment's end (llama: its rows; deepseek_v4: the state at that
+  // end, from the CPU and GPU programs alike), so a sealed one mounts at its last chunk.
+  service->set_memory_floor(backend.memory_floor == "seal");
   service->set_state_cache(backend.prefix_cache_block, backend.prefix_cache_bytes);
   service->set_queue(backend.queue);
   service->set_turn_ms(backend.turn_ms);
@@ -196,7 +197,7 @@ Result<PrefillStack> load_prefill_stack(const std::string& model_dir,
       return dsv4 ? load_dsv4_cuda(model_dir, weights_dir, backend)
                   : load_llama_cuda(model_dir, weights_dir, backend);
 #endif
-    if (dsv4) return load_dsv4(model_dir, weights_dir);
+    if (dsv4) return load_dsv4(model_dir, weights_dir, backend.host_memory_budget_bytes);
     return load_llama(model_dir, weights_dir, backend.gemm, backend.host_memory_budget_bytes);
   };
   HETERO_ASSIGN_OR_RETURN(PrefillStack stack, load());

@@ -57,11 +57,12 @@ struct PrefillBackend {
   // beyond the device. A request that would pass it is refused before its response starts
   // (PrefillEngine::reserve), as one that does not fit on the device is.
   int64_t device_memory_budget_bytes = 0;
-  // cpu, llama: host memory the engine's cache may take, in bytes; 0: half of what the host has
-  // free (the rest is left to the decoder and the machine).
+  // cpu: host memory the engine's state may take (llama: its cache; deepseek_v4: its pooled
+  // rows, window and a chunk's buffers), in bytes; 0: half of what the host has free (the rest
+  // is left to the decoder and the machine).
   int64_t host_memory_budget_bytes = 0;
-  // What a request that does not fit gets: "seal" (llama: the longest prefix of whole chunks
-  // that fits is prefilled and its stream sealed there, PrefillService::set_memory_floor) or
+  // What a request that does not fit gets: "seal" (the longest prefix of whole chunks that fits
+  // is prefilled and its stream sealed there, PrefillService::set_memory_floor) or
   // "refuse" (HTTP 507 before its response starts).
   std::string memory_floor = "seal";
   // The prefill host's prefix cache of engine state (PrefillService::set_state_cache): bytes

@@ -2,7 +2,8 @@
 // attention input, bit for bit, with the stages on one GPU (device-copy links) and, where the
 // machine has two GPUs, on two (NCCL), while chunks overlap across the stages. The bridge behind
 // it (bridge/cuda/staged_bridge.h: each stage's layers captured and programmed on its GPU, one
-// producer) against the one-stage bridge: the same frames, byte for byte. A stop mid-prompt.
+// producer) against the one-stage bridge: the same frames, byte for byte; each segment carries
+// the state at its end, so the stream cut after any segment mounts there. A stop mid-prompt.
 #include "engine/cuda/dsv4_pipeline.h"
 
 #include <gtest/gtest.h>
@@ -15,7 +16,9 @@
 #include "../common/dsv4_model_weights.h"
 #include "../common/dsv4_test_weights.h"
 #include "bridge/cuda/staged_bridge.h"
+#include "bridge/dsv4_stream.h"
 #include "bridge/producer.h"
+#include "bridge/wire.h"
 #include "cuda_test_base.h"
 
 namespace hetero {
@@ -139,6 +142,29 @@ std::vector<std::string> bridged_frames(const std::vector<int>& devices) {
 TEST_F(Dsv4PipelineTest, BridgeAcrossStagesStreamsTheOneStageFrames) {
   const auto want = bridged_frames({0});
   ASSERT_EQ(want.size(), 7u);  // six segments and the manifest
+  {
+    // The GPU programs' segments carry the state at their end: cut after any of them, the
+    // stream mounts its verified prefix (the state's bits against the CPU program's:
+    // Dsv4GpuProgram tests).
+    const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
+    Dsv4TestShape shape;
+    shape.hidden = c.hidden;
+    shape.ratios = {c.compress_ratios.begin(), c.compress_ratios.end()};
+    Dsv4Assembler a(random_dsv4_weights(shape).layout, 301);
+    FrameParser parser(int64_t{1} << 26);
+    for (size_t i = 0; i + 1 < want.size(); ++i) {
+      parser.feed(want[i].data(), want[i].size());
+      auto frame = parser.next();
+      ASSERT_TRUE(frame.is_ok() && frame.value()) << "frame " << i;
+      auto seg = decode_segment(*frame.value());
+      ASSERT_TRUE(seg.is_ok()) << seg.status().to_string();
+      const Status st = a.accept(seg.value());
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      EXPECT_TRUE(a.can_mount(a.covered_tokens())) << "cut at " << a.covered_tokens();
+      EXPECT_TRUE(a.arrays(a.covered_tokens()).is_ok()) << "cut at " << a.covered_tokens();
+    }
+    EXPECT_EQ(a.covered_tokens(), 301);
+  }
   for (const std::vector<int>& devices : {std::vector<int>{0, 0}, std::vector<int>{0, 0, 0}}) {
     const auto got = bridged_frames(devices);
     ASSERT_EQ(got.size(), want.size()) << devices.size() << " stages";

@@ -3,8 +3,10 @@
 // {1, 5, 130, 301, 1031}; decoder call schedules with tokenwise calls, multi-token calls and one
 // call; feed chunkings whole, fixed and random, from host and device memory, with the program's
 // internal blocks cutting windows elsewhere. Every feed's new pooled rows and every finished array
-// are compared. The CPU program is proven against the decoder (tests/py/test_dsv4_exactness.py),
-// so this chains the GPU program to the decoder's own cache. Skips itself without a GPU.
+// are compared, and (where the feeding keeps them) each layer's state at every feed's end, the
+// state a broken or sealed stream mounts. The CPU program is proven against the decoder
+// (tests/py/test_dsv4_exactness.py), so this chains the GPU program to the decoder's own cache.
+// Skips itself without a GPU.
 #include "bridge/cuda/dsv4_program_gpu.h"
 
 #include <cuda_runtime.h>
@@ -83,7 +85,20 @@ struct Feeding {
   std::vector<int64_t> chunks;  // the prefill's chunk lengths, sum T
   bool device_x = false;
   int64_t block_rows = Dsv4GpuCacheProgram::kDefaultBlockRows;
+  bool boundaries = false;  // keep_boundary_state, and compare boundary_layer at every feed's end
 };
+
+void expect_same_layer(const Dsv4LayerArrays& got, const Dsv4LayerArrays& want,
+                       const std::string& at) {
+  EXPECT_EQ(got.ratio, want.ratio) << at;
+  expect_same(got.window, want.window, at + "window");
+  for (auto [g, c, name] :
+       {std::tuple{&got.pool, &want.pool, "pool"}, std::tuple{&got.index, &want.index, "index"}}) {
+    expect_same(g->pooled, c->pooled, at + name + ".pooled");
+    expect_same(g->buf_kv, c->buf_kv, at + name + ".buf_kv");
+    expect_same(g->buf_gate, c->buf_gate, at + name + ".buf_gate");
+  }
+}
 
 // Feeds both programs chunk by chunk (every layer per chunk, as the prefill taps them) and
 // compares each feed's rows, then every layer's finished arrays.
@@ -92,6 +107,9 @@ void run_both(const Dsv4DecoderWeights& w, const Dsv4GpuWeights& gw,
               cudaStream_t stream, const std::string& what) {
   Dsv4CacheProgram cpu(&w, calls);
   Dsv4GpuCacheProgram gpu(&gw, calls, stream, f.block_rows);
+  if (f.boundaries) {
+    ASSERT_TRUE(gpu.keep_boundary_state().is_ok()) << what;
+  }
   ASSERT_EQ(gpu.tokens(), cpu.tokens()) << what;
   EXPECT_EQ(gpu.window_idx(), cpu.window_idx()) << what;
   const int64_t H = w.layout.hidden;
@@ -105,8 +123,15 @@ void run_both(const Dsv4DecoderWeights& w, const Dsv4GpuWeights& gw,
                            ? gpu.feed_device(l, p, n, in.device[li].get<uint16_t>() + p * H, &got)
                            : gpu.feed(l, p, n, in.host[li].data() + p * H, &got);
       ASSERT_TRUE(s.is_ok()) << what << ": " << s.to_string();
-      expect_same_rows(got, want,
-                       what + " layer " + std::to_string(l) + " feed at " + std::to_string(p));
+      const std::string at = what + " layer " + std::to_string(l) + " feed at " + std::to_string(p);
+      expect_same_rows(got, want, at);
+      if (f.boundaries && p + n < cpu.tokens()) {
+        auto cpu_state = cpu.boundary_layer(l);
+        auto gpu_state = gpu.boundary_layer(l);
+        ASSERT_TRUE(cpu_state.is_ok()) << at << ": " << cpu_state.status().to_string();
+        ASSERT_TRUE(gpu_state.is_ok()) << at << ": " << gpu_state.status().to_string();
+        expect_same_layer(*gpu_state, *cpu_state, at + " state at its end: ");
+      }
       if (::testing::Test::HasFailure()) return;
     }
     p += n;
@@ -116,15 +141,7 @@ void run_both(const Dsv4DecoderWeights& w, const Dsv4GpuWeights& gw,
     auto got = gpu.finish_layer(l);
     ASSERT_TRUE(want.is_ok()) << what;
     ASSERT_TRUE(got.is_ok()) << what << ": " << got.status().to_string();
-    const std::string at = what + " layer " + std::to_string(l) + " ";
-    EXPECT_EQ(got->ratio, want->ratio) << at;
-    expect_same(got->window, want->window, at + "window");
-    for (auto [g, c, name] : {std::tuple{&got->pool, &want->pool, "pool"},
-                              std::tuple{&got->index, &want->index, "index"}}) {
-      expect_same(g->pooled, c->pooled, at + name + ".pooled");
-      expect_same(g->buf_kv, c->buf_kv, at + name + ".buf_kv");
-      expect_same(g->buf_gate, c->buf_gate, at + name + ".buf_gate");
-    }
+    expect_same_layer(*got, *want, what + " layer " + std::to_string(l) + " ");
   }
 }
 
@@ -189,11 +206,12 @@ TEST_F(Dsv4GpuProgram, SameArraysAsTheCpuProgram) {
           {"mixed", mixed_calls(T)},
       };
       // Host and device inputs; the default block, and small blocks that cut windows inside
-      // a feed (37 and 50 are neither multiples of 4 nor of the window).
+      // a feed (37 and 50 are neither multiples of 4 nor of the window); the state at every
+      // feed's end from host and device inputs, with a block smaller than the window.
       const std::pair<const char*, Feeding> feedings[] = {
           {"whole/host", {{T}, false}},
-          {"7s/device", {fixed_chunks(T, 7), true}},
-          {"128s/host/block37", {fixed_chunks(T, 128), false, 37}},
+          {"7s/device/states", {fixed_chunks(T, 7), true, Feeding{}.block_rows, true}},
+          {"128s/host/block37/states", {fixed_chunks(T, 128), false, 37, true}},
           {"random/device/block50", {random_chunks(T, static_cast<uint32_t>(T) + 5), true, 50}},
       };
       for (const auto& [sname, calls] : schedules)
@@ -208,8 +226,8 @@ TEST_F(Dsv4GpuProgram, SameArraysAsTheCpuProgram) {
 
 // At the target's context (issue 16): a prompt one token short of Flash's 1,048,576 positions,
 // fed from the device in the CUDA prefill's 32,768-token chunks under the decoder server's
-// 2,048-token calls; every feed's rows and every finished array bit-identical to the CPU
-// program's on the same inputs.
+// 2,048-token calls; every feed's rows, the state at every chunk's end and every finished array
+// bit-identical to the CPU program's on the same inputs.
 TEST_F(Dsv4GpuProgram, SameArraysAsTheCpuProgramAtAMillionTokens) {
   const WeightsCase wc = weight_cases()[0];
   const Dsv4DecoderWeights w = random_dsv4_weights(wc.shape);
@@ -218,7 +236,8 @@ TEST_F(Dsv4GpuProgram, SameArraysAsTheCpuProgramAtAMillionTokens) {
   const int64_t T = (int64_t{1} << 20) - 1;
   const Inputs in = make_inputs(w, T, 7);
   cuda::Stream stream = new_stream();
-  run_both(w, **gw, dsv4_server_calls(T, 2048), in, {fixed_chunks(T, 32768), true}, stream.get(),
+  run_both(w, **gw, dsv4_server_calls(T, 2048), in,
+           {fixed_chunks(T, 32768), true, Feeding{}.block_rows, true}, stream.get(),
            "dense T=" + std::to_string(T));
 }
 

@@ -8,7 +8,9 @@ processed. The answer must equal the decoder's native answer to the same request
 cold. A prefill host whose export disagrees with its checkpoint (a wrong YaRN factor) must be
 refused before it serves. A stream that breaks mounts its longest verified prefix (the state at
 each segment's end travels with it) and the answer is the decoder's own; one that breaks too
-early is declined with its reason, and the answer is still the decoder's.
+early is declined with its reason, and the answer is still the decoder's. A prompt whose state
+would pass the prefill host's memory budget is sealed at the longest prefix of whole chunks that
+fits, mounted there, and answered by the decoder from it, as its own.
 
 Needs HETERO_DSV4_MODEL (models/dsv4-tiny) and build/hetero.
 """
@@ -125,6 +127,38 @@ def test_broken_stream_mounts_its_longest_verified_prefix(dsv4, fault) -> None:
     assert v["verdict"] == f"partial 128/{T}" and v["B"] == 128, v
     assert v["confirmed"] and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
     assert answer(r.json()) == answer(native), (answer(r.json()), answer(native))
+
+
+# The tiny model's CPU engine counts 260 bytes of state a token beside ~1.1 MiB of window rows
+# and a 64-token chunk's buffers (Dsv4CpuEngine::reserve_bytes): 2 MiB hold ~3,590 tokens, so a
+# ~4,600-token prompt is sealed at a chunk boundary past half of it.
+@pytest.mark.slow
+def test_a_prompt_over_the_host_budget_is_sealed_and_answered_by_the_decoder(dsv4) -> None:
+    prefill = dsv4.prefill(chunk=64, model=DSV4 / "fp8", fresh=True,
+                           extra=("--host-memory-budget-mb", 2))
+    front = dsv4.front(prefill.port)
+    body = served(dsv4, text("dsv4-memory-floor", 4200))
+    native = dsv4.native(body)
+    T = native["usage"]["prompt_tokens"]
+    assert T - 1 > 3590 + 64, T  # the whole prompt does not fit, and more than a chunk is left
+    r = post_front(front, body)
+    assert r.status_code == 200, r.text
+    v = verdict_of(r.headers)
+    print("dsv4-memory-floor", json.dumps(v))
+    B = v["B"]
+    assert v["verdict"] == f"partial {B}/{T}" and B % 64 == 0 and (T - 1) / 2 <= B < T - 64, v
+    assert f"sealed at the memory floor: {B} of {T - 1} tokens fit" in v["reason"], v
+    assert "the budget is 2.0 MiB" in v["reason"], v
+    assert v["confirmed"] and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == B, v
+    assert answer(r.json()) == answer(native), (answer(r.json()), answer(native))
+    # Nothing was killed, and a prompt that fits is bridged whole by the same host.
+    assert prefill.popen.poll() is None
+    short = served(dsv4, text("dsv4-memory-floor-short", 120))
+    native = dsv4.native(short)
+    r = post_front(front, short)
+    assert r.status_code == 200, r.text
+    assert verdict_of(r.headers)["verdict"] == "complete", verdict_of(r.headers)
+    assert answer(r.json()) == answer(native)
 
 
 def test_a_break_before_the_partial_minimum_is_declined(dsv4) -> None:

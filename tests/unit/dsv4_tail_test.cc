@@ -3,8 +3,9 @@
 // decoder calls (the tail's first call starting at the prefix's end, as the decoder runs a warm
 // request); the prefill service keeps the checkpoints of finished requests and streams a later
 // request's tail from them, and refuses a tail whose start it holds no checkpoint of; a long
-// request gives its turn to a short one and resumes from its engine's checkpoint. Against
-// the decoder itself: tests/py/test_dsv4_front.py (warm turns).
+// request gives its turn to a short one and resumes from its engine's checkpoint; at the memory
+// floor a request is sealed at the longest prefix of whole chunks whose state fits. Against the
+// decoder itself: tests/py/test_dsv4_front.py (warm turns, the memory floor).
 #include <gtest/gtest.h>
 #include <httplib.h>
 
@@ -323,6 +324,68 @@ TEST_F(Dsv4TailServiceTest, ALongRequestGivesItsTurnToAShortOneAndSendsTheSameAr
   const TensorMap want = alone.arrays(T).value(), got = long_one.arrays(T).value();
   ASSERT_EQ(got.size(), want.size());
   for (const auto& [name, t] : want) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
+}
+
+// The memory floor: under a host budget that holds the state of 192 tokens in chunks of 64, a
+// request of 300 is sealed at 192 with the reason, and the sealed stream mounts there with the
+// same arrays as the whole request's stream broken after its third segment; a request that fits
+// is served whole after it.
+TEST_F(Dsv4TailServiceTest, AtTheMemoryFloorAStreamIsSealedAtTheLongestChunkPrefixThatFits) {
+  const int64_t T = 300;
+  const std::vector<int64_t> calls = {64, 64, 64, 64, 43, 1};
+  PrefillRequest req;
+  req.ids.assign(ids_.begin(), ids_.begin() + T);
+  req.fingerprint = weights_.layout.fingerprint;
+  req.decoder_calls = calls;
+  std::vector<std::string> whole_frames;
+  ASSERT_TRUE(service_
+                  ->run(req,
+                        [&](std::string f) {
+                          whole_frames.push_back(std::move(f));
+                          return true;
+                        })
+                  .complete);
+
+  service_->set_memory_floor(true);
+  engine_->set_memory_budget(engine_->reserve_bytes(192, 64));
+  ASSERT_TRUE(engine_->reserve(192, 64).is_ok());
+  ASSERT_EQ(engine_->reserve(256, 64).code(), Code::kResourceExhausted);
+  Dsv4Assembler sealed(weights_.layout, T);
+  std::string reason;
+  const Status st = run(T, 0, calls, &sealed, &reason);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_EQ(reason.rfind("sealed at the memory floor: 192 of 300 tokens fit (over the host memory "
+                         "budget: the state of 300 tokens and a chunk of 64 needs ",
+                         0),
+            0u)
+      << reason;
+  EXPECT_EQ(sealed.covered_tokens(), 192);
+  ASSERT_TRUE(sealed.can_mount(192));
+
+  // The whole request's stream, cut after the segment that ends at 192.
+  Dsv4Assembler broken(weights_.layout, T);
+  FrameParser parser(int64_t{1} << 26);
+  for (const std::string& f : whole_frames) parser.feed(f.data(), f.size());
+  while (broken.covered_tokens() < 192) {
+    auto frame = parser.next();
+    ASSERT_TRUE(frame.is_ok() && frame.value());
+    auto seg = decode_segment(*frame.value());
+    ASSERT_TRUE(seg.is_ok()) << seg.status().to_string();
+    ASSERT_TRUE(broken.accept(seg.value()).is_ok());
+  }
+  ASSERT_EQ(broken.covered_tokens(), 192);
+  const TensorMap want = broken.arrays(192).value(), got = sealed.arrays(192).value();
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, t] : want) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_EQ(got.at(name).shape, t.shape) << name;
+    EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
+  }
+
+  engine_->set_memory_budget(0);
+  Dsv4Assembler after(weights_.layout, T);
+  EXPECT_TRUE(run(T, 0, calls, &after, &reason).is_ok()) << reason;
+  EXPECT_TRUE(after.can_mount(T));
 }
 
 }  // namespace

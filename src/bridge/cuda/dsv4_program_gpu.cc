@@ -119,8 +119,9 @@ size_t Dsv4GpuCacheProgram::device_bytes() const {
                                 &work_gate_, &pooled_, &fma_})
     total += b->bytes();
   for (const LayerState& s : state_)
-    for (const DeviceBuffer* b : {&s.window_rows, &s.pool.carry_kv, &s.pool.carry_gate,
-                                  &s.index.carry_kv, &s.index.carry_gate})
+    for (const DeviceBuffer* b :
+         {&s.window_rows, &s.pool.carry_kv, &s.pool.carry_gate, &s.index.carry_kv,
+          &s.index.carry_gate, &s.recent, &s.recent_next})
       total += b->bytes();
   return total;
 }
@@ -128,7 +129,7 @@ size_t Dsv4GpuCacheProgram::device_bytes() const {
 Status Dsv4GpuCacheProgram::prepare(const Dsv4GpuLayer& L, LayerState& s) {
   const int64_t hd = w_->layout.head_dim, H = w_->layout.hidden;
   if (!scratch_ready_) {
-    const int64_t rows = std::min(block_rows_, std::max<int64_t>(sched_.tokens, 1));
+    const int64_t rows = scratch_rows();
     int64_t max_n = hd, work = 0, max_hd = 0;
     bool dense = false;
     for (const Dsv4GpuLayer& G : w_->layers) {
@@ -289,9 +290,8 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
   const int64_t H = w_->layout.hidden;
   if (!s.allocated) HETERO_RETURN_IF_ERROR(prepare(L, s));
   if (!on_device && x_dev_.bytes() == 0)
-    HETERO_RETURN_IF_ERROR(
-        x_dev_.allocate_async(static_cast<size_t>(std::min(block_rows_, sched_.tokens) * H) * 2,
-                              stream_, "the attention input's staging"));
+    HETERO_RETURN_IF_ERROR(x_dev_.allocate_async(static_cast<size_t>(scratch_rows() * H) * 2,
+                                                 stream_, "the attention input's staging"));
   Dsv4NewRows rows;
   rows.first = s.pool.pooled_rows;
   for (int64_t p = pos0; p < pos0 + n; p += block_rows_) {
@@ -305,6 +305,8 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
     }
     HETERO_RETURN_IF_ERROR(feed_block(L, s, p, m, xb));
   }
+  if (boundaries_ && pos0 + n < sched_.tokens)
+    HETERO_RETURN_IF_ERROR(keep_recent(L, s, pos0, n, x, on_device));
   HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   rows.count = s.pool.pooled_rows - rows.first;
   const auto hd = static_cast<std::ptrdiff_t>(w_->layout.head_dim);
@@ -320,14 +322,14 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
   return Status::ok();
 }
 
-Status Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c, const PoolState& s,
-                                        Dsv4PoolArrays* a) const {
-  const int64_t D = c.out_dim, r = c.ratio, rem = sched_.tokens % r;
+Status Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c, const PoolState& s, int64_t end,
+                                        bool with_pooled, Dsv4PoolArrays* a) const {
+  const int64_t D = c.out_dim, r = c.ratio, rem = end % r;
   a->buf_kv = Tensor(DType::kBF16, {1, rem, D});
   a->buf_gate = Tensor(DType::kBF16, {1, rem, D});
   if (rem > 0) {
     // The incomplete window is the end of the carry.
-    const int64_t at = (sched_.tokens - rem - s.carry_base) * D;
+    const int64_t at = (end - rem - s.carry_base) * D;
     const auto bytes = static_cast<size_t>(rem * D) * 2;
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a->buf_kv.bytes.data(),
                                                 s.carry_kv.get<uint16_t>() + at, bytes,
@@ -336,9 +338,83 @@ Status Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c, const PoolSt
                                                 s.carry_gate.get<uint16_t>() + at, bytes,
                                                 cudaMemcpyDeviceToHost, stream_));
   }
-  a->pooled = Tensor(DType::kBF16, {1, s.pooled_rows, c.head_dim});
-  if (!s.pooled.empty()) std::memcpy(a->pooled.bytes.data(), s.pooled.data(), s.pooled.size() * 2);
+  a->pooled = Tensor(DType::kBF16, {1, with_pooled ? s.pooled_rows : 0, c.head_dim});
+  if (with_pooled && !s.pooled.empty())
+    std::memcpy(a->pooled.bytes.data(), s.pooled.data(), s.pooled.size() * 2);
   return Status::ok();
+}
+
+int64_t Dsv4GpuCacheProgram::scratch_rows() const {
+  const int64_t tokens = std::max<int64_t>(sched_.tokens, 1);
+  const int64_t block = std::min(block_rows_, tokens);
+  return boundaries_ ? std::max(block, std::min(w_->window, tokens)) : block;
+}
+
+Status Dsv4GpuCacheProgram::keep_boundary_state() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const LayerState& s : state_)
+    if (s.fed > 0) return failed_precondition("keep_boundary_state comes before the first feed");
+  boundaries_ = true;
+  return Status::ok();
+}
+
+Status Dsv4GpuCacheProgram::keep_recent(const Dsv4GpuLayer& L, LayerState& s, int64_t pos0,
+                                        int64_t n, const uint16_t* x, bool on_device) {
+  const int64_t W = w_->window, H = w_->layout.hidden, hd = w_->layout.head_dim;
+  const auto bytes = static_cast<size_t>(W * hd) * 2;
+  if (s.recent.bytes() == 0) {
+    HETERO_RETURN_IF_ERROR(s.recent.allocate_async(bytes, stream_, "the boundary window"));
+    HETERO_RETURN_IF_ERROR(s.recent_next.allocate_async(bytes, stream_, "the boundary window"));
+  }
+  // The new window: the last rows of the one before, then this feed's last (at most W) rows,
+  // computed as feed_block computes window rows.
+  const int64_t fresh = std::min(n, W), kept = std::min(s.recent_rows, W - fresh);
+  const int64_t from = pos0 + n - fresh;
+  uint16_t* dst = s.recent_next.get<uint16_t>();
+  if (kept > 0)
+    HETERO_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, s.recent.get<uint16_t>() + (s.recent_rows - kept) * hd,
+                        static_cast<size_t>(kept * hd) * 2, cudaMemcpyDeviceToDevice, stream_));
+  const uint16_t* xr = x + (from - pos0) * H;
+  if (!on_device) {
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        x_dev_.get(), xr, static_cast<size_t>(fresh * H) * 2, cudaMemcpyHostToDevice, stream_));
+    xr = x_dev_.get<uint16_t>();
+  }
+  float* xf = xf_.get<float>();
+  if (layer_has_dense(L)) bf16_to_f32(xr, fresh * H, xf, stream_);
+  uint16_t* rows = dst + kept * hd;
+  HETERO_RETURN_IF_ERROR(apply(L.wkv, xr, xf, fresh, rows));
+  rms_norm(rows, fresh, hd, L.kv_norm.get<uint16_t>(), w_->eps, rows, stream_);
+  const bool local = L.ratio == 0;
+  dsv4_rope(rows, fresh, 1, hd, from, (local ? w_->freqs_local : w_->freqs_compressed).get<float>(),
+            local ? w_->rope_pairs_local : w_->rope_pairs_compressed, 1, false, stream_);
+  std::swap(s.recent, s.recent_next);
+  s.recent_rows = kept + fresh;
+  HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::ok();
+}
+
+Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::boundary_layer(int64_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  HETERO_RETURN_IF_ERROR(check_held(layer));
+  const LayerState& s = state_[static_cast<size_t>(layer)];
+  if (!boundaries_ || s.fed <= 0 || s.fed >= sched_.tokens || s.finished)
+    return failed_precondition("layer " + std::to_string(layer) + ": no boundary at row " +
+                               std::to_string(s.fed) +
+                               (boundaries_ ? "" : " (the program keeps no boundary state)"));
+  const Dsv4GpuLayer& L = w_->layers[static_cast<size_t>(layer)];
+  const int64_t hd = w_->layout.head_dim;
+  Dsv4LayerArrays a;
+  a.ratio = L.ratio;
+  a.window = Tensor(DType::kBF16, {1, 1, s.recent_rows, hd});
+  HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(a.window.bytes.data(), s.recent.get(),
+                                              a.window.bytes.size(), cudaMemcpyDeviceToHost,
+                                              stream_));
+  if (L.ratio > 0) HETERO_RETURN_IF_ERROR(pool_arrays(L.pool, s.pool, s.fed, false, &a.pool));
+  if (L.has_index) HETERO_RETURN_IF_ERROR(pool_arrays(L.index, s.index, s.fed, false, &a.index));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return a;
 }
 
 Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::finish_layer(int64_t layer) {
@@ -370,11 +446,15 @@ Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::finish_layer(int64_t layer) {
         static_cast<size_t>((j - i) * hd) * 2, cudaMemcpyDeviceToHost, stream_));
     i = j;
   }
-  if (L.ratio > 0) HETERO_RETURN_IF_ERROR(pool_arrays(L.pool, s.pool, &a.pool));
-  if (L.has_index) HETERO_RETURN_IF_ERROR(pool_arrays(L.index, s.index, &a.index));
+  if (L.ratio > 0)
+    HETERO_RETURN_IF_ERROR(pool_arrays(L.pool, s.pool, sched_.tokens, true, &a.pool));
+  if (L.has_index)
+    HETERO_RETURN_IF_ERROR(pool_arrays(L.index, s.index, sched_.tokens, true, &a.index));
   HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   // The layer's device state is no longer needed; its pooled rows live on in `a`.
   s.window_rows.reset();
+  s.recent.reset();
+  s.recent_next.reset();
   for (PoolState* p : {&s.pool, &s.index}) {
     p->carry_kv.reset();
     p->carry_gate.reset();

@@ -95,6 +95,15 @@ class Dsv4GpuCacheProgram {
   // layer's device state is released; a second call for the same layer is refused.
   Result<Dsv4LayerArrays> finish_layer(int64_t layer);
 
+  // From now on (before the first feed) each feed that ends at b < T also keeps the layer's
+  // last min(b, window) window rows (a projection of at most `window` rows a feed, on the
+  // device), so that boundary_layer() can give the state at b: the CPU program's contract,
+  // bit for bit, for a stream that breaks or is sealed there.
+  Status keep_boundary_state();
+  // The layer's state at the end b < T of the rows fed so far (Dsv4CacheProgram::boundary_layer):
+  // the window's last rows in temporal order and the compressors' pending rows, no pooled rows.
+  Result<Dsv4LayerArrays> boundary_layer(int64_t layer) const;
+
   // Device bytes held now (state and scratch).
   size_t device_bytes() const;
 
@@ -110,6 +119,10 @@ class Dsv4GpuCacheProgram {
     bool allocated = false, finished = false;
     DeviceBuffer window_rows;  // bf16 [T - window_first, head_dim]
     PoolState pool, index;
+    // With keep_boundary_state: the last recent_rows (<= window) rows in temporal order, and
+    // the buffer the next feed builds its own in.
+    DeviceBuffer recent, recent_next;
+    int64_t recent_rows = 0;
   };
 
   // The layer exists and its weights are in w_ (a stage's program holds only its own).
@@ -123,11 +136,19 @@ class Dsv4GpuCacheProgram {
                uint16_t* out);
   Status feed_pool(const Dsv4GpuCompressor& c, PoolState& s, int64_t pos0, int64_t m,
                    const uint16_t* x, const float* xf);
-  Status pool_arrays(const Dsv4GpuCompressor& c, const PoolState& s, Dsv4PoolArrays* a) const;
+  // The rows [end - end % r, end) of the carry as buffers, and (with_pooled) every pooled row.
+  Status pool_arrays(const Dsv4GpuCompressor& c, const PoolState& s, int64_t end, bool with_pooled,
+                     Dsv4PoolArrays* a) const;
+  // keep_boundary_state's window rows after a feed [pos0, pos0 + n) ending before T.
+  Status keep_recent(const Dsv4GpuLayer& L, LayerState& s, int64_t pos0, int64_t n,
+                     const uint16_t* x, bool on_device);
+  // Rows the scratch holds: a block, or a window's worth for keep_recent.
+  int64_t scratch_rows() const;
 
   const Dsv4GpuWeights* w_;
   cudaStream_t stream_;
   int64_t block_rows_;
+  bool boundaries_ = false;
   Dsv4Schedule sched_;
   std::vector<LayerState> state_;
 

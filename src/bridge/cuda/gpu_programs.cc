@@ -375,6 +375,7 @@ Result<std::unique_ptr<Dsv4GpuSegmentProgram>> Dsv4GpuSegmentProgram::create(
     HETERO_ASSIGN_OR_RETURN(r->stream, Stream::create());
     r->program =
         std::make_unique<Dsv4GpuCacheProgram>(part.weights, decoder_calls, r->stream.get());
+    HETERO_RETURN_IF_ERROR(r->program->keep_boundary_state());
     p->parts_.push_back(std::move(r));
   }
   if (next != host->layout.layers)
@@ -418,13 +419,17 @@ Status Dsv4GpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const 
   Dsv4NewRows rows;
   HETERO_RETURN_IF_ERROR(r.program->feed_device(layer, pos0, n, x, &rows));
   dsv4_feed_arrays(*host_, layer, std::move(rows), arrays);
+  if (pos0 + n < r.program->tokens()) {
+    HETERO_ASSIGN_OR_RETURN(Dsv4LayerArrays state, r.program->boundary_layer(layer));
+    boundaries_.keep(host_->layout.layers, pos0 + n, layer, std::move(state));
+  }
   return Status::ok();
 }
 
 Status Dsv4GpuSegmentProgram::close_segment(int64_t pos0, int64_t n,
                                             std::vector<WireArray>* arrays) {
   const Dsv4GpuCacheProgram& first = *parts_.front()->program;
-  if (pos0 + n != first.tokens()) return Status::ok();
+  if (pos0 + n != first.tokens()) return boundaries_.close(*host_, pos0 + n, arrays);
   // Every part replays the same schedule: the first one's window index is every one's.
   return dsv4_close_arrays(
       *host_, first.window_idx(),

@@ -14,6 +14,7 @@
 
 #include "bridge/cuda/dsv4_program_gpu.h"
 #include "bridge/decoder_weights.h"
+#include "bridge/dsv4_stream.h"
 #include "bridge/llama_program.h"
 #include "bridge/producer.h"
 #include "kernels/cuda/device.h"
@@ -179,7 +180,9 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
 // weights (Dsv4GpuWeights::first_layer/end_layer) on one GPU, with its own stream and its own
 // program state, and a layer's rows go to its part (a pipeline stage's layers to the program
 // on that stage's GPU). One part holding every layer is the one-GPU program. The arrays are
-// the same, bit for bit, however the layers are parted.
+// the same, bit for bit, however the layers are parted. Every segment carries the state at its
+// end, as the CPU program's do (Dsv4GpuCacheProgram::boundary_layer), so a stream that breaks or
+// is sealed mounts its longest verified prefix.
 class Dsv4GpuSegmentProgram : public SegmentProgram {
  public:
   struct Part {
@@ -208,6 +211,7 @@ class Dsv4GpuSegmentProgram : public SegmentProgram {
   Running& part_of(int64_t layer) const;
   const Dsv4DecoderWeights* host_;
   std::vector<std::unique_ptr<Running>> parts_;
+  Dsv4BoundaryStates boundaries_;
 };
 
 }  // namespace hetero::cuda

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 #include "common/bf16.h"
 #include "common/safetensors.h"
@@ -492,6 +493,7 @@ Status Dsv4CudaEngine::stream_checkpoint(const std::string& model_dir) {
 Status Dsv4CudaEngine::widen_experts() {
   Impl& m = *impl_;
   cudaStream_t st = m.stream.get();
+  cuda::DeviceBuffer ids;  // int32 0..mats-1
   for (int64_t l = m.first; l < m.end; ++l) {
     DLayer& L = m.layers[static_cast<size_t>(l)];
     for (auto [f4, f8] : {std::pair{&L.w13_4, &L.w13_8}, std::pair{&L.w2_4, &L.w2_8}}) {
@@ -501,11 +503,16 @@ Status Dsv4CudaEngine::widen_experts() {
       HETERO_RETURN_IF_ERROR(m.alloc(f8->scale,
                                      static_cast<size_t>(f8->mats * f8->scale_floats()) * 4,
                                      "widened FP8 experts"));
-      for (int64_t i = 0; i < f8->mats; ++i) {
-        const cuda::Fp8BlockWeight w = f8->at(i);
-        cuda::widen_fp4_to_fp8(f4->at(i), const_cast<uint8_t*>(w.q), const_cast<float*>(w.scale),
-                               m.lossy.get<unsigned long long>(), st);
+      // Every expert in one launch (the list 0..mats-1), into the layout the GEMMs read.
+      if (ids.bytes() < static_cast<size_t>(f8->mats) * 4) {
+        std::vector<int32_t> all(static_cast<size_t>(f8->mats));
+        std::iota(all.begin(), all.end(), 0);
+        HETERO_RETURN_IF_ERROR(ids.allocate(all.size() * 4, "the experts' list"));
+        HETERO_CUDA_RETURN_IF_ERROR(
+            cudaMemcpy(ids.get(), all.data(), all.size() * 4, cudaMemcpyHostToDevice));
       }
+      cuda::widen_fp4_experts_to_fp8(f4->at(0), ids.get<int32_t>(), f8->mats, f8->q.get<uint8_t>(),
+                                     f32(f8->scale), m.lossy.get<unsigned long long>(), st);
       HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
       weight_bytes_ += static_cast<int64_t>(f8->q.bytes() + f8->scale.bytes()) -
