@@ -9,7 +9,8 @@
 #
 # Carry: .devkit/lib, build/hetero_gpu_tests, build/hetero_gpu_dsv4_layer_bench[, the base's].
 # Env: REV (names the output), BASE (a directory holding the base binary), T (8192,32768,131072),
-# LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,
+# LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0), BRIDGE (off; "off,on" also runs each T with
+# the bridge behind the forward: its cost and wire bytes), PHASES (1: --phases). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,
 # ncu.txt}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,7 +30,8 @@ fi
 run_bench() {  # name binary_dir [more flags]
   timeout 200 "$2/hetero_gpu_dsv4_layer_bench" "${@:3}" --weights checkpoint --layers "${LAYERS:-8}" \
     --t "${T:-8192,32768,131072}" --chunk "${CHUNK:-32768}" --repeats "${REPEATS:-2}" --warmup 1 \
-    --phases --bridge off --rev "$1" >"$OUT_DIR/layer-$1.jsonl" 2>"$OUT_DIR/layer-$1.txt" || rc=1
+    $([[ ${PHASES:-1} == 1 ]] && echo --phases) --bridge "${BRIDGE:-off}" --rev "$1" \
+    >"$OUT_DIR/layer-$1.jsonl" 2>"$OUT_DIR/layer-$1.txt" || rc=1
   echo "== $1"
   grep -E "phase|^ +[0-9]+ " "$OUT_DIR/layer-$1.txt"
 }

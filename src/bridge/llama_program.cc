@@ -14,10 +14,10 @@ const uint16_t* maybe(const Tensor& t) {
 }
 
 // The model's projection as the decoder holds it: dense, or quantized as stored.
-DecoderLinear decoder_linear(const Tensor& dense, const AffineWeight& q) {
+DecoderLinear decoder_linear(const Tensor& dense, const QuantizedWeight& q) {
   DecoderLinear l;
   if (!q.empty()) {
-    l.mode = DecoderLinear::Mode::kAffine;
+    l.mode = q.mx() ? DecoderLinear::Mode::kMx : DecoderLinear::Mode::kAffine;
     l.n = q.n, l.k = q.k, l.group = q.group;
     l.q = q.q, l.scales = q.scales, l.biases = q.biases;
     return l;

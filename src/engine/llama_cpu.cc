@@ -92,10 +92,10 @@ Status LlamaCpuEngine::load_state(int64_t pos0, int64_t n, const uint8_t* in) {
 }
 
 void LlamaCpuEngine::linear(const uint16_t* x, int64_t m, int64_t k, const std::vector<float>& w,
-                            const AffineWeight& q, int64_t n, const uint16_t* bias,
+                            const QuantizedWeight& q, int64_t n, const uint16_t* bias,
                             uint16_t* out) const {
   if (!q.empty()) {  // the decoder's quantized matmul, whichever GEMM was asked for
-    affine_linear(x, m, q, bias, out);
+    quantized_linear(x, m, q, bias, out);
   } else if (gemm_ == Gemm::kOrdered) {
     linear_decoder_order(x, m, k, w.data(), n, bias, out);
   } else {

@@ -58,7 +58,7 @@ class LlamaCpuEngine {
   };
   // The dense weight w (as LayerF32 holds it) or, when q is not empty, the quantized one.
   void linear(const uint16_t* x, int64_t m, int64_t k, const std::vector<float>& w,
-              const AffineWeight& q, int64_t n, const uint16_t* bias, uint16_t* out) const;
+              const QuantizedWeight& q, int64_t n, const uint16_t* bias, uint16_t* out) const;
   void ensure_kv_capacity(int64_t tokens);
 
   LlamaWeights w_;

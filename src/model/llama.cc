@@ -89,9 +89,9 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
   }
   if (j.contains("quantization") && j["quantization"].is_object()) {
     const std::string mode = j["quantization"].value("mode", "affine");
-    if (mode != "affine")
+    if (mode != "affine" && mode != "mxfp4" && mode != "mxfp8")
       return invalid_argument(model_dir + "/config.json: quantization mode '" + mode +
-                              "' is not read by the llama engine (affine only)");
+                              "' is not read by the llama engine (affine, mxfp4 and mxfp8 are)");
   }
   // mlx-lm's llama (and mistral, which it loads as llama) reads layer_types: "sliding_attention"
   // gets a window and a RotatingKVCache, any other name full attention, and at least one
@@ -143,21 +143,22 @@ Status take(TensorMap& all, const std::string& name, std::vector<int64_t> shape,
   return Status::ok();
 }
 
-// `name.weight` dense, or quantized as mlx-lm stores it (`name.weight` U32 + `.scales` +
-// `.biases`): into *q, with *dense left empty.
+// `name.weight` dense, or quantized as mlx-lm stores it (`name.weight` U32 + `.scales`, and
+// `.biases` for affine): into *q, with *dense left empty.
 Status take_linear(TensorMap& all, const std::string& name, std::vector<int64_t> shape,
-                   Tensor* dense, AffineWeight* q, std::string* quantization) {
+                   Tensor* dense, QuantizedWeight* q, std::string* quantization) {
   auto s = all.find(name + ".scales");
   if (s == all.end()) return take(all, name + ".weight", std::move(shape), dense);
   auto w = all.find(name + ".weight"), b = all.find(name + ".biases");
-  if (w == all.end() || b == all.end())
-    return not_found("quantized tensor '" + name + "' needs .weight, .scales and .biases");
-  HETERO_ASSIGN_OR_RETURN(*q, unpack_affine(name, w->second, s->second, b->second, shape[1]));
+  if (w == all.end()) return not_found("quantized tensor '" + name + "' needs .weight");
+  HETERO_ASSIGN_OR_RETURN(*q, unpack_quantized(name, w->second, s->second,
+                                               b == all.end() ? nullptr : &b->second, shape[1]));
   if (q->n != shape[0])
     return invalid_argument("quantized tensor '" + name + "' has " + std::to_string(q->n) +
                             " rows, config wants " + std::to_string(shape[0]));
   if (quantization->empty()) *quantization = q->describe();
-  all.erase(w), all.erase(s), all.erase(b);
+  all.erase(w), all.erase(s);
+  if (b != all.end()) all.erase(b);
   return Status::ok();
 }
 
@@ -165,10 +166,10 @@ Status take_linear(TensorMap& all, const std::string& name, std::vector<int64_t>
 // quantized.
 Status take_table(TensorMap& all, const std::string& name, std::vector<int64_t> shape, Tensor* out,
                   std::string* quantization) {
-  AffineWeight q;
+  QuantizedWeight q;
   HETERO_RETURN_IF_ERROR(take_linear(all, name, shape, out, &q, quantization));
   if (q.empty()) return Status::ok();
-  *out = dequantize_affine(q);
+  *out = dequantize(q);
   return Status::ok();
 }
 

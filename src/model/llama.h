@@ -42,7 +42,7 @@ struct LlamaLayerWeights {
   Tensor w_gate, w_up, w_down;   // [inter, hidden], [inter, hidden], [hidden, inter]
   // An mlx-lm-quantized checkpoint's projections as stored (model/mlx_quant.h); each one in
   // place of its dense tensor above, which is then empty (mlx-lm may leave some modules dense).
-  AffineWeight qwq, qwk, qwv, qwo, qw_gate, qw_up, qw_down;
+  QuantizedWeight qwq, qwk, qwv, qwo, qw_gate, qw_up, qw_down;
 };
 
 struct LlamaWeights {

@@ -156,17 +156,16 @@ Status check_llama_projection(const TensorMap& exported, const TensorMap& checkp
   Tensor prefill;
   std::string storage;
   if (s != checkpoint.end()) {
-    auto b = checkpoint.find(c + "biases");
-    if (b == checkpoint.end())
-      return refuse_weights_differ(missing(c + "biases", true), sides, "absent", why);
+    auto b = checkpoint.find(c + "biases");  // affine only
     const int64_t k = decoder.shape.size() == 2 ? decoder.shape[1] : 0;
-    HETERO_ASSIGN_OR_RETURN(AffineWeight q, unpack_affine(c.substr(0, c.size() - 1), w->second,
-                                                          s->second, b->second, k));
+    HETERO_ASSIGN_OR_RETURN(QuantizedWeight q,
+                            unpack_quantized(c.substr(0, c.size() - 1), w->second, s->second,
+                                             b == checkpoint.end() ? nullptr : &b->second, k));
     storage = q.describe();
     const int64_t groups = q.k / q.group;
-    const TensorMap as_export = {{"qvalues", f32_tensor(q.q, {q.n, q.k})},
-                                 {"scales", f32_tensor(q.scales, {q.n, groups})},
-                                 {"biases", f32_tensor(q.biases, {q.n, groups})}};
+    TensorMap as_export = {{"qvalues", f32_tensor(q.q, {q.n, q.k})},
+                           {"scales", f32_tensor(q.scales, {q.n, groups})}};
+    if (!q.mx()) as_export["biases"] = f32_tensor(q.biases, {q.n, groups});
     HETERO_ASSIGN_OR_RETURN(prefill, decoder_projection(as_export, ""));
   } else {
     storage = lower_dtype(w->second.dtype);

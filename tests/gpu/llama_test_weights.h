@@ -94,8 +94,8 @@ inline std::vector<VariantCase> variant_cases() {
 // mlx-lm's affine quantization of one dense bf16 [n, k] weight (per group of `group` columns:
 // scale = (max - min) / (2^bits - 1), bias = min, both bf16; q = round((w - bias) / scale)),
 // as `mlx_lm.convert -q` stores it.
-inline AffineWeight quantize_affine(const Tensor& w, int64_t bits, int64_t group) {
-  AffineWeight a;
+inline QuantizedWeight quantize_affine(const Tensor& w, int64_t bits, int64_t group) {
+  QuantizedWeight a;
   a.n = w.shape[0], a.k = w.shape[1], a.group = group, a.bits = bits;
   a.q.resize(static_cast<size_t>(a.n * a.k));
   a.scales.resize(static_cast<size_t>(a.n * a.k / group));

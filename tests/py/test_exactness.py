@@ -52,8 +52,9 @@ class Variant(NamedTuple):
     # None: all of PROGRAM_CHUNKINGS / PREFILL_CHUNKS; the rope variants take a subset.
     program_chunkings: Optional[tuple] = None
     prefill_chunks: Optional[tuple] = None
-    # (bits, group): the checkpoint both sides run is mlx-lm's own quantization of the tiny one
-    # (mlx_lm.convert -q), as people run models on their Macs.
+    # (bits, group[, mode]): the checkpoint both sides run is mlx-lm's own quantization of the
+    # tiny one (mlx_lm.convert -q, affine unless a mode is named), as people run models on their
+    # Macs.
     quantize: Optional[tuple] = None
 
 
@@ -177,6 +178,23 @@ VARIANTS: Dict[str, Variant] = {
         ROPE_PREFILL_CHUNKS,
         quantize=(4, 32),
     ),
+    # MLX's microscaling modes: e2m1 / e4m3 codes with a power-of-two scale per 32 columns.
+    "llama-mxfp4": Variant(
+        TinyShape("llama", 2, 128, 2, 1, 64, 256, tie=False, rope_theta=500000.0),
+        34,
+        (129, 2049),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+        quantize=(4, 32, "mxfp4"),
+    ),
+    "qwen2-mxfp8": Variant(
+        TinyShape("qwen2", 2, 128, 4, 2, 0, 256, rope_theta=1000000.0),
+        35,
+        (127, 2048),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+        quantize=(8, 32, "mxfp8"),
+    ),
     "llama-proportional": Variant(  # the last pairs stay unrotated
         _scaled(
             TinyShape("llama", 2, 64, 4, 2, 16, 128),
@@ -254,9 +272,9 @@ class Lab:
             if variant.quantize:
                 source = self.root / name / "bf16"
                 make_tiny_llama(self.tokenizer_dir, source, variant.seed, variant.shape)
-                bits, group = variant.quantize
+                bits, group, mode = (*variant.quantize, "affine")[:3]
                 convert(str(source), str(self.model_dir(name)), quantize=True, q_bits=bits,
-                        q_group_size=group)
+                        q_group_size=group, q_mode=mode)
             else:
                 make_tiny_llama(self.tokenizer_dir, self.model_dir(name), variant.seed,
                                 variant.shape)
@@ -265,9 +283,10 @@ class Lab:
             assert meta["qk_norm"] == (variant.shape.model_type == "qwen3")
             assert meta["kv_bias"] == (variant.shape.model_type == "qwen2")
             if variant.quantize:
-                bits, group = variant.quantize
+                bits, group, mode = (*variant.quantize, "affine")[:3]
                 assert meta["quantization"]["bits"] == bits, meta["quantization"]
                 assert meta["quantization"]["group_size"] == group, meta["quantization"]
+                assert meta["quantization"]["mode"] == mode, meta["quantization"]
             else:
                 assert meta["quantization"] is None, meta["quantization"]
             self._models[name], _ = load(str(self.model_dir(name)))
@@ -552,3 +571,24 @@ def test_quantized_decoder_and_dense_checkpoint_are_refused_naming_both(lab, het
         assert res.returncode != 0, f"prefill paired {model} with {weights}: {res.stdout}"
         for word in words:
             assert word in res.stderr, res.stderr
+
+
+def test_an_mxfp4_checkpoint_and_an_affine_decoder_are_refused_naming_both(lab, hetero_bin,
+                                                                            tmp_path):
+    """The same bf16 source quantized by mlx-lm to mxfp4 (the prefill checkpoint) and to 4-bit
+    affine (the decoder): the same bits per value, other values and another matmul, so the prefill
+    host refuses to start, naming both quantizations."""
+    lab.model("llama-mxfp4")
+    source = lab.root / "llama-mxfp4" / "bf16"
+    affine = tmp_path / "affine"
+    convert(str(source), str(affine), quantize=True, q_bits=4, q_group_size=32)
+    export(str(affine), tmp_path / "affine-export")
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, 3]")
+    res = _run(
+        hetero_bin, "prefill", "--model", lab.model_dir("llama-mxfp4"), "--weights",
+        tmp_path / "affine-export", "--ids-file", ids, "--out", tmp_path / "out.safetensors",
+    )  # fmt: skip
+    assert res.returncode != 0, f"prefill paired mxfp4 with affine: {res.stdout}"
+    for word in ("4-bit mxfp4, group 32", "4-bit affine, group 32"):
+        assert word in res.stderr, res.stderr

@@ -227,8 +227,8 @@ Status LlamaCudaEngine::upload(const LlamaWeights& w) {
     HETERO_RETURN_IF_ERROR(put({&L.post_norm}, &D.post_norm));
     if (options_.arith == LlamaCudaArith::kFast) {  // the exact path has its own (below)
       // Dense, or the quantized projection's dequantized values (bf16, as the decoder's).
-      auto d = [](const Tensor& t, const AffineWeight& q) {
-        return q.empty() ? t : dequantize_affine(q);
+      auto d = [](const Tensor& t, const QuantizedWeight& q) {
+        return q.empty() ? t : dequantize(q);
       };
       const Tensor wq = d(L.wq, L.qwq), wk = d(L.wk, L.qwk), wv = d(L.wv, L.qwv),
                    wo = d(L.wo, L.qwo);
