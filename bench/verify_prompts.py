@@ -9,10 +9,12 @@ usage: python bench/verify_prompts.py [--chunks 7,512,13,100,1000] [--max-tokens
        python bench/verify_prompts.py --model models/dsv4-tiny/native \
            --prefill-model models/dsv4-tiny/fp8 --max-tokens 32 --tag dsv4
        python bench/verify_prompts.py --quantize 4 --tag q4   # mlx-lm's own 4-bit conversion
+       python bench/verify_prompts.py --quantize 4,32,mxfp4 --tag mxfp4
 
---quantize BITS[,GROUP] first converts --model with mlx-lm's converter (`mlx_lm.convert -q`,
-affine, group 64 unless given) into out/quantized/ (kept; converted once) and verifies that: the
-decoder and the prefill host then both run the quantized checkpoint.
+--quantize BITS[,GROUP[,MODE]] first converts --model with mlx-lm's converter (`mlx_lm.convert
+-q`, affine, group 64 unless given; MODE mxfp4 or mxfp8 with group 32) into out/quantized/ (kept;
+converted once) and verifies that: the decoder and the prefill host then both run the quantized
+checkpoint.
 """
 
 import argparse
@@ -31,19 +33,23 @@ def main() -> int:
     p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     p.add_argument("--prefill-model", default="", help="the prefill host's checkpoint")
     p.add_argument("--tag", default="", help="results file: verify-[<tag>-]<revision>.jsonl")
-    p.add_argument("--quantize", default="", help="BITS[,GROUP]: verify mlx-lm's conversion")
+    p.add_argument("--quantize", default="",
+                   help="BITS[,GROUP[,MODE]]: verify mlx-lm's conversion")
     p.add_argument("--prompts", default="", help="only these, by name prefix: e.g. 01,02,03")
     p.add_argument("--hetero", default=str(ROOT / "build" / "hetero"),
                    help="the hetero binary (a copy in a sibling of build/, e.g. build-verify/, keeps a long "
                         "run apart from rebuilds; it finds python/ beside its parent)")
     a = p.parse_args()
     if a.quantize:
-        bits, group = (int(v) for v in (a.quantize + ",64").split(",")[:2])
-        out = ROOT / "out" / "quantized" / f"{Path(a.model).name}-q{bits}-g{group}"
+        bits, group, mode = (a.quantize + ",64,affine").split(",")[:3]
+        bits, group = int(bits), int(group)
+        name = f"{Path(a.model).name}-q{bits}-g{group}" + ("" if mode == "affine" else f"-{mode}")
+        out = ROOT / "out" / "quantized" / name
         if not (out / "config.json").exists():
             from mlx_lm import convert  # the decoder's own converter, from the pinned venv
 
-            convert(a.model, str(out), quantize=True, q_bits=bits, q_group_size=group)
+            convert(a.model, str(out), quantize=True, q_bits=bits, q_group_size=group,
+                    q_mode=mode)
         a.model = str(out)
     prompts = sorted((ROOT / "prompts" / "chat").glob("*.json"))
     if a.prompts:
