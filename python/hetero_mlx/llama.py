@@ -30,10 +30,15 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def _weight_dtype(linear: nn.Module) -> mx.Dtype:
-    # A quantized projection outputs in its scales' dtype; that is the cache dtype.
+def _cache_dtype(layer: nn.Module) -> mx.Dtype:
+    """The dtype of the decoder's cache: its k projection's output. A dense projection outputs in
+    its weight's dtype and an affine-quantized one in its scales'; an mx-quantized one (mxfp4,
+    mxfp8: uint8 scales) in its input's, the attention norm's output."""
+    linear = layer.self_attn.k_proj
     if isinstance(linear, nn.QuantizedLinear):
-        return linear.scales.dtype
+        if mx.issubdtype(linear.scales.dtype, mx.floating):
+            return linear.scales.dtype
+        return layer.input_layernorm.weight.dtype
     return linear.weight.dtype
 
 
@@ -144,7 +149,7 @@ def describe(model: nn.Module) -> Dict[str, Any]:
         "rope": rope_params(attn.rope, args),
         "qk_norm": "k_norm" in attn,
         "kv_bias": "bias" in attn.k_proj,
-        "dtype": dtype_name(_weight_dtype(attn.k_proj)),
+        "dtype": dtype_name(_cache_dtype(model.layers[0])),
         "quantization": quantization(model),
     }
     desc["fingerprint"] = fingerprint(desc)

@@ -45,13 +45,7 @@ CacheAssembler::CacheAssembler(DecoderCacheLayout expected, int64_t requested_to
   values_.assign(static_cast<size_t>(layout_.layers), std::vector<uint16_t>(per_layer));
 }
 
-CacheAssembler::~CacheAssembler() {
-  if (!file_) return;
-  const std::string dir = file_->dir();
-  file_.reset();
-  std::error_code ignored;
-  fs::remove_all(dir, ignored);  // never published: nothing of it is an entry
-}
+CacheAssembler::~CacheAssembler() = default;  // an unpublished entry removes itself
 
 Status check_segment_order(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
                            int64_t segments, const Segment& s) {
@@ -111,26 +105,19 @@ Status CacheAssembler::accept(const Segment& s) {
   }
   // Everything checked: rows into place, in the store's file or in memory.
   if (!store_dir_.empty()) {
-    if (!file_) {
-      std::vector<std::string> names;
+    if (!entry_) {
+      std::vector<StoreArray> arrays;
       for (int64_t l = 0; l < layout_.layers; ++l)
-        for (int which = 0; which < 2; ++which) names.push_back(array_name(l, which));
-      const std::string dir =
-          (fs::path(store_dir_) / layout_.fingerprint / incoming_name()).string();
-      auto f = StoreFile::create(dir, std::move(names), layout_.kv_heads, rows(), layout_.head_dim);
-      if (!f.is_ok()) {
-        std::error_code ignored;
-        fs::remove_all(dir, ignored);
-        return f.status();
-      }
-      file_ = std::make_unique<StoreFile>(std::move(f.value()));
+        for (int which = 0; which < 2; ++which)
+          arrays.push_back({array_name(l, which), layout_.kv_heads, rows(), layout_.head_dim});
+      HETERO_ASSIGN_OR_RETURN(entry_, IncomingEntry::create(store_dir_, layout_, arrays));
     }
     for (int64_t l = 0; l < layout_.layers; ++l)
       for (int which = 0; which < 2; ++which)
         HETERO_RETURN_IF_ERROR(
-            file_->write_rows(array_name(l, which), s.pos0 - start_, s.n_tokens,
-                              reinterpret_cast<const uint16_t*>(
-                                  s.arrays[static_cast<size_t>(2 * l + which)].data())));
+            entry_->file().write_rows(array_name(l, which), s.pos0 - start_, s.n_tokens,
+                                      reinterpret_cast<const uint16_t*>(
+                                          s.arrays[static_cast<size_t>(2 * l + which)].data())));
     covered_ += s.n_tokens;
     ++segments_;
     return Status::ok();
@@ -167,8 +154,9 @@ Result<TensorMap> CacheAssembler::arrays(int64_t b) const {
   for (int64_t l = 0; l < layout_.layers; ++l) {
     for (int which = 0; which < 2; ++which) {
       Tensor t(DType::kBF16, {layout_.kv_heads, n, hd});
-      if (file_) {
-        HETERO_RETURN_IF_ERROR(file_->read_rows(array_name(l, which), 0, n, t.data<uint16_t>()));
+      if (entry_) {
+        HETERO_RETURN_IF_ERROR(
+            entry_->file().read_rows(array_name(l, which), 0, n, t.data<uint16_t>()));
         out.emplace(array_name(l, which), std::move(t));
         continue;
       }
@@ -272,19 +260,52 @@ Result<StoreEntry> CacheAssembler::store(const std::string& store_dir,
                                          const DecoderCacheLayout& layout,
                                          const std::vector<int32_t>& ids, int64_t b,
                                          int64_t requested_tokens) {
-  if (!file_ || store_dir != store_dir_)
+  if (!entry_ || store_dir != store_dir_)
     return Assembler::store(store_dir, layout, ids, b, requested_tokens);
   if (b <= start_ || b > covered_ || b > static_cast<int64_t>(ids.size()))
     return invalid_argument("store entry needs start < B <= the verified rows");
-  const std::unique_ptr<StoreFile> file = std::move(file_);  // published or removed, once
-  const fs::path tmp = file->dir();
-  if (Status st = file->seal(b - start_); !st.is_ok()) {
+  const std::unique_ptr<IncomingEntry> entry = std::move(entry_);  // published or removed, once
+  std::map<std::string, int64_t> kept;
+  for (int64_t l = 0; l < layout_.layers; ++l)
+    for (int which = 0; which < 2; ++which) kept[array_name(l, which)] = b - start_;
+  return entry->publish(layout, ids, b, requested_tokens, entry_extra(), kept);
+}
+
+Result<std::unique_ptr<IncomingEntry>> IncomingEntry::create(
+    const std::string& store_dir, const DecoderCacheLayout& layout, std::vector<StoreArray> arrays,
+    const std::vector<std::string>& tail_names) {
+  const std::string dir = (fs::path(store_dir) / layout.fingerprint / incoming_name()).string();
+  auto f = StoreFile::create(dir, std::move(arrays), tail_names);
+  if (!f.is_ok()) {
+    std::error_code ignored;
+    fs::remove_all(dir, ignored);
+    return f.status();
+  }
+  return std::unique_ptr<IncomingEntry>(new IncomingEntry(store_dir, std::move(f.value())));
+}
+
+IncomingEntry::~IncomingEntry() {
+  if (published_) return;
+  const std::string dir = file_.dir();
+  std::error_code ignored;
+  fs::remove_all(dir, ignored);  // never published: nothing of it is an entry
+}
+
+Result<StoreEntry> IncomingEntry::publish(const DecoderCacheLayout& layout,
+                                          const std::vector<int32_t>& ids, int64_t b,
+                                          int64_t requested_tokens, const nlohmann::json& extra,
+                                          const std::map<std::string, int64_t>& kept,
+                                          const TensorViews& tail) {
+  if (published_) return failed_precondition("the entry was published already");
+  published_ = true;  // once: publish_entry removes the directory itself when it fails
+  const fs::path tmp = file_.dir();
+  if (Status st = file_.seal(kept, tail); !st.is_ok()) {
     std::error_code ec;
     fs::remove_all(tmp, ec);
     return st;
   }
-  return publish_entry(tmp, store_dir, layout, {ids.begin(), ids.begin() + b}, requested_tokens,
-                       entry_extra());
+  return publish_entry(tmp, store_dir_, layout, {ids.begin(), ids.begin() + b}, requested_tokens,
+                       extra);
 }
 
 int64_t remove_partial_store_entries(const std::string& store_dir) {

@@ -62,6 +62,35 @@ std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
 Status check_segment_order(const DecoderCacheLayout& layout, int64_t requested, int64_t covered,
                            int64_t segments, const Segment& s);
 
+// A store entry's file written as rows verify: created under
+// "<store>/<fingerprint>/incoming-*.partial", published once as the entry for a prefix, and
+// removed if it never is (the assembler that owns it went away, or publishing failed).
+class IncomingEntry {
+ public:
+  static Result<std::unique_ptr<IncomingEntry>> create(
+      const std::string& store_dir, const DecoderCacheLayout& layout,
+      std::vector<StoreArray> arrays, const std::vector<std::string>& tail_names = {});
+  ~IncomingEntry();
+  IncomingEntry(const IncomingEntry&) = delete;
+  IncomingEntry& operator=(const IncomingEntry&) = delete;
+  StoreFile& file() { return file_; }
+  const StoreFile& file() const { return file_; }
+  const std::string& store_dir() const { return store_dir_; }
+  // Seals the file to `kept` rows of each array and the tail (StoreFile::seal), then publishes
+  // it as the entry for ids[:b] with `extra` in its entry.json.
+  Result<StoreEntry> publish(const DecoderCacheLayout& layout, const std::vector<int32_t>& ids,
+                             int64_t b, int64_t requested_tokens, const nlohmann::json& extra,
+                             const std::map<std::string, int64_t>& kept,
+                             const TensorViews& tail = {});
+
+ private:
+  IncomingEntry(std::string store_dir, StoreFile file)
+      : store_dir_(std::move(store_dir)), file_(std::move(file)) {}
+  std::string store_dir_;
+  StoreFile file_;
+  bool published_ = false;
+};
+
 // llama: per layer keys and values rows, any verified prefix mountable. Without a store_dir the
 // rows are kept in memory; with one they go straight into the entry's file in the store
 // (StoreFile, under "<store>/<fingerprint>/incoming-*.partial" until store() publishes it; an
@@ -96,7 +125,7 @@ class CacheAssembler : public Assembler {
   // in memory: per layer [kv_heads, R - start, hd]
   std::vector<std::vector<uint16_t>> keys_, values_;
   std::string store_dir_;
-  std::unique_ptr<StoreFile> file_;  // in the store: created with the first segment
+  std::unique_ptr<IncomingEntry> entry_;  // in the store: created with the first segment
 };
 
 // The manifest checks every family shares (start: the rows' first, as requested).
