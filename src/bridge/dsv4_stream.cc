@@ -119,36 +119,48 @@ Status Dsv4SegmentProgram::close_segment(int64_t pos0, int64_t n, std::vector<Wi
   return boundaries_.close(*weights_, end, arrays);
 }
 
-Dsv4Assembler::Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens, int64_t start)
-    : layout_(std::move(expected)), requested_(requested_tokens), start_(start), covered_(start) {
+Dsv4Assembler::Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens,
+                             std::string store_dir, int64_t start)
+    : layout_(std::move(expected)),
+      requested_(requested_tokens),
+      start_(start),
+      covered_(start),
+      store_dir_(std::move(store_dir)) {
   HETERO_CHECK(start_ >= 0 && start_ < requested_);
+  for_each_pooled_array([this](const std::string& name, int64_t width, int64_t rows) {
+    rows_[name] = 0;
+    if (store_dir_.empty()) pooled_[name].reserve(static_cast<size_t>(rows * width));
+  });
+}
+
+Dsv4Assembler::~Dsv4Assembler() = default;  // an unpublished entry removes itself
+
+void Dsv4Assembler::for_each_pooled_array(
+    const std::function<void(const std::string&, int64_t, int64_t)>& fn) const {
   for (int64_t i = 0; i < layout_.layers; ++i) {
     const int64_t r = layout_.ratios[static_cast<size_t>(i)];
     if (r == 0) continue;
-    const auto rows = static_cast<size_t>(requested_ / r - start_ / r);
-    pooled_[layer_name(i, "pool.pooled")].reserve(rows * static_cast<size_t>(layout_.head_dim));
-    if (r == 4)
-      pooled_[layer_name(i, "index.pooled")].reserve(rows *
-                                                     static_cast<size_t>(layout_.index_head_dim));
+    const int64_t rows = requested_ / r - start_ / r;  // the most a request's stream makes
+    fn(layer_name(i, "pool.pooled"), layout_.head_dim, rows);
+    if (r == 4) fn(layer_name(i, "index.pooled"), layout_.index_head_dim, rows);
   }
 }
 
-void Dsv4Assembler::for_each_pooled(
-    const std::function<void(const std::string&, int64_t, const std::vector<uint16_t>&)>& fn)
-    const {
-  static const std::vector<uint16_t> kNone;
-  for (int64_t i = 0; i < layout_.layers; ++i) {
-    const int64_t r = layout_.ratios[static_cast<size_t>(i)];
-    if (r == 0) continue;
-    for (const char* pool : {"pool.pooled", "index.pooled"}) {
-      const bool index = std::string(pool) == "index.pooled";
-      if (r != 4 && index) continue;
-      const std::string name = layer_name(i, pool);
-      auto it = pooled_.find(name);
-      fn(name, index ? layout_.index_head_dim : layout_.head_dim,
-         it == pooled_.end() ? kNone : it->second);
+Result<TensorMap> Dsv4Assembler::pooled_arrays() const {
+  TensorMap out;
+  Status st;
+  for_each_pooled_array([&](const std::string& name, int64_t width, int64_t) {
+    const int64_t n = rows_.at(name);
+    Tensor t(DType::kBF16, {1, n, width});
+    if (entry_) {
+      if (st.is_ok()) st = entry_->file().read_rows(name, 0, n, t.data<uint16_t>());
+    } else if (n > 0) {
+      std::memcpy(t.bytes.data(), pooled_.at(name).data(), static_cast<size_t>(n * width * 2));
     }
-  }
+    out.emplace(name, std::move(t));
+  });
+  HETERO_RETURN_IF_ERROR(st);
+  return out;
 }
 
 nlohmann::json Dsv4Assembler::entry_extra() const {
@@ -208,14 +220,29 @@ Status Dsv4Assembler::accept(const Segment& s) {
   if (idx >= 0 && (idx > window_rows || idx < 0))
     return data_loss("window_idx " + std::to_string(idx) + " outside the window's " +
                      std::to_string(window_rows) + " rows");
-  // Everything checked: keep it (a state replaces the one before it).
+  // Everything checked: keep it, the pooled rows in the store's file or in memory (a state
+  // replaces the one before it).
+  if (!store_dir_.empty() && !entry_) {
+    std::vector<StoreArray> arrays;
+    for_each_pooled_array([&arrays](const std::string& name, int64_t width, int64_t rows) {
+      arrays.push_back({name, 1, rows, width});
+    });
+    std::vector<std::string> state;
+    for (const auto& [name, shape] : expected_arrays(layout_, 0, requested_, requested_, true))
+      if (!name.ends_with(".pooled") && name != "window_idx") state.push_back(name);
+    HETERO_ASSIGN_OR_RETURN(entry_, IncomingEntry::create(store_dir_, layout_, arrays, state));
+  }
   if (idx >= 0) tail_.clear();
   for (const WireArray& a : s.arrays) {
     if (a.name == "window_idx") continue;
-    if (a.name.size() > 7 && a.name.compare(a.name.size() - 7, 7, ".pooled") == 0) {
-      auto& dst = pooled_[a.name];
+    if (a.name.ends_with(".pooled")) {
       const auto* src = reinterpret_cast<const uint16_t*>(a.data());
-      dst.insert(dst.end(), src, src + a.tensor.numel());
+      const int64_t n = a.tensor.shape[1];
+      if (entry_)
+        HETERO_RETURN_IF_ERROR(entry_->file().write_rows(a.name, rows_[a.name], n, src));
+      else
+        pooled_[a.name].insert(pooled_[a.name].end(), src, src + a.tensor.numel());
+      rows_[a.name] += n;
     } else {
       tail_[a.name] = a.owned();
     }
@@ -232,11 +259,8 @@ Status Dsv4Assembler::finish(const Manifest& m) {
 
 Result<TensorMap> Dsv4Assembler::arrays(int64_t b) const {
   HETERO_CHECK(can_mount(b));
-  TensorMap out = tail_;
-  for_each_pooled(
-      [&out](const std::string& name, int64_t width, const std::vector<uint16_t>& rows) {
-        out[name] = rows_tensor(rows, width);
-      });
+  HETERO_ASSIGN_OR_RETURN(TensorMap out, pooled_arrays());
+  for (const auto& [name, t] : tail_) out[name] = t;
   return out;
 }
 
@@ -249,13 +273,20 @@ Result<StoreEntry> Dsv4Assembler::store(const std::string& store_dir,
         "a DeepSeek-V4 store entry needs B at a verified segment's end that "
         "carried its state, not " +
         std::to_string(b));
-  TensorViews views;
-  for (const auto& [name, t] : tail_) views.emplace(name, TensorView::of(t));
-  for_each_pooled([&views](const std::string& name, int64_t width,
-                           const std::vector<uint16_t>& rows) {
-    const auto n = static_cast<int64_t>(rows.size());
-    views.emplace(
-        name, TensorView{DType::kBF16, {1, width > 0 ? n / width : 0, width}, rows.data(), n * 2});
+  TensorViews tail;
+  for (const auto& [name, t] : tail_) tail.emplace(name, TensorView::of(t));
+  if (entry_ && store_dir == store_dir_) {  // the rows are in the store's file already
+    const std::unique_ptr<IncomingEntry> entry = std::move(entry_);  // published or removed
+    return entry->publish(layout, ids, b, requested_tokens, entry_extra(), rows_, tail);
+  }
+  if (entry_) return Assembler::store(store_dir, layout, ids, b, requested_tokens);
+  // In memory: the entry written straight from the rows held (no second copy of them).
+  TensorViews views = tail;
+  for_each_pooled_array([&](const std::string& name, int64_t width, int64_t) {
+    views.emplace(name, TensorView{DType::kBF16,
+                                   {1, rows_.at(name), width},
+                                   pooled_.at(name).data(),
+                                   rows_.at(name) * width * 2});
   });
   return write_store_entry(store_dir, layout, ids, b, requested_tokens, views, entry_extra());
 }
@@ -264,7 +295,7 @@ std::unique_ptr<Assembler> make_assembler(const DecoderCacheLayout& layout,
                                           int64_t requested_tokens, const std::string& store_dir,
                                           int64_t start) {
   if (layout.family == "deepseek_v4")
-    return std::make_unique<Dsv4Assembler>(layout, requested_tokens, start);
+    return std::make_unique<Dsv4Assembler>(layout, requested_tokens, store_dir, start);
   return std::make_unique<CacheAssembler>(layout, requested_tokens, store_dir, start);
 }
 

@@ -68,10 +68,14 @@ class Dsv4SegmentProgram : public SegmentProgram {
 
 // start > 0: a tail, rows [start, T) of the decoder's cache of ids[:start]; its pooled arrays
 // hold the rows of the windows completed from start on, and its entry says "start" (the seam
-// puts the decoder's own rows of the prefix before them).
+// puts the decoder's own rows of the prefix before them). With a store_dir the pooled rows go
+// straight into the entry's file in the store as they verify (IncomingEntry), and only the state
+// at the last segment's end (a few window rows and buffers per layer) is held in memory.
 class Dsv4Assembler : public Assembler {
  public:
-  Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens, int64_t start = 0);
+  Dsv4Assembler(DecoderCacheLayout expected, int64_t requested_tokens, std::string store_dir = "",
+                int64_t start = 0);
+  ~Dsv4Assembler() override;
   Status accept(const Segment& s) override;
   Status finish(const Manifest& m) override;
   int64_t covered_tokens() const override { return covered_; }
@@ -83,21 +87,25 @@ class Dsv4Assembler : public Assembler {
   }
   Result<TensorMap> arrays(int64_t b) const override;
   nlohmann::json entry_extra() const override;
-  // Writes the entry straight from the rows this assembler holds (no second copy of them in
-  // the front door's memory), for a b that can_mount.
+  // Publishes the entry from the rows already in the store's file (or, in memory, writes it
+  // straight from the rows held), for a b that can_mount.
   Result<StoreEntry> store(const std::string& store_dir, const DecoderCacheLayout& layout,
                            const std::vector<int32_t>& ids, int64_t b,
                            int64_t requested_tokens) override;
 
  private:
-  // Each compressed layer's pooled arrays in order: name, row width, the rows held.
-  void for_each_pooled(const std::function<void(const std::string&, int64_t,
-                                                const std::vector<uint16_t>&)>& fn) const;
+  // Each compressed layer's pooled arrays in order: name, row width, the most rows.
+  void for_each_pooled_array(
+      const std::function<void(const std::string&, int64_t, int64_t)>& fn) const;
+  // The pooled rows verified so far, read back from the file when they went to the store.
+  Result<TensorMap> pooled_arrays() const;
   DecoderCacheLayout layout_;
   int64_t requested_, start_, covered_, segments_ = 0, window_idx_ = 0;
   int64_t state_at_ = -1;  // where tail_'s state is from
-  // By array name, each sized at construction for the whole request (no regrowth's spare copy).
-  std::map<std::string, std::vector<uint16_t>> pooled_;
+  std::string store_dir_;
+  std::unique_ptr<IncomingEntry> entry_;  // in the store: created with the first segment
+  std::map<std::string, std::vector<uint16_t>> pooled_;  // in memory: sized for the request
+  std::map<std::string, int64_t> rows_;                  // pooled rows verified, by array
   TensorMap tail_;  // window and buffers at state_at_ (the last segment that carried them)
 };
 

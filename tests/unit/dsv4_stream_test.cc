@@ -237,7 +237,9 @@ TEST(Dsv4Stream, ABrokenStreamMountsItsLongestVerifiedPrefix) {
 // The front door's store entry is written straight from the assembler's own rows (no copy of
 // them into a TensorMap first): the same file, byte for byte, and the same entry.json as the
 // entry written from arrays(b), for a broken stream's prefixes and the whole request; a B the
-// assembler cannot mount writes nothing.
+// assembler cannot mount writes nothing. With a store, the pooled rows go into the entry's file
+// as they verify: the published entry holds the same arrays and entry.json, no incoming file is
+// left beside it, and an assembler that never publishes leaves nothing.
 TEST(Dsv4Stream, TheStoreEntryIsWrittenFromTheAssemblersOwnRows) {
   const auto w = random_dsv4_weights();
   const int64_t T = 301, chunk = 50;
@@ -273,6 +275,39 @@ TEST(Dsv4Stream, TheStoreEntryIsWrittenFromTheAssemblersOwnRows) {
       EXPECT_EQ(slurp(std::filesystem::path(got->path) / f),
                 slurp(std::filesystem::path(want->path) / f))
           << f;
+
+    // With a store: the pooled rows went into the entry's file as they verified, and the
+    // published entry holds the same arrays and the same entry.json.
+    TempDir store;
+    {
+      Dsv4Assembler unpublished(w.layout, T, store.path);
+      ASSERT_TRUE(assemble({s.frames.begin(), s.frames.begin() + kept}, &unpublished).is_ok());
+    }
+    EXPECT_TRUE(std::filesystem::is_empty(std::filesystem::path(store.path) / w.layout.fingerprint))
+        << "an assembler that never published left its file";
+    Dsv4Assembler streamed(w.layout, T, store.path);
+    ASSERT_TRUE(assemble({s.frames.begin(), s.frames.begin() + kept}, &streamed).is_ok());
+    ASSERT_TRUE(streamed.can_mount(b));
+    const TensorMap held = streamed.arrays(b).value();  // read back from the file
+    auto published = streamed.store(store.path, w.layout, ids, b, T);
+    ASSERT_TRUE(published.is_ok()) << published.status().to_string();
+    EXPECT_EQ(slurp(std::filesystem::path(published->path) / "entry.json"),
+              slurp(std::filesystem::path(want->path) / "entry.json"));
+    auto file = read_safetensors(published->path + "/cache.safetensors");
+    ASSERT_TRUE(file.is_ok()) << file.status().to_string();
+    const TensorMap mine = a.arrays(b).value();
+    ASSERT_EQ(file->tensors.size(), mine.size());
+    for (const auto& [name, t] : mine) {
+      ASSERT_TRUE(file->tensors.count(name)) << name;
+      EXPECT_EQ(file->tensors.at(name).shape, t.shape) << name;
+      EXPECT_EQ(file->tensors.at(name).bytes, t.bytes) << name;
+      EXPECT_EQ(held.at(name).bytes, t.bytes) << name;
+    }
+    size_t left = 0;  // only the entry: no incoming file beside it
+    for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(store.path) /
+                                                             w.layout.fingerprint))
+      left += e.path().filename().string().ends_with(".partial");
+    EXPECT_EQ(left, 0u);
   }
 }
 

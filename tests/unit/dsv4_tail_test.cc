@@ -244,7 +244,7 @@ TEST_F(Dsv4TailServiceTest, ASecondTurnStreamsItsTailFromTheFirstTurnsCheckpoint
   const std::vector<int64_t> turn1 = {64, 64, 2}, turn2 = {64, 64, 41, 1};
   const int64_t C = total(turn1), T = C + total(turn2);
   // Without a first turn, a tail has nothing to resume from: refused, whole prefix asked for.
-  Dsv4Assembler none(weights_.layout, T, C);
+  Dsv4Assembler none(weights_.layout, T, "", C);
   std::string reason;
   EXPECT_FALSE(run(T, C, turn2, &none, &reason).is_ok());
   EXPECT_NE(reason.find("no checkpoint of exactly the first 130 tokens"), std::string::npos)
@@ -256,7 +256,7 @@ TEST_F(Dsv4TailServiceTest, ASecondTurnStreamsItsTailFromTheFirstTurnsCheckpoint
   Dsv4Assembler first(weights_.layout, C);
   st = run(C, 0, turn1, &first, &reason);
   ASSERT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
-  Dsv4Assembler tail(weights_.layout, T, C);
+  Dsv4Assembler tail(weights_.layout, T, "", C);
   st = run(T, C, turn2, &tail, &reason);
   ASSERT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
   ASSERT_TRUE(tail.can_mount(T));
@@ -279,7 +279,7 @@ TEST_F(Dsv4TailServiceTest, ASecondTurnStreamsItsTailFromTheFirstTurnsCheckpoint
     }
   }
   // And the checkpoint chain goes on: a third turn from the second's end.
-  Dsv4Assembler again(weights_.layout, T, C);
+  Dsv4Assembler again(weights_.layout, T, "", C);
   st = run(T, C, turn2, &again, &reason);  // the first turn's checkpoint is still held
   EXPECT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
 }
