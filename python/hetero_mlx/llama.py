@@ -69,6 +69,18 @@ def rope_params(rope: nn.Module, args: Any) -> Dict[str, Any]:
     return out
 
 
+def context_window(args: Any) -> Optional[int]:
+    """The longest prompt the front door lets through to this decoder: max_position_embeddings,
+    or for a dynamic NTK rope (whose point is to run past it, recomputing its base per call)
+    factor times that. None when the config names none."""
+    mpe = getattr(args, "max_position_embeddings", None)
+    scaling = getattr(args, "rope_scaling", None) or {}
+    kind = scaling.get("type") or scaling.get("rope_type", "default")
+    if mpe is None or kind != "dynamic":
+        return mpe
+    return int(mpe * max(float(scaling["factor"]), 1.0))
+
+
 def _setting(module: nn.Module) -> Dict[str, Any]:
     return {
         "mode": str(getattr(module, "mode", "affine")),

@@ -36,7 +36,7 @@ from mlx_lm.server import APIHandler, ModelProvider
 from . import STORE_FORMAT
 from .access import check_auth, check_json_body, write_dump
 from .errors import SeamError, bad_request
-from .llama import build_cache, cache_arrays, extend_cache
+from .llama import build_cache, cache_arrays, context_window, extend_cache
 from .pins import unpin_request
 from .prompt_cache import LockedPromptCache
 from .store import dump_request, entry_path, read_entry, request_ids
@@ -363,7 +363,7 @@ class SeamHandler(APIHandler):
             store=str(self.seam.store) if self.seam.store else None,
             versions={"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
             # The front door refuses prompts that cannot fit, before anything runs.
-            context_window=getattr(self.seam.provider.model.args, "max_position_embeddings", None),
+            context_window=context_window(self.seam.provider.model.args),
         )
         with cache.lock:
             info["prompt_cache"] = {"sequences": len(cache), "bytes": cache.nbytes}

@@ -236,6 +236,7 @@ Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
     Result<RopeSpec> spec = llama_rope(rope);
     if (!spec.is_ok()) return invalid_argument(dir + ": " + spec.status().message());
     d.rope = std::move(spec.value());
+    d.rope_config = rope;
   }
   // The module's own numbers must be the ones computed here, or every key would be off.
   if (static_cast<float>(exported_scale) != d.rope.scale ||

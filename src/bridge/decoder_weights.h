@@ -13,6 +13,7 @@
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/cpu_ops.h"
+#include "model/llama_rope.h"
 
 namespace hetero {
 
@@ -70,6 +71,7 @@ struct LlamaDecoderWeights {
   DecoderCacheLayout layout;
   double rms_norm_eps = 1e-5;
   RopeSpec rope;  // the decoder's rope, checked against the frequencies its export carries
+  LlamaRopeConfig rope_config;  // what it was built from (check_rope_reach, per request)
   std::vector<LlamaProgramLayer> layers;
 };
 

@@ -142,7 +142,38 @@ Result<RopeSpec> proportional(const LlamaRopeConfig& c) {
   return freqs_path(c, std::move(freqs));
 }
 
+// DynamicNTKScalingRoPE: the base of a call of L tokens at offset o is
+// base * (factor * s / mpe - (factor - 1)) ** (dims / (dims - 2)) with s = max(L + o, mpe), in
+// Python doubles (the libm pow Python's ** calls), rounded to float32 by mx.fast.rope. Within
+// mpe, s is mpe for every call: one base, whatever the schedule.
+Result<RopeSpec> dynamic(const LlamaRopeConfig& c) {
+  HETERO_ASSIGN_OR_RETURN(const double factor, number(c.scaling, "factor"));
+  if (c.max_position_embeddings <= 0)
+    return invalid_argument("rope_scaling type 'dynamic' needs max_position_embeddings");
+  if (c.dims <= 2) return invalid_argument("rope_scaling type 'dynamic' needs head_dim > 2");
+  const auto mpe = static_cast<double>(c.max_position_embeddings);
+  const double bracket = factor * mpe / mpe - (factor - 1);
+  const double exponent = static_cast<double>(c.dims) / static_cast<double>(c.dims - 2);
+  return base_path(LlamaRopeConfig{c.scaling, c.base * std::pow(bracket, exponent), c.dims,
+                                   c.traditional, c.max_position_embeddings},
+                   1.0);
+}
+
 }  // namespace
+
+int64_t rope_reach(const LlamaRopeConfig& c) {
+  return rope_type_of(c.scaling) == "dynamic" ? c.max_position_embeddings : 0;
+}
+
+Status check_rope_reach(const LlamaRopeConfig& c, int64_t tokens) {
+  const int64_t reach = rope_reach(c);
+  if (reach <= 0 || tokens <= reach) return Status::ok();
+  return failed_precondition(
+      "a prompt of " + std::to_string(tokens) + " tokens is past max_position_embeddings (" +
+      std::to_string(reach) + ") of the decoder's rope_scaling '" + describe_rope(c) +
+      "', which recomputes its base per call there: its keys depend on how the decoder cuts the "
+      "prompt, so it is left to the decoder");
+}
 
 std::string rope_type_of(const json& scaling) {
   if (!scaling.is_object()) return "default";
@@ -181,10 +212,7 @@ Result<RopeSpec> llama_rope(const LlamaRopeConfig& c) {
   if (type == "yarn" || type == "deepseek_yarn" || type == "telechat3-yarn") return yarn(c);
   if (type == "longrope") return longrope(c);
   if (type == "proportional") return proportional(c);
-  if (type == "dynamic")
-    return invalid_argument(
-        "rope_scaling type 'dynamic' is not supported: the decoder recomputes its base per call "
-        "past max_position_embeddings, so its keys depend on how it cut the prompt into calls");
+  if (type == "dynamic") return dynamic(c);
   return invalid_argument("rope_scaling type '" + type + "' is not one mlx-lm implements");
 }
 

@@ -26,9 +26,19 @@ struct LlamaRopeConfig {
 std::string rope_type_of(const nlohmann::json& scaling);
 
 // The RopeSpec the decoder's rope module calls mx.fast.rope with. Refuses, naming it, a type
-// mlx-lm does not implement and "dynamic" (its keys depend on how the decoder cuts a prompt into
-// calls once past max_position_embeddings), and a scaling missing a key the decoder requires.
+// mlx-lm does not implement and a scaling missing a key the decoder requires. For "dynamic" it
+// is the spec of every call that ends within max_position_embeddings (see rope_reach).
 Result<RopeSpec> llama_rope(const LlamaRopeConfig& c);
+
+// The longest prompt whose keys llama_rope's spec gives as the decoder computes them whatever
+// its call schedule; 0: any length. "dynamic" recomputes its base per call once a call ends past
+// max_position_embeddings, so its keys there depend on where the decoder cut the prompt
+// (docs/findings/dynamic-rope-needs-the-decoders-calls.md): such prompts are not bridged.
+int64_t rope_reach(const LlamaRopeConfig& c);
+
+// OK, or why a prompt of `tokens` tokens is past rope_reach (a per-request refusal: the decoder
+// answers it natively).
+Status check_rope_reach(const LlamaRopeConfig& c, int64_t tokens);
 
 // "default", "llama3 (factor 8)", ... for messages.
 std::string describe_rope(const LlamaRopeConfig& c);

@@ -45,7 +45,10 @@ Result<PrefillStack> load_llama(const std::string& model_dir, const std::string&
   s.engine = std::make_unique<EngineAdapter<LlamaCpuEngine>>(owned->engine.get());
   s.layout = owned->weights.layout;
   const LlamaCacheProgram* program = owned->program.get();
-  s.programs = [program](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+  const LlamaRopeConfig* rope = &owned->weights.rope_config;
+  s.programs = [program,
+                rope](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+    HETERO_RETURN_IF_ERROR(check_rope_reach(*rope, prompt_tokens(req)));
     return std::unique_ptr<SegmentProgram>(std::make_unique<LlamaSegmentProgram>(program));
   };
   s.owned = owned;
@@ -114,6 +117,10 @@ void configure_service(PrefillService* service, const PrefillStack& stack,
   service->set_state_cache(backend.prefix_cache_block, backend.prefix_cache_bytes);
   service->set_queue(backend.queue);
   service->set_turn_ms(backend.turn_ms);
+}
+
+int64_t prompt_tokens(const PrefillRequest& req) {
+  return static_cast<int64_t>(req.ids.size()) + 1;
 }
 
 Status require_decoder_calls(const PrefillRequest& req) {

@@ -105,6 +105,11 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
 // (every later layer's input depends on where the decoder's calls were cut); none is guessed.
 Status require_decoder_calls(const PrefillRequest& req);
 
+// The whole prompt a request's rows are the prefix of: the bridged rows never include the
+// prompt's last token, which the decoder keeps to process (run_bridge), and its call may take
+// those rows with it.
+int64_t prompt_tokens(const PrefillRequest& req);
+
 // deepseek_v4: every parameter the cache program's arithmetic depends on must agree between the
 // prefill host's checkpoint and the decoder's export; the message names both values.
 Status check_dsv4_export_matches_model(const Dsv4Config& model, const Dsv4DecoderWeights& export_);

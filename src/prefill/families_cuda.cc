@@ -138,8 +138,10 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   // One set of page-locked blocks for every request: pinning hundreds of MB per request would
   // cost more than the segment's copies.
   auto pool = cuda::make_pinned_pool();
-  s.programs = [gw, pool,
-                backend](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+  const LlamaRopeConfig rope = owned->weights.rope_config;
+  s.programs = [gw, pool, backend,
+                rope](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+    HETERO_RETURN_IF_ERROR(check_rope_reach(rope, prompt_tokens(req)));
     return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
       HETERO_ASSIGN_OR_RETURN(auto program, cuda::LlamaGpuSegmentProgram::create(gw, pool));
       return std::unique_ptr<SegmentProgram>(std::move(program));

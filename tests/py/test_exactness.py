@@ -2,7 +2,7 @@
 
 For tiny random checkpoints of each llama-family variant (llama with GQA 3 and head_dim 64,
 qwen2 with q/k/v biases, qwen3 with q/k norms and head_dim*heads != hidden, mistral, and each
-rope scaling mlx-lm implements but the schedule-dependent "dynamic"), and
+rope scaling mlx-lm implements; "dynamic" within max_position_embeddings), and
 awkward prompt lengths T, the truth is the decoder's native cache after a prefill done the way
 mlx-lm's server does it (make_prompt_cache, steps of 2048). Each layer's attention input is
 recorded on the way by wrapping `layer.self_attn` here in the test; the decoder is unmodified.
@@ -149,6 +149,15 @@ VARIANTS: Dict[str, Variant] = {
         ),
         25,
         (128, 2047),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+    ),
+    # Dynamic NTK within max_position_embeddings, where every call has one base (the bracket
+    # is 1 up to a double rounding at this factor and length; past it no prompt is bridged).
+    "llama-dynamic": Variant(
+        _scaled(TinyShape("llama", 2, 64, 4, 2, 16, 128), mpe=3333, type="dynamic", factor=5.7),
+        27,
+        (129, 2049),
         ROPE_PROGRAM_CHUNKINGS,
         ROPE_PREFILL_CHUNKS,
     ),
@@ -535,21 +544,32 @@ def test_program_refuses_an_export_whose_rope_frequencies_differ(lab, hetero_bin
     assert "rope frequency 5" in res.stderr, res.stderr
 
 
-def test_dynamic_rope_is_refused_at_start_by_name(lab, hetero_bin, tmp_path):
-    """mlx-lm's dynamic NTK rope recomputes its base per call once past max_position_embeddings:
-    its keys depend on the decoder's call schedule, so the prefill host refuses it by name."""
-    shape = _scaled(TinyShape("llama", 1, 64, 4, 2, 16, 128), mpe=4096, type="dynamic", factor=2.0)
-    model = tmp_path / "hf"
-    make_tiny_llama(lab.tokenizer_dir, model, 27, shape)
-    export(str(model), tmp_path / "export")
+def test_dynamic_rope_past_max_position_embeddings_is_refused_per_request(lab, hetero_bin,
+                                                                          tmp_path):
+    """Past max_position_embeddings mlx-lm's dynamic NTK rope recomputes its base per call, so
+    the keys depend on the decoder's call schedule: such a prompt is refused, naming why, and
+    one within it is still bridged by the same prefill host and program."""
+    lab.model("llama-dynamic")
     ids = tmp_path / "ids.json"
-    ids.write_text("[1, 2, 3]")
-    res = _run(
-        hetero_bin, "prefill", "--model", model, "--weights", tmp_path / "export",
-        "--ids-file", ids, "--out", tmp_path / "out.safetensors",
-    )  # fmt: skip
-    assert res.returncode != 0, f"prefill ran a dynamic rope: {res.stdout}"
-    assert "'dynamic'" in res.stderr, res.stderr
+    # The rows are a prompt's but its last token, which the decoder keeps: 3332 rows are of a
+    # prompt of 3333 tokens, within the reach; 3333 rows are of one of 3334.
+    for T in (3333, 3334):
+        ids.write_text(json.dumps([(7 * i) % 100 + 1 for i in range(T - 1)]))
+        res = _run(
+            hetero_bin, "prefill", "--model", lab.model_dir("llama-dynamic"),
+            "--weights", lab.export_dir("llama-dynamic"), "--ids-file", ids,
+            "--out", tmp_path / f"out-{T}.safetensors",
+        )  # fmt: skip
+        if T == 3333:
+            assert res.returncode == 0, res.stderr
+            continue
+        assert res.returncode != 0, f"prefill bridged past the dynamic rope's reach: {res.stdout}"
+        assert "3334 tokens is past max_position_embeddings (3333)" in res.stderr, res.stderr
+        assert "dynamic (factor 5.7)" in res.stderr, res.stderr
+    inputs = lab.native("llama-dynamic", 2049).inputs
+    res = _run(hetero_bin, "program", "--weights", lab.export_dir("llama-dynamic"),
+               "--inputs", inputs, "--out", tmp_path / "program.safetensors")
+    assert res.returncode == 0, res.stderr
 
 
 def test_quantized_decoder_and_dense_checkpoint_are_refused_naming_both(lab, hetero_bin, tmp_path):

@@ -1,8 +1,9 @@
 """Checkpoints as people run them, served: tiny random models with Llama 3.1's and Qwen3's real
 rope settings (llama3 scaling at theta 500000; YaRN x4 over 32768, written the transformers-v5
-way) behind `hetero up`. A prompt long enough to bridge gets the decoder's own answer: verdict
-complete, the decoder's usage shows every prompt token but the last cached, and the text equals
-the decoder's native answer to the same request.
+way; dynamic NTK) behind `hetero up`. A prompt long enough to bridge gets the decoder's own
+answer: verdict complete, the decoder's usage shows every prompt token but the last cached, and
+the text equals the decoder's native answer to the same request. A prompt past a dynamic rope's
+max_position_embeddings is left to the decoder, and the verdict says why.
 
 Needs HETERO_TOKENIZER (the checkpoints are random; the tokenizer is real) and the binary.
 """
@@ -31,6 +32,10 @@ MODELS = {
         max_position_embeddings=131072, rope_parameters=True,
         rope_scaling=json.dumps({"rope_type": "yarn", "factor": 4.0,
                                  "original_max_position_embeddings": 32768})),
+    # Dynamic NTK over a short max_position_embeddings, so a prompt can go past it.
+    "llama-dynamic": TinyShape(
+        "llama", 2, 64, 4, 2, 16, 128, tie=True, max_position_embeddings=1500,
+        rope_scaling=json.dumps({"type": "dynamic", "factor": 2.0})),
 }
 
 
@@ -61,4 +66,17 @@ def test_bridged_answer_is_the_decoders_own(served) -> None:
     assert T >= 300, T  # past the front's bridge-min-tokens default (256)
     assert v["verdict"] == "complete" and (v["B"], v["T"]) == (T - 1, T), v
     assert usage.prompt_tokens_details.cached_tokens == T - 1
+    assert got == answer(native), (got, answer(native))
+
+
+@pytest.mark.parametrize("served", ["llama-dynamic"], indirect=True)  # the others reach any length
+def test_a_prompt_past_the_dynamic_ropes_reach_is_the_decoders(served) -> None:
+    _, port, decoder = served
+    body = chat(text("rope-dynamic-long", 1600), max_tokens=24)
+    native = decoder.native(body)
+    assert native["usage"]["prompt_tokens"] > 1500, native["usage"]
+    got, v, usage = openai_chat(SimpleNamespace(port=port), body, stream=False)
+    assert v["verdict"] != "complete" and not v.get("B"), v
+    T = native["usage"]["prompt_tokens"]
+    assert f"a prompt of {T} tokens is past max_position_embeddings (1500)" in v["verdict"], v
     assert got == answer(native), (got, answer(native))

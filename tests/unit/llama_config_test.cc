@@ -111,9 +111,9 @@ TEST(LlamaConfig, RopeTypesBecomeTheDecodersSpec) {
   EXPECT_TRUE(std::isinf(prop->rope.freqs[7]));
   EXPECT_FALSE(std::isinf(prop->rope.freqs[3]));
 
-  // Refused by name: the schedule-dependent one, an unknown one, a missing key.
+  // Refused by name: an unknown one, a missing key.
   for (const auto& [scaling, word] : std::vector<std::pair<nlohmann::json, std::string>>{
-           {{{"type", "dynamic"}, {"factor", 2.0}}, "dynamic"},
+           {{{"type", "dynamic"}}, "factor"},
            {{{"rope_type", "su"}}, "'su'"},
            {{{"rope_type", "llama3"}}, "factor"},
            {{{"type", "longrope"}, {"original_max_position_embeddings", 4096}}, "short_factor"}}) {
@@ -121,6 +121,36 @@ TEST(LlamaConfig, RopeTypesBecomeTheDecodersSpec) {
     ASSERT_FALSE(c.is_ok()) << scaling.dump();
     EXPECT_NE(c.status().message().find(word), std::string::npos) << c.status().message();
   }
+}
+
+// Within max_position_embeddings every call of the decoder's dynamic rope has one base, the
+// config's times the bracket at seq_len = mpe (1 up to a double rounding); past it, no prompt is
+// bridged, whatever its schedule would have been.
+TEST(LlamaConfig, DynamicRopeIsExactWithinMaxPositionEmbeddings) {
+  auto j = base("llama");
+  j["rope_scaling"] = {{"type", "dynamic"}, {"factor", 5.7}};
+  j["max_position_embeddings"] = 3333;
+  auto c = config_of(j);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  const double bracket = 5.7 * 3333.0 / 3333.0 - (5.7 - 1);
+  EXPECT_NE(bracket, 1.0);  // the case where the formula, not a shortcut, decides
+  EXPECT_EQ(c->rope.base, static_cast<float>(10000.0 * std::pow(bracket, 16.0 / 14.0)));
+  EXPECT_EQ(c->rope.scale, 1.0f);
+  EXPECT_TRUE(c->rope.freqs.empty());
+  EXPECT_EQ(rope_reach(c->rope_config), 3333);
+  EXPECT_TRUE(check_rope_reach(c->rope_config, 3333).is_ok());
+  const Status past = check_rope_reach(c->rope_config, 3334);
+  ASSERT_FALSE(past.is_ok());
+  EXPECT_NE(past.message().find("3334 tokens"), std::string::npos) << past.message();
+  EXPECT_NE(past.message().find("dynamic (factor 5.7)"), std::string::npos) << past.message();
+  // Other ropes reach any length.
+  EXPECT_EQ(rope_reach(config_of(base("llama"))->rope_config), 0);
+  EXPECT_TRUE(check_rope_reach(config_of(base("llama"))->rope_config, int64_t{1} << 40).is_ok());
+
+  j.erase("max_position_embeddings");  // mlx-lm's llama has no default for it
+  auto none = config_of(j);
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_NE(none.status().message().find("max_position_embeddings"), std::string::npos);
 }
 
 TEST(LlamaConfig, SlidingWindowLayersAreRefused) {
