@@ -41,7 +41,8 @@ def main() -> int:
                         "run apart from rebuilds; it finds python/ beside its parent)")
     a = p.parse_args()
     if a.quantize:
-        bits, group, mode = (a.quantize + ",64,affine").split(",")[:3]
+        given = a.quantize.split(",")
+        bits, group, mode = given + ["64", "affine"][len(given) - 1:] if len(given) < 3 else given[:3]
         bits, group = int(bits), int(group)
         name = f"{Path(a.model).name}-q{bits}-g{group}" + ("" if mode == "affine" else f"-{mode}")
         out = ROOT / "out" / "quantized" / name

@@ -34,8 +34,9 @@
 #           while a long one prefills, with and without the prefill host's turns)"]
 #          [--real-weights DIR (the parts scripts/weight_parts.sh wrote, under DIR/*/)]
 #          [--prompts all (every prompt below, the long one too; default: the first --verify)]
-#          [--quantize BITS (the checkpoint then converted by mlx-lm's own converter: affine,
-#           group 64; decoder and prefill host both run the quantized one)]
+#          [--quantize BITS[,GROUP[,MODE]] (the checkpoint then converted by mlx-lm's own
+#           converter: affine, group 64 unless given; MODE mxfp4 or mxfp8, group 32; decoder and
+#           prefill host both run the quantized one)]
 # device tool: run(command="bench/gpu/e2e_device.sh --sizes 512,1024",
 #                   carry=[".devkit", "build/hetero"], kind="nvidia-h200")
 set -uo pipefail
@@ -207,12 +208,15 @@ else
     --scale "$SCALE" "${MODEL_EXTRA[@]}" || die "checkpoint"
 fi
 if [[ -n $QUANTIZE ]]; then
-  echo "== mlx-lm's converter: affine, $QUANTIZE bits, group 64 -> $MODEL-q$QUANTIZE"
-  rm -rf "$MODEL-q$QUANTIZE"
-  step 600 "$PY" -m mlx_lm convert --hf-path "$MODEL" --mlx-path "$MODEL-q$QUANTIZE" -q \
-    --q-bits "$QUANTIZE" --q-group-size 64 || die "quantize"
-  MODEL=$MODEL-q$QUANTIZE
-  MODEL_EXTRA+=(--quantize "$QUANTIZE")  # recorded with every result
+  IFS=, read -r QBITS QGROUP QMODE <<< "$QUANTIZE"
+  QGROUP=${QGROUP:-64} QMODE=${QMODE:-affine}
+  QDIR=$MODEL-q$QBITS-g$QGROUP-$QMODE
+  echo "== mlx-lm's converter: $QMODE, $QBITS bits, group $QGROUP -> $QDIR"
+  rm -rf "$QDIR"
+  step 600 "$PY" -m mlx_lm convert --hf-path "$MODEL" --mlx-path "$QDIR" -q \
+    --q-bits "$QBITS" --q-group-size "$QGROUP" --q-mode "$QMODE" || die "quantize"
+  MODEL=$QDIR
+  MODEL_EXTRA+=(--quantize "$QBITS,$QGROUP,$QMODE")  # recorded with every result
 fi
 
 # --- 3. verify ---------------------------------------------------------------------------------

@@ -54,13 +54,16 @@ TEST_F(GpuProgramsTest, LlamaProgramBitIdenticalToCpu) {
     expect_program_matches_cpu(tiny_llama(v.type, 64, 21, v.scaling, v.traditional), v.type);
 }
 
-// An mlx-lm-quantized decoder's k/v (affine, 4 and 8 bits; qwen2's biases added after the
-// quantized matmul) through MLX's quantized-matmul recipe on the device.
+// An mlx-lm-quantized decoder's k/v (affine, 4 and 8 bits; mxfp4 and mxfp8; qwen2's biases added
+// after the quantized matmul) through MLX's quantized-matmul recipes on the device.
 TEST_F(GpuProgramsTest, QuantizedLlamaProgramBitIdenticalToCpu) {
-  for (const auto& [type, bits, group] :
-       {std::tuple{"llama", 4, 32}, {"qwen2", 8, 64}, {"qwen3", 4, 64}}) {
+  for (const auto& [type, bits, group, mode] : {std::tuple{"llama", 4, 32, "affine"},
+                                                {"qwen2", 8, 64, "affine"},
+                                                {"qwen3", 4, 64, "affine"},
+                                                {"llama", 4, 32, "mxfp4"},
+                                                {"qwen2", 8, 32, "mxfp8"}}) {
     LlamaWeights w = tiny_llama(type, 64, 21);
-    quantize_projections(w, bits, group);
+    quantize_projections(w, bits, group, mode);
     expect_program_matches_cpu(w, std::string(type) + " " + w.quantization);
   }
 }

@@ -63,19 +63,21 @@ struct Case {
   int64_t head_dim;
   cuda::KvDtype kv;
   bool scaled = false;  // llama: llama3 rope on traditional pairs; qwen2: YaRN
-  int quant_bits = 0;   // > 0: an mlx-lm-quantized checkpoint (affine, group 64)
+  int quant_bits = 0;   // > 0: an mlx-lm-quantized checkpoint (affine, group 64, unless mx)
+  bool mx = false;      // quantized to mxfp4 / mxfp8 (groups of 32)
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.type << " head_dim " << c.head_dim << " " << cuda::kv_dtype_name(c.kv)
       << (c.scaled ? " scaled rope" : "")
-      << (c.quant_bits ? " q" + std::to_string(c.quant_bits) : "");
+      << (c.quant_bits ? " q" + std::to_string(c.quant_bits) : "") << (c.mx ? " mx" : "");
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
   return i.param.type + "_d" + std::to_string(i.param.head_dim) + "_" +
          cuda::kv_dtype_name(i.param.kv) + (i.param.scaled ? "_scaled" : "") +
-         (i.param.quant_bits ? "_q" + std::to_string(i.param.quant_bits) : "");
+         (i.param.quant_bits ? "_q" + std::to_string(i.param.quant_bits) : "") +
+         (i.param.mx ? "_mx" : "");
 }
 
 nlohmann::json scaling_of(const Case& k) {
@@ -92,7 +94,11 @@ class LlamaCudaVsCpu : public CudaDeviceTest, public ::testing::WithParamInterfa
 void expect_close_to_cpu(const Case& k, const cuda::LlamaCudaOptions& o, double tol,
                          const std::vector<std::vector<int64_t>>& schedules, const char* label) {
   LlamaWeights w = tiny_llama(k.type, k.head_dim, 7, scaling_of(k), k.scaled && k.type == "llama");
-  if (k.quant_bits) quantize_projections(w, k.quant_bits, 64);
+  if (k.quant_bits)
+    quantize_projections(w, k.quant_bits, k.mx ? 32 : 64,
+                         !k.mx               ? "affine"
+                         : k.quant_bits == 4 ? "mxfp4"
+                                             : "mxfp8");
   const LlamaConfig& c = w.config;
   const std::vector<int32_t> ids = random_ids(300, c.vocab, 11);
   LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
@@ -215,7 +221,9 @@ TEST_P(LlamaCudaQuantized, AttentionInputsWithinTolerance) {
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaQuantized,
                          ::testing::Values(Case{"llama", 64, cuda::KvDtype::kBf16, false, 4},
                                            Case{"qwen2", 64, cuda::KvDtype::kBf16, false, 8},
-                                           Case{"qwen3", 128, cuda::KvDtype::kFp8, false, 4}),
+                                           Case{"qwen3", 128, cuda::KvDtype::kFp8, false, 4},
+                                           Case{"llama", 64, cuda::KvDtype::kBf16, false, 4, true},
+                                           Case{"qwen2", 64, cuda::KvDtype::kBf16, false, 8, true}),
                          case_name);
 
 class LlamaCudaEngineTest : public CudaDeviceTest {};

@@ -119,9 +119,46 @@ inline QuantizedWeight quantize_affine(const Tensor& w, int64_t bits, int64_t gr
   return a;
 }
 
-// Every projection of w quantized so, in place of its dense tensor, as a converted checkpoint
-// loads (model/llama.h).
-inline void quantize_projections(LlamaWeights& w, int64_t bits, int64_t group) {
+// An mx quantization (mxfp4: e2m1, mxfp8: e4m3; groups of 32) of one dense bf16 [n, k] weight:
+// per group a power-of-two scale that brings its largest magnitude within the code's range, each
+// value the nearest code. Not necessarily MLX's own choice of scale, but a weight of that form:
+// what the programs and engines must compute with.
+inline QuantizedWeight quantize_mx(const Tensor& w, int64_t bits) {
+  QuantizedWeight a;
+  a.mode = bits == 4 ? "mxfp4" : "mxfp8";
+  a.n = w.shape[0], a.k = w.shape[1], a.group = 32, a.bits = bits;
+  a.q.resize(static_cast<size_t>(a.n * a.k));
+  a.scales.resize(static_cast<size_t>(a.n * a.k / a.group));
+  std::vector<float> codes;
+  for (int c = 0; c < (1 << bits); ++c) {
+    const float v = bits == 4 ? fp4_e2m1_to_f32(static_cast<uint8_t>(c))
+                              : fp8_e4m3_to_f32(static_cast<uint8_t>(c));
+    if (std::isfinite(v)) codes.push_back(v);
+  }
+  const float top = *std::max_element(codes.begin(), codes.end());
+  const uint16_t* p = w.data<uint16_t>();
+  for (int64_t r = 0; r < a.n; ++r)
+    for (int64_t g = 0; g < a.k / a.group; ++g) {
+      float amax = 0;
+      for (int64_t c = g * a.group; c < (g + 1) * a.group; ++c)
+        amax = std::max(amax, std::fabs(bf16_to_f32(p[r * a.k + c])));
+      const float s = std::exp2(std::ceil(std::log2(std::max(amax, 1e-30f) / top)));
+      a.scales[static_cast<size_t>(r * (a.k / a.group) + g)] = s;
+      for (int64_t c = g * a.group; c < (g + 1) * a.group; ++c) {
+        const float v = bf16_to_f32(p[r * a.k + c]) / s;
+        float best = codes.front();
+        for (float code : codes)
+          if (std::fabs(code - v) < std::fabs(best - v)) best = code;
+        a.q[static_cast<size_t>(r * a.k + c)] = best;
+      }
+    }
+  return a;
+}
+
+// Every projection of w quantized so (mode "affine", "mxfp4" or "mxfp8"; the mx modes take
+// groups of 32), in place of its dense tensor, as a converted checkpoint loads (model/llama.h).
+inline void quantize_projections(LlamaWeights& w, int64_t bits, int64_t group,
+                                 const std::string& mode = "affine") {
   for (LlamaLayerWeights& L : w.layers) {
     for (auto [t, q] : {std::pair{&L.wq, &L.qwq},
                         {&L.wk, &L.qwk},
@@ -130,7 +167,7 @@ inline void quantize_projections(LlamaWeights& w, int64_t bits, int64_t group) {
                         {&L.w_gate, &L.qw_gate},
                         {&L.w_up, &L.qw_up},
                         {&L.w_down, &L.qw_down}}) {
-      *q = quantize_affine(*t, bits, group);
+      *q = mode == "affine" ? quantize_affine(*t, bits, group) : quantize_mx(*t, bits);
       *t = Tensor();
     }
   }
