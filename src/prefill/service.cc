@@ -442,12 +442,14 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
   // A family whose tails resume from whole checkpoints: the engine's and the program's, for
   // exactly these ids (what the decoder checkpoints once it holds them).
   if (st.is_ok() && !cancelled && checkpoints_ && tails_need_checkpoints() && m.complete) {
-    auto engine_state = engine_->checkpoint();
+    // The program's first: a GPU engine's checkpoint is a copy of its whole state to the host,
+    // not worth making when the program keeps none.
     auto program_state = program.value()->checkpoint();
+    auto engine_state = program_state.is_ok() ? engine_->checkpoint() : nullptr;
     if (!engine_state || !program_state.is_ok())
       log_line("prefill", "no checkpoint for a later tail: " +
-                              (engine_state ? program_state.status().message()
-                                            : std::string("the engine keeps none")));
+                              (program_state.is_ok() ? std::string("the engine keeps none")
+                                                     : program_state.status().message()));
     else if (!checkpoints_->put(req.ids, engine_state, program_state.value()))
       log_line("prefill",
                "no checkpoint for a later tail: its " +

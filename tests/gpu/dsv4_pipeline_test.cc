@@ -7,11 +7,15 @@
 #include "engine/cuda/dsv4_pipeline.h"
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 
+#include <chrono>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "../common/dsv4_model_weights.h"
 #include "../common/dsv4_test_weights.h"
@@ -20,6 +24,8 @@
 #include "bridge/producer.h"
 #include "bridge/wire.h"
 #include "cuda_test_base.h"
+#include "model/dsv4_calls.h"
+#include "prefill/service.h"
 
 namespace hetero {
 namespace {
@@ -206,6 +212,195 @@ TEST_F(Dsv4PipelineTest, StopLetsNoFurtherChunkInAndFinishesTheOnesInFlight) {
   ASSERT_TRUE((*p)->reset().is_ok());
   ASSERT_TRUE((*p)->prefill(ids, {50, 50, 50, 50}, {}).is_ok());
   EXPECT_EQ((*p)->cached_tokens(), 200);
+}
+
+// A request that gives up its turn, or a later tail, resumes from the pipeline's checkpoint: a
+// sequence restored there (after another prompt ran on the engines) and continued with the
+// decoder's remaining calls gives every layer's attention input the uninterrupted run gives.
+void expect_restored_run_continues(const std::vector<int>& devices, cuda::WeightDtype dtype) {
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
+  const Dsv4Weights w = random_dsv4_model(c, 29);
+  Dsv4PipelineOptions po;
+  po.devices = devices;
+  po.engine.host_tap = true;
+  po.engine.weight_dtype = dtype;
+  auto p = dtype == cuda::WeightDtype::kBf16 ? Dsv4Pipeline::create(w, po)
+                                             : Dsv4Pipeline::random(c, 9, po);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  Dsv4Pipeline& pipe = **p;
+  const int64_t T = 250, at = 131;
+  const std::vector<int64_t> head = {64, 64, 3}, tail = {1, 100, 18};  // the decoder's calls
+  std::vector<int64_t> calls = head;
+  calls.insert(calls.end(), tail.begin(), tail.end());
+  std::mt19937 rng(6);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
+  using Taps = std::vector<std::vector<uint16_t>>;
+  auto record = [&](Taps* out) {
+    return [out, &c](const TapEvent& ev) {
+      std::copy(ev.x_bf16, ev.x_bf16 + ev.n_tokens * ev.hidden,
+                (*out)[static_cast<size_t>(ev.layer)].begin() + ev.pos0 * c.hidden);
+    };
+  };
+  const Taps empty(static_cast<size_t>(c.layers),
+                   std::vector<uint16_t>(static_cast<size_t>(T * c.hidden)));
+  Taps want = empty, got = empty;
+  ASSERT_TRUE(pipe.reserve(T, 128).is_ok());
+  ASSERT_TRUE(pipe.set_decoder_calls(calls).is_ok());
+  ASSERT_TRUE(pipe.prefill(ids, calls, record(&want)).is_ok());
+
+  ASSERT_TRUE(pipe.reserve(T, 128).is_ok());
+  ASSERT_TRUE(pipe.set_decoder_calls(calls).is_ok());
+  ASSERT_TRUE(pipe.prefill({ids.begin(), ids.begin() + at}, head, record(&got)).is_ok());
+  const std::shared_ptr<const Checkpoint> cp = pipe.checkpoint();
+  ASSERT_TRUE(cp);
+  EXPECT_EQ(cp->tokens(), at);
+  EXPECT_GT(cp->bytes(), 0);
+  // Another prompt in between, as when the turn went to the next request.
+  ASSERT_TRUE(pipe.reserve(90, 128).is_ok());
+  ASSERT_TRUE(pipe.prefill(std::vector<int32_t>(90, 5), {90}, {}).is_ok());
+
+  ASSERT_TRUE(pipe.reserve(T, 128).is_ok());
+  const Status restored = pipe.restore(*cp);
+  ASSERT_TRUE(restored.is_ok()) << restored.to_string();
+  EXPECT_EQ(pipe.cached_tokens(), at);
+  ASSERT_TRUE(pipe.set_decoder_calls(tail).is_ok());
+  ASSERT_TRUE(pipe.prefill({ids.begin() + at, ids.end()}, tail, record(&got)).is_ok());
+  EXPECT_EQ(pipe.cached_tokens(), T);
+  for (size_t l = 0; l < got.size(); ++l)
+    EXPECT_EQ(got[l], want[l]) << devices.size() << " stages, layer " << l;
+}
+
+TEST_F(Dsv4PipelineTest, ACheckpointRestoredContinuesTheSequenceBitForBit) {
+  expect_restored_run_continues({0}, cuda::WeightDtype::kBf16);
+  expect_restored_run_continues({0, 0}, cuda::WeightDtype::kBf16);
+  expect_restored_run_continues({0, 0, 0}, cuda::WeightDtype::kCheckpoint);
+}
+
+TEST_F(Dsv4PipelineTest, ACheckpointOfAnotherSplitIsRefused) {
+  const Dsv4Config c = tiny_dsv4_config();
+  Dsv4PipelineOptions two, three;
+  two.devices = {0, 0};
+  three.devices = {0, 0, 0};
+  auto a = Dsv4Pipeline::random(c, 3, two);
+  auto b = Dsv4Pipeline::random(c, 3, three);
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  ASSERT_TRUE((*a)->reserve(40, 40).is_ok());
+  ASSERT_TRUE((*a)->prefill(std::vector<int32_t>(40, 7), {40}, {}).is_ok());
+  auto cp = (*a)->checkpoint();
+  ASSERT_TRUE(cp);
+  ASSERT_TRUE((*b)->reserve(80, 40).is_ok());
+  EXPECT_FALSE((*b)->restore(*cp).is_ok());
+  // One stage's checkpoint is not another stage's.
+  ASSERT_TRUE((*a)->reserve(80, 40).is_ok());
+  auto stage0 = (*a)->stage(0).checkpoint();
+  ASSERT_TRUE(stage0);
+  const Status st = (*a)->stage(1).restore(*stage0);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("another shape"), std::string::npos) << st.message();
+}
+
+// The served GPU stack's turns: a long request that has held the pipeline past --turn-ms while a
+// short one waits gives it up at a chunk boundary with the pipeline's checkpoint, and resumes
+// from it after the short one (the GPU programs keep their state meanwhile): its stream gives
+// the arrays it gives alone.
+TEST_F(Dsv4PipelineTest, ALongRequestGivesItsTurnToAShortOneAndSendsTheSameArrays) {
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
+  Dsv4TestShape shape;
+  shape.hidden = c.hidden;
+  shape.ratios = {c.compress_ratios.begin(), c.compress_ratios.end()};
+  const Dsv4DecoderWeights decoder = random_dsv4_weights(shape);
+  Dsv4PipelineOptions po;
+  po.devices = {0, 0};
+  auto p = Dsv4Pipeline::create(random_dsv4_model(c, 23), po);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  std::vector<cuda::BridgeStage> stages;
+  for (int64_t s = 0; s < (*p)->stages(); ++s)
+    stages.push_back({(*p)->device(s), (*p)->device(s), (*p)->first_layer(s), (*p)->end_layer(s)});
+  auto bridge = cuda::Dsv4StagedBridge::create(&decoder, stages);
+  ASSERT_TRUE(bridge.is_ok()) << bridge.status().to_string();
+  EngineAdapter<Dsv4Pipeline> adapter(p->get());
+  ASSERT_TRUE(adapter.keeps_checkpoints());
+  const cuda::Dsv4StagedBridge* b = bridge->get();
+  PrefillService service(
+      &adapter, decoder.layout,
+      [b](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+        HETERO_ASSIGN_OR_RETURN(auto program, b->program(req.decoder_calls));
+        return std::unique_ptr<SegmentProgram>(std::move(program));
+      },
+      /*default_chunk_tokens=*/64, /*max_tokens=*/100000);
+  service.set_chunk_plan([](const PrefillRequest& req, int64_t chunk) {
+    return dsv4_group_calls(req.decoder_calls, chunk);
+  });
+  service.set_capture(b->capture());
+  service.set_arith("fast");
+  const int64_t T = 4000, S = 40;
+  std::vector<int64_t> calls(T / 64, 64);
+  calls.push_back(T - 64 * (T / 64) - 1);
+  calls.push_back(1);
+  const std::vector<int64_t> short_calls = {39, 1};
+  std::mt19937 rng(8);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
+  auto assemble = [](const std::string& bytes, Dsv4Assembler* a) -> Status {
+    FrameParser parser(int64_t{1} << 28);
+    parser.feed(bytes.data(), bytes.size());
+    for (;;) {
+      HETERO_ASSIGN_OR_RETURN(auto frame, parser.next());
+      if (!frame) return data_loss("no manifest");
+      const std::string kind = frame->header.value("kind", "");
+      if (kind == "keepalive") continue;
+      if (kind == "manifest") {
+        HETERO_ASSIGN_OR_RETURN(Manifest got, decode_manifest(*frame));
+        return a->finish(got);
+      }
+      HETERO_ASSIGN_OR_RETURN(Segment seg, decode_segment(*frame));
+      HETERO_RETURN_IF_ERROR(a->accept(seg));
+    }
+  };
+  Dsv4Assembler alone(decoder.layout, T);
+  {
+    PrefillRequest req;
+    req.ids = ids;
+    req.fingerprint = decoder.layout.fingerprint;
+    req.decoder_calls = calls;
+    std::string bytes;
+    const Manifest m = service.run(req, [&](std::string f) {  // no queue: never yields
+      bytes += f;
+      return true;
+    });
+    ASSERT_TRUE(m.complete) << m.reason;
+    ASSERT_TRUE(assemble(bytes, &alone).is_ok());
+  }
+  service.set_turn_ms(1);
+  ASSERT_TRUE(service.start("127.0.0.1", 0).is_ok());
+  auto post = [&](int64_t n, const std::vector<int64_t>& cs, Dsv4Assembler* a,
+                  std::chrono::steady_clock::time_point* done) {
+    httplib::Client cli("127.0.0.1", service.bound_port());
+    cli.set_read_timeout(120, 0);
+    const nlohmann::json body = {{"ids", std::vector<int32_t>(ids.begin(), ids.begin() + n)},
+                                 {"fingerprint", decoder.layout.fingerprint},
+                                 {"decoder_calls", cs}};
+    auto res = cli.Post("/v1/prefill", body.dump(), "application/json");
+    *done = std::chrono::steady_clock::now();
+    if (!res || res->status != 200) return internal_error(res ? res->body : "no response");
+    return assemble(res->body, a);
+  };
+  Dsv4Assembler long_one(decoder.layout, T), short_one(decoder.layout, S);
+  std::chrono::steady_clock::time_point long_done, short_done;
+  Status long_st, short_st;
+  std::thread first([&] { long_st = post(T, calls, &long_one, &long_done); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the long one holds the engine
+  std::thread second([&] { short_st = post(S, short_calls, &short_one, &short_done); });
+  first.join();
+  second.join();
+  service.stop();
+  ASSERT_TRUE(long_st.is_ok()) << long_st.to_string();
+  ASSERT_TRUE(short_st.is_ok()) << short_st.to_string();
+  EXPECT_LT(short_done, long_done);  // the short one did not wait for the whole long one
+  const TensorMap want = alone.arrays(T).value(), got = long_one.arrays(T).value();
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, t] : want) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
 }
 
 TEST_F(Dsv4PipelineTest, SplitsAndRefusals) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "common/bf16.h"
@@ -327,7 +328,7 @@ Status Dsv4CudaEngine::synchronize() {
 Status Dsv4CudaEngine::reset() {
   const Dsv4Config& c = config_;
   Impl& m = *impl_;
-  n_cached_ = 0;
+  n_cached_ = resumed_at_ = 0;
   m.calls.clear();
   // The previous sequence's work (a failed chunk's lanes too) is done before its state is reused.
   for (Impl::Lane& l : m.lanes) HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(l.stream.get()));
@@ -420,8 +421,120 @@ Status Dsv4CudaEngine::set_full_forward(bool on) {
 }
 
 Status Dsv4CudaEngine::set_decoder_calls(const std::vector<int64_t>& calls) {
-  if (n_cached_ != 0) return failed_precondition("decoder calls change only between sequences");
-  impl_->calls.set(calls);
+  if (n_cached_ != resumed_at_)
+    return failed_precondition("decoder calls change only between sequences");
+  impl_->calls.set(calls, n_cached_);
+  return Status::ok();
+}
+
+namespace {
+
+// Host copies of the device state of layers [first, end) after n tokens.
+struct Dsv4CudaCheckpoint final : Checkpoint {
+  struct Pool {
+    int64_t remainder = 0, rows = 0;
+    std::vector<uint16_t> kv, gate, pooled;  // the pending rows, and every pooled row
+  };
+  struct Layer {
+    int64_t tail_rows = 0;
+    std::vector<uint16_t> tail;
+    Pool pool, ipool;
+  };
+  Dsv4Config shape;  // the config of the engine that made it
+  int64_t n = 0, first = 0, end = 0, held = 0;
+  bool full_forward = false;
+  std::vector<Layer> layers;  // [first, end)
+  int64_t tokens() const override { return n; }
+  int64_t bytes() const override { return held; }
+};
+
+bool same_shape(const Dsv4Config& a, const Dsv4Config& b) {
+  return a.layers == b.layers && a.head_dim == b.head_dim && a.sliding_window == b.sliding_window &&
+         a.compress_ratios == b.compress_ratios && a.index_head_dim == b.index_head_dim;
+}
+
+}  // namespace
+
+std::shared_ptr<const Checkpoint> Dsv4CudaEngine::checkpoint() const {
+  Impl& m = *impl_;
+  auto c = std::make_shared<Dsv4CudaCheckpoint>();
+  c->shape = config_;
+  c->n = n_cached_, c->first = m.first, c->end = m.end, c->full_forward = full_forward_;
+  auto down = [&](const cuda::DeviceBuffer& b, int64_t elems, std::vector<uint16_t>* out) {
+    out->resize(static_cast<size_t>(elems));
+    if (elems == 0) return cudaSuccess;
+    return cudaMemcpyAsync(out->data(), b.get(), out->size() * 2, cudaMemcpyDeviceToHost,
+                           m.stream.get());
+  };
+  cudaError_t err = cudaSuccess;
+  auto pool = [&](const dsv4_cuda::DPool& p, Dsv4CudaCheckpoint::Pool* out) {
+    out->remainder = p.remainder, out->rows = p.rows;
+    if (p.ratio == 0) return;
+    for (cudaError_t e : {down(p.buf_kv, p.remainder * p.width, &out->kv),
+                          down(p.buf_gate, p.remainder * p.width, &out->gate),
+                          down(p.pooled, p.rows * p.head_dim, &out->pooled)})
+      if (err == cudaSuccess) err = e;
+    c->held += static_cast<int64_t>(out->kv.size() + out->gate.size() + out->pooled.size()) * 2;
+  };
+  for (int64_t l = m.first; l < m.end; ++l) {
+    const dsv4_cuda::DState& s = m.state[static_cast<size_t>(l)];
+    Dsv4CudaCheckpoint::Layer L;
+    L.tail_rows = s.tail_rows;
+    if (cudaError_t e = down(s.tail, s.tail_rows * config_.head_dim, &L.tail); err == cudaSuccess)
+      err = e;
+    c->held += static_cast<int64_t>(L.tail.size()) * 2;
+    pool(s.pool, &L.pool);
+    pool(s.ipool, &L.ipool);
+    c->layers.push_back(std::move(L));
+  }
+  if (err == cudaSuccess) err = cudaStreamSynchronize(m.stream.get());
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "dsv4 cuda engine: no checkpoint at %lld tokens: %s\n",
+                 static_cast<long long>(n_cached_), cudaGetErrorString(err));
+    return nullptr;
+  }
+  return c;
+}
+
+Status Dsv4CudaEngine::restore(const Checkpoint& checkpoint) {
+  const auto* c = dynamic_cast<const Dsv4CudaCheckpoint*>(&checkpoint);
+  Impl& m = *impl_;
+  if (!c) return invalid_argument("not a checkpoint of this engine");
+  if (!same_shape(c->shape, config_) || c->first != m.first || c->end != m.end ||
+      c->full_forward != full_forward_)
+    return failed_precondition("the checkpoint was made by an engine of another shape");
+  if (n_cached_ != 0 || m.state.size() != m.layers.size())
+    return failed_precondition("restore() comes after reserve() for the whole sequence");
+  cudaStream_t st = m.stream.get();
+  auto up = [&](cuda::DeviceBuffer& b, const std::vector<uint16_t>& v) -> Status {
+    if (v.empty()) return Status::ok();
+    if (b.bytes() < v.size() * 2)
+      return failed_precondition("the checkpoint's state does not fit the reserved buffers");
+    HETERO_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(b.get(), v.data(), v.size() * 2, cudaMemcpyHostToDevice, st));
+    return Status::ok();
+  };
+  auto pool = [&](dsv4_cuda::DPool& p, const Dsv4CudaCheckpoint::Pool& in) -> Status {
+    if (p.ratio == 0) return Status::ok();
+    HETERO_RETURN_IF_ERROR(reserve_rows(m, p, in.rows, st));
+    HETERO_RETURN_IF_ERROR(up(p.buf_kv, in.kv));
+    HETERO_RETURN_IF_ERROR(up(p.buf_gate, in.gate));
+    HETERO_RETURN_IF_ERROR(up(p.pooled, in.pooled));
+    p.remainder = in.remainder, p.rows = in.rows;
+    return Status::ok();
+  };
+  for (int64_t l = m.first; l < m.end; ++l) {
+    dsv4_cuda::DState& s = m.state[static_cast<size_t>(l)];
+    const Dsv4CudaCheckpoint::Layer& L = c->layers[static_cast<size_t>(l - m.first)];
+    HETERO_RETURN_IF_ERROR(up(s.tail, L.tail));
+    s.tail_rows = L.tail_rows;
+    HETERO_RETURN_IF_ERROR(pool(s.pool, L.pool));
+    HETERO_RETURN_IF_ERROR(pool(s.ipool, L.ipool));
+  }
+  // The host vectors are the checkpoint's: the copies finish before it may go.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+  n_cached_ = resumed_at_ = c->n;
+  m.calls.clear();
   return Status::ok();
 }
 

@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/checkpoint.h"
 #include "common/status.h"
 #include "engine/tap.h"
 #include "kernels/cuda/fp8_gemm.h"
@@ -124,9 +125,18 @@ class Dsv4CudaEngine {
   Status reserve(int64_t tokens, int64_t max_chunk_tokens);
   int64_t cached_tokens() const { return n_cached_; }
   // As Dsv4CpuEngine::set_full_forward and set_decoder_calls (reset() and reserve() clear the
-  // calls: set them after).
+  // calls: set them after; after restore() they start at the checkpoint's end).
   Status set_full_forward(bool on);
   Status set_decoder_calls(const std::vector<int64_t>& calls);
+  // The sequence's state after cached_tokens() tokens, copied to the host: the window's rows and
+  // the compressors' pending and pooled rows of the layers this engine holds (what the decoder's
+  // own cache holds, so the next chunk depends on nothing else). The prefill host keeps it to
+  // resume a request that gave up its turn, or a later tail. Waits for the compute stream; null
+  // when the copy failed (the reason goes to stderr).
+  std::shared_ptr<const Checkpoint> checkpoint() const;
+  // After reserve() for the whole sequence: the checkpoint's state back on the device, as if
+  // its tokens had run here. Refused for a checkpoint of another engine shape or layer range.
+  Status restore(const Checkpoint& c);
   // Runs the next chunk (positions [cached_tokens(), +ids.size())); ids outside the vocabulary
   // are refused before anything changes. Returns once the chunk is enqueued (and, with host_tap,
   // each tap has run on its host copy); call synchronize() to wait for the device.
@@ -176,6 +186,7 @@ class Dsv4CudaEngine {
   Dsv4CudaOptions options_;
   std::unique_ptr<Impl> impl_;
   int64_t n_cached_ = 0;
+  int64_t resumed_at_ = 0;  // where the sequence's first chunk (since reset/restore) begins
   int64_t weight_bytes_ = 0;
   bool full_forward_ = false;
 };

@@ -197,6 +197,41 @@ Status Dsv4Pipeline::set_decoder_calls(const std::vector<int64_t>& calls) {
   return Status::ok();
 }
 
+namespace {
+
+struct Dsv4PipelineCheckpoint final : Checkpoint {
+  std::vector<std::shared_ptr<const Checkpoint>> stages;
+  int64_t n = 0, held = 0;
+  int64_t tokens() const override { return n; }
+  int64_t bytes() const override { return held; }
+};
+
+}  // namespace
+
+std::shared_ptr<const Checkpoint> Dsv4Pipeline::checkpoint() const {
+  auto c = std::make_shared<Dsv4PipelineCheckpoint>();
+  c->n = cached_tokens();
+  for (size_t s = 0; s < engines_.size(); ++s) {
+    cuda::DeviceGuard on(devices_[s]);
+    auto one = engines_[s]->checkpoint();
+    if (!one) return nullptr;
+    c->held += one->bytes();
+    c->stages.push_back(std::move(one));
+  }
+  return c;
+}
+
+Status Dsv4Pipeline::restore(const Checkpoint& checkpoint) {
+  const auto* c = dynamic_cast<const Dsv4PipelineCheckpoint*>(&checkpoint);
+  if (!c || c->stages.size() != engines_.size())
+    return invalid_argument("not a checkpoint of a pipeline of these stages");
+  for (size_t s = 0; s < engines_.size(); ++s) {
+    cuda::DeviceGuard on(devices_[s]);
+    HETERO_RETURN_IF_ERROR(engines_[s]->restore(*c->stages[s]));
+  }
+  return Status::ok();
+}
+
 Status Dsv4Pipeline::size_links(int64_t chunk_tokens) {
   const size_t bytes = static_cast<size_t>(chunk_tokens * config_.hc_mult * config_.hidden) * 2;
   for (size_t s = 0; s < links_.size(); ++s) {

@@ -56,8 +56,12 @@ class Dsv4Pipeline {
   const char* transport() const;
   Status reset();
   Status reserve(int64_t tokens, int64_t max_chunk_tokens);
-  // Every stage's Dsv4CudaEngine::set_decoder_calls (after reserve()).
+  // Every stage's Dsv4CudaEngine::set_decoder_calls (after reserve() and any restore()).
   Status set_decoder_calls(const std::vector<int64_t>& calls);
+  // Every stage's Dsv4CudaEngine::checkpoint (null when one failed), and restore() of such a
+  // checkpoint after reserve(): the pipeline's state after cached_tokens() tokens.
+  std::shared_ptr<const Checkpoint> checkpoint() const;
+  Status restore(const Checkpoint& c);
   // Runs ids in chunks of the given lengths (the last takes the rest), stages overlapping, and
   // returns once every stage has finished them (the device work too). stop (optional) is asked
   // before each chunk enters the first stage: once it says true no chunk enters, the chunks
