@@ -10,7 +10,8 @@ target_sources(hetero_engine_cuda PRIVATE src/engine/cuda/dsv4_cuda.cc
 target_sources(hetero_gpu_tests PRIVATE tests/gpu/dsv4_cuda_test.cc
                                         tests/gpu/dsv4_attention_test.cc
                                         tests/gpu/checkpoint_precision_test.cc
-                                        tests/gpu/dsv4_pipeline_test.cc)
+                                        tests/gpu/dsv4_pipeline_test.cc
+                                        tests/gpu/dsv4_served_gpu_test.cc)
 add_executable(hetero_gpu_dsv4_layer_bench bench/gpu/dsv4_layer_bench.cc)
 target_link_libraries(hetero_gpu_dsv4_layer_bench PRIVATE hetero_engine_cuda hetero_bridge_cuda)
 add_executable(hetero_gpu_dsv4_checkpoint_load_bench bench/gpu/dsv4_checkpoint_load_bench.cc)

@@ -270,27 +270,6 @@ Dsv4CacheProgram::Dsv4CacheProgram(const Dsv4DecoderWeights* weights,
     s.window_rows.resize(static_cast<size_t>((sched_.tokens - sched_.window_first) * hd));
 }
 
-namespace {
-
-struct Dsv4ProgramCheckpoint : Checkpoint {
-  struct Raw {
-    std::vector<uint16_t> kv, gate;
-    int64_t base = 0;
-  };
-  struct Layer {
-    std::vector<uint16_t> window_rows;  // positions [window_first, n)
-    Raw pool, index;
-  };
-  const Dsv4DecoderWeights* weights = nullptr;
-  Dsv4WindowLayout window;
-  int64_t window_first = 0, n = 0, held = 0;
-  std::vector<Layer> layers;
-  int64_t tokens() const override { return n; }
-  int64_t bytes() const override { return held; }
-};
-
-}  // namespace
-
 Result<std::shared_ptr<const Checkpoint>> Dsv4CacheProgram::checkpoint() const {
   if (start_ > 0 && !resumed_) return failed_precondition("the tail program never resumed");
   auto c = std::make_shared<Dsv4ProgramCheckpoint>();
@@ -305,9 +284,7 @@ Result<std::shared_ptr<const Checkpoint>> Dsv4CacheProgram::checkpoint() const {
     L.window_rows = s.window_rows;
     L.pool = {s.pool.raw_kv, s.pool.raw_gate, s.pool.raw_base};
     L.index = {s.index.raw_kv, s.index.raw_gate, s.index.raw_base};
-    c->held +=
-        static_cast<int64_t>(L.window_rows.size() + 2 * L.pool.kv.size() + 2 * L.index.kv.size()) *
-        2;
+    c->count(L);
     c->layers.push_back(std::move(L));
   }
   return std::shared_ptr<const Checkpoint>(std::move(c));

@@ -123,6 +123,33 @@ struct Dsv4NewRows {
   std::vector<uint16_t> pool, index;
 };
 
+// What a DeepSeek-V4 cache program keeps of a prefix for a later tail, once every layer has all
+// n rows: the window's rows from the first position a slot of the prefix holds, its layout, and
+// per compressor the raw rows of the last complete and the incomplete window (a tail's pooled
+// rows need no earlier ones: the decoder's cache holds them). The CPU and GPU programs make and
+// take the same kind, for the same decoder weights.
+struct Dsv4ProgramCheckpoint : Checkpoint {
+  struct Raw {
+    std::vector<uint16_t> kv, gate;  // rows [base, n), out_dim wide
+    int64_t base = 0;
+  };
+  struct Layer {
+    std::vector<uint16_t> window_rows;  // positions [window_first, n), head_dim wide
+    Raw pool, index;
+  };
+  const Dsv4DecoderWeights* weights = nullptr;
+  Dsv4WindowLayout window;
+  int64_t window_first = 0, n = 0, held = 0;
+  std::vector<Layer> layers;
+  int64_t tokens() const override { return n; }
+  int64_t bytes() const override { return held; }
+  void count(const Layer& L) {
+    held += static_cast<int64_t>(L.window_rows.size() + L.pool.kv.size() + L.pool.gate.size() +
+                                 L.index.kv.size() + L.index.gate.size()) *
+            2;
+  }
+};
+
 class Dsv4CacheProgram {
  public:
   // decoder_calls: the decoder's call lengths for the prefix (sum = T), before expansion.

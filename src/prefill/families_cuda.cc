@@ -217,7 +217,7 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
   const cuda::Dsv4StagedBridge* bridge = owned->bridge.get();
   s.programs = [bridge](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
     HETERO_RETURN_IF_ERROR(require_decoder_calls(req));
-    HETERO_ASSIGN_OR_RETURN(auto program, bridge->program(req.decoder_calls));
+    HETERO_ASSIGN_OR_RETURN(auto program, bridge->program(req.decoder_calls, req.start));
     return std::unique_ptr<SegmentProgram>(std::move(program));
   };
   s.chunk_plan = [](const PrefillRequest& req, int64_t chunk) {

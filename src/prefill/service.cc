@@ -445,8 +445,15 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
     // The program's first: a GPU engine's checkpoint is a copy of its whole state to the host,
     // not worth making when the program keeps none.
     auto program_state = program.value()->checkpoint();
-    auto engine_state = program_state.is_ok() ? engine_->checkpoint() : nullptr;
-    if (!engine_state || !program_state.is_ok())
+    const int64_t known =
+        engine_->checkpoint_bytes() + (program_state.is_ok() ? program_state.value()->bytes() : 0);
+    auto engine_state = program_state.is_ok() && known <= checkpoints_->max_bytes()
+                            ? engine_->checkpoint()
+                            : nullptr;
+    if (program_state.is_ok() && known > checkpoints_->max_bytes())
+      log_line("prefill", "no checkpoint for a later tail: its " + std::to_string(known) +
+                              " bytes exceed the prefix cache");
+    else if (!engine_state || !program_state.is_ok())
       log_line("prefill", "no checkpoint for a later tail: " +
                               (program_state.is_ok() ? std::string("the engine keeps none")
                                                      : program_state.status().message()));

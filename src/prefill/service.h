@@ -100,6 +100,8 @@ class PrefillEngine {
   // (common/checkpoint.h): the state after the sequence so far (null: none), and, after
   // reserve(), a restore that goes on from a checkpoint's end as if its tokens had run here.
   virtual std::shared_ptr<const Checkpoint> checkpoint() const { return nullptr; }
+  // The bytes checkpoint() would hold now, known without making it (0: not known).
+  virtual int64_t checkpoint_bytes() const { return 0; }
   virtual bool keeps_checkpoints() const { return false; }
   virtual Status restore(const Checkpoint& c) {
     (void)c;
@@ -168,6 +170,12 @@ class EngineAdapter : public PrefillEngine {
       return engine_->checkpoint();
     else
       return nullptr;
+  }
+  int64_t checkpoint_bytes() const override {
+    if constexpr (requires(const Engine& e) { e.checkpoint_bytes(); })
+      return engine_->checkpoint_bytes();
+    else
+      return 0;
   }
   bool keeps_checkpoints() const override {
     return requires(const Engine& e) { e.checkpoint(); };

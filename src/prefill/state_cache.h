@@ -75,6 +75,7 @@ class PrefixCheckpoints {
     int64_t bytes() const { return engine->bytes() + program->bytes(); }
   };
   explicit PrefixCheckpoints(int64_t max_bytes) : max_bytes_(max_bytes) {}
+  int64_t max_bytes() const { return max_bytes_; }
   // Keeps the checkpoints of ids (replacing one of the same ids); false when they alone exceed
   // the bound.
   bool put(std::vector<int32_t> ids, std::shared_ptr<const Checkpoint> engine,

@@ -7,15 +7,11 @@
 #include "engine/cuda/dsv4_pipeline.h"
 
 #include <gtest/gtest.h>
-#include <httplib.h>
 
-#include <chrono>
 #include <mutex>
-#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
-#include <thread>
 
 #include "../common/dsv4_model_weights.h"
 #include "../common/dsv4_test_weights.h"
@@ -24,8 +20,6 @@
 #include "bridge/producer.h"
 #include "bridge/wire.h"
 #include "cuda_test_base.h"
-#include "model/dsv4_calls.h"
-#include "prefill/service.h"
 
 namespace hetero {
 namespace {
@@ -298,109 +292,6 @@ TEST_F(Dsv4PipelineTest, ACheckpointOfAnotherSplitIsRefused) {
   const Status st = (*a)->stage(1).restore(*stage0);
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("another shape"), std::string::npos) << st.message();
-}
-
-// The served GPU stack's turns: a long request that has held the pipeline past --turn-ms while a
-// short one waits gives it up at a chunk boundary with the pipeline's checkpoint, and resumes
-// from it after the short one (the GPU programs keep their state meanwhile): its stream gives
-// the arrays it gives alone.
-TEST_F(Dsv4PipelineTest, ALongRequestGivesItsTurnToAShortOneAndSendsTheSameArrays) {
-  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
-  Dsv4TestShape shape;
-  shape.hidden = c.hidden;
-  shape.ratios = {c.compress_ratios.begin(), c.compress_ratios.end()};
-  const Dsv4DecoderWeights decoder = random_dsv4_weights(shape);
-  Dsv4PipelineOptions po;
-  po.devices = {0, 0};
-  auto p = Dsv4Pipeline::create(random_dsv4_model(c, 23), po);
-  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
-  std::vector<cuda::BridgeStage> stages;
-  for (int64_t s = 0; s < (*p)->stages(); ++s)
-    stages.push_back({(*p)->device(s), (*p)->device(s), (*p)->first_layer(s), (*p)->end_layer(s)});
-  auto bridge = cuda::Dsv4StagedBridge::create(&decoder, stages);
-  ASSERT_TRUE(bridge.is_ok()) << bridge.status().to_string();
-  EngineAdapter<Dsv4Pipeline> adapter(p->get());
-  ASSERT_TRUE(adapter.keeps_checkpoints());
-  const cuda::Dsv4StagedBridge* b = bridge->get();
-  PrefillService service(
-      &adapter, decoder.layout,
-      [b](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-        HETERO_ASSIGN_OR_RETURN(auto program, b->program(req.decoder_calls));
-        return std::unique_ptr<SegmentProgram>(std::move(program));
-      },
-      /*default_chunk_tokens=*/64, /*max_tokens=*/100000);
-  service.set_chunk_plan([](const PrefillRequest& req, int64_t chunk) {
-    return dsv4_group_calls(req.decoder_calls, chunk);
-  });
-  service.set_capture(b->capture());
-  service.set_arith("fast");
-  const int64_t T = 4000, S = 40;
-  std::vector<int64_t> calls(T / 64, 64);
-  calls.push_back(T - 64 * (T / 64) - 1);
-  calls.push_back(1);
-  const std::vector<int64_t> short_calls = {39, 1};
-  std::mt19937 rng(8);
-  std::vector<int32_t> ids(static_cast<size_t>(T));
-  for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
-  auto assemble = [](const std::string& bytes, Dsv4Assembler* a) -> Status {
-    FrameParser parser(int64_t{1} << 28);
-    parser.feed(bytes.data(), bytes.size());
-    for (;;) {
-      HETERO_ASSIGN_OR_RETURN(auto frame, parser.next());
-      if (!frame) return data_loss("no manifest");
-      const std::string kind = frame->header.value("kind", "");
-      if (kind == "keepalive") continue;
-      if (kind == "manifest") {
-        HETERO_ASSIGN_OR_RETURN(Manifest got, decode_manifest(*frame));
-        return a->finish(got);
-      }
-      HETERO_ASSIGN_OR_RETURN(Segment seg, decode_segment(*frame));
-      HETERO_RETURN_IF_ERROR(a->accept(seg));
-    }
-  };
-  Dsv4Assembler alone(decoder.layout, T);
-  {
-    PrefillRequest req;
-    req.ids = ids;
-    req.fingerprint = decoder.layout.fingerprint;
-    req.decoder_calls = calls;
-    std::string bytes;
-    const Manifest m = service.run(req, [&](std::string f) {  // no queue: never yields
-      bytes += f;
-      return true;
-    });
-    ASSERT_TRUE(m.complete) << m.reason;
-    ASSERT_TRUE(assemble(bytes, &alone).is_ok());
-  }
-  service.set_turn_ms(1);
-  ASSERT_TRUE(service.start("127.0.0.1", 0).is_ok());
-  auto post = [&](int64_t n, const std::vector<int64_t>& cs, Dsv4Assembler* a,
-                  std::chrono::steady_clock::time_point* done) {
-    httplib::Client cli("127.0.0.1", service.bound_port());
-    cli.set_read_timeout(120, 0);
-    const nlohmann::json body = {{"ids", std::vector<int32_t>(ids.begin(), ids.begin() + n)},
-                                 {"fingerprint", decoder.layout.fingerprint},
-                                 {"decoder_calls", cs}};
-    auto res = cli.Post("/v1/prefill", body.dump(), "application/json");
-    *done = std::chrono::steady_clock::now();
-    if (!res || res->status != 200) return internal_error(res ? res->body : "no response");
-    return assemble(res->body, a);
-  };
-  Dsv4Assembler long_one(decoder.layout, T), short_one(decoder.layout, S);
-  std::chrono::steady_clock::time_point long_done, short_done;
-  Status long_st, short_st;
-  std::thread first([&] { long_st = post(T, calls, &long_one, &long_done); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the long one holds the engine
-  std::thread second([&] { short_st = post(S, short_calls, &short_one, &short_done); });
-  first.join();
-  second.join();
-  service.stop();
-  ASSERT_TRUE(long_st.is_ok()) << long_st.to_string();
-  ASSERT_TRUE(short_st.is_ok()) << short_st.to_string();
-  EXPECT_LT(short_done, long_done);  // the short one did not wait for the whole long one
-  const TensorMap want = alone.arrays(T).value(), got = long_one.arrays(T).value();
-  ASSERT_EQ(got.size(), want.size());
-  for (const auto& [name, t] : want) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
 }
 
 TEST_F(Dsv4PipelineTest, SplitsAndRefusals) {

@@ -13,9 +13,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../common/dsv4_test_weights.h"
@@ -242,6 +244,103 @@ TEST_F(Dsv4GpuProgram, SameArraysAsTheCpuProgramAtAMillionTokens) {
 }
 
 // Two requests on two streams from two threads share one upload of the weights.
+// A later turn's tail: the GPU program's checkpoint after a first turn is the CPU program's, field
+// for field, and a tail program resumed from either checkpoint, on either side, gives the CPU
+// tail's rows and arrays (which tests/unit/dsv4_tail_test.cc proves equal to the whole request's).
+TEST_F(Dsv4GpuProgram, TailsResumeFromEitherProgramsCheckpoint) {
+  cuda::Stream stream = new_stream();
+  for (const WeightsCase& wc : weight_cases()) {
+    const Dsv4DecoderWeights w = random_dsv4_weights(wc.shape);
+    auto gw = cuda::upload_dsv4_weights(w);
+    ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();
+    const std::vector<int64_t> turn1 = {64, 64, 3}, turn2 = {1, 100, 41, 7, 1};
+    int64_t C = 0, T = 0;
+    for (int64_t n : turn1) C += n;
+    T = C;
+    for (int64_t n : turn2) T += n;
+    const Inputs in = make_inputs(w, T, 41);
+    const int64_t H = w.layout.hidden;
+    // The first turn on both sides, whole, then their checkpoints.
+    Dsv4CacheProgram cpu1(&w, turn1);
+    Dsv4GpuCacheProgram gpu1(gw->get(), turn1, stream.get());
+    for (int64_t l = 0; l < w.layout.layers; ++l) {
+      const auto li = static_cast<size_t>(l);
+      ASSERT_TRUE(cpu1.feed(l, 0, C, in.host[li].data(), nullptr).is_ok());
+      ASSERT_TRUE(gpu1.feed(l, 0, C, in.host[li].data(), nullptr).is_ok());
+      ASSERT_TRUE(cpu1.finish_layer(l).is_ok());
+      ASSERT_TRUE(gpu1.finish_layer(l).is_ok());
+    }
+    auto from_cpu = cpu1.checkpoint();
+    ASSERT_TRUE(from_cpu.is_ok()) << from_cpu.status().to_string();
+    auto from_gpu = std::make_shared<Dsv4ProgramCheckpoint>();
+    from_gpu->weights = &w;
+    from_gpu->layers.resize(static_cast<size_t>(w.layout.layers));
+    ASSERT_TRUE(gpu1.checkpoint_into(from_gpu.get()).is_ok());
+    const auto& want = dynamic_cast<const Dsv4ProgramCheckpoint&>(*from_cpu.value());
+    EXPECT_EQ(from_gpu->n, want.n);
+    EXPECT_EQ(from_gpu->window_first, want.window_first);
+    EXPECT_EQ(from_gpu->window.slot_pos, want.window.slot_pos);
+    EXPECT_EQ(from_gpu->bytes(), want.bytes());
+    for (size_t l = 0; l < want.layers.size(); ++l) {
+      const auto &g = from_gpu->layers[l], &c = want.layers[l];
+      EXPECT_TRUE(g.window_rows == c.window_rows) << wc.name << " layer " << l << " window";
+      for (auto [gr, cr] : {std::pair{&g.pool, &c.pool}, std::pair{&g.index, &c.index}}) {
+        EXPECT_EQ(gr->base, cr->base) << wc.name << " layer " << l;
+        EXPECT_TRUE(gr->kv == cr->kv && gr->gate == cr->gate) << wc.name << " layer " << l;
+      }
+    }
+    // The tails: the CPU one from its own checkpoint is the reference.
+    Dsv4CacheProgram ref(&w, turn2, C);
+    ASSERT_TRUE(ref.resume(want).is_ok());
+    Dsv4CacheProgram cpu_from_gpu(&w, turn2, C);
+    ASSERT_TRUE(cpu_from_gpu.resume(*from_gpu).is_ok());
+    Dsv4GpuCacheProgram gpu_from_cpu(gw->get(), turn2, stream.get(),
+                                     Dsv4GpuCacheProgram::kDefaultBlockRows, C);
+    Dsv4GpuCacheProgram gpu_from_gpu(gw->get(), turn2, stream.get(), 37, C);
+    ASSERT_TRUE(gpu_from_gpu.keep_boundary_state().is_ok());
+    EXPECT_FALSE(gpu_from_cpu.feed(0, C, 1, in.host[0].data() + C * H, nullptr).is_ok());
+    ASSERT_TRUE(gpu_from_cpu.resume(want).is_ok());
+    ASSERT_TRUE(gpu_from_gpu.resume(*from_gpu).is_ok());
+    EXPECT_EQ(gpu_from_cpu.window_idx(), ref.window_idx());
+    for (int64_t l = 0; l < w.layout.layers; ++l) {
+      const auto li = static_cast<size_t>(l);
+      const std::string at = std::string(wc.name) + " tail layer " + std::to_string(l) + " ";
+      for (int64_t p = C, n = 0; p < T; p += n) {
+        n = std::min<int64_t>(60, T - p);
+        const uint16_t* x = in.host[li].data() + p * H;
+        Dsv4NewRows r0, r1, r2, r3;
+        ASSERT_TRUE(ref.feed(l, p, n, x, &r0).is_ok());
+        ASSERT_TRUE(cpu_from_gpu.feed(l, p, n, x, &r1).is_ok());
+        ASSERT_TRUE(gpu_from_cpu.feed(l, p, n, x, &r2).is_ok());
+        ASSERT_TRUE(
+            gpu_from_gpu.feed_device(l, p, n, in.device[li].get<uint16_t>() + p * H, &r3).is_ok());
+        expect_same_rows(r1, r0, at + "cpu from gpu");
+        expect_same_rows(r2, r0, at + "gpu from cpu");
+        expect_same_rows(r3, r0, at + "gpu from gpu");
+        if (p + n < T) {
+          auto want_state = ref.boundary_layer(l);
+          auto got_state = gpu_from_gpu.boundary_layer(l);
+          ASSERT_TRUE(want_state.is_ok() && got_state.is_ok()) << at;
+          expect_same_layer(*got_state, *want_state, at + "state at " + std::to_string(p + n));
+        }
+      }
+      auto a0 = ref.finish_layer(l);
+      ASSERT_TRUE(a0.is_ok()) << at;
+      for (auto* other : {&gpu_from_cpu, &gpu_from_gpu}) {
+        auto a = other->finish_layer(l);
+        ASSERT_TRUE(a.is_ok()) << at << a.status().to_string();
+        expect_same_layer(*a, *a0, at);
+      }
+      auto a1 = cpu_from_gpu.finish_layer(l);
+      ASSERT_TRUE(a1.is_ok()) << at;
+      expect_same_layer(*a1, *a0, at + "cpu from gpu ");
+    }
+    // A checkpoint of another length is refused.
+    Dsv4GpuCacheProgram wrong(gw->get(), turn2, stream.get(), 64, C + 1);
+    EXPECT_FALSE(wrong.resume(want).is_ok());
+  }
+}
+
 TEST_F(Dsv4GpuProgram, TwoRequestsShareTheWeights) {
   const WeightsCase wc = weight_cases()[0];
   const Dsv4DecoderWeights w = random_dsv4_weights(wc.shape);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "kernels/cuda/dsv4_ops.h"
@@ -93,10 +94,104 @@ Result<std::unique_ptr<Dsv4GpuWeights>> upload_dsv4_weights(const Dsv4DecoderWei
 
 Dsv4GpuCacheProgram::Dsv4GpuCacheProgram(const Dsv4GpuWeights* weights,
                                          const std::vector<int64_t>& decoder_calls,
-                                         cudaStream_t stream, int64_t block_rows)
-    : w_(weights), stream_(stream), block_rows_(std::max<int64_t>(1, block_rows)) {
-  sched_ = dsv4_schedule(decoder_calls, w_->window);
+                                         cudaStream_t stream, int64_t block_rows, int64_t start)
+    : w_(weights), stream_(stream), block_rows_(std::max<int64_t>(1, block_rows)), start_(start) {
   state_.resize(static_cast<size_t>(w_->layout.layers));
+  kept_.resize(state_.size());
+  if (start > 0) {  // the window's slots depend on the prefix's: scheduled by resume()
+    tail_calls_ = decoder_calls;
+    sched_.tokens = start;
+    for (int64_t L : decoder_calls) sched_.tokens += std::max<int64_t>(L, 0);
+    return;
+  }
+  sched_ = dsv4_schedule(decoder_calls, w_->window);
+}
+
+Status Dsv4GpuCacheProgram::checkpoint_into(Dsv4ProgramCheckpoint* c) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (start_ > 0 && !resumed_) return failed_precondition("the tail program never resumed");
+  c->window = sched_.window;
+  c->window_first = sched_.window_first;
+  c->n = sched_.tokens;
+  HETERO_CHECK(c->layers.size() == state_.size());
+  for (int64_t l = w_->first_layer; l < w_->end_layer; ++l) {
+    if (!state_[static_cast<size_t>(l)].finished)
+      return failed_precondition("layer " + std::to_string(l) + " is not finished");
+    c->layers[static_cast<size_t>(l)] = kept_[static_cast<size_t>(l)];
+    c->count(kept_[static_cast<size_t>(l)]);
+  }
+  return Status::ok();
+}
+
+Status Dsv4GpuCacheProgram::resume(const Dsv4ProgramCheckpoint& c) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (start_ == 0 || resumed_) return failed_precondition("only a tail program resumes, once");
+  if (c.n != start_)
+    return failed_precondition("the checkpoint holds " + std::to_string(c.n) +
+                               " tokens; the tail starts at " + std::to_string(start_));
+  if (c.layers.size() != state_.size())
+    return invalid_argument("the checkpoint is of a model of another depth");
+  sched_ = dsv4_schedule(tail_calls_, w_->window, start_, &c.window);
+  if (sched_.window_first < c.window_first)
+    return failed_precondition("the tail's window reaches position " +
+                               std::to_string(sched_.window_first) + ", before the checkpoint's " +
+                               std::to_string(c.window_first));
+  const int64_t hd = w_->layout.head_dim, W = w_->window;
+  const auto up = [&](void* dst, const uint16_t* src, int64_t elems) -> Status {
+    if (elems > 0)
+      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, static_cast<size_t>(elems) * 2,
+                                                  cudaMemcpyHostToDevice, stream_));
+    return Status::ok();
+  };
+  for (int64_t l = w_->first_layer; l < w_->end_layer; ++l) {
+    LayerState& s = state_[static_cast<size_t>(l)];
+    const Dsv4ProgramCheckpoint::Layer& L = c.layers[static_cast<size_t>(l)];
+    const Dsv4GpuLayer& G = w_->layers[static_cast<size_t>(l)];
+    const auto rows = static_cast<int64_t>(L.window_rows.size()) / hd;
+    if (rows != c.n - c.window_first)
+      return invalid_argument("the checkpoint's layer " + std::to_string(l) + " holds " +
+                              std::to_string(rows) + " window rows, not " +
+                              std::to_string(c.n - c.window_first));
+    const auto take = [&](const Dsv4GpuCompressor& g, const Dsv4ProgramCheckpoint::Raw& raw,
+                          PoolState* p) -> Status {
+      const auto n = static_cast<int64_t>(raw.kv.size()) / g.out_dim;
+      if (n != start_ - raw.base || n > 2 * g.ratio || raw.gate.size() != raw.kv.size())
+        return invalid_argument("the checkpoint's compressor rows of layer " + std::to_string(l) +
+                                " are not the last windows before its end");
+      p->pooled_first = p->pooled_rows = start_ / g.ratio;
+      p->carry_base = raw.base;
+      return Status::ok();
+    };
+    if (G.ratio > 0) HETERO_RETURN_IF_ERROR(take(G.pool, L.pool, &s.pool));
+    if (G.has_index) HETERO_RETURN_IF_ERROR(take(G.index, L.index, &s.index));
+    HETERO_RETURN_IF_ERROR(prepare(G, s));
+    // The prefix's rows that still hold a slot come first in the window rows.
+    const int64_t kept = start_ - sched_.window_first;
+    HETERO_RETURN_IF_ERROR(
+        up(s.window_rows.get(), L.window_rows.data() + (rows - kept) * hd, kept * hd));
+    if (G.ratio > 0) {
+      HETERO_RETURN_IF_ERROR(up(s.pool.carry_kv.get(), L.pool.kv.data(), L.pool.kv.size()));
+      HETERO_RETURN_IF_ERROR(up(s.pool.carry_gate.get(), L.pool.gate.data(), L.pool.gate.size()));
+    }
+    if (G.has_index) {
+      HETERO_RETURN_IF_ERROR(up(s.index.carry_kv.get(), L.index.kv.data(), L.index.kv.size()));
+      HETERO_RETURN_IF_ERROR(
+          up(s.index.carry_gate.get(), L.index.gate.data(), L.index.gate.size()));
+    }
+    if (boundaries_) {  // keep_recent goes on from the prefix's last window rows
+      const auto bytes = static_cast<size_t>(W * hd) * 2;
+      HETERO_RETURN_IF_ERROR(s.recent.allocate_async(bytes, stream_, "the boundary window"));
+      HETERO_RETURN_IF_ERROR(s.recent_next.allocate_async(bytes, stream_, "the boundary window"));
+      s.recent_rows = std::min(rows, W);
+      HETERO_RETURN_IF_ERROR(up(s.recent.get(), L.window_rows.data() + (rows - s.recent_rows) * hd,
+                                s.recent_rows * hd));
+    }
+    s.fed = start_;
+  }
+  // The checkpoint's host vectors may go once the copies are done.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  resumed_ = true;
+  return Status::ok();
 }
 
 Status Dsv4GpuCacheProgram::check_held(int64_t layer) const {
@@ -172,7 +267,8 @@ Status Dsv4GpuCacheProgram::prepare(const Dsv4GpuLayer& L, LayerState& s) {
     HETERO_RETURN_IF_ERROR(p->carry_kv.allocate_async(bytes, stream_, "a compressor's carry"));
     HETERO_RETURN_IF_ERROR(p->carry_gate.allocate_async(bytes, stream_, "a compressor's carry"));
     // Pooled rows are appended while copies into them are in flight: never reallocate.
-    p->pooled.reserve(static_cast<size_t>(sched_.tokens / c.ratio * c.head_dim));
+    p->pooled.reserve(
+        static_cast<size_t>((sched_.tokens / c.ratio - p->pooled_first) * c.head_dim));
     return Status::ok();
   };
   if (L.ratio > 0) HETERO_RETURN_IF_ERROR(carry(L.pool, &s.pool));
@@ -221,8 +317,9 @@ Status Dsv4GpuCacheProgram::feed_pool(const Dsv4GpuCompressor& c, PoolState& s, 
     rms_norm(out, windows, hd, c.norm.get<uint16_t>(), w_->eps, out, stream_);
     dsv4_rope(out, windows, 1, hd, j0, w_->freqs_compressed.get<float>(), w_->rope_pairs_compressed,
               static_cast<int>(r), false, stream_);
-    s.pooled.resize(static_cast<size_t>(done * hd));  // within the reserved capacity
-    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.pooled.data() + j0 * hd, out,
+    // Within the reserved capacity.
+    s.pooled.resize(static_cast<size_t>((done - s.pooled_first) * hd));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.pooled.data() + (j0 - s.pooled_first) * hd, out,
                                                 static_cast<size_t>(windows * hd) * 2,
                                                 cudaMemcpyDeviceToHost, stream_));
     s.pooled_rows = done;
@@ -284,6 +381,8 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
                                      bool on_device, Dsv4NewRows* out) {
   std::lock_guard<std::mutex> lock(mu_);
   HETERO_RETURN_IF_ERROR(check_held(layer));
+  if (start_ > 0 && !resumed_)
+    return failed_precondition("a tail program needs its prefix's checkpoint (resume) first");
   LayerState& s = state_[static_cast<size_t>(layer)];
   HETERO_RETURN_IF_ERROR(check_dsv4_rows(layer, s.fed, pos0, n, sched_.tokens));
   const Dsv4GpuLayer& L = w_->layers[static_cast<size_t>(layer)];
@@ -311,10 +410,11 @@ Status Dsv4GpuCacheProgram::feed_any(int64_t layer, int64_t pos0, int64_t n, con
   rows.count = s.pool.pooled_rows - rows.first;
   const auto hd = static_cast<std::ptrdiff_t>(w_->layout.head_dim);
   if (rows.count > 0) {
-    rows.pool.assign(s.pool.pooled.begin() + rows.first * hd, s.pool.pooled.end());
+    const auto at = static_cast<std::ptrdiff_t>(rows.first - s.pool.pooled_first);
+    rows.pool.assign(s.pool.pooled.begin() + at * hd, s.pool.pooled.end());
     if (L.has_index) {
       const auto ihd = static_cast<std::ptrdiff_t>(L.index.head_dim);
-      rows.index.assign(s.index.pooled.begin() + rows.first * ihd, s.index.pooled.end());
+      rows.index.assign(s.index.pooled.begin() + at * ihd, s.index.pooled.end());
     }
   }
   s.fed = pos0 + n;
@@ -338,7 +438,8 @@ Status Dsv4GpuCacheProgram::pool_arrays(const Dsv4GpuCompressor& c, const PoolSt
                                                 s.carry_gate.get<uint16_t>() + at, bytes,
                                                 cudaMemcpyDeviceToHost, stream_));
   }
-  a->pooled = Tensor(DType::kBF16, {1, with_pooled ? s.pooled_rows : 0, c.head_dim});
+  a->pooled =
+      Tensor(DType::kBF16, {1, with_pooled ? s.pooled_rows - s.pooled_first : 0, c.head_dim});
   if (with_pooled && !s.pooled.empty())
     std::memcpy(a->pooled.bytes.data(), s.pooled.data(), s.pooled.size() * 2);
   return Status::ok();
@@ -450,6 +551,25 @@ Result<Dsv4LayerArrays> Dsv4GpuCacheProgram::finish_layer(int64_t layer) {
     HETERO_RETURN_IF_ERROR(pool_arrays(L.pool, s.pool, sched_.tokens, true, &a.pool));
   if (L.has_index)
     HETERO_RETURN_IF_ERROR(pool_arrays(L.index, s.index, sched_.tokens, true, &a.index));
+  // What a later tail resumes from (checkpoint_into): the window rows and the carries, on the
+  // host before the device state goes (a few windows' rows a layer).
+  Dsv4ProgramCheckpoint::Layer& k = kept_[static_cast<size_t>(layer)];
+  const auto down = [&](const DeviceBuffer& b, int64_t elems, std::vector<uint16_t>* out) {
+    out->resize(static_cast<size_t>(elems));
+    return elems > 0 ? cudaMemcpyAsync(out->data(), b.get(), out->size() * 2,
+                                       cudaMemcpyDeviceToHost, stream_)
+                     : cudaSuccess;
+  };
+  HETERO_CUDA_RETURN_IF_ERROR(
+      down(s.window_rows, (sched_.tokens - sched_.window_first) * hd, &k.window_rows));
+  for (const auto& [c, p, raw] :
+       {std::tuple{&L.pool, &s.pool, &k.pool}, std::tuple{&L.index, &s.index, &k.index}}) {
+    if (c->ratio == 0 || (c == &L.index && !L.has_index)) continue;
+    raw->base = p->carry_base;
+    const int64_t elems = (sched_.tokens - p->carry_base) * c->out_dim;
+    HETERO_CUDA_RETURN_IF_ERROR(down(p->carry_kv, elems, &raw->kv));
+    HETERO_CUDA_RETURN_IF_ERROR(down(p->carry_gate, elems, &raw->gate));
+  }
   HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   // The layer's device state is no longer needed; its pooled rows live on in `a`.
   s.window_rows.reset();

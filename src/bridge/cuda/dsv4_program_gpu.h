@@ -74,8 +74,11 @@ class Dsv4GpuCacheProgram {
   // decoder_calls: the decoder's call lengths (sum = T), before expansion, as the CPU program.
   // weights and stream must outlive the program. Takes no device memory yet: each layer's
   // state is allocated at its first feed (so an out-of-memory is a Status from feed).
+  // A tail (start > 0): the calls cover [start, T), and the program resumes (below) from a
+  // checkpoint of exactly the first start tokens before any row arrives, as the CPU program.
   Dsv4GpuCacheProgram(const Dsv4GpuWeights* weights, const std::vector<int64_t>& decoder_calls,
-                      cudaStream_t stream, int64_t block_rows = kDefaultBlockRows);
+                      cudaStream_t stream, int64_t block_rows = kDefaultBlockRows,
+                      int64_t start = 0);
   ~Dsv4GpuCacheProgram();
   Dsv4GpuCacheProgram(const Dsv4GpuCacheProgram&) = delete;
   Dsv4GpuCacheProgram& operator=(const Dsv4GpuCacheProgram&) = delete;
@@ -104,6 +107,14 @@ class Dsv4GpuCacheProgram {
   // the window's last rows in temporal order and the compressors' pending rows, no pooled rows.
   Result<Dsv4LayerArrays> boundary_layer(int64_t layer) const;
 
+  // Once every layer it holds is finished: their part of the checkpoint a later tail resumes
+  // from (Dsv4CacheProgram::checkpoint's, bit for bit; the caller sets c->weights and sizes
+  // c->layers to every layer). finish_layer keeps what it needs on the host.
+  Status checkpoint_into(Dsv4ProgramCheckpoint* c) const;
+  // A tail program's state at start for the layers it holds, from a checkpoint of exactly those
+  // tokens (made by a CPU or GPU program): before the first feed.
+  Status resume(const Dsv4ProgramCheckpoint& c);
+
   // Device bytes held now (state and scratch).
   size_t device_bytes() const;
 
@@ -111,7 +122,8 @@ class Dsv4GpuCacheProgram {
   struct PoolState {
     DeviceBuffer carry_kv, carry_gate;  // rows [carry_base, fed), out_dim wide, < 2*ratio rows
     int64_t carry_base = 0;
-    std::vector<uint16_t> pooled;  // every pooled row so far, host
+    std::vector<uint16_t> pooled;  // pooled rows [pooled_first, pooled_rows), host
+    int64_t pooled_first = 0;      // a tail's first window (start / ratio)
     int64_t pooled_rows = 0;
   };
   struct LayerState {
@@ -149,8 +161,12 @@ class Dsv4GpuCacheProgram {
   cudaStream_t stream_;
   int64_t block_rows_;
   bool boundaries_ = false;
+  std::vector<int64_t> tail_calls_;  // a tail's calls, scheduled once resume() gives the window
+  int64_t start_ = 0;
+  bool resumed_ = false;
   Dsv4Schedule sched_;
   std::vector<LayerState> state_;
+  std::vector<Dsv4ProgramCheckpoint::Layer> kept_;  // per finished layer, for checkpoint_into
 
   // Shared by every layer's feeds (serialized by mu_): staged x, x in f32, GEMM accumulators,
   // a compressor's rows (carry then the block's projections), pooled rows before copy-back.

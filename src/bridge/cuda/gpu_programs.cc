@@ -359,7 +359,7 @@ struct Dsv4GpuSegmentProgram::Running {
 
 Result<std::unique_ptr<Dsv4GpuSegmentProgram>> Dsv4GpuSegmentProgram::create(
     const Dsv4DecoderWeights* host, const std::vector<Part>& parts,
-    const std::vector<int64_t>& decoder_calls) {
+    const std::vector<int64_t>& decoder_calls, int64_t start) {
   std::unique_ptr<Dsv4GpuSegmentProgram> p(new Dsv4GpuSegmentProgram(host));
   int64_t next = 0;
   for (const Part& part : parts) {
@@ -374,7 +374,8 @@ Result<std::unique_ptr<Dsv4GpuSegmentProgram>> Dsv4GpuSegmentProgram::create(
     DeviceGuard on(part.device);
     HETERO_ASSIGN_OR_RETURN(r->stream, Stream::create());
     r->program =
-        std::make_unique<Dsv4GpuCacheProgram>(part.weights, decoder_calls, r->stream.get());
+        std::make_unique<Dsv4GpuCacheProgram>(part.weights, decoder_calls, r->stream.get(),
+                                              Dsv4GpuCacheProgram::kDefaultBlockRows, start);
     HETERO_RETURN_IF_ERROR(r->program->keep_boundary_state());
     p->parts_.push_back(std::move(r));
   }
@@ -391,6 +392,27 @@ Result<std::unique_ptr<Dsv4GpuSegmentProgram>> Dsv4GpuSegmentProgram::create(
 }
 
 Dsv4GpuSegmentProgram::Dsv4GpuSegmentProgram(const Dsv4DecoderWeights* host) : host_(host) {}
+
+Result<std::shared_ptr<const Checkpoint>> Dsv4GpuSegmentProgram::checkpoint() const {
+  auto c = std::make_shared<Dsv4ProgramCheckpoint>();
+  c->weights = host_;
+  c->layers.resize(static_cast<size_t>(host_->layout.layers));
+  for (const auto& r : parts_) {
+    DeviceGuard on(r->device);
+    HETERO_RETURN_IF_ERROR(r->program->checkpoint_into(c.get()));
+  }
+  return std::shared_ptr<const Checkpoint>(std::move(c));
+}
+
+Status Dsv4GpuSegmentProgram::resume(const Checkpoint& checkpoint) {
+  const auto* c = dynamic_cast<const Dsv4ProgramCheckpoint*>(&checkpoint);
+  if (!c || c->weights != host_) return invalid_argument("not a checkpoint of this cache program");
+  for (const auto& r : parts_) {
+    DeviceGuard on(r->device);
+    HETERO_RETURN_IF_ERROR(r->program->resume(*c));
+  }
+  return Status::ok();
+}
 
 // A part's program frees its state stream-ordered: on its own GPU.
 Dsv4GpuSegmentProgram::~Dsv4GpuSegmentProgram() {

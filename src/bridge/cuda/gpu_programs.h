@@ -189,10 +189,11 @@ class Dsv4GpuSegmentProgram : public SegmentProgram {
     const Dsv4GpuWeights* weights;  // on `device`; its layer range is the part's
     int device = 0;
   };
-  // host: the export (for names and widths); parts: cover every layer once, in order.
+  // host: the export (for names and widths); parts: cover every layer once, in order. A tail
+  // (start > 0): decoder_calls cover [start, T), and resume() comes before the first row.
   static Result<std::unique_ptr<Dsv4GpuSegmentProgram>> create(
       const Dsv4DecoderWeights* host, const std::vector<Part>& parts,
-      const std::vector<int64_t>& decoder_calls);
+      const std::vector<int64_t>& decoder_calls, int64_t start = 0);
   // One part on the device current now, holding every layer.
   static Result<std::unique_ptr<Dsv4GpuSegmentProgram>> create(
       const Dsv4DecoderWeights* host, const Dsv4GpuWeights* weights,
@@ -204,6 +205,10 @@ class Dsv4GpuSegmentProgram : public SegmentProgram {
   Status close_segment(int64_t pos0, int64_t n, std::vector<WireArray>* arrays) override;
   void* device_stream() const override;  // the first part's
   void* layer_stream(int64_t layer) const override;
+  // A Dsv4ProgramCheckpoint of every part's layers (the CPU program's kind: either resumes from
+  // the other's), and resume() from one.
+  Result<std::shared_ptr<const Checkpoint>> checkpoint() const override;
+  Status resume(const Checkpoint& c) override;
 
  private:
   struct Running;  // a part's stream and program

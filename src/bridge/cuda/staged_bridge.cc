@@ -72,11 +72,11 @@ Dsv4StagedBridge::~Dsv4StagedBridge() {
 }
 
 Result<std::unique_ptr<Dsv4GpuSegmentProgram>> Dsv4StagedBridge::program(
-    const std::vector<int64_t>& decoder_calls) const {
+    const std::vector<int64_t>& decoder_calls, int64_t start) const {
   std::vector<Dsv4GpuSegmentProgram::Part> parts;
   for (size_t s = 0; s < stages_.size(); ++s)
     parts.push_back({weights_[s].get(), stages_[s].program_device});
-  return Dsv4GpuSegmentProgram::create(host_, parts, decoder_calls);
+  return Dsv4GpuSegmentProgram::create(host_, parts, decoder_calls, start);
 }
 
 size_t Dsv4StagedBridge::weight_bytes(int device) const {

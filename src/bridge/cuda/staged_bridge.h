@@ -46,8 +46,9 @@ class Dsv4StagedBridge {
                                                           const std::vector<BridgeStage>& stages);
   ~Dsv4StagedBridge();
   StagedCaptureStore* capture() const { return capture_.get(); }
-  Result<std::unique_ptr<Dsv4GpuSegmentProgram>> program(
-      const std::vector<int64_t>& decoder_calls) const;
+  // start > 0: a tail's program (decoder_calls cover [start, T); it resumes from a checkpoint).
+  Result<std::unique_ptr<Dsv4GpuSegmentProgram>> program(const std::vector<int64_t>& decoder_calls,
+                                                         int64_t start = 0) const;
   const std::vector<BridgeStage>& stages() const { return stages_; }
   // The decoder weights' bytes on a program GPU.
   size_t weight_bytes(int device) const;

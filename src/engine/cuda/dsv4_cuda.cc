@@ -455,6 +455,18 @@ bool same_shape(const Dsv4Config& a, const Dsv4Config& b) {
 
 }  // namespace
 
+int64_t Dsv4CudaEngine::checkpoint_bytes() const {
+  const Impl& m = *impl_;
+  int64_t elems = 0;
+  for (int64_t l = m.first; l < m.end && static_cast<size_t>(l) < m.state.size(); ++l) {
+    const dsv4_cuda::DState& s = m.state[static_cast<size_t>(l)];
+    elems += s.tail_rows * config_.head_dim;
+    for (const dsv4_cuda::DPool* p : {&s.pool, &s.ipool})
+      if (p->ratio > 0) elems += 2 * p->remainder * p->width + p->rows * p->head_dim;
+  }
+  return elems * 2;
+}
+
 std::shared_ptr<const Checkpoint> Dsv4CudaEngine::checkpoint() const {
   Impl& m = *impl_;
   auto c = std::make_shared<Dsv4CudaCheckpoint>();

@@ -134,6 +134,7 @@ class Dsv4CudaEngine {
   // resume a request that gave up its turn, or a later tail. Waits for the compute stream; null
   // when the copy failed (the reason goes to stderr).
   std::shared_ptr<const Checkpoint> checkpoint() const;
+  int64_t checkpoint_bytes() const;  // what checkpoint() would hold now
   // After reserve() for the whole sequence: the checkpoint's state back on the device, as if
   // its tokens had run here. Refused for a checkpoint of another engine shape or layer range.
   Status restore(const Checkpoint& c);

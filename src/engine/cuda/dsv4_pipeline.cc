@@ -221,6 +221,12 @@ std::shared_ptr<const Checkpoint> Dsv4Pipeline::checkpoint() const {
   return c;
 }
 
+int64_t Dsv4Pipeline::checkpoint_bytes() const {
+  int64_t total = 0;
+  for (const auto& e : engines_) total += e->checkpoint_bytes();
+  return total;
+}
+
 Status Dsv4Pipeline::restore(const Checkpoint& checkpoint) {
   const auto* c = dynamic_cast<const Dsv4PipelineCheckpoint*>(&checkpoint);
   if (!c || c->stages.size() != engines_.size())

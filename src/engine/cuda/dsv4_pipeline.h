@@ -61,6 +61,7 @@ class Dsv4Pipeline {
   // Every stage's Dsv4CudaEngine::checkpoint (null when one failed), and restore() of such a
   // checkpoint after reserve(): the pipeline's state after cached_tokens() tokens.
   std::shared_ptr<const Checkpoint> checkpoint() const;
+  int64_t checkpoint_bytes() const;
   Status restore(const Checkpoint& c);
   // Runs ids in chunks of the given lengths (the last takes the rest), stages overlapping, and
   // returns once every stage has finished them (the device work too). stop (optional) is asked
