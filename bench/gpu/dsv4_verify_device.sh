@@ -19,6 +19,10 @@
 # tokens, peak RSS of each process, time to first token) into $OUT/memory-<rev>.jsonl and
 # $OUT/long.log. YARN (16) is the tiny model's YaRN factor: 16 gives Flash's 1,048,576 positions,
 # 32 gives 2,097,152.
+# With WARM_TURNS (bench/warm_turns.py flags, e.g. "--turns 6 --no-native") it runs a growing
+# conversation through the served stack instead, the prefill as above on one GPU: each later
+# turn bridged by its tail from the prefill host's checkpoints ($OUT/warm-turns-*.jsonl,
+# $OUT/warm.log).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 WHEELS=(mlx mlx-cpu mlx-lm mlx-vlm fastapi starlette uvicorn pydantic pydantic_core annotated-types
@@ -66,6 +70,16 @@ if [[ -n ${LONG_SIZES:-} ]]; then
     HETERO_PREFILL_WEIGHT_DTYPE=checkpoint HETERO_PYTHON=$PY HETERO_REVISION=${REV:-unknown} \
     timeout "${LONG_TIMEOUT:-540}" python3 memory.py --model $M/native --sizes "$LONG_SIZES" \
     --no-native --out-dir "$(realpath "$OUT_DIR")") 2>&1 | tee "$OUT_DIR/long.log"
+  rc=${PIPESTATUS[0]}
+  echo "rc=$rc"
+  exit "$rc"
+fi
+if [[ -n ${WARM_TURNS:-} ]]; then
+  # shellcheck disable=SC2086  # WARM_TURNS is a list of flags
+  (cd bench && HETERO_PREFILL_BACKEND=cuda HETERO_PREFILL_ARITH=fast \
+    HETERO_PREFILL_WEIGHT_DTYPE=checkpoint HETERO_PYTHON=$PY HETERO_REVISION=${REV:-unknown} \
+    timeout "${WARM_TIMEOUT:-540}" python3 warm_turns.py --model $M/native --prefill-model $M/fp8 \
+    $WARM_TURNS --out-dir "$(realpath "$OUT_DIR")") 2>&1 | tee "$OUT_DIR/warm.log"
   rc=${PIPESTATUS[0]}
   echo "rc=$rc"
   exit "$rc"
