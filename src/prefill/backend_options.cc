@@ -103,7 +103,8 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "a prefill that has held the engine this long while another request waits gives it up "
        "at its next chunk and waits at the back of the queue to resume from the prefix cache "
        "(keep-alive frames meanwhile), so a short request is not stuck behind a long one "
-       "(engines that hand out their state: llama cpu, cuda exact, deepseek_v4 cpu; 0: never)"},
+       "(engines that hand out their state: llama cpu, cuda exact, deepseek_v4 cpu and cuda; 0: "
+       "never)"},
       {"chunk", "HETERO_PREFILL_CHUNK", "0",
        "prefill chunk size in tokens (0: the family's default: llama 512; deepseek_v4 2048 on "
        "cpu, 32768 on cuda). deepseek_v4 runs the decoder's own calls, grouped into chunks of up "
