@@ -254,14 +254,20 @@ Result<Dsv4DecoderWeights> load_dsv4_decoder_weights(const std::string& dir) {
 
 // ----------------------------------------------------------------------------- program
 
+Dsv4Schedule dsv4_pending_tail(int64_t start, const std::vector<int64_t>& decoder_calls) {
+  Dsv4Schedule s;
+  s.tokens = start;
+  for (int64_t L : decoder_calls) s.tokens += std::max<int64_t>(L, 0);
+  return s;
+}
+
 Dsv4CacheProgram::Dsv4CacheProgram(const Dsv4DecoderWeights* weights,
                                    const std::vector<int64_t>& decoder_calls, int64_t start)
     : w_(weights), start_(start) {
   state_.resize(static_cast<size_t>(w_->layout.layers));
-  if (start > 0) {  // the window's slots depend on the prefix's: scheduled by resume()
+  if (start > 0) {  // scheduled by resume()
     tail_calls_ = decoder_calls;
-    sched_.tokens = start;
-    for (int64_t L : decoder_calls) sched_.tokens += std::max<int64_t>(L, 0);
+    sched_ = dsv4_pending_tail(start, decoder_calls);
     return;
   }
   sched_ = dsv4_schedule(decoder_calls, w_->window);

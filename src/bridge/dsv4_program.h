@@ -97,6 +97,9 @@ struct Dsv4Schedule {
 // predecessor, as in the decoder).
 Dsv4Schedule dsv4_schedule(const std::vector<int64_t>& decoder_calls, int64_t window,
                            int64_t start = 0, const Dsv4WindowLayout* at_start = nullptr);
+// A tail's schedule until its program resumes (the window's slots depend on the prefix's): only
+// the tokens, start plus the calls'.
+Dsv4Schedule dsv4_pending_tail(int64_t start, const std::vector<int64_t>& decoder_calls);
 
 // What every DeepSeek-V4 program (CPU and GPU) refuses: a layer outside [0, layers); rows
 // [pos0, pos0+n) that do not follow the `fed` rows already taken or run past T; finishing a layer

@@ -7,15 +7,12 @@
 // floor a request is sealed at the longest prefix of whole chunks whose state fits. Against the
 // decoder itself: tests/py/test_dsv4_front.py (warm turns, the memory floor).
 #include <gtest/gtest.h>
-#include <httplib.h>
 
-#include <chrono>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <random>
-#include <thread>
 
 #include "../common/dsv4_model_weights.h"
+#include "../common/dsv4_served_checks.h"
 #include "../common/dsv4_test_weights.h"
 #include "bridge/dsv4_stream.h"
 #include "engine/dsv4_cpu.h"
@@ -24,17 +21,6 @@
 
 namespace hetero {
 namespace {
-
-std::vector<int64_t> join(std::vector<int64_t> a, const std::vector<int64_t>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-int64_t total(const std::vector<int64_t>& calls) {
-  int64_t n = 0;
-  for (int64_t c : calls) n += c;
-  return n;
-}
 
 // [1, rows, width] rows [from, to) of a pooled array.
 std::vector<uint8_t> row_bytes(const Tensor& t, int64_t from, int64_t to) {
@@ -55,11 +41,11 @@ TEST(Dsv4Tail, AResumedProgramMakesTheWholeRunsArrays) {
                                    {{200}, {1, 1, 99}},
                                    {{129, 1, 1, 2}, {6, 161, 1}}};
   for (const Case& c : cases) {
-    const int64_t C = total(c.prefix), T = C + total(c.tail);
+    const int64_t C = total_calls(c.prefix), T = C + total_calls(c.tail);
     SCOPED_TRACE("prefix " + std::to_string(C) + ", T " + std::to_string(T));
     std::vector<std::vector<uint16_t>> xs;
     for (uint32_t l = 0; l < 3; ++l) xs.push_back(random_dsv4_x(T, w.layout.hidden, 40 + l));
-    Dsv4CacheProgram whole(&w, join(c.prefix, c.tail));
+    Dsv4CacheProgram whole(&w, join_calls(c.prefix, c.tail));
     Dsv4CacheProgram first(&w, c.prefix);
     Dsv4CacheProgram tail(&w, c.tail, C);
     const int64_t H = w.layout.hidden;
@@ -125,12 +111,12 @@ TEST(Dsv4Tail, ARestoredCpuEngineGoesOnBitForBit) {
   dense.quant_arith = Dsv4QuantArith::kDequant;
   Dsv4CpuEngine engine(random_dsv4_model(c, 11), dense);
   const std::vector<int64_t> prefix = {5, 3, 120, 1, 1}, tail = {2, 8, 9, 31, 4, 1, 115};
-  const int64_t C = total(prefix), T = C + total(tail), H = c.hidden;
+  const int64_t C = total_calls(prefix), T = C + total_calls(tail), H = c.hidden;
   std::mt19937 rng(3);
   std::vector<int32_t> ids(static_cast<size_t>(T));
   for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
   Status st;
-  const auto want = dsv4_taps(engine, ids, {T}, &st, join(prefix, tail));
+  const auto want = dsv4_taps(engine, ids, {T}, &st, join_calls(prefix, tail));
   ASSERT_TRUE(st.is_ok()) << st.message();
 
   engine.reset();
@@ -197,40 +183,11 @@ class Dsv4TailServiceTest : public ::testing::Test {
     for (auto& v : ids_) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(config_.vocab));
   }
 
-  // Runs a request and assembles its stream (status of the assembly; the manifest's reason).
   Status run(int64_t T, int64_t start, const std::vector<int64_t>& calls, Dsv4Assembler* a,
              std::string* reason = nullptr) {
-    PrefillRequest req;
-    req.ids.assign(ids_.begin(), ids_.begin() + T);
-    req.fingerprint = weights_.layout.fingerprint;
-    req.start = start;
-    req.decoder_calls = calls;
-    std::string bytes;
-    Manifest m = service_->run(req, [&](std::string f) {
-      bytes += f;
-      return true;
-    });
-    if (reason) *reason = m.reason;
-    return assemble_bytes(bytes, a);
+    return served().run(T, start, calls, a, reason);
   }
-
-  // A response's frames into the assembler, keep-alives skipped (status of the assembly).
-  static Status assemble_bytes(const std::string& bytes, Dsv4Assembler* a) {
-    FrameParser parser(int64_t{1} << 26);
-    parser.feed(bytes.data(), bytes.size());
-    for (;;) {
-      HETERO_ASSIGN_OR_RETURN(auto frame, parser.next());
-      if (!frame) return data_loss("no manifest");
-      const std::string kind = frame->header.value("kind", "");
-      if (kind == "keepalive") continue;
-      if (kind == "manifest") {
-        HETERO_ASSIGN_OR_RETURN(Manifest got, decode_manifest(*frame));
-        return a->finish(got);
-      }
-      HETERO_ASSIGN_OR_RETURN(Segment s, decode_segment(*frame));
-      HETERO_RETURN_IF_ERROR(a->accept(s));
-    }
-  }
+  Dsv4Served served() { return {service_.get(), &weights_, &ids_}; }
 
   Dsv4Config config_ = tiny_dsv4_config();
   Dsv4DecoderWeights weights_;
@@ -241,89 +198,14 @@ class Dsv4TailServiceTest : public ::testing::Test {
 };
 
 TEST_F(Dsv4TailServiceTest, ASecondTurnStreamsItsTailFromTheFirstTurnsCheckpoints) {
-  const std::vector<int64_t> turn1 = {64, 64, 2}, turn2 = {64, 64, 41, 1};
-  const int64_t C = total(turn1), T = C + total(turn2);
-  // Without a first turn, a tail has nothing to resume from: refused, whole prefix asked for.
-  Dsv4Assembler none(weights_.layout, T, "", C);
-  std::string reason;
-  EXPECT_FALSE(run(T, C, turn2, &none, &reason).is_ok());
-  EXPECT_NE(reason.find("no checkpoint of exactly the first 130 tokens"), std::string::npos)
-      << reason;
-
-  Dsv4Assembler whole(weights_.layout, T);  // the truth: one request with both turns' calls
-  Status st = run(T, 0, join(turn1, turn2), &whole, &reason);
-  ASSERT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
-  Dsv4Assembler first(weights_.layout, C);
-  st = run(C, 0, turn1, &first, &reason);
-  ASSERT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
-  Dsv4Assembler tail(weights_.layout, T, "", C);
-  st = run(T, C, turn2, &tail, &reason);
-  ASSERT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
-  ASSERT_TRUE(tail.can_mount(T));
-  EXPECT_EQ(tail.entry_extra()["start"].get<int64_t>(), C);
-  const TensorMap want = whole.arrays(T).value(), got = tail.arrays(T).value(),
-                  head = first.arrays(C).value();
-  ASSERT_EQ(got.size(), want.size());
-  for (const auto& [name, t] : want) {
-    SCOPED_TRACE(name);
-    ASSERT_TRUE(got.count(name));
-    if (name.ends_with(".pooled")) {  // the first turn's rows, then the tail's
-      const int64_t r = weights_.layers[std::stoul(name.substr(7))].ratio;  // "layers.{i}.*"
-      EXPECT_EQ(head.at(name).shape[1], C / r);
-      std::vector<uint8_t> joined = head.at(name).bytes;
-      joined.insert(joined.end(), got.at(name).bytes.begin(), got.at(name).bytes.end());
-      EXPECT_EQ(joined, t.bytes);
-    } else {
-      EXPECT_EQ(got.at(name).shape, t.shape);
-      EXPECT_EQ(got.at(name).bytes, t.bytes);
-    }
-  }
-  // And the checkpoint chain goes on: a third turn from the second's end.
-  Dsv4Assembler again(weights_.layout, T, "", C);
-  st = run(T, C, turn2, &again, &reason);  // the first turn's checkpoint is still held
-  EXPECT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
+  expect_tail_from_first_turn(served(), {64, 64, 2}, {64, 64, 41, 1});
 }
 
-// Turns: a long request that has held the engine past --turn-ms while a short one waits gives
-// it up at a chunk boundary, keeping the engine's checkpoint there, and resumes from it after
-// the short one with the decoder's calls from that boundary: its stream is the one it sends
-// alone.
+// Turns: a long request gives its turn to a short one at a chunk boundary, keeping its engine's
+// checkpoint, and resumes from it with the decoder's calls from there: its stream is the one it
+// sends alone.
 TEST_F(Dsv4TailServiceTest, ALongRequestGivesItsTurnToAShortOneAndSendsTheSameArrays) {
-  const int64_t T = 300, S = 40;
-  const std::vector<int64_t> calls = {64, 64, 64, 64, 43, 1}, short_calls = {39, 1};
-  Dsv4Assembler alone(weights_.layout, T);
-  std::string reason;
-  Status st = run(T, 0, calls, &alone, &reason);  // no HTTP: never gives the engine up
-  ASSERT_TRUE(st.is_ok()) << st.to_string() << "; " << reason;
-  service_->set_turn_ms(1);
-  ASSERT_TRUE(service_->start("127.0.0.1", 0).is_ok());
-  auto post = [&](int64_t n, const std::vector<int64_t>& c, Dsv4Assembler* a,
-                  std::chrono::steady_clock::time_point* done) {
-    httplib::Client cli("127.0.0.1", service_->bound_port());
-    cli.set_read_timeout(120, 0);
-    const nlohmann::json body = {{"ids", std::vector<int32_t>(ids_.begin(), ids_.begin() + n)},
-                                 {"fingerprint", weights_.layout.fingerprint},
-                                 {"decoder_calls", c}};
-    auto res = cli.Post("/v1/prefill", body.dump(), "application/json");
-    *done = std::chrono::steady_clock::now();
-    if (!res || res->status != 200) return internal_error(res ? res->body : "no response");
-    return assemble_bytes(res->body, a);
-  };
-  Dsv4Assembler long_one(weights_.layout, T), short_one(weights_.layout, S);
-  std::chrono::steady_clock::time_point long_done, short_done;
-  Status long_st, short_st;
-  std::thread a([&] { long_st = post(T, calls, &long_one, &long_done); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(30));  // the long one holds the engine
-  std::thread b([&] { short_st = post(S, short_calls, &short_one, &short_done); });
-  a.join();
-  b.join();
-  service_->stop();
-  ASSERT_TRUE(long_st.is_ok()) << long_st.to_string();
-  ASSERT_TRUE(short_st.is_ok()) << short_st.to_string();
-  EXPECT_LT(short_done, long_done);  // the short one did not wait for the whole long one
-  const TensorMap want = alone.arrays(T).value(), got = long_one.arrays(T).value();
-  ASSERT_EQ(got.size(), want.size());
-  for (const auto& [name, t] : want) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
+  expect_turn_given_and_same_arrays(served(), 300, {64, 64, 64, 64, 43, 1}, 40, {39, 1});
 }
 
 // The memory floor: under a host budget that holds the state of 192 tokens in chunks of 64, a

@@ -98,10 +98,9 @@ Dsv4GpuCacheProgram::Dsv4GpuCacheProgram(const Dsv4GpuWeights* weights,
     : w_(weights), stream_(stream), block_rows_(std::max<int64_t>(1, block_rows)), start_(start) {
   state_.resize(static_cast<size_t>(w_->layout.layers));
   kept_.resize(state_.size());
-  if (start > 0) {  // the window's slots depend on the prefix's: scheduled by resume()
+  if (start > 0) {  // scheduled by resume()
     tail_calls_ = decoder_calls;
-    sched_.tokens = start;
-    for (int64_t L : decoder_calls) sched_.tokens += std::max<int64_t>(L, 0);
+    sched_ = dsv4_pending_tail(start, decoder_calls);
     return;
   }
   sched_ = dsv4_schedule(decoder_calls, w_->window);
