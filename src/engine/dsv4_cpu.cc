@@ -402,14 +402,20 @@ int64_t pool_bytes(const Pool& p) {
 
 }  // namespace
 
+int64_t Dsv4CpuEngine::checkpoint_bytes() const {
+  int64_t held = 0;
+  for (const LayerState& s : state_)
+    held += static_cast<int64_t>(s.window.keys.size()) * 2 + pool_bytes(s.pool) +
+            pool_bytes(s.index_pool);
+  return held;
+}
+
 std::shared_ptr<const Checkpoint> Dsv4CpuEngine::checkpoint() const {
   auto c = std::make_shared<Dsv4EngineCheckpoint>();
   c->state = state_;
   c->n = n_cached_;
   c->full_forward = full_forward_;
-  for (const LayerState& s : state_)
-    c->held += static_cast<int64_t>(s.window.keys.size()) * 2 + pool_bytes(s.pool) +
-               pool_bytes(s.index_pool);
+  c->held = checkpoint_bytes();
   return c;
 }
 

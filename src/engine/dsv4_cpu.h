@@ -85,6 +85,7 @@ class Dsv4CpuEngine {
   // the decoder's shapes), for the prefill host's prefix checkpoints; restore() puts one back
   // in place of the current sequence, which then goes on from its end as if it had run here.
   std::shared_ptr<const Checkpoint> checkpoint() const;
+  int64_t checkpoint_bytes() const;  // what checkpoint() would hold now
   Status restore(const Checkpoint& c);
   // Runs the next chunk: ids are positions [cached_tokens(), +ids.size()). Ids outside the
   // vocabulary are refused before anything changes.

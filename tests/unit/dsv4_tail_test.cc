@@ -201,6 +201,20 @@ TEST_F(Dsv4TailServiceTest, ASecondTurnStreamsItsTailFromTheFirstTurnsCheckpoint
   expect_tail_from_first_turn(served(), {64, 64, 2}, {64, 64, 41, 1});
 }
 
+// A state larger than the prefix cache is not kept (nor copied): a later tail is refused and the
+// decode side asks for the whole prefix.
+TEST_F(Dsv4TailServiceTest, AStateLargerThanThePrefixCacheIsNotKept) {
+  service_->set_state_cache(256, 1024);
+  Dsv4Assembler first(weights_.layout, 130);
+  std::string reason;
+  ASSERT_TRUE(run(130, 0, {64, 64, 2}, &first, &reason).is_ok()) << reason;
+  ASSERT_GT(engine_->checkpoint_bytes(), 1024);
+  Dsv4Assembler tail(weights_.layout, 300, "", 130);
+  EXPECT_FALSE(run(300, 130, {64, 64, 41, 1}, &tail, &reason).is_ok());
+  EXPECT_NE(reason.find("no checkpoint of exactly the first 130 tokens"), std::string::npos)
+      << reason;
+}
+
 // Turns: a long request gives its turn to a short one at a chunk boundary, keeping its engine's
 // checkpoint, and resumes from it with the decoder's calls from there: its stream is the one it
 // sends alone.
