@@ -28,7 +28,7 @@ from .llama import describe, kv_weights
 
 def sidecar(desc: Dict[str, Any], model_path: str) -> Dict[str, Any]:
     keys = ("family", "model_type", "fingerprint", "layers", "kv_heads", "head_dim", "hidden")
-    keys += ("rms_norm_eps", "rope", "qk_norm", "kv_bias", "dtype", "quantization")
+    keys += ("rms_norm_eps", "rope", "qk_norm", "kv_bias", "dtype", "quantization", "sliding_window")
     meta = {"format": WEIGHTS_FORMAT}
     meta.update({k: desc[k] for k in keys})
     meta["model"] = str(Path(model_path).resolve())

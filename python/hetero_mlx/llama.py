@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .quantized import linear_weights
 
@@ -128,8 +128,9 @@ def fingerprint(desc: Dict[str, Any]) -> str:
     """
     keys = ("family", "layers", "kv_heads", "head_dim", "rope", "qk_norm", "kv_bias")
     ident = {k: desc[k] for k in keys}
-    if desc.get("quantization") is not None:
-        ident["quantization"] = desc["quantization"]
+    for optional in ("quantization", "sliding_window"):  # absent: the fingerprint it always had
+        if desc.get(optional) is not None:
+            ident[optional] = desc[optional]
     text = json.dumps(ident, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -140,9 +141,15 @@ def describe(model: nn.Module) -> Dict[str, Any]:
     if args.model_type not in MODEL_TYPES:
         raise ValueError(f"model_type {args.model_type!r} is not in the llama family {MODEL_TYPES}")
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds != {"KVCache"}:
-        # Sliding-window or other cache kinds need their own mount; refuse instead of guessing.
-        raise ValueError(f"llama family needs plain KVCache layers, model makes {sorted(kinds)}")
+    if not kinds <= {"KVCache", "RotatingKVCache"}:
+        # Other cache kinds need their own mount; refuse instead of guessing.
+        raise ValueError(f"llama family needs KVCache layers, model makes {sorted(kinds)}")
+    # Sliding-window layers (mlx-lm's llama "sliding_attention"): RotatingKVCache(sliding_window).
+    # Within the window their cache is every row in order; the prefill host bridges only such
+    # prompts (check_llama_reach).
+    sliding = getattr(getattr(model, "model", None), "sliding_window", None)
+    if "RotatingKVCache" not in kinds:
+        sliding = None
     attn = model.layers[0].self_attn
     head_dim = (
         getattr(attn, "head_dim", None)
@@ -163,6 +170,7 @@ def describe(model: nn.Module) -> Dict[str, Any]:
         "kv_bias": "bias" in attn.k_proj,
         "dtype": dtype_name(_cache_dtype(model.layers[0])),
         "quantization": quantization(model),
+        "sliding_window": int(sliding) if sliding is not None else None,
     }
     desc["fingerprint"] = fingerprint(desc)
     return desc
@@ -202,7 +210,14 @@ def build_cache(model: nn.Module, arrays: Dict[str, mx.array], n_tokens: int) ->
     for i, layer_cache in enumerate(cache):
         keys = arrays[f"layers.{i}.keys"][None]
         values = arrays[f"layers.{i}.values"][None]
-        layer_cache.state = (keys, values, n_tokens)
+        if isinstance(layer_cache, RotatingKVCache):
+            # Within the window: every row in temporal order, as the decoder's own calls leave it.
+            if n_tokens >= layer_cache.max_size:
+                raise ValueError(f"layer {i}: {n_tokens} rows do not fit its window of "
+                                 f"{layer_cache.max_size} in order")
+            layer_cache.state = (keys, values, n_tokens, 0, layer_cache.max_size, n_tokens)
+        else:
+            layer_cache.state = (keys, values, n_tokens)
     mx.eval([c.keys for c in cache] + [c.values for c in cache])
     return cache
 
@@ -212,8 +227,11 @@ def extend_cache(prefix: List[Any], arrays: Dict[str, mx.array], n_tokens: int) 
     tail's rows ([kv_heads, n, head_dim] per layer) to n_tokens, the way the decoder appends
     rows itself (KVCache.update_and_fetch). Evaluated here, as build_cache is."""
     for i, layer_cache in enumerate(prefix):
-        if type(layer_cache) is not KVCache:
+        rotating = type(layer_cache) is RotatingKVCache
+        if type(layer_cache) is not KVCache and not rotating:
             raise ValueError(f"layer {i} holds a {type(layer_cache).__name__}, not a KVCache")
+        if rotating and n_tokens >= layer_cache.max_size:
+            raise ValueError(f"layer {i}: {n_tokens} rows do not fit its window in order")
         layer_cache.update_and_fetch(
             arrays[f"layers.{i}.keys"][None], arrays[f"layers.{i}.values"][None]
         )
@@ -226,12 +244,15 @@ def extend_cache(prefix: List[Any], arrays: Dict[str, mx.array], n_tokens: int) 
 def cache_arrays(cache: List[Any], n_tokens: int) -> Dict[str, mx.array]:
     """Store-layout arrays of the first n_tokens rows of the decoder's cache objects.
 
-    KVCache grows its buffers in steps of 256 rows, so the buffers are sliced to n_tokens.
+    KVCache grows its buffers in steps of 256 rows, so the buffers are sliced to n_tokens; a
+    RotatingKVCache that has not filled its window holds its rows in order the same way.
     """
     out = {}
     for i, layer_cache in enumerate(cache):
-        if not isinstance(layer_cache, KVCache) or layer_cache.offset < n_tokens:
-            raise ValueError(f"layer {i} cache does not hold {n_tokens} rows")
+        in_order = isinstance(layer_cache, KVCache) or (
+            isinstance(layer_cache, RotatingKVCache) and layer_cache.offset < layer_cache.max_size)
+        if not in_order or layer_cache.offset < n_tokens:
+            raise ValueError(f"layer {i} cache does not hold {n_tokens} rows in order")
         out[f"layers.{i}.keys"] = mx.contiguous(layer_cache.keys[0, :, :n_tokens, :])
         out[f"layers.{i}.values"] = mx.contiguous(layer_cache.values[0, :, :n_tokens, :])
     mx.eval(list(out.values()))

@@ -355,6 +355,7 @@ class SeamHandler(APIHandler):
         desc, cache = self.seam.desc, self.seam.prompt_cache
         keys = ("family", "model_type", "fingerprint", "layers", "kv_heads", "head_dim")
         keys += ("hidden", "vocab_size", "dtype", "rope", "qk_norm", "kv_bias", "quantization")
+        keys += ("sliding_window",)
         info = {k: desc[k] for k in keys}
         info.update(
             model=self.seam.provider.cli_args.model,

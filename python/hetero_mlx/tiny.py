@@ -67,6 +67,9 @@ class TinyShape:
     rope_traditional: bool = False
     rope_parameters: bool = False
     max_position_embeddings: int = 32768
+    # llama/mistral: > 0 makes the odd layers "sliding_attention" over this many positions (the
+    # even ones full), as mlx-lm reads layer_types and sliding_window.
+    sliding_window: int = 0
 
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden // self.heads
@@ -116,6 +119,10 @@ def _config(shape: TinyShape, vocab_size: int) -> Dict:
         config["mlp_bias"] = False
     if shape.model_type == "mistral":
         config["sliding_window"] = None  # a window would make mlx-lm build rotating caches
+    if shape.sliding_window:
+        config["sliding_window"] = shape.sliding_window
+        config["layer_types"] = ["sliding_attention" if i % 2 else "full_attention"
+                                 for i in range(shape.layers)]
     if shape.model_type == "qwen2":
         del config["head_dim"]  # real Qwen2 configs have none; mlx-lm derives it
     if shape.rope_traditional:

@@ -200,6 +200,17 @@ std::string decoder_family(const std::string& dir) {
   return j["family"].get<std::string>();
 }
 
+Status check_llama_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens) {
+  HETERO_RETURN_IF_ERROR(check_rope_reach(w.rope_config, prompt_tokens));
+  if (w.sliding_window > 0 && prompt_tokens > w.sliding_window)
+    return failed_precondition(
+        "a prompt of " + std::to_string(prompt_tokens) +
+        " tokens is past the decoder's sliding window of " + std::to_string(w.sliding_window) +
+        " tokens, where its sliding-window layers keep only the window (laid out by its calls); "
+        "it is left to the decoder");
+  return Status::ok();
+}
+
 Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
   HETERO_ASSIGN_OR_RETURN(std::string text, read_export_json(dir, "llama"));
   const json j = json::parse(text);
@@ -215,6 +226,8 @@ Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir) {
     d.layout.hidden = j.at("hidden").get<int64_t>();
     d.layout.quantization = j.value("quantization", json());
     d.rms_norm_eps = j.at("rms_norm_eps").get<double>();
+    if (j.contains("sliding_window") && !j["sliding_window"].is_null())
+      d.sliding_window = j["sliding_window"].get<int64_t>();
     const json& r = j.at("rope");
     rope.base = r.at("base").get<double>();
     rope.dims = r.at("dims").get<int64_t>();

@@ -72,8 +72,15 @@ struct LlamaDecoderWeights {
   double rms_norm_eps = 1e-5;
   RopeSpec rope;  // the decoder's rope, checked against the frequencies its export carries
   LlamaRopeConfig rope_config;  // what it was built from (check_rope_reach, per request)
+  int64_t sliding_window = 0;   // LlamaConfig::sliding_window, as the decoder has it
   std::vector<LlamaProgramLayer> layers;
 };
+
+// OK, or why the decoder's cache for a prompt of `prompt_tokens` tokens is not one this export's
+// program computes: past a dynamic rope's reach (check_rope_reach), or past the sliding window
+// of sliding-window layers (their caches then hold only a window, laid out by the decoder's
+// calls). A per-request refusal: the decoder answers the prompt natively.
+Status check_llama_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens);
 
 Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir);
 

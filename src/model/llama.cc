@@ -98,13 +98,18 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
   // "full_attention" must be there. Its qwen2 and qwen3 ignore the key: full attention always.
   if ((c.model_type == "llama" || c.model_type == "mistral") && j.contains("layer_types") &&
       j["layer_types"].is_array()) {
-    bool full = false;
+    bool full = false, sliding = false;
     for (const json& t : j["layer_types"]) {
-      if (t == "sliding_attention")
-        return invalid_argument(model_dir +
-                                "/config.json: layer type \"sliding_attention\" "
-                                "(sliding-window attention) is not supported yet");
+      sliding = sliding || t == "sliding_attention";
       full = full || t == "full_attention";
+    }
+    if (sliding) {
+      const json* w = j.contains("sliding_window") ? &j["sliding_window"] : nullptr;
+      if (!w || !w->is_number_integer() || w->get<int64_t>() <= 0)
+        return invalid_argument(model_dir +
+                                "/config.json: \"sliding_attention\" layers need a positive "
+                                "integer sliding_window (mlx-lm sizes their caches by it)");
+      c.sliding_window = w->get<int64_t>();
     }
     if (!full)
       return invalid_argument(model_dir +

@@ -25,11 +25,14 @@ struct LlamaConfig {
   bool qk_norm = false;         // Qwen3: RMSNorm over head_dim of q and k before RoPE
   LlamaRopeConfig rope_config;  // as the config gives it (rope_scaling, max_position_embeddings)
   RopeSpec rope;                // what the decoder's rope module computes with
+  // > 0: some layers are mlx-lm's "sliding_attention" over the last sliding_window positions.
+  // For a prompt within it they compute what full attention does (the decoder's mask is then
+  // "causal" too), which is all the engines compute; longer prompts are not bridged.
+  int64_t sliding_window = 0;
 };
 
 // Parses config.json as mlx-lm reads it (defaults per model type). Unsupported features (a rope
-// type mlx-lm lacks or that depends on the call schedule, sliding windows) are refused with a
-// message rather than silently computed wrong.
+// type mlx-lm lacks) are refused with a message rather than silently computed wrong.
 Result<LlamaConfig> load_llama_config(const std::string& model_dir);
 
 // Weights in bf16 as stored (converted from f16/f32 with round-to-nearest-even when needed):

@@ -30,7 +30,7 @@ Result<PrefillStack> load_llama(const std::string& model_dir, const std::string&
                                                      : LlamaCpuEngine::Gemm::kOrdered));
   engine->set_memory_budget(memory_budget);
   HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
-  HETERO_RETURN_IF_ERROR(check_export_matches_model(engine->config(), weights.layout));
+  HETERO_RETURN_IF_ERROR(check_export_matches_model(engine->config(), weights));
   struct Owned {
     std::unique_ptr<LlamaCpuEngine> engine;
     LlamaDecoderWeights weights;
@@ -45,10 +45,10 @@ Result<PrefillStack> load_llama(const std::string& model_dir, const std::string&
   s.engine = std::make_unique<EngineAdapter<LlamaCpuEngine>>(owned->engine.get());
   s.layout = owned->weights.layout;
   const LlamaCacheProgram* program = owned->program.get();
-  const LlamaRopeConfig* rope = &owned->weights.rope_config;
+  const LlamaDecoderWeights* exported = &owned->weights;
   s.programs = [program,
-                rope](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-    HETERO_RETURN_IF_ERROR(check_rope_reach(*rope, prompt_tokens(req)));
+                exported](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+    HETERO_RETURN_IF_ERROR(check_llama_reach(*exported, prompt_tokens(req)));
     return std::unique_ptr<SegmentProgram>(std::make_unique<LlamaSegmentProgram>(program));
   };
   s.owned = owned;

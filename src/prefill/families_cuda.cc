@@ -115,7 +115,7 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   HETERO_ASSIGN_OR_RETURN(cuda::WeightDtype wdt, cuda::parse_weight_dtype(backend.weights));
   HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(LlamaConfig config, load_llama_config(model_dir));
-  HETERO_RETURN_IF_ERROR(check_export_matches_model(config, weights.layout));
+  HETERO_RETURN_IF_ERROR(check_export_matches_model(config, weights));
   HETERO_ASSIGN_OR_RETURN(cuda::AttentionKernel attention,
                           cuda::parse_attention_kernel(backend.attention));
   cuda::LlamaCudaOptions options{kv, /*host_tap=*/false, backend.device, arith, wdt};
@@ -138,10 +138,10 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   // One set of page-locked blocks for every request: pinning hundreds of MB per request would
   // cost more than the segment's copies.
   auto pool = cuda::make_pinned_pool();
-  const LlamaRopeConfig rope = owned->weights.rope_config;
+  const LlamaDecoderWeights* exported = &owned->weights;
   s.programs = [gw, pool, backend,
-                rope](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-    HETERO_RETURN_IF_ERROR(check_rope_reach(rope, prompt_tokens(req)));
+                exported](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
+    HETERO_RETURN_IF_ERROR(check_llama_reach(*exported, prompt_tokens(req)));
     return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
       HETERO_ASSIGN_OR_RETURN(auto program, cuda::LlamaGpuSegmentProgram::create(gw, pool));
       return std::unique_ptr<SegmentProgram>(std::move(program));

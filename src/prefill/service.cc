@@ -98,7 +98,8 @@ Result<FaultSpec> parse_fault(const std::string& text) {
   return invalid_argument("--fault kind '" + f.kind + "' is unknown");
 }
 
-Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLayout& layout) {
+Status check_export_matches_model(const LlamaConfig& model, const LlamaDecoderWeights& exported) {
+  const DecoderCacheLayout& layout = exported.layout;
   auto mismatch = [&](const char* what, int64_t m, int64_t e) {
     return failed_precondition(std::string("decoder-weights export does not match the model: ") +
                                what + " " + std::to_string(e) + " in the export, " +
@@ -110,6 +111,8 @@ Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLa
     return mismatch("kv_heads", model.kv_heads, layout.kv_heads);
   if (model.head_dim != layout.head_dim)
     return mismatch("head_dim", model.head_dim, layout.head_dim);
+  if (model.sliding_window != exported.sliding_window)
+    return mismatch("sliding_window", model.sliding_window, exported.sliding_window);
   return Status::ok();
 }
 
@@ -290,12 +293,18 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a,
   return st;
 }
 
-Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink) {
+Manifest PrefillService::refusal(const PrefillRequest& req) const {
   Manifest m;
   m.fingerprint = layout_.fingerprint;
   m.requested_tokens = static_cast<int64_t>(req.ids.size());
   m.start = req.start;
+  m.covered_tokens = req.start;  // a tail's rows before its start are the decoder's own
   m.arith = arith_;
+  return m;
+}
+
+Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink) {
+  Manifest m = refusal(req);
   if (const Turn turn = take_turn(); !turn.status.is_ok()) {
     m.reason = turn.status.message();
     sink(encode_manifest(m));
@@ -329,12 +338,8 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
     if (Status r = program.value()->resume(*a.resume->program); !r.is_ok()) program = r;
   }
   if (!program.is_ok()) {
-    Manifest m;
-    m.fingerprint = layout_.fingerprint;
-    m.requested_tokens = T;
-    m.start = req.start;
+    Manifest m = refusal(req);
     m.reason = "cache program refused the request: " + program.status().to_string();
-    m.arith = arith_;
     sink(encode_manifest(m));
     return m;
   }

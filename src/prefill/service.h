@@ -225,7 +225,7 @@ Result<std::vector<int64_t>> decoder_calls_after(const std::vector<int64_t>& cal
 
 // The export must describe this model: same layer count, hidden size, kv heads and head dim.
 // A mismatch would make the program read tap rows with the wrong width; it is refused here.
-Status check_export_matches_model(const LlamaConfig& model, const DecoderCacheLayout& layout);
+Status check_export_matches_model(const LlamaConfig& model, const LlamaDecoderWeights& exported);
 
 // Device memory a GPU stack holds on one GPU (GET /health's "gpu_memory", `hetero doctor`): the
 // engine's weights, the rest of the engine's allocations (its state and activations), the
@@ -334,6 +334,9 @@ class PrefillService {
   // for its prefix (DeepSeek-V4): a tail resumes from a checkpoint of exactly its start or not
   // at all. llama's tails resume from the row cache, or are computed from 0.
   bool tails_need_checkpoints() const { return layout_.family != "llama"; }
+  // The manifest of a request that streams no segment (its reason still to be said): nothing
+  // past its start covered.
+  Manifest refusal(const PrefillRequest& req) const;
   // The chunks of ids[from, len) (a boundary at the request's start).
   std::vector<int64_t> plan_for(const PrefillRequest& req, int64_t from) const;
   // With the turn: the engine reset, the request's memory reserved and the cached state loaded,

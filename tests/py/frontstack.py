@@ -208,11 +208,15 @@ class Decoder:
     def cached(self, ids: List[int]) -> int:
         return self.post("/hetero/cached_prefix", {"ids": ids})["cached_tokens"]
 
-    def native(self, body: dict, path: str = "/v1/chat/completions") -> dict:
-        """The decoder's own answer to body, computed cold; leaves the prompt cache empty."""
+    def native(self, body: dict, path: str = "/v1/chat/completions", settle: bool = True) -> dict:
+        """The decoder's own answer to body, computed cold; leaves the prompt cache empty, or
+        with settle=False as the request left it (for a last request, and for caches the probe
+        below cannot read: a sliding window's past its window cannot be trimmed to a prefix)."""
         ids = self.post("/hetero/tokenize", body, timeout=60)["ids"]
         self.clear()
         reply = self.post(path, body, timeout=600)
+        if not settle:
+            return reply
         # mlx-lm stores prompt + completion in its prompt cache after the reply has gone out
         # (and the prompt's segments before it): wait for that last insert, then clear, or the
         # front would find this prompt warm. An entry longer than the prompt is the last one:

@@ -161,6 +161,15 @@ VARIANTS: Dict[str, Variant] = {
         ROPE_PROGRAM_CHUNKINGS,
         ROPE_PREFILL_CHUNKS,
     ),
+    # Sliding-window layers (every other one), prompts within the window: their caches then hold
+    # every row in order (past it no prompt is bridged).
+    "llama-sliding": Variant(
+        TinyShape("llama", 2, 64, 4, 2, 16, 128, sliding_window=2100),
+        28,
+        (129, 2049),
+        ROPE_PROGRAM_CHUNKINGS,
+        ROPE_PREFILL_CHUNKS,
+    ),
     # mlx-lm-quantized decoders (affine): the engine and the cache program compute the quantized
     # matmuls as the decoder does (embedding, every projection; qwen2's biases after them).
     "llama-q4": Variant(
@@ -570,6 +579,25 @@ def test_dynamic_rope_past_max_position_embeddings_is_refused_per_request(lab, h
     res = _run(hetero_bin, "program", "--weights", lab.export_dir("llama-dynamic"),
                "--inputs", inputs, "--out", tmp_path / "program.safetensors")
     assert res.returncode == 0, res.stderr
+
+
+def test_a_prompt_past_the_sliding_window_is_refused_per_request(lab, hetero_bin, tmp_path):
+    """Past its window a sliding layer's cache keeps only the window, laid out by the decoder's
+    calls: such a prompt is refused, naming why; one within the window is bridged."""
+    lab.model("llama-sliding")
+    ids = tmp_path / "ids.json"
+    for T in (2100, 2101):  # the rows are the prompt's but its last token
+        ids.write_text(json.dumps([(7 * i) % 100 + 1 for i in range(T - 1)]))
+        res = _run(
+            hetero_bin, "prefill", "--model", lab.model_dir("llama-sliding"),
+            "--weights", lab.export_dir("llama-sliding"), "--ids-file", ids,
+            "--out", tmp_path / f"out-{T}.safetensors",
+        )  # fmt: skip
+        if T == 2100:
+            assert res.returncode == 0, res.stderr
+            continue
+        assert res.returncode != 0, f"prefill bridged past the sliding window: {res.stdout}"
+        assert "2101 tokens is past the decoder's sliding window of 2100" in res.stderr, res.stderr
 
 
 def test_quantized_decoder_and_dense_checkpoint_are_refused_naming_both(lab, hetero_bin, tmp_path):

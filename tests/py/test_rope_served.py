@@ -2,8 +2,9 @@
 rope settings (llama3 scaling at theta 500000; YaRN x4 over 32768, written the transformers-v5
 way; dynamic NTK) behind `hetero up`. A prompt long enough to bridge gets the decoder's own
 answer: verdict complete, the decoder's usage shows every prompt token but the last cached, and
-the text equals the decoder's native answer to the same request. A prompt past a dynamic rope's
-max_position_embeddings is left to the decoder, and the verdict says why.
+the text equals the decoder's native answer to the same request. A Mistral-style model with sliding-window
+layers is served the same way. A prompt past a dynamic rope's max_position_embeddings, or past
+the sliding window, is left to the decoder, and the verdict says why.
 
 Needs HETERO_TOKENIZER (the checkpoints are random; the tokenizer is real) and the binary.
 """
@@ -36,6 +37,15 @@ MODELS = {
     "llama-dynamic": TinyShape(
         "llama", 2, 64, 4, 2, 16, 128, tie=True, max_position_embeddings=1500,
         rope_scaling=json.dumps({"type": "dynamic", "factor": 2.0})),
+    # Every other layer attends over the last 1,500 positions only (RotatingKVCache).
+    "mistral-sliding": TinyShape(
+        "mistral", 2, 64, 4, 2, 16, 128, tie=False, sliding_window=1500),
+}
+
+# What a prompt past each model's reach is refused for, with its reach.
+PAST_REACH = {
+    "llama-dynamic": "past max_position_embeddings (1500)",
+    "mistral-sliding": "past the decoder's sliding window of 1500 tokens",
 }
 
 
@@ -69,14 +79,14 @@ def test_bridged_answer_is_the_decoders_own(served) -> None:
     assert got == answer(native), (got, answer(native))
 
 
-@pytest.mark.parametrize("served", ["llama-dynamic"], indirect=True)  # the others reach any length
-def test_a_prompt_past_the_dynamic_ropes_reach_is_the_decoders(served) -> None:
-    _, port, decoder = served
-    body = chat(text("rope-dynamic-long", 1600), max_tokens=24)
-    native = decoder.native(body)
-    assert native["usage"]["prompt_tokens"] > 1500, native["usage"]
+@pytest.mark.parametrize("served", sorted(PAST_REACH), indirect=True)  # the others reach any length
+def test_a_prompt_past_the_models_reach_is_the_decoders(served) -> None:
+    name, port, decoder = served
+    body = chat(text(f"past-{name}", 1600), max_tokens=24)
     got, v, usage = openai_chat(SimpleNamespace(port=port), body, stream=False)
-    assert v["verdict"] != "complete" and not v.get("B"), v
+    native = decoder.native(body, settle=False)  # the module's last request: cold, then left
     T = native["usage"]["prompt_tokens"]
-    assert f"a prompt of {T} tokens is past max_position_embeddings (1500)" in v["verdict"], v
+    assert T > 1500, native["usage"]
+    assert v["verdict"] != "complete" and not v.get("B"), v
+    assert f"a prompt of {T} tokens is {PAST_REACH[name]}" in v["verdict"], v
     assert got == answer(native), (got, answer(native))

@@ -153,20 +153,27 @@ TEST(LlamaConfig, DynamicRopeIsExactWithinMaxPositionEmbeddings) {
   EXPECT_NE(none.status().message().find("max_position_embeddings"), std::string::npos);
 }
 
-TEST(LlamaConfig, SlidingWindowLayersAreRefused) {
+// Sliding-window layers (llama and mistral, the types whose mlx-lm code reads layer_types) need
+// the window their caches are sized by; the reach of a bridge is then that window.
+TEST(LlamaConfig, SlidingWindowLayersNeedTheirWindow) {
   for (const char* type : {"llama", "mistral"}) {
     auto j = base(type);
     j["layer_types"] = {"full_attention", "sliding_attention"};
     auto c = config_of(j);
     ASSERT_FALSE(c.is_ok()) << type;
-    EXPECT_NE(c.status().message().find("sliding_attention"), std::string::npos);
+    EXPECT_NE(c.status().message().find("sliding_window"), std::string::npos);
+    j["sliding_window"] = 512;
+    c = config_of(j);
+    ASSERT_TRUE(c.is_ok()) << type << ": " << c.status().message();
+    EXPECT_EQ(c->sliding_window, 512);
     // mlx-lm's llama needs one full-attention layer to load at all.
     j["layer_types"] = {"chunked_attention"};
     c = config_of(j);
     ASSERT_FALSE(c.is_ok()) << type;
     EXPECT_NE(c.status().message().find("full_attention"), std::string::npos);
     j["layer_types"] = {"full_attention", "full_attention"};
-    EXPECT_TRUE(config_of(j).is_ok()) << type;
+    ASSERT_TRUE(config_of(j).is_ok()) << type;
+    EXPECT_EQ(config_of(j)->sliding_window, 0) << type;
   }
 }
 
@@ -180,7 +187,8 @@ TEST(LlamaConfig, QwenIgnoresLayerTypesAsTheDecoderDoes) {
     j["sliding_window"] = 4096;
     j["tie_word_embeddings"] = true;  // qwen3 has no default for these two
     j["rope_theta"] = 1e6;
-    EXPECT_TRUE(config_of(j).is_ok()) << type << ": " << config_of(j).status().message();
+    ASSERT_TRUE(config_of(j).is_ok()) << type << ": " << config_of(j).status().message();
+    EXPECT_EQ(config_of(j)->sliding_window, 0) << type;
   }
 }
 
