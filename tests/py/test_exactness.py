@@ -553,51 +553,41 @@ def test_program_refuses_an_export_whose_rope_frequencies_differ(lab, hetero_bin
     assert "rope frequency 5" in res.stderr, res.stderr
 
 
-def test_dynamic_rope_past_max_position_embeddings_is_refused_per_request(lab, hetero_bin,
-                                                                          tmp_path):
-    """Past max_position_embeddings mlx-lm's dynamic NTK rope recomputes its base per call, so
-    the keys depend on the decoder's call schedule: such a prompt is refused, naming why, and
-    one within it is still bridged by the same prefill host and program."""
-    lab.model("llama-dynamic")
+# A prompt past the variant's reach (the longest whose cache it computes), and what the refusal
+# says: past max_position_embeddings a dynamic NTK rope recomputes its base per call, so its keys
+# depend on the decoder's call schedule; past its window a sliding layer's cache keeps only the
+# window, laid out by the decoder's calls.
+REACH = {
+    "llama-dynamic": (3333, ["past max_position_embeddings (3333)", "dynamic (factor 5.7)"]),
+    "llama-sliding": (2100, ["past the decoder's sliding window of 2100"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REACH))
+def test_a_prompt_past_the_reach_is_refused_per_request(lab, hetero_bin, tmp_path, name):
+    """Such a prompt is refused, naming why; one at the reach is still bridged by the same
+    prefill host and program."""
+    reach, words = REACH[name]
+    lab.model(name)
     ids = tmp_path / "ids.json"
-    # The rows are a prompt's but its last token, which the decoder keeps: 3332 rows are of a
-    # prompt of 3333 tokens, within the reach; 3333 rows are of one of 3334.
-    for T in (3333, 3334):
+    # The rows are a prompt's but its last token, which the decoder keeps: reach - 1 rows are of
+    # a prompt of `reach` tokens; `reach` rows are of one past it.
+    for T in (reach, reach + 1):
         ids.write_text(json.dumps([(7 * i) % 100 + 1 for i in range(T - 1)]))
         res = _run(
-            hetero_bin, "prefill", "--model", lab.model_dir("llama-dynamic"),
-            "--weights", lab.export_dir("llama-dynamic"), "--ids-file", ids,
-            "--out", tmp_path / f"out-{T}.safetensors",
+            hetero_bin, "prefill", "--model", lab.model_dir(name), "--weights",
+            lab.export_dir(name), "--ids-file", ids, "--out", tmp_path / f"out-{T}.safetensors",
         )  # fmt: skip
-        if T == 3333:
+        if T == reach:
             assert res.returncode == 0, res.stderr
             continue
-        assert res.returncode != 0, f"prefill bridged past the dynamic rope's reach: {res.stdout}"
-        assert "3334 tokens is past max_position_embeddings (3333)" in res.stderr, res.stderr
-        assert "dynamic (factor 5.7)" in res.stderr, res.stderr
-    inputs = lab.native("llama-dynamic", 2049).inputs
-    res = _run(hetero_bin, "program", "--weights", lab.export_dir("llama-dynamic"),
+        assert res.returncode != 0, f"prefill bridged past the reach: {res.stdout}"
+        for w in [f"a prompt of {T} tokens is"] + words:
+            assert w in res.stderr, res.stderr
+    inputs = lab.native(name, 2049).inputs  # the program on recorded rows within the reach
+    res = _run(hetero_bin, "program", "--weights", lab.export_dir(name),
                "--inputs", inputs, "--out", tmp_path / "program.safetensors")
     assert res.returncode == 0, res.stderr
-
-
-def test_a_prompt_past_the_sliding_window_is_refused_per_request(lab, hetero_bin, tmp_path):
-    """Past its window a sliding layer's cache keeps only the window, laid out by the decoder's
-    calls: such a prompt is refused, naming why; one within the window is bridged."""
-    lab.model("llama-sliding")
-    ids = tmp_path / "ids.json"
-    for T in (2100, 2101):  # the rows are the prompt's but its last token
-        ids.write_text(json.dumps([(7 * i) % 100 + 1 for i in range(T - 1)]))
-        res = _run(
-            hetero_bin, "prefill", "--model", lab.model_dir("llama-sliding"),
-            "--weights", lab.export_dir("llama-sliding"), "--ids-file", ids,
-            "--out", tmp_path / f"out-{T}.safetensors",
-        )  # fmt: skip
-        if T == 2100:
-            assert res.returncode == 0, res.stderr
-            continue
-        assert res.returncode != 0, f"prefill bridged past the sliding window: {res.stdout}"
-        assert "2101 tokens is past the decoder's sliding window of 2100" in res.stderr, res.stderr
 
 
 def test_quantized_decoder_and_dense_checkpoint_are_refused_naming_both(lab, hetero_bin, tmp_path):
