@@ -250,6 +250,7 @@ void expect_restored_run_continues(const std::vector<int>& devices, cuda::Weight
   ASSERT_TRUE(cp);
   EXPECT_EQ(cp->tokens(), at);
   EXPECT_GT(cp->bytes(), 0);
+  EXPECT_EQ(cp->bytes(), pipe.checkpoint_bytes());  // what the service priced is what it holds
   // Another prompt in between, as when the turn went to the next request.
   ASSERT_TRUE(pipe.reserve(90, 128).is_ok());
   ASSERT_TRUE(pipe.prefill(std::vector<int32_t>(90, 5), {90}, {}).is_ok());

@@ -486,7 +486,6 @@ std::shared_ptr<const Checkpoint> Dsv4CudaEngine::checkpoint() const {
                           down(p.buf_gate, p.remainder * p.width, &out->gate),
                           down(p.pooled, p.rows * p.head_dim, &out->pooled)})
       if (err == cudaSuccess) err = e;
-    c->held += static_cast<int64_t>(out->kv.size() + out->gate.size() + out->pooled.size()) * 2;
   };
   for (int64_t l = m.first; l < m.end; ++l) {
     const dsv4_cuda::DState& s = m.state[static_cast<size_t>(l)];
@@ -494,11 +493,11 @@ std::shared_ptr<const Checkpoint> Dsv4CudaEngine::checkpoint() const {
     L.tail_rows = s.tail_rows;
     if (cudaError_t e = down(s.tail, s.tail_rows * config_.head_dim, &L.tail); err == cudaSuccess)
       err = e;
-    c->held += static_cast<int64_t>(L.tail.size()) * 2;
     pool(s.pool, &L.pool);
     pool(s.ipool, &L.ipool);
     c->layers.push_back(std::move(L));
   }
+  c->held = checkpoint_bytes();  // one count of the copied state, as the service prices it
   if (err == cudaSuccess) err = cudaStreamSynchronize(m.stream.get());
   if (err != cudaSuccess) {
     std::fprintf(stderr, "dsv4 cuda engine: no checkpoint at %lld tokens: %s\n",
