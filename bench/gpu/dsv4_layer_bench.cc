@@ -23,6 +23,11 @@
 // experts to FP8 once, after drawing them (Dsv4CudaOptions::widen_experts_at_load: half of bf16's
 // bytes, no widening in the chunks; the same FP8 codes the per-chunk path feeds its GEMMs).
 //
+// --checkpoint: after the "off" runs at each T, what the prefill host pays to keep the engine's
+// state for a later turn (Dsv4CudaEngine::checkpoint: the window's rows and the compressors'
+// pending and pooled rows copied to the host) and to put it back (restore, after reserve), wall
+// time over --repeats copies, against the prefill's own wall time: one more JSON line per T.
+//
 // JSON lines to stdout (one per T and bridge mode), a table to stderr. --refcheck first compares
 // the engine with the CPU engine on the small test model (tests/common/dsv4_model_weights.h) and
 // refuses to report if it fails.
@@ -126,6 +131,51 @@ std::vector<int64_t> parse_list(const char* s) {
   return v;
 }
 
+// The engine holds T tokens (the last "off" run): times checkpoint() and, on a fresh sequence of
+// the same length, restore(); prints one JSON line. False when either fails.
+bool report_checkpoint(Dsv4CudaEngine& engine, const std::vector<int32_t>& ids, int64_t chunk,
+                       int repeats, double prefill_s, const std::string& gpu,
+                       const std::string& rev, int64_t layers) {
+  const auto T = static_cast<int64_t>(ids.size());
+  if (engine.cached_tokens() != T)
+    return std::fprintf(stderr, "no sequence to checkpoint\n"), false;
+  const int64_t priced = engine.checkpoint_bytes();
+  std::vector<double> take_s, put_s;
+  std::shared_ptr<const Checkpoint> cp;
+  for (int r = 0; r < repeats; ++r) {
+    const double t0 = bench::now_s();
+    cp = engine.checkpoint();
+    take_s.push_back(bench::now_s() - t0);
+    if (!cp || cp->bytes() != priced)
+      return std::fprintf(stderr, "checkpoint failed or holds other bytes than priced\n"), false;
+  }
+  for (int r = 0; r < repeats; ++r) {
+    if (!engine.reserve(T, chunk).is_ok()) return false;
+    const double t0 = bench::now_s();
+    const Status ok = engine.restore(*cp);
+    const Status synced = engine.synchronize();
+    put_s.push_back(bench::now_s() - t0);
+    if (!ok.is_ok() || !synced.is_ok() || engine.cached_tokens() != T)
+      return std::fprintf(stderr, "restore failed: %s\n", ok.to_string().c_str()), false;
+  }
+  const bench::Spread take = bench::spread(take_s), put = bench::spread(put_s);
+  std::printf(
+      "{\"bench\":\"gpu_dsv4_checkpoint\",\"gpu\":\"%s\",\"rev\":\"%s\",\"T\":%lld,"
+      "\"layers\":%lld,\"bytes\":%lld,\"checkpoint_s_median\":%.5f,\"checkpoint_s_min\":%.5f,"
+      "\"checkpoint_s_max\":%.5f,\"restore_s_median\":%.5f,\"restore_s_min\":%.5f,"
+      "\"restore_s_max\":%.5f,\"repeats\":%d,\"prefill_wall_s\":%.4f,"
+      "\"checkpoint_over_prefill\":%.5f}\n",
+      gpu.c_str(), rev.c_str(), static_cast<long long>(T), static_cast<long long>(layers),
+      static_cast<long long>(priced), take.median, take.min, take.max, put.median, put.min, put.max,
+      repeats, prefill_s, prefill_s > 0 ? take.median / prefill_s : 0.0);
+  std::fflush(stdout);
+  std::fprintf(stderr,
+               "%8lld checkpoint %.1f MB: %.1f ms (restore %.1f ms), %.2f%% of the prefill\n",
+               static_cast<long long>(T), priced / 1e6, take.median * 1e3, put.median * 1e3,
+               prefill_s > 0 ? 100 * take.median / prefill_s : 0.0);
+  return true;
+}
+
 }  // namespace
 }  // namespace hetero
 
@@ -134,7 +184,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> Ts = {8192, 32768, 131072};
   int64_t chunk = 8192, layers = 4;
   int warmup = 1, repeats = 3;
-  bool check = false;
+  bool check = false, time_checkpoint = false;
   Dsv4CudaOptions opts;
   std::string rev = "unknown";
   std::vector<std::string> bridge_modes = {"off", "on"};
@@ -154,6 +204,8 @@ int main(int argc, char** argv) {
       repeats = std::atoi(next());
     else if (a == "--refcheck")
       check = true;
+    else if (a == "--checkpoint")
+      time_checkpoint = true;
     else if (a == "--rev")
       rev = next();
     else if (a == "--phases")
@@ -189,7 +241,7 @@ int main(int argc, char** argv) {
           "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
           "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8|checkpoint] "
           "[--widen-experts per-chunk|at-load] [--bridge off,on] [--program-device N] [--phases] "
-          "[--refcheck] "
+          "[--refcheck] [--checkpoint] "
           "[--rev GIT_REV]\n",
           argv[0]);
       return 2;
@@ -381,6 +433,9 @@ int main(int argc, char** argv) {
                    static_cast<long long>(T), by_ratio[0], by_ratio[1], by_ratio[2], tok_s, tflops,
                    peak > 0 ? 100.0 * tflops / peak : 0.0, bridge.c_str(), wall.median,
                    on ? (" (+" + std::to_string(100 * overhead) + "%)").c_str() : "");
+      if (!on && time_checkpoint &&
+          !report_checkpoint(*engine, ids, chunk, repeats, wall.median, gpu, rev, layers))
+        return 1;
     }
   }
   for (auto& e : ev) cudaEventDestroy(e);
