@@ -3,14 +3,12 @@
 
 #include <algorithm>
 #include <cstring>
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
 #include <utility>
 #include <vector>
 
 #include "common/hash.h"
 #include "common/json_text.h"
+#include "common/sysmem.h"
 
 namespace hetero {
 using nlohmann::json;
@@ -19,20 +17,6 @@ namespace {
 
 constexpr char kMagic[4] = {'H', 'S', 'G', '1'};
 constexpr size_t kPrefixBytes = 4 + 4 + 8;
-
-// A segment's frame is hundreds of MB of fresh memory: with 4 KB pages, faulting it in costs as
-// much as copying into it. Where the kernel backs madvise'd ranges with huge pages, ask for them.
-void prefer_huge_pages(const char* p, size_t bytes) {
-#ifdef __linux__
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < 4 * kHuge) return;
-  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);  // a hint: errors ignored
-#else
-  (void)p, (void)bytes;
-#endif
-}
 
 // An empty buffer with room for `bytes`, huge pages asked for.
 std::string fresh_buffer(size_t bytes) {

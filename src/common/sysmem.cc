@@ -1,6 +1,10 @@
 // Host memory: see sysmem.h.
 #include "common/sysmem.h"
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -80,6 +84,18 @@ Status check_host_memory(int64_t whole, int64_t held, int64_t budget, const std:
     return resource_exhausted("out of host memory: asked " + format_bytes(more) + " for " + what +
                               "; " + format_bytes(available) + " available");
   return Status::ok();
+}
+
+void prefer_huge_pages(const void* p, size_t bytes) {
+#ifdef __linux__
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < 4 * kHuge) return;
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);  // a hint: errors ignored
+#else
+  (void)p, (void)bytes;
+#endif
 }
 
 }  // namespace hetero
