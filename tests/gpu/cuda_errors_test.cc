@@ -1,13 +1,10 @@
 // CUDA failures as Status with real failing calls on the device: an absurd allocation is
 // kResourceExhausted saying what was asked and what the device has free, and the device allocates
 // again right after (out of memory is not sticky); any other failure is kInternal naming the call.
-// The RAII family owns what it creates and gives the budget back what it frees. Staged
-// downloads land every byte where it belongs, however the pieces fall across the halves.
+// The RAII family owns what it creates and gives the budget back what it frees.
 #include <gtest/gtest.h>
 
-#include <numeric>
 #include <string>
-#include <vector>
 
 #include "cuda_test_base.h"
 #include "kernels/cuda/resource.h"
@@ -118,40 +115,6 @@ TEST_F(CudaErrorsTest, StreamsAndEventsAreOwnedAndMoveOnly) {
   cuda::PinnedBuffer pinned;
   ASSERT_TRUE(pinned.allocate(4096, "a test's staging").is_ok());
   EXPECT_EQ(pinned.bytes(), 4096u);
-}
-
-TEST_F(CudaErrorsTest, StagedDownloadsLandEveryPieceWhereItBelongs) {
-  auto s = cuda::Stream::create();
-  ASSERT_TRUE(s.is_ok());
-  // Pieces smaller than a half, one exactly a half, several across halves, an empty one, and
-  // one that ends a half: a 1,000-byte half makes them fall every way.
-  const std::vector<size_t> sizes = {10, 1000, 0, 2500, 7, 990, 3, 4096, 1};
-  const size_t total = std::accumulate(sizes.begin(), sizes.end(), size_t{0});
-  std::vector<uint8_t> source(total);
-  for (size_t i = 0; i < total; ++i) source[i] = static_cast<uint8_t>(i * 131 + 7);
-  cuda::DeviceBuffer device;
-  ASSERT_TRUE(device.allocate(total, "a test's source").is_ok());
-  ASSERT_EQ(cudaMemcpy(device.get(), source.data(), total, cudaMemcpyHostToDevice), cudaSuccess);
-  cuda::StagedDownload download(1000);
-  for (int round = 0; round < 2; ++round) {  // the second reuses the halves
-    std::vector<std::vector<uint8_t>> out;
-    std::vector<cuda::StagedDownload::Piece> pieces;
-    size_t at = 0;
-    for (size_t n : sizes) out.emplace_back(n, uint8_t{0});
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      pieces.push_back({out[i].data(), device.get<uint8_t>() + at, sizes[i]});
-      at += sizes[i];
-    }
-    const Status st = download.copy(pieces, s->get());
-    ASSERT_TRUE(st.is_ok()) << st.to_string();
-    at = 0;
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      EXPECT_TRUE(std::equal(out[i].begin(), out[i].end(), source.begin() + static_cast<long>(at)))
-          << "piece " << i << ", round " << round;
-      at += sizes[i];
-    }
-  }
-  EXPECT_EQ(download.host_bytes(), 2000u);
 }
 
 }  // namespace

@@ -432,9 +432,8 @@ namespace {
 
 // Host copies of the device state of layers [first, end) after n tokens, every array a span of
 // one allocation: fresh memory in one piece, huge pages asked for, not zero-filled first (each
-// element is the device's copy), filled through page-locked staging (cuda::StagedDownload). A
-// vector per array, zero-filled and copied into by the runtime's pageable path, took 65 ms for
-// 130 MB on the H200 (RESULTS §35).
+// element is the device's copy). Small vectors faulted in page by page made the copy run at
+// ~2 GB/s (RESULTS §35).
 struct Dsv4CudaCheckpoint final : Checkpoint {
   struct Span {
     int64_t offset = 0, elems = 0;  // bf16 elements into `data`
@@ -489,35 +488,38 @@ std::shared_ptr<const Checkpoint> Dsv4CudaEngine::checkpoint() const {
   c->held = checkpoint_bytes();  // one count of the copied state, as the service prices it
   c->data = uninitialized_host_array<uint16_t>(static_cast<size_t>(c->held / 2));
   int64_t next = 0;  // the spans, laid out in the order they are copied
-  std::vector<cuda::StagedDownload::Piece> pieces;
   auto down = [&](const cuda::DeviceBuffer& b, int64_t elems, Dsv4CudaCheckpoint::Span* out) {
     *out = {next, elems};
     next += elems;
     HETERO_CHECK(next * 2 <= c->held);
-    if (elems > 0)
-      pieces.push_back({c->data.get() + out->offset, b.get(), static_cast<size_t>(elems) * 2});
+    if (elems == 0) return cudaSuccess;
+    return cudaMemcpyAsync(c->data.get() + out->offset, b.get(), static_cast<size_t>(elems) * 2,
+                           cudaMemcpyDeviceToHost, m.stream.get());
   };
+  cudaError_t err = cudaSuccess;
   auto pool = [&](const dsv4_cuda::DPool& p, Dsv4CudaCheckpoint::Pool* out) {
     out->remainder = p.remainder, out->rows = p.rows;
     if (p.ratio == 0) return;
-    down(p.buf_kv, p.remainder * p.width, &out->kv);
-    down(p.buf_gate, p.remainder * p.width, &out->gate);
-    down(p.pooled, p.rows * p.head_dim, &out->pooled);
+    for (cudaError_t e : {down(p.buf_kv, p.remainder * p.width, &out->kv),
+                          down(p.buf_gate, p.remainder * p.width, &out->gate),
+                          down(p.pooled, p.rows * p.head_dim, &out->pooled)})
+      if (err == cudaSuccess) err = e;
   };
   for (int64_t l = m.first; l < m.end; ++l) {
     const dsv4_cuda::DState& s = m.state[static_cast<size_t>(l)];
     Dsv4CudaCheckpoint::Layer L;
     L.tail_rows = s.tail_rows;
-    down(s.tail, s.tail_rows * config_.head_dim, &L.tail);
+    if (cudaError_t e = down(s.tail, s.tail_rows * config_.head_dim, &L.tail); err == cudaSuccess)
+      err = e;
     pool(s.pool, &L.pool);
     pool(s.ipool, &L.ipool);
     c->layers.push_back(std::move(L));
   }
   HETERO_CHECK(next * 2 == c->held);
-  const Status copied = m.download.copy(pieces, m.stream.get());
-  if (!copied.is_ok()) {
+  if (err == cudaSuccess) err = cudaStreamSynchronize(m.stream.get());
+  if (err != cudaSuccess) {
     std::fprintf(stderr, "dsv4 cuda engine: no checkpoint at %lld tokens: %s\n",
-                 static_cast<long long>(n_cached_), copied.to_string().c_str());
+                 static_cast<long long>(n_cached_), cudaGetErrorString(err));
     return nullptr;
   }
   return c;

@@ -132,8 +132,7 @@ class Dsv4CudaEngine {
   // the compressors' pending and pooled rows of the layers this engine holds (what the decoder's
   // own cache holds, so the next chunk depends on nothing else). The prefill host keeps it to
   // resume a request that gave up its turn, or a later tail. Waits for the compute stream; null
-  // when the copy failed (the reason goes to stderr). The first one takes the engine's 32 MiB of
-  // page-locked staging for the copies, held from then on.
+  // when the copy failed (the reason goes to stderr).
   std::shared_ptr<const Checkpoint> checkpoint() const;
   int64_t checkpoint_bytes() const;  // what checkpoint() would hold now
   // After reserve() for the whole sequence: the checkpoint's state back on the device, as if

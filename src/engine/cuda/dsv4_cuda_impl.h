@@ -141,7 +141,6 @@ struct Dsv4CudaEngine::Impl {
   // First: the buffers below give their bytes back to it when they are freed.
   cuda::DeviceMemoryBudget budget;
   cuda::Stream stream;
-  cuda::StagedDownload download;  // checkpoints' copies to the host
   cuda::BlasHandle blas;
   dsv4_cuda::PhaseTimer timer;
   cuda::DeviceBuffer embed, local_freqs, compress_freqs;

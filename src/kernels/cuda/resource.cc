@@ -222,50 +222,6 @@ Stream& Stream::operator=(Stream&& o) noexcept {
   return *this;
 }
 
-Status StagedDownload::copy(const std::vector<Piece>& pieces, cudaStream_t stream) {
-  if (!staging_.bytes()) {
-    HETERO_RETURN_IF_ERROR(staging_.allocate(2 * half_, "the staging of device-to-host copies"));
-    for (Event& e : filled_) {
-      HETERO_ASSIGN_OR_RETURN(e, Event::create());
-    }
-  }
-  // A half's contents: where each of its runs goes on the host.
-  struct Run {
-    void* dst;
-    size_t offset, bytes;
-  };
-  std::vector<Run> runs[2];
-  int half = 0;
-  size_t used = 0;
-  auto drain = [&](int h) -> Status {  // the host's copy out of half h, once the device filled it
-    if (runs[h].empty()) return Status::ok();
-    HETERO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(filled_[h].get()));
-    const auto* base = staging_.get<const uint8_t>() + static_cast<size_t>(h) * half_;
-    for (const Run& r : runs[h]) std::memcpy(r.dst, base + r.offset, r.bytes);
-    runs[h].clear();
-    return Status::ok();
-  };
-  auto seal = [&]() -> Status {  // half `half` is enqueued: drain the other, switch to it
-    HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(filled_[half].get(), stream));
-    half ^= 1;
-    used = 0;
-    return drain(half);
-  };
-  for (const Piece& p : pieces) {
-    for (size_t done = 0; done < p.bytes;) {
-      if (used == half_) HETERO_RETURN_IF_ERROR(seal());
-      const size_t n = std::min(p.bytes - done, half_ - used);
-      uint8_t* at = staging_.get<uint8_t>() + static_cast<size_t>(half) * half_ + used;
-      HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(at, static_cast<const uint8_t*>(p.src) + done, n,
-                                                  cudaMemcpyDeviceToHost, stream));
-      runs[half].push_back({static_cast<uint8_t*>(p.dst) + done, used, n});
-      used += n, done += n;
-    }
-  }
-  if (used > 0) HETERO_RETURN_IF_ERROR(seal());  // which drains the half filled before it
-  return drain(half ^ 1);                        // the last one sealed
-}
-
 Result<Event> Event::create(bool timing) {
   cudaEvent_t made = nullptr;
   HETERO_CUDA_RETURN_IF_ERROR(

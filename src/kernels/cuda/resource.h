@@ -19,7 +19,6 @@
 #include <string>
 #include <string_view>
 #include <utility>
-#include <vector>
 
 #include "common/status.h"
 #include "common/sysmem.h"
@@ -171,30 +170,6 @@ class Event {
 
  private:
   cudaEvent_t e_ = nullptr;
-};
-
-// Device-to-host copies into ordinary (pageable) memory through two page-locked halves: the
-// device fills one half while the host copies the other out. The runtime's own pageable copy ran
-// at ~3 GB/s on the H200 host, where a page-locked one runs near the link's speed (RESULTS §35).
-// Pieces are packed into the halves in order; one larger than a half goes in several. Created on
-// the device its copies come from; the halves are allocated at the first copy.
-class StagedDownload {
- public:
-  struct Piece {
-    void* dst;        // host, pageable
-    const void* src;  // device
-    size_t bytes;
-  };
-  explicit StagedDownload(size_t half_bytes = size_t{16} << 20) : half_(half_bytes) {}
-  // Every piece on the host once it returns (the stream's earlier work first); the failing
-  // call's Status otherwise, with the pieces' contents then undefined.
-  Status copy(const std::vector<Piece>& pieces, cudaStream_t stream);
-  size_t host_bytes() const { return staging_.bytes(); }  // page-locked bytes held
-
- private:
-  size_t half_;
-  PinnedBuffer staging_;
-  Event filled_[2];
 };
 
 // A cuBLAS handle whose work goes to `stream`. Only code that creates one links cuBLAS.
