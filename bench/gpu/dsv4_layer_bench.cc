@@ -26,7 +26,8 @@
 // --checkpoint: after the "off" runs at each T, what the prefill host pays to keep the engine's
 // state for a later turn (Dsv4CudaEngine::checkpoint: the window's rows and the compressors'
 // pending and pooled rows copied to the host) and to put it back (restore, after reserve), wall
-// time over --repeats copies, against the prefill's own wall time: one more JSON line per T.
+// time over --repeats copies, against the prefill's own wall time; beside it, one copy of as many
+// bytes into fresh, touched and page-locked host memory: one more JSON line per T.
 //
 // JSON lines to stdout (one per T and bridge mode), a table to stderr. --refcheck first compares
 // the engine with the CPU engine on the small test model (tests/common/dsv4_model_weights.h) and
@@ -46,6 +47,7 @@
 #include "bench_common.h"
 #include "bridge/cuda/gpu_programs.h"
 #include "bridge/producer.h"
+#include "common/sysmem.h"
 #include "dsv4_flash_decoder.h"
 #include "engine/cuda/dsv4_cuda.h"
 #include "engine/dsv4_cpu.h"
@@ -158,21 +160,50 @@ bool report_checkpoint(Dsv4CudaEngine& engine, const std::vector<int32_t>& ids, 
     if (!ok.is_ok() || !synced.is_ok() || engine.cached_tokens() != T)
       return std::fprintf(stderr, "restore failed: %s\n", ok.to_string().c_str()), false;
   }
+  // The same bytes in one device-to-host copy: into fresh memory (as a checkpoint's), into memory
+  // already touched, and into page-locked memory: what bounds the checkpoint's copy.
+  std::vector<double> fresh_s, warm_s, pinned_s;
+  {
+    const auto bytes = static_cast<size_t>(priced);
+    cuda::DeviceBuffer src;
+    cuda::PinnedBuffer pinned;
+    if (!src.allocate(bytes, "the bench's source").is_ok() ||
+        !pinned.allocate(bytes, "the bench's page-locked copy").is_ok())
+      return std::fprintf(stderr, "no memory for the copy references\n"), false;
+    std::memset(pinned.get(), 1, bytes);
+    auto timed = [&](void* dst) {
+      const double t0 = bench::now_s();
+      const cudaError_t e = cudaMemcpy(dst, src.get(), bytes, cudaMemcpyDeviceToHost);
+      return e == cudaSuccess ? bench::now_s() - t0 : -1.0;
+    };
+    for (int r = 0; r < repeats; ++r) {
+      auto fresh = uninitialized_host_array<uint16_t>(bytes / 2);
+      fresh_s.push_back(timed(fresh.get()));
+      warm_s.push_back(timed(fresh.get()));  // now touched
+      pinned_s.push_back(timed(pinned.get()));
+    }
+  }
+  const bench::Spread fresh = bench::spread(fresh_s), warm = bench::spread(warm_s),
+                      pin = bench::spread(pinned_s);
   const bench::Spread take = bench::spread(take_s), put = bench::spread(put_s);
   std::printf(
       "{\"bench\":\"gpu_dsv4_checkpoint\",\"gpu\":\"%s\",\"rev\":\"%s\",\"T\":%lld,"
       "\"layers\":%lld,\"bytes\":%lld,\"checkpoint_s_median\":%.5f,\"checkpoint_s_min\":%.5f,"
       "\"checkpoint_s_max\":%.5f,\"restore_s_median\":%.5f,\"restore_s_min\":%.5f,"
       "\"restore_s_max\":%.5f,\"repeats\":%d,\"prefill_wall_s\":%.4f,"
-      "\"checkpoint_over_prefill\":%.5f}\n",
+      "\"checkpoint_over_prefill\":%.5f,\"copy_fresh_s_median\":%.5f,\"copy_warm_s_median\":%.5f,"
+      "\"copy_pinned_s_median\":%.5f}\n",
       gpu.c_str(), rev.c_str(), static_cast<long long>(T), static_cast<long long>(layers),
       static_cast<long long>(priced), take.median, take.min, take.max, put.median, put.min, put.max,
-      repeats, prefill_s, prefill_s > 0 ? take.median / prefill_s : 0.0);
+      repeats, prefill_s, prefill_s > 0 ? take.median / prefill_s : 0.0, fresh.median, warm.median,
+      pin.median);
   std::fflush(stdout);
   std::fprintf(stderr,
-               "%8lld checkpoint %.1f MB: %.1f ms (restore %.1f ms), %.2f%% of the prefill\n",
+               "%8lld checkpoint %.1f MB: %.1f ms (restore %.1f ms), %.2f%% of the prefill; one "
+               "copy into fresh / touched / page-locked memory %.1f / %.1f / %.1f ms\n",
                static_cast<long long>(T), priced / 1e6, take.median * 1e3, put.median * 1e3,
-               prefill_s > 0 ? 100 * take.median / prefill_s : 0.0);
+               prefill_s > 0 ? 100 * take.median / prefill_s : 0.0, fresh.median * 1e3,
+               warm.median * 1e3, pin.median * 1e3);
   return true;
 }
 
