@@ -321,7 +321,8 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
 
 Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission& a,
                                       const BridgeProducer::FrameSink& sink,
-                                      const std::function<bool()>& receiver_gone, bool may_yield) {
+                                      const std::function<bool()>& receiver_gone, bool may_yield,
+                                      const std::function<void()>& stream_ended) {
   // The turn is this request's until it ends (or gives it up to wait for the next one).
   struct Holding {
     PrefillService* service;
@@ -435,7 +436,8 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
   if (!st.is_ok()) log_line("prefill", "a prefill failed: " + st.to_string());
   const bool cancelled = producer.cancelled() || gone;
   Manifest m = producer.finish(T, st, sealed);
-  if (cancelled)  // its state is the engine's, which the next request resets
+  if (stream_ended) stream_ended();  // what follows is kept for later requests, sent to no one
+  if (cancelled)                     // its state is the engine's, which the next request resets
     log_line("prefill", "the receiver went away: stopped after " +
                             std::to_string(m.covered_tokens) + " of " + std::to_string(T) +
                             " tokens");
@@ -578,8 +580,8 @@ Status PrefillService::start(const std::string& host, int port) {
               [frames, cancelled](std::string f) {
                 return !cancelled->load() && frames->push(std::move(f));
               },
-              receiver_gone, /*may_yield=*/true);
-          frames->close();
+              receiver_gone, /*may_yield=*/true, [frames] { frames->close(); });
+          frames->close();  // where the request ended before its stream began
         });
     const FaultSpec fault = fault_;
     auto stopping = stopping_;

@@ -351,9 +351,12 @@ class PrefillService {
   // back at the end. receiver_gone (null: never) is asked before each chunk, as a receiver that
   // stopped reading. may_yield: the request may give the engine up between chunks (set_turn_ms;
   // sink must then take frames from any thread).
+  // stream_ended: called once the manifest, the stream's last frame, has gone to the sink, before
+  // the state is kept for later requests (so the receiver need not wait for that copy).
   Manifest run_admitted(const PrefillRequest& req, const Admission& a,
                         const BridgeProducer::FrameSink& sink,
-                        const std::function<bool()>& receiver_gone = {}, bool may_yield = false);
+                        const std::function<bool()>& receiver_gone = {}, bool may_yield = false,
+                        const std::function<void()>& stream_ended = {});
   // With the turn: whether the running request's turn is up (set_turn_ms) for a state of
   // `tokens` tokens.
   bool should_yield(int64_t tokens);

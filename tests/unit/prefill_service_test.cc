@@ -2,10 +2,12 @@
 // engine that injects the errors a GPU engine reports: a reservation refused for memory is
 // HTTP 507 with a JSON error body before any byte of a stream, a chunk that fails mid-stream ends
 // the stream with a manifest naming the error, and in both cases the next request is served.
-// Regression guard for the CUDA engines' old behaviour (any CUDA error aborted the host).
+// Regression guard for the CUDA engines' old behaviour (any CUDA error aborted the host). The
+// stream ends with its manifest, before the state kept for later requests is copied.
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -184,6 +186,62 @@ void expect_complete(const httplib::Result& res, int64_t T) {
   EXPECT_EQ(s.manifest->requested_tokens, T);
   EXPECT_EQ(s.manifest->covered_tokens, T);
   EXPECT_EQ(static_cast<int64_t>(s.ranges.size()), (T + 3) / 4);  // chunks of 4
+}
+
+// An engine that hands out its state (2 bytes a row), each save waiting for the test's word.
+class SlowSaveEngine : public FaultyEngine {
+ public:
+  int64_t state_row_bytes() const override { return 2; }
+  Status save_state(int64_t, int64_t n, uint8_t* out) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++saves;
+    // Bounded: a service that waited for this copy before ending its stream shows as a timeout.
+    if (!released_.wait_for(lock, std::chrono::seconds(20), [this] { return go_; }))
+      timed_out = true;
+    std::fill(out, out + 2 * n, uint8_t{7});
+    return Status::ok();
+  }
+  Status load_state(int64_t, int64_t, const uint8_t*) override { return Status::ok(); }
+  void release() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      go_ = true;
+    }
+    released_.notify_all();
+  }
+  int saves = 0;
+  bool timed_out = false;
+  std::mutex mu_;
+
+ private:
+  std::condition_variable released_;
+  bool go_ = false;
+};
+
+// The manifest is the stream's last frame: the stream ends there, and the state kept for later
+// requests is copied after it, so the receiver does not wait for that copy.
+TEST_F(PrefillServiceTest, TheStreamEndsBeforeTheStateIsKept) {
+  SlowSaveEngine engine;
+  PrefillService service(
+      &engine, test_layout(),
+      [](const PrefillRequest&) -> Result<std::unique_ptr<SegmentProgram>> {
+        return std::unique_ptr<SegmentProgram>(std::make_unique<EchoProgram>(test_layout()));
+      },
+      /*default_chunk_tokens=*/4, /*max_tokens=*/1000);
+  service.set_state_cache(/*block_tokens=*/4, /*max_bytes=*/1 << 20);
+  ASSERT_TRUE(service.start("127.0.0.1", 0).is_ok());
+  httplib::Client cli("127.0.0.1", service.bound_port());
+  cli.set_read_timeout(60, 0);
+  std::vector<int32_t> ids(12);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+  const nlohmann::json body = {{"ids", ids}, {"fingerprint", "fp-test"}};
+  const httplib::Result res = cli.Post("/v1/prefill", body.dump(), "application/json");
+  engine.release();  // only now may the state be copied
+  expect_complete(res, 12);
+  service.stop();  // waits for the request's thread
+  std::lock_guard<std::mutex> lock(engine.mu_);
+  EXPECT_GT(engine.saves, 0);  // the state was kept, after the stream
+  EXPECT_FALSE(engine.timed_out) << "the stream waited for the state's copy";
 }
 
 TEST_F(PrefillServiceTest, RefusedReservationIs507AndTheNextRequestIsServed) {
