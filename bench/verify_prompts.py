@@ -36,6 +36,9 @@ def main() -> int:
     p.add_argument("--quantize", default="",
                    help="BITS[,GROUP[,MODE]]: verify mlx-lm's conversion")
     p.add_argument("--prompts", default="", help="only these, by name prefix: e.g. 01,02,03")
+    p.add_argument("--verify-args", default="",
+                   help="more `hetero verify` options, e.g. \"--timeout-ms 10800000\" where the "
+                        "decoder's native run of a prompt takes longer than the default 30 min")
     p.add_argument("--hetero", default=str(ROOT / "build" / "hetero"),
                    help="the hetero binary (a copy in a sibling of build/, e.g. build-verify/, keeps a long "
                         "run apart from rebuilds; it finds python/ beside its parent)")
@@ -65,8 +68,13 @@ def main() -> int:
                 "--max-tokens", str(a.max_tokens), "--python", sys.executable]
         if a.prefill_model:
             argv += ["--prefill-model", a.prefill_model]
+        argv += a.verify_args.split()
         proc = subprocess.run(argv, capture_output=True, text=True)
-        r = json.loads(proc.stdout)
+        r = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {}
+        if "arrays" not in r:  # verify failed before comparing: say why, keep nothing
+            print(f"{prompt.name}: verify failed (rc {proc.returncode}): "
+                  f"{(proc.stdout + proc.stderr)[-2000:]}", file=sys.stderr)
+            return 1
         r["arrays"].pop("per_layer", None)
         r.update(prompt=prompt.name, rc=proc.returncode, revision=rev)
         rows.append(r)
