@@ -33,7 +33,8 @@
 #          [--short-behind-long "bench/short_behind_long.py flags (step 8: a short prompt sent
 #           while a long one prefills, with and without the prefill host's turns)"]
 #          [--real-weights DIR (the parts scripts/weight_parts.sh wrote, under DIR/*/)]
-#          [--prompts all (every prompt below, the long one too; default: the first --verify)]
+#          [--prompts all|FILE,FILE (every prompt below, the long one too, or these prompt
+#           files; default: the first --verify)]
 #          [--quantize BITS[,GROUP[,MODE]] (the checkpoint then converted by mlx-lm's own
 #           converter: affine, group 64 unless given; MODE mxfp4 or mxfp8, group 32; decoder and
 #           prefill host both run the quantized one)]
@@ -92,7 +93,7 @@ while (($#)); do
     --warm-turns) read -r -a WARM_TURNS <<<"$2"; RUN_WARM=1; shift ;;
     --concurrent) read -r -a CONCURRENT <<<"$2"; RUN_CONCURRENT=1; shift ;;
     --short-behind-long) read -r -a SBL <<<"$2"; RUN_SBL=1; shift ;;
-    --prompts) [[ $2 == all ]] || { echo "e2e: --prompts takes all" >&2; exit 2; }
+    --prompts) [[ $2 == all ]] || IFS=, read -r -a PROMPTS <<<"$2"
                VERIFY_N=${#PROMPTS[@]}; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "e2e: unknown option $1 (--help)" >&2; exit 2 ;;
