@@ -64,7 +64,8 @@ bool StreamReceiver::consume_frames() {
     if (!f.is_ok()) return (status_ = f.status()), false;
     if (!f.value().has_value()) return true;
     Frame& frame = *f.value();
-    if (frame.header.value("kind", "") == "keepalive") continue;  // a stream between turns
+    if (frame.header.value("kind", "") == "keepalive")
+      continue;  // a stream between turns, or in a long chunk
     if (frame.header.value("kind", "") == "manifest") {
       auto m = decode_manifest(frame);
       status_ = m.is_ok() ? assembler_->finish(m.value()) : m.status();

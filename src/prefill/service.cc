@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -320,9 +321,22 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
 }
 
 Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission& a,
-                                      const BridgeProducer::FrameSink& sink,
+                                      const BridgeProducer::FrameSink& stream,
                                       const std::function<bool()>& receiver_gone, bool may_yield,
                                       const std::function<void()>& stream_ended) {
+  // When the stream last had a frame (the producer's frames come from its own thread).
+  using Clock = std::chrono::steady_clock;
+  std::atomic<Clock::rep> last_frame{Clock::now().time_since_epoch().count()};
+  const BridgeProducer::FrameSink sink = [&stream, &last_frame](std::string f) {
+    last_frame.store(Clock::now().time_since_epoch().count());
+    return stream(std::move(f));
+  };
+  const auto keep_alive = [&] {  // false: the receiver stopped reading
+    const Clock::duration quiet =
+        Clock::now().time_since_epoch() - Clock::duration(last_frame.load());
+    if (keepalive_ms_ <= 0 || quiet < std::chrono::milliseconds(keepalive_ms_)) return true;
+    return sink(encode_keepalive());
+  };
   // The turn is this request's until it ends (or gives it up to wait for the next one).
   struct Holding {
     PrefillService* service;
@@ -362,6 +376,7 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
       const AttentionInputTap to_producer = producer.tap();
       const AttentionInputTap tap = [&](const TapEvent& e) {
         if (e.pos0 + e.n_tokens > emitted) to_producer(e);
+        keep_alive();  // a layer done is progress, even where a chunk's frame is far off
       };
       size_t chunks_done = 0;
       bool yield = false;
@@ -400,11 +415,8 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
                               std::to_string(T) + " tokens");
       give_turn();
       holding.held = false;
-      const Turn turn = take_turn([&, last = std::chrono::steady_clock::now()]() mutable {
-        if (std::chrono::steady_clock::now() - last > std::chrono::seconds(5)) {
-          last = std::chrono::steady_clock::now();
-          if (!sink(encode_keepalive())) return true;  // the receiver stopped reading
-        }
+      const Turn turn = take_turn([&] {
+        if (!keep_alive()) return true;  // the receiver stopped reading
         return receiver_gone && receiver_gone();
       });
       if (!turn.status.is_ok()) {  // stopping, or the receiver left: the stream ends here

@@ -279,6 +279,11 @@ class PrefillService {
   // engine that hands out its state and a prefix cache that can hold it, or an engine that
   // keeps checkpoints; 0: never.
   void set_turn_ms(int64_t ms) { turn_ms_limit_ = ms; }
+  // A stream quiet this long gets a keep-alive frame: at a layer the engine reaches (a chunk deep
+  // in a long context can outlast the receiver's --stall-ms on a slow host; an engine that makes
+  // no progress sends nothing, so a hung one still reads as stalled), and while it waits for its
+  // turn. 0: none.
+  void set_keepalive_ms(int64_t ms) { keepalive_ms_ = ms; }
 
   // Runs one prefill and emits frames to sink, manifest last: waits for its turn, resets the
   // engine and reserves the request's memory (a refusal is a manifest whose reason says why),
@@ -371,6 +376,7 @@ class PrefillService {
   std::chrono::steady_clock::time_point turn_began_;
   double turn_ms_ = 0;  // how long a turn lasts, a moving average (for Retry-After)
   int64_t turn_ms_limit_ = 0;
+  int64_t keepalive_ms_ = 5000;
   std::unique_ptr<httplib::Server> server_;
   std::unique_ptr<ConnectionGuard> guard_;  // after server_: it goes first
   std::thread thread_;

@@ -63,6 +63,7 @@ class FaultyEngine : public PrefillEngine {
     const auto n = static_cast<int64_t>(ids.size());
     std::vector<uint16_t> x(static_cast<size_t>(n * kHidden));
     for (int32_t l = 0; l < kLayers; ++l) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(layer_ms.load()));
       for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j < kHidden; ++j)
           x[static_cast<size_t>(i * kHidden + j)] = static_cast<uint16_t>(l * 1000 + cached_ + i);
@@ -102,6 +103,7 @@ class FaultyEngine : public PrefillEngine {
     return reserved_;
   }
   std::atomic<int> resets{0};
+  std::atomic<int> layer_ms{0};  // each layer's time: a slow host deep in a long context
 
  private:
   Status take(std::optional<Status>* fault) {
@@ -372,6 +374,31 @@ TEST_F(PrefillServiceTest, AtTheMemoryFloorTheStreamIsSealedAtTheLongestPrefixTh
   // What fits is served whole.
   engine_.set_capacity(0);
   expect_complete(post(20), 20);
+}
+
+// A chunk that takes longer than the receiver's stall limit is no stall while its layers go by:
+// the stream has a keep-alive frame when it has been quiet, and the receiver takes it whole.
+// Without them the same stream reads as stalled (what a long context on a CPU host hit).
+TEST_F(PrefillServiceTest, AChunkLongerThanTheStallLimitIsNoStall) {
+  engine_.layer_ms = 600;  // a chunk of its 2 layers: 1.2 s, each layer 0.6 s
+  PrefillRequest req;
+  req.ids = {1, 2, 3, 4};
+  req.fingerprint = "fp-test";
+  const DecoderCacheLayout layout = test_layout();
+  const auto fetch = [&](Assembler* assembler) {
+    return fetch_prefill("127.0.0.1", service_->bound_port(), req, assembler,
+                         /*stall_ms=*/1000, /*deadline_ms=*/20000, /*secret=*/"");
+  };
+  service_->set_keepalive_ms(50);
+  auto assembler = make_assembler(layout, 4);
+  const FetchResult alive = fetch(assembler.get());
+  EXPECT_TRUE(alive.status.is_ok()) << alive.status.to_string();
+  EXPECT_EQ(assembler->covered_tokens(), 4);
+
+  service_->set_keepalive_ms(0);
+  assembler = make_assembler(layout, 4);
+  const FetchResult quiet = fetch(assembler.get());
+  EXPECT_NE(quiet.status.message().find("stalled"), std::string::npos) << quiet.status.to_string();
 }
 
 TEST_F(PrefillServiceTest, AtTheMemoryFloorARequestWhoseFirstChunkDoesNotFitIsRefused) {
