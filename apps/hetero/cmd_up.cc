@@ -140,9 +140,12 @@ int cmd_up(int argc, char** argv) {
       return !died.empty();
     });
   if (!died.empty()) std::fprintf(stderr, "up: the %s; stopping the stack\n", died.c_str());
-  front.stop();
-  prefill.stop();
+  // The children first: the front door's stop waits for its requests in flight, and one that
+  // waits on the decoder would hold it for the decoder's timeout. With the decoder gone they
+  // end at once, each with its error.
   decoder.stop();
+  prefill.stop();
+  front.stop();
   std::printf("stopped.\n");
   return died.empty() ? 0 : 1;
 }

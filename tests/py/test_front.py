@@ -596,6 +596,42 @@ def test_doctor_all_green_then_sigint_stops_up(tmp_path) -> None:
         kill_with_children(up)
 
 
+def test_sigint_stops_up_with_a_request_in_flight(tmp_path) -> None:
+    # Regression: Ctrl-C stopped the front door first, which waits for its requests in flight,
+    # each as long as its decoder call (up to --decoder-timeout-ms, 30 minutes). A decoder that
+    # never answers (stopped here) holds such a request; the stack must still stop promptly.
+    up, log_path, (port, _, _) = start_up(tmp_path)
+    try:
+        kids = children_of(up.pid)
+        decoder = [k for k in kids if "hetero_mlx" in Path(f"/proc/{k}/cmdline").read_text()]
+        assert len(decoder) == 1, kids
+        os.kill(decoder[0], signal.SIGSTOP)
+        got = {}
+
+        def ask() -> None:
+            try:
+                r = requests.post(Stack.url(port, "/v1/chat/completions"),
+                                  json=chat("Hello there.", max_tokens=4),
+                                  headers={"X-PD-Bridge-Mode": "native"}, timeout=120)
+                got["status"] = r.status_code
+            except requests.RequestException as e:  # the front went away: also an end
+                got["error"] = repr(e)
+
+        client = threading.Thread(target=ask)
+        client.start()
+        time.sleep(2)  # the request is in flight, waiting on the stopped decoder
+        assert client.is_alive(), got
+        up.send_signal(signal.SIGINT)
+        rc = up.wait(timeout=60)  # before the fix: the decoder's 30-minute timeout
+        client.join(timeout=30)
+        assert not client.is_alive()
+        assert got.get("status", 503) != 200, got
+        assert rc == 0, log_path.read_text()
+        wait_gone(kids, 10)
+    finally:
+        kill_with_children(up)
+
+
 def test_children_die_with_a_killed_up(tmp_path) -> None:
     # Regression (hardening issue): a `hetero up` that died left its decoder and prefill host
     # running, holding their ports.
