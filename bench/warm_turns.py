@@ -15,20 +15,26 @@ bridged conversation goes on with its own answers, so a difference shows from th
 --context N runs on a copy of the model whose config says max_position_embeddings = N (the
 weights are the model's own, linked): for a conversation longer than the model's context
 window, which the front door would refuse; rope without scaling does not read the field.
+--parallel runs the two passes side by side, each on its own stack (the decoder's native pass
+is one core's work here for hours; the times then share the cores). Each turn is written to
+<out>.progress as it ends (removed once the run writes its table), so a run cut short
+still says how far it got.
 Writes JSON lines to bench/results/warm-turns-<model>-<rev>.jsonl and prints a table.
 
 usage: python3 bench/warm_turns.py [--model DIR] [--prefill-model DIR] [--turns 20]
                                    [--min-words 900] [--max-words 3500] [--context 65536]
-                                   [--no-native]
+                                   [--no-native] [--parallel]
 (DeepSeek-V4: --model models/dsv4-tiny/native --prefill-model models/dsv4-tiny/fp8)
 """
 
 import argparse
 import json
+import os
 import platform
 import random
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,9 +60,14 @@ def user_turns(n: int, lo: int, hi: int, seed: int) -> list:
             for k in range(n)]
 
 
+PROGRESS_LOCK = threading.Lock()  # the two passes' threads append to one file
+
+
 def run_conversation(model: Path, turns: list, mode: str, max_tokens: int,
-                     prefill_model: str = "") -> list:
-    proc, url, *_ = start_stack(str(model), prefill_model=prefill_model)
+                     prefill_model: str = "", progress: Path = None) -> list:
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    work = tmp / f"hetero-bench-{os.getpid()}-{mode or 'bridged'}"  # one per pass
+    proc, url, *_ = start_stack(str(model), work=work, prefill_model=prefill_model)
     rows, messages = [], []
     try:
         for k, content in enumerate(turns):
@@ -79,6 +90,9 @@ def run_conversation(model: Path, turns: list, mode: str, max_tokens: int,
             print(f"  {mode or 'bridged'} turn {k + 1}: T={v['T']} {v['verdict']} "
                   f"start={rows[-1]['start']} computed={rows[-1]['computed']} "
                   f"bytes={v['bytes']} {wall:.2f}s", flush=True)
+            if progress:
+                with PROGRESS_LOCK, progress.open("a") as f:
+                    f.write(json.dumps({"pass": mode or "bridged", **rows[-1]}) + "\n")
             messages.append({"role": "assistant", "content": text})
     finally:
         proc.send_signal(signal.SIGINT)
@@ -97,6 +111,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--parallel", action="store_true",
+                   help="both passes at once, each on its own stack")
     p.add_argument("--no-native", action="store_true",
                    help="the bridged pass only (where the decoder is too slow for both); "
                         "answers are then not compared")
@@ -108,14 +124,37 @@ def main() -> int:
     turns = user_turns(args.turns, args.min_words, args.max_words, args.seed)
     print(f"warm turns on {model.name}: {args.turns} turns of {args.min_words}-{args.max_words} "
           "words", flush=True)
-    bridged = run_conversation(model, turns, "", args.max_tokens, args.prefill_model)
-    native = ([None] * len(bridged) if args.no_native else
-              run_conversation(model, turns, "native", args.max_tokens, args.prefill_model))
-
     rev = git_rev()
     name = "-".join(Path(args.model).resolve().parts[-2:]) if args.prefill_model else model.name
     out = Path(args.out_dir) / f"warm-turns-{name}-{rev}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
+    progress = out.with_name(out.name + ".progress")
+    progress.unlink(missing_ok=True)
+
+    passes = {"": None} if args.no_native else {"": None, "native": None}
+    failed = []
+
+    def one_pass(mode: str) -> None:
+        try:
+            passes[mode] = run_conversation(model, turns, mode, args.max_tokens,
+                                            args.prefill_model, progress)
+        except BaseException as e:  # a pass that failed ends the run, saying which and why
+            failed.append(f"{mode or 'bridged'} pass: {e!r}")
+
+    if args.parallel:
+        threads = [threading.Thread(target=one_pass, args=(m,)) for m in passes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for m in passes:
+            if not failed:
+                one_pass(m)
+    if failed:
+        raise SystemExit("; ".join(failed) + f" (turns so far: {progress})")
+    bridged = passes[""]
+    native = passes.get("native") or [None] * len(bridged)
     machine = f"{platform.node()} ({platform.machine()}, {platform.system()})"
     print("\n| turn | T | decoder held | computed | wire bytes | verdict | bridged s | "
           "native s | answer = native |")
@@ -130,12 +169,13 @@ def main() -> int:
                    "turn": b["turn"], "T": b["T"], "bridged": {k: v for k, v in b.items()
                                                               if k != "answer"},
                    "native": n and {k: v for k, v in n.items() if k != "answer"},
-                   "answer_equal": same}
+                   "answer_equal": same, "passes_side_by_side": args.parallel}
             f.write(json.dumps(row) + "\n")
             native_s = "—" if n is None else f"{n['wall_s']:.2f}"
             equal = "—" if same is None else "yes" if same else "NO"
             print(f"| {b['turn']} | {b['T']:,} | {b['start']:,} | {b['computed']} | "
                   f"{b['bytes']:,} | {b['verdict']} | {b['wall_s']:.2f} | {native_s} | {equal} |")
+    progress.unlink(missing_ok=True)
     print(f"\nwrote {out}")
     return 0 if ok else 1
 
