@@ -337,6 +337,12 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   if (!stream) {
     httplib::Client cli(cfg_.decoder_host, cfg_.decoder_port);
     cli.set_read_timeout(std::chrono::milliseconds(cfg_.decoder_timeout_ms));
+    const DecoderCalls::Scope call(decoder_calls_.get(), &cli);
+    if (!call.ok) {
+      seam_.unpin(pin);
+      v = confirm_verdict(v, {false, -1, "the front door is stopping"});
+      return fail(503, "server_error", "decoder_unavailable", "the front door is stopping");
+    }
     const auto t_dec = Clock::now();
     auto r = cli.Post(path.c_str(), body.dump(), "application/json");
     v.timings_ms["decoder"] = ms_since(t_dec);
@@ -405,9 +411,10 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   auto forward = std::make_shared<std::string>(body.dump());
   res.set_chunked_content_provider(
       "text/event-stream",
-      [cfg, forward, path, relay, end](size_t, httplib::DataSink& sink) {
+      [cfg, forward, path, relay, end, calls = decoder_calls_](size_t, httplib::DataSink& sink) {
         httplib::Client cli(cfg.decoder_host, cfg.decoder_port);
         cli.set_read_timeout(std::chrono::milliseconds(cfg.decoder_timeout_ms));
+        const DecoderCalls::Scope call(calls.get(), &cli);  // refused: the stream says so below
         httplib::Request dreq;
         dreq.method = "POST";
         dreq.path = path;
@@ -428,7 +435,7 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
             return (client_gone = true), false;
           return true;
         };
-        auto r = cli.send(dreq);
+        auto r = call.ok ? cli.send(dreq) : httplib::Result(nullptr, httplib::Error::Canceled);
         if (first_ms >= 0) end->metrics->record_stage("decoder_first_token", first_ms);
         std::string rest = relay->flush();
         if (!client_gone && !rest.empty()) sink.write(rest.data(), rest.size());
@@ -546,9 +553,41 @@ Status FrontServer::start() {
   return Status::ok();
 }
 
+bool DecoderCalls::add(httplib::Client* cli) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return false;
+  live_.insert(cli);
+  return true;
+}
+
+void DecoderCalls::remove(httplib::Client* cli) {
+  std::lock_guard<std::mutex> lock(mu_);
+  live_.erase(cli);
+}
+
+void DecoderCalls::cut_all() {
+  std::lock_guard<std::mutex> lock(mu_);  // a call's client lives until it is removed
+  stopping_ = true;
+  for (httplib::Client* cli : live_) cli->stop();
+}
+
 void FrontServer::stop() {
-  if (server_) server_->stop();
+  if (server_) {
+    decoder_calls_->cut_all();
+    server_->stop();
+  }
+  // The server's thread ends once its requests have; a call registered just before the cut
+  // but not yet connected then had no socket to shut down, so the cut is repeated meanwhile.
+  std::atomic<bool> ended{false};
+  std::thread sweeper([&] {
+    while (!ended.load()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (!ended.load()) decoder_calls_->cut_all();
+    }
+  });
   if (thread_.joinable()) thread_.join();
+  ended.store(true);
+  sweeper.join();
   guard_.reset();
 }
 

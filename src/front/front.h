@@ -18,6 +18,8 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -29,6 +31,7 @@
 #include "front/routing.h"
 
 namespace httplib {
+class Client;
 class Server;
 struct Request;
 struct Response;
@@ -63,6 +66,35 @@ struct FrontConfig {
 Options front_options();
 Result<FrontConfig> front_config(const Options& opts);
 
+// The decoder calls in flight, so a stop can cut them: a request waiting on the decoder would
+// otherwise hold the server's stop for up to --decoder-timeout-ms.
+class DecoderCalls {
+ public:
+  // Registers cli for the scope of one call; false once stopping (the call must not start).
+  bool add(httplib::Client* cli);
+  void remove(httplib::Client* cli);
+  // Stopping from now on: each registered call's socket is shut down (it ends with an error).
+  void cut_all();
+
+  struct Scope {  // add() for the caller's scope; ok says whether the call may start
+    Scope(DecoderCalls* calls, httplib::Client* cli)
+        : calls(calls), cli(cli), ok(calls->add(cli)) {}
+    ~Scope() {
+      if (ok) calls->remove(cli);
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+    DecoderCalls* calls;
+    httplib::Client* cli;
+    bool ok;
+  };
+
+ private:
+  std::mutex mu_;
+  std::set<httplib::Client*> live_;
+  bool stopping_ = false;
+};
+
 class FrontServer {
  public:
   explicit FrontServer(FrontConfig config);
@@ -92,6 +124,7 @@ class FrontServer {
   // capped, so /health and /metrics always find a worker thread, and a full queue is a 503 with
   // Retry-After instead of a request holding a thread for minutes.
   std::atomic<int64_t> active_{0}, bridges_in_flight_{0};
+  std::shared_ptr<DecoderCalls> decoder_calls_ = std::make_shared<DecoderCalls>();
   std::unique_ptr<httplib::Server> server_;
   std::unique_ptr<ConnectionGuard> guard_;  // after server_: it goes first
   std::thread thread_;

@@ -381,6 +381,33 @@ def test_a_decoder_dying_mid_stream_ends_the_stream_properly(tmp_path) -> None:
     assert "stream broke" in error["error"]["message"], error
 
 
+def test_a_front_stops_with_a_stream_waiting_on_the_decoder(tmp_path) -> None:
+    # Regression: a front door's stop waited for each request in flight as long as its decoder
+    # call (up to --decoder-timeout-ms, 30 minutes). Its decoder calls are cut at the stop: the
+    # stream ends with its error event and [DONE], and the front exits. A decoder of its own:
+    # it is stopped (SIGSTOP) mid-answer here.
+    with running_stack(TINY, tmp_path, "tiny test model") as stack:
+        front = stack.front(stack.prefill().port)
+        body = chat("Count from one to a million.", max_tokens=4000, stream=True)
+        r = requests.post(Stack.url(front.port, "/v1/chat/completions"), json=body, stream=True,
+                          headers={"X-PD-Bridge-Mode": "native"}, timeout=120)
+        assert r.status_code == 200, r.text
+        events = r.iter_lines()
+        next(e for e in events if e.startswith(b"data:"))  # the decoder is answering
+        os.kill(stack.decoder.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1)
+            front.popen.send_signal(signal.SIGTERM)
+            rc = front.popen.wait(timeout=30)  # before the fix: the decoder's timeout
+            rest = [e for e in events if e.startswith(b"data:")]
+        finally:
+            os.kill(stack.decoder.pid, signal.SIGCONT)
+    assert rc == 0, front.log()[-2000:]
+    assert rest and rest[-1] == b"data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2][len(b"data:"):])
+    assert error["error"]["code"] == "decoder_unavailable", error
+
+
 def test_trickling_clients_do_not_starve_health(tiny, main_front) -> None:
     # Regression (hardening issue): connections that send their headers a byte at a time each
     # held one of a fixed pool's threads; 8 of them starved the prefill host's /health, 32 the
