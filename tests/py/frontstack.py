@@ -12,7 +12,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -217,18 +217,24 @@ class Decoder:
         reply = self.post(path, body, timeout=600)
         if not settle:
             return reply
-        # mlx-lm stores prompt + completion in its prompt cache after the reply has gone out
-        # (and the prompt's segments before it): wait for that last insert, then clear, or the
-        # front would find this prompt warm. An entry longer than the prompt is the last one:
-        # ids plus one probe token then reuse all of ids (two probes, in case one is the first
-        # generated token).
-        deadline = time.monotonic() + 60
-        while max(self.cached(ids + [0]), self.cached(ids + [1])) < len(ids):
-            assert time.monotonic() < deadline, "the decoder never cached the native request"
-            time.sleep(0.02)
+        # Then clear, or the front would find this prompt warm.
+        wait_cached(self.cached, ids)
         self.clear()
         assert self.cached(ids) == 0
         return reply
+
+
+def wait_cached(cached: Callable[[List[int]], int], ids: List[int]) -> None:
+    """Waits for the decoder's last prompt-cache insert of a request whose prompt was ids;
+    cached: the decoder's count of cached tokens for some ids (Stack.cached, Decoder.cached)."""
+    # mlx-lm stores prompt + completion in its prompt cache after the reply has gone out (and
+    # the prompt's segments before it). An entry at least as long as the prompt is the last one:
+    # ids plus one probe token then reuse all of ids (two probes, in case one is the first
+    # generated token).
+    deadline = time.monotonic() + 60
+    while max(cached(ids + [0]), cached(ids + [1])) < len(ids):
+        assert time.monotonic() < deadline, "the decoder never cached the request"
+        time.sleep(0.02)
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from typing import List, Tuple
 
 import pytest
 from frontstack import (CHUNK, MIN_TOKENS, TINY, Proc, Stack, answer, cached_tokens, chat, metrics,
-                        post_front, requests, running_stack, text, verdict_of)
+                        post_front, requests, running_stack, text, verdict_of, wait_cached)
 
 KIND = 'hetero_requests_total{verdict="%s"}'
 
@@ -146,9 +146,12 @@ def test_partial_no_longer_than_the_decoders_own_prefix_is_not_mounted(tiny) -> 
                          **{"partial-min-fraction": 0.05, "bridge-tails": "off"})
     first = {"model": "default_model", "prompt": text("own-prefix", 60), "max_tokens": 1,
              "temperature": 0.0}
+    first_ids = requests.post(Stack.url(tiny.decoder.port, "/hetero/tokenize"), json=first,
+                              timeout=60).json()["ids"]
     tiny.clear()
     r = requests.post(Stack.url(tiny.decoder.port, "/v1/completions"), json=first, timeout=120)
     assert r.status_code == 200, r.text
+    wait_cached(tiny.cached, first_ids)  # its last entry goes in after the reply
     longer = dict(first, prompt=first["prompt"] + " " + text("own-prefix-tail", 120),
                   max_tokens=8)
     ids = requests.post(Stack.url(tiny.decoder.port, "/hetero/tokenize"), json=longer,
@@ -165,6 +168,7 @@ def test_partial_no_longer_than_the_decoders_own_prefix_is_not_mounted(tiny) -> 
     with_tails = tiny.front(tiny.prefill("corrupt:1").port, **{"partial-min-fraction": 0.05})
     r = requests.post(Stack.url(tiny.decoder.port, "/v1/completions"), json=first, timeout=120)
     assert r.status_code == 200, r.text
+    wait_cached(tiny.cached, first_ids)
     assert tiny.cached(ids) == own
     r = post_front(with_tails, longer, "/v1/completions")
     assert r.status_code == 200, r.text
