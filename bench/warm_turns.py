@@ -19,11 +19,16 @@ window, which the front door would refuse; rope without scaling does not read th
 is one core's work here for hours; the times then share the cores). Each turn is written to
 <out>.progress as it ends (removed once the run writes its table), so a run cut short
 still says how far it got.
+--state DIR saves each pass after every turn (its rows, and the decoder's own cache rows for
+the next turn's prompt: bench/checkpoint.py) and resumes from there when run again with the
+same arguments; --stop-after N ends each pass after N turns. A conversation longer than the
+machine's session so runs over several; a pass already finished is not run again.
 Writes JSON lines to bench/results/warm-turns-<model>-<rev>.jsonl and prints a table.
 
 usage: python3 bench/warm_turns.py [--model DIR] [--prefill-model DIR] [--turns 20]
                                    [--min-words 900] [--max-words 3500] [--context 65536]
-                                   [--no-native] [--parallel]
+                                   [--no-native] [--parallel] [--state DIR]
+                                   [--stop-after N]
 (DeepSeek-V4: --model models/dsv4-tiny/native --prefill-model models/dsv4-tiny/fp8)
 """
 
@@ -38,6 +43,9 @@ import threading
 import time
 from pathlib import Path
 
+from typing import Optional
+
+from checkpoint import Checkpoint
 from cold import ROOT, WORDS, git_rev, post, start_stack
 
 
@@ -64,16 +72,33 @@ PROGRESS_LOCK = threading.Lock()  # the two passes' threads append to one file
 
 
 def run_conversation(model: Path, turns: list, mode: str, max_tokens: int,
-                     prefill_model: str = "", progress: Path = None) -> list:
+                     prefill_model: str = "", progress: Path = None,
+                     saved: Optional[Checkpoint] = None, stop_after: int = 0) -> list:
+    """One pass; with `saved`, resumed from and saved to a checkpoint, and with stop_after,
+    ended after that many turns (all of them when 0) to be resumed by a later run."""
+    state = saved.load(turns) if saved else None
+    rows, messages = (state["rows"], state["messages"]) if state else ([], [])
+    resumed_at = len(rows) if state else -1
+    if len(rows) == len(turns):  # a pass an earlier run finished
+        return rows
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     work = tmp / f"hetero-bench-{os.getpid()}-{mode or 'bridged'}"  # one per pass
-    proc, url, *_ = start_stack(str(model), work=work, prefill_model=prefill_model)
-    rows, messages = [], []
+    proc, url, decoder_url, secret = start_stack(str(model), work=work,
+                                                 prefill_model=prefill_model)
+    rev = git_rev()
+
+    def request(k: int) -> dict:  # turn k's request (its messages a copy: the list grows)
+        return {"model": "default_model", "messages": messages[: 2 * k] + [
+            {"role": "user", "content": turns[k]}], "max_tokens": max_tokens, "temperature": 0.0}
+
     try:
-        for k, content in enumerate(turns):
-            messages.append({"role": "user", "content": content})
-            body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens,
-                    "temperature": 0.0}
+        if state:
+            saved.restore((decoder_url, secret), work / "store", state)
+            print(f"  {mode or 'bridged'}: resumed after turn {len(rows)} with the decoder's "
+                  f"own {state['B']} rows", flush=True)
+        for k in range(len(rows), min(stop_after or len(turns), len(turns))):
+            body = request(k)
+            messages.append(body["messages"][-1])
             headers = {"X-PD-Bridge-Mode": mode} if mode else {}
             t0 = time.perf_counter()
             status, reply_headers, reply = post(url + "/v1/chat/completions", body, headers)
@@ -86,7 +111,7 @@ def run_conversation(model: Path, turns: list, mode: str, max_tokens: int,
                          "confirmed": v["confirmed"], "start": v.get("start", 0),
                          "computed": v.get("computed"), "bytes": v["bytes"], "wall_s": wall,
                          "cached_tokens": reply["usage"]["prompt_tokens_details"]["cached_tokens"],
-                         "answer": text})
+                         "answer": text, "rev": rev, "resumed": k == resumed_at})
             print(f"  {mode or 'bridged'} turn {k + 1}: T={v['T']} {v['verdict']} "
                   f"start={rows[-1]['start']} computed={rows[-1]['computed']} "
                   f"bytes={v['bytes']} {wall:.2f}s", flush=True)
@@ -94,6 +119,9 @@ def run_conversation(model: Path, turns: list, mode: str, max_tokens: int,
                 with PROGRESS_LOCK, progress.open("a") as f:
                     f.write(json.dumps({"pass": mode or "bridged", **rows[-1]}) + "\n")
             messages.append({"role": "assistant", "content": text})
+            if saved:
+                saved.save((decoder_url, secret), turns, rows, messages, body,
+                           request(k + 1) if k + 1 < len(turns) else None)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -113,6 +141,11 @@ def main() -> int:
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--parallel", action="store_true",
                    help="both passes at once, each on its own stack")
+    p.add_argument("--state", default="",
+                   help="save each pass after every turn in this directory, and resume from it "
+                        "(a run longer than the machine's session; llama family)")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="end each pass after this many turns (to resume with --state)")
     p.add_argument("--no-native", action="store_true",
                    help="the bridged pass only (where the decoder is too slow for both); "
                         "answers are then not compared")
@@ -129,15 +162,18 @@ def main() -> int:
     out = Path(args.out_dir) / f"warm-turns-{name}-{rev}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     progress = out.with_name(out.name + ".progress")
-    progress.unlink(missing_ok=True)
+    state = Path(args.state) if args.state else None
+    if state is None:
+        progress.unlink(missing_ok=True)
 
     passes = {"": None} if args.no_native else {"": None, "native": None}
     failed = []
 
     def one_pass(mode: str) -> None:
         try:
+            saved = Checkpoint(state, mode or "bridged") if state else None
             passes[mode] = run_conversation(model, turns, mode, args.max_tokens,
-                                            args.prefill_model, progress)
+                                            args.prefill_model, progress, saved, args.stop_after)
         except BaseException as e:  # a pass that failed ends the run, saying which and why
             failed.append(f"{mode or 'bridged'} pass: {e!r}")
 
@@ -153,6 +189,10 @@ def main() -> int:
                 one_pass(m)
     if failed:
         raise SystemExit("; ".join(failed) + f" (turns so far: {progress})")
+    short = {m or "bridged": len(r) for m, r in passes.items() if len(r) < args.turns}
+    if short:  # --stop-after: the table waits for every turn
+        print(f"turns so far {short} of {args.turns}, saved in {state}: run again to go on")
+        return 0
     bridged = passes[""]
     native = passes.get("native") or [None] * len(bridged)
     machine = f"{platform.node()} ({platform.machine()}, {platform.system()})"
@@ -174,7 +214,7 @@ def main() -> int:
             native_s = "—" if n is None else f"{n['wall_s']:.2f}"
             equal = "—" if same is None else "yes" if same else "NO"
             print(f"| {b['turn']} | {b['T']:,} | {b['start']:,} | {b['computed']} | "
-                  f"{b['bytes']:,} | {b['verdict']} | {b['wall_s']:.2f} | {native_s} | {equal} |")
+                  f"{b['bytes']:,} | {b['verdict']}{' (resumed)' if b.get('resumed') else ''} | {b['wall_s']:.2f} | {native_s} | {equal} |")
     progress.unlink(missing_ok=True)
     print(f"\nwrote {out}")
     return 0 if ok else 1
