@@ -202,9 +202,13 @@ void PinnedBuffer::reset() {
 
 // ------------------------------------------------------------------------------- streams, events
 
-Result<Stream> Stream::create() {
+Result<Stream> Stream::create(bool high_priority) {
   cudaStream_t made = nullptr;
-  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking));
+  int least = 0, greatest = 0;
+  if (high_priority)
+    HETERO_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  HETERO_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithPriority(&made, cudaStreamNonBlocking, high_priority ? greatest : least));
   Stream s;
   s.s_ = made;
   return s;
