@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
 #include "common/bf16.h"
@@ -105,13 +104,7 @@ Status Dsv4CudaEngine::init() {
   const Dsv4Config& c = config_;
   Impl& m = *impl_;
   const size_t E = static_cast<size_t>(c.n_routed_experts);
-  // Widening ahead runs beside the layer on a stream at the default (least) priority: the
-  // compute stream and the expert lanes take the greatest, so the widening's blocks fill what
-  // they leave idle instead of holding up their kernels.
-  const bool ahead = options_.weight_dtype == cuda::WeightDtype::kCheckpoint &&
-                     !options_.widen_experts_at_load && options_.widen_ahead;
-  const bool prio = ahead && getenv("HETERO_EXP_PRIO") != nullptr;  // EXPERIMENT
-  HETERO_ASSIGN_OR_RETURN(m.stream, cuda::Stream::create(prio));
+  HETERO_ASSIGN_OR_RETURN(m.stream, cuda::Stream::create());
   HETERO_ASSIGN_OR_RETURN(m.blas, blas_on(m.stream.get()));
   HETERO_RETURN_IF_ERROR(m.host_offsets.allocate(sizeof(int32_t) * (E + 1), "expert row offsets"));
   HETERO_RETURN_IF_ERROR(m.host_ptrs.allocate(sizeof(void*) * 6 * E, "grouped GEMM pointers"));
@@ -125,7 +118,7 @@ Status Dsv4CudaEngine::init() {
     HETERO_ASSIGN_OR_RETURN(m.fork, cuda::Event::create());
     m.lanes.resize(static_cast<size_t>(options_.expert_streams));
     for (Impl::Lane& lane : m.lanes) {
-      HETERO_ASSIGN_OR_RETURN(lane.stream, cuda::Stream::create(prio));
+      HETERO_ASSIGN_OR_RETURN(lane.stream, cuda::Stream::create());
       HETERO_ASSIGN_OR_RETURN(lane.done, cuda::Event::create());
       HETERO_ASSIGN_OR_RETURN(lane.blas, blas_on(lane.stream.get()));
     }
@@ -166,7 +159,7 @@ Status Dsv4CudaEngine::init() {
     HETERO_RETURN_IF_ERROR(m.alloc(m.active, E * 4, "active experts"));
     HETERO_RETURN_IF_ERROR(m.host_active.allocate(E * 4, "active experts"));
   }
-  if (ahead) {
+  if (m.ckpt && !options_.widen_experts_at_load && options_.widen_ahead) {
     // Widening ahead (Impl::widen_stream): w2's experts beside w13's, all of them.
     const int64_t I = c.moe_inter, H = c.hidden;
     HETERO_RETURN_IF_ERROR(
@@ -726,6 +719,7 @@ Status Dsv4CudaEngine::prefill_stage(const std::vector<int32_t>& ids, const uint
       tap(ev);
     }
     if (l == c.layers - 1 && !full_forward_) break;
+    HETERO_RETURN_IF_ERROR(widen_ahead(m, c, l, n));  // overlaps the attention
     HETERO_RETURN_IF_ERROR(attention(m, c, l, n, pos0));
     HETERO_RETURN_IF_ERROR(m.timer.mark(st, "hyper-connections + norms"));
     cuda::hc_expand(ha, f32(m.mix), bf(m.y), n, bf(m.h), st);

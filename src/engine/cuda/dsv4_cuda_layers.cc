@@ -285,8 +285,6 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float* freqs = L.ratio == 0 ? f32(m.local_freqs) : f32(m.compress_freqs);
   const uint16_t* x = bf(m.x);
-  bool widening = false;  // the layer's experts widened ahead yet (widen_ahead)
-  m.widened_ahead = false;
 
   HETERO_RETURN_IF_ERROR(m.timer.mark(st, "attn projections"));
   HETERO_RETURN_IF_ERROR(proj(m, x, n, H, L.wq_a, L.wq_a_8, QL, bf(m.qr)));
@@ -368,10 +366,6 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
       }
     }
     HETERO_RETURN_IF_ERROR(m.timer.mark(st, "attention kernel"));
-    if (!widening) {  // beside the layer's first attention kernel (compute-bound)
-      HETERO_RETURN_IF_ERROR(widen_ahead(m, c, l, n));
-      widening = true;
-    }
     cuda::SparseAttnParams ap{};
     ap.q = bf(m.q) + s0 * Hh * hd;
     ap.out = bf(m.attn) + s0 * Hh * hd;

@@ -202,13 +202,9 @@ void PinnedBuffer::reset() {
 
 // ------------------------------------------------------------------------------- streams, events
 
-Result<Stream> Stream::create(bool high_priority) {
+Result<Stream> Stream::create() {
   cudaStream_t made = nullptr;
-  int least = 0, greatest = 0;
-  if (high_priority)
-    HETERO_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  HETERO_CUDA_RETURN_IF_ERROR(
-      cudaStreamCreateWithPriority(&made, cudaStreamNonBlocking, high_priority ? greatest : least));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking));
   Stream s;
   s.s_ = made;
   return s;

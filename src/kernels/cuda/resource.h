@@ -139,12 +139,10 @@ class PinnedBuffer {
 };
 
 // A non-blocking stream on the device current at creation: it orders against other streams only
-// through events. The destructor waits for its work, then destroys it. high_priority: the
-// device's greatest stream priority (its blocks are scheduled before those of streams at the
-// default, which is the least), for work that background kernels must not hold up.
+// through events. The destructor waits for its work, then destroys it.
 class Stream {
  public:
-  static Result<Stream> create(bool high_priority = false);
+  static Result<Stream> create();
   Stream() = default;
   ~Stream();
   Stream(Stream&& o) noexcept : s_(o.s_) { o.s_ = nullptr; }
