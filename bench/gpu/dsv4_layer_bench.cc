@@ -254,12 +254,9 @@ int main(int argc, char** argv) {
       opts.weight_dtype = w.value();
     } else if (a == "--widen-experts") {
       const std::string w = next();
-      if (w != "at-load" && w != "per-chunk" && w != "per-chunk-active")
-        return std::fprintf(stderr,
-                            "--widen-experts takes per-chunk, per-chunk-active or at-load\n"),
-               2;
+      if (w != "at-load" && w != "per-chunk")
+        return std::fprintf(stderr, "--widen-experts takes at-load or per-chunk\n"), 2;
       opts.widen_experts_at_load = w == "at-load";
-      opts.widen_ahead = w != "per-chunk-active";
     } else if (a == "--bridge") {
       bridge_modes.clear();
       std::stringstream ss(next());
@@ -274,8 +271,7 @@ int main(int argc, char** argv) {
           stderr,
           "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
           "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8|checkpoint] "
-          "[--widen-experts per-chunk|per-chunk-active|at-load] [--bridge off,on] "
-          "[--program-device N] [--phases] "
+          "[--widen-experts per-chunk|at-load] [--bridge off,on] [--program-device N] [--phases] "
           "[--refcheck] [--checkpoint] "
           "[--rev GIT_REV]\n",
           argv[0]);
@@ -451,8 +447,7 @@ int main(int argc, char** argv) {
           : opts.weight_dtype == cuda::WeightDtype::kCheckpoint
               ? (opts.widen_experts_at_load
                      ? "checkpoint: fp8 projections, fp4 experts widened to fp8 at load"
-                 : opts.widen_ahead ? "checkpoint: fp8 projections, fp4 experts"
-                                    : "checkpoint: fp8 projections, fp4 experts, active only")
+                     : "checkpoint: fp8 projections, fp4 experts")
               : "bf16",
           opts.expert_streams, program_device, engine->weight_bytes() / 1e9,
           static_cast<long long>(T), static_cast<long long>(chunk), static_cast<long long>(layers),

@@ -4,13 +4,12 @@
 # against a base binary in the same run. Every GPU test first (GPU_TESTS=1), then the layer bench
 # with --phases for build/ and for $BASE (another build's hetero_gpu_dsv4_layer_bench, carried:
 # e.g. out/base/ built at the revision before a change), with WIDEN=1 build/ again with the
-# experts widened to FP8 at load (--widen-experts at-load; named $REV-at-load), with ACTIVE=1 with
-# only the active experts widened, before their GEMMs (per-chunk-active; $REV-active), then (NCU=1) one kernel-time summary of
+# experts widened to FP8 at load (--widen-experts at-load; named $REV-at-load), then (NCU=1) one kernel-time summary of
 # a 3-layer, 8,192-token prefill under Nsight Compute (one metric: each kernel's duration).
 #
 # Carry: .devkit/lib, build/hetero_gpu_tests, build/hetero_gpu_dsv4_layer_bench[, the base's].
 # Env: REV (names the output), BASE (a directory holding the base binary), T (8192,32768,131072),
-# LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0), ACTIVE (0), BRIDGE (off; "off,on" also runs each T with
+# LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0), BRIDGE (off; "off,on" also runs each T with
 # the bridge behind the forward: its cost and wire bytes), PHASES (1: --phases). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,
 # ncu.txt}.
 set -uo pipefail
@@ -38,7 +37,6 @@ run_bench() {  # name binary_dir [more flags]
 }
 [[ -n ${BASE:-} ]] && run_bench base "$BASE"
 run_bench "$REV" build
-[[ ${ACTIVE:-0} == 1 ]] && run_bench "$REV-active" build --widen-experts per-chunk-active
 [[ ${WIDEN:-0} == 1 ]] && run_bench "$REV-at-load" build --widen-experts at-load
 if [[ ${NCU:-0} == 1 ]]; then
   timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \

@@ -51,14 +51,11 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "HETERO_PREFILL_EXPERT_WIDENING",
        "per-chunk",
        "cuda, deepseek_v4, --weight-dtype checkpoint: when the FP4 routed experts are widened to "
-       "the FP8 their GEMMs read (per-chunk: in every chunk, so only the FP4 bytes stay on the "
-       "GPU: a chunk of at least 4 rows per expert widens all of a layer's experts while its "
-       "attention runs, a shorter one the active ones before their GEMMs; per-chunk-active: "
-       "always the latter, one projection's scratch less (2.1 GB at Flash shapes); at-load: "
-       "once, kept as FP8: twice the experts' bytes, no widening in any chunk; the same codes "
-       "and scales, so the same results, every way)",
+       "the FP8 their GEMMs read (per-chunk: each layer's before its GEMMs, so only the FP4 bytes "
+       "stay on the GPU; at-load: once, kept as FP8: twice the experts' bytes, no widening in "
+       "any chunk; the same codes and scales, so the same results, either way)",
        false,
-       {"per-chunk", "per-chunk-active", "at-load"}},
+       {"per-chunk", "at-load"}},
       {"gemm",
        "HETERO_PREFILL_GEMM",
        "ordered",
@@ -167,10 +164,10 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
     at = comma + 1;
   }
   if (!b.gpus.empty() && b.name != "cuda") return invalid_argument("--gpus is for --backend cuda");
-  if (b.expert_widening != "per-chunk" && (b.name != "cuda" || b.weights != "checkpoint"))
-    return invalid_argument("--expert-widening " + b.expert_widening +
-                            " widens deepseek_v4's FP4 experts: it needs --backend cuda and "
-                            "--weight-dtype checkpoint");
+  if (b.expert_widening == "at-load" && (b.name != "cuda" || b.weights != "checkpoint"))
+    return invalid_argument(
+        "--expert-widening at-load widens deepseek_v4's FP4 experts: it needs --backend cuda and "
+        "--weight-dtype checkpoint");
   if (!b.gpus.empty() && device != 0) return invalid_argument("pass --gpus or --device, not both");
   return o;
 }

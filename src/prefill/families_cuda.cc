@@ -179,7 +179,6 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
   po.devices = gpus;
   HETERO_ASSIGN_OR_RETURN(po.engine.weight_dtype, cuda::parse_weight_dtype(backend.weights));
   po.engine.widen_experts_at_load = backend.expert_widening == "at-load";
-  po.engine.widen_ahead = backend.expert_widening != "per-chunk-active";
   po.engine.device_memory_budget_bytes = backend.device_memory_budget_bytes;
   auto owned = std::make_shared<Dsv4Owned>();
   HETERO_ASSIGN_OR_RETURN(owned->weights, load_dsv4_decoder_weights(weights_dir));

@@ -104,29 +104,25 @@ TEST(PrefillBackend, GpusNameThePipelinesStagesInOrder) {
   EXPECT_NE(both.status().message().find("not both"), std::string::npos);
 }
 
-// --expert-widening: per-chunk by default; the other forms only where there are FP4 experts to
-// widen.
-TEST(PrefillBackend, ExpertWideningFormsNeedCheckpointWeightsOnCuda) {
+// --expert-widening: per-chunk by default; at-load only where there are FP4 experts to widen.
+TEST(PrefillBackend, ExpertWideningAtLoadNeedsCheckpointWeightsOnCuda) {
   auto d = parse_backend({"--backend", "cuda", "--weight-dtype", "checkpoint"});
   ASSERT_TRUE(d.is_ok()) << d.status().to_string();
   EXPECT_EQ(d->backend.expert_widening, "per-chunk");
-  for (const std::string form : {"at-load", "per-chunk-active"}) {
-    auto at = parse_backend(
-        {"--backend", "cuda", "--weight-dtype", "checkpoint", "--expert-widening", form});
-    ASSERT_TRUE(at.is_ok()) << at.status().to_string();
-    EXPECT_EQ(at->backend.expert_widening, form);
-    for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
-             {"--expert-widening", form},
-             {"--backend", "cuda", "--expert-widening", form},
-             {"--backend", "cuda", "--weight-dtype", "fp8", "--expert-widening", form},
-             {"--backend", "cpu", "--weight-dtype", "checkpoint", "--expert-widening", form}}) {
-      auto r = parse_backend(bad);
-      ASSERT_FALSE(r.is_ok());
-      EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
-      EXPECT_NE(r.status().message().find("--weight-dtype checkpoint"), std::string::npos)
-          << r.status().message();
-      EXPECT_NE(r.status().message().find(form), std::string::npos) << r.status().message();
-    }
+  auto at = parse_backend(
+      {"--backend", "cuda", "--weight-dtype", "checkpoint", "--expert-widening", "at-load"});
+  ASSERT_TRUE(at.is_ok()) << at.status().to_string();
+  EXPECT_EQ(at->backend.expert_widening, "at-load");
+  for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
+           {"--expert-widening", "at-load"},
+           {"--backend", "cuda", "--expert-widening", "at-load"},
+           {"--backend", "cuda", "--weight-dtype", "fp8", "--expert-widening", "at-load"},
+           {"--backend", "cpu", "--weight-dtype", "checkpoint", "--expert-widening", "at-load"}}) {
+    auto r = parse_backend(bad);
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("--weight-dtype checkpoint"), std::string::npos)
+        << r.status().message();
   }
   EXPECT_FALSE(parse_backend({"--expert-widening", "never"}).is_ok());
 }

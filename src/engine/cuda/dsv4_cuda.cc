@@ -67,20 +67,17 @@ Status PhaseTimer::collect(cudaStream_t st) {
 
 Dsv4CudaEngine::Impl::~Impl() {
   // Buffers are freed below while lanes may still run the last chunk's experts.
-  (void)quiesce();
-}
-
-Status Dsv4CudaEngine::Impl::quiesce() {
-  for (cudaStream_t s : {widen_stream.get(), stream.get()})
-    if (s) HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   for (Lane& l : lanes)
-    if (l.stream.get()) HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(l.stream.get()));
-  return Status::ok();
+    if (l.stream.get()) cudaStreamSynchronize(l.stream.get());
+  if (stream.get()) cudaStreamSynchronize(stream.get());
 }
 
 Status Dsv4CudaEngine::Impl::alloc(cuda::DeviceBuffer& b, size_t bytes, const char* what) {
-  // Work still queued on the engine's streams may read the old allocation.
-  if (b) HETERO_RETURN_IF_ERROR(quiesce());
+  if (b) {
+    // Work still queued on the engine's streams may read the old allocation.
+    for (Lane& l : lanes) HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(l.stream.get()));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream.get()));
+  }
   return b.allocate(bytes, what, &budget);
 }
 
@@ -158,25 +155,6 @@ Status Dsv4CudaEngine::init() {
     HETERO_RETURN_IF_ERROR(m.alloc(m.wide_scale, sc, "widened FP4 experts"));
     HETERO_RETURN_IF_ERROR(m.alloc(m.active, E * 4, "active experts"));
     HETERO_RETURN_IF_ERROR(m.host_active.allocate(E * 4, "active experts"));
-  }
-  if (m.ckpt && !options_.widen_experts_at_load && options_.widen_ahead) {
-    // Widening ahead (Impl::widen_stream): w2's experts beside w13's, all of them.
-    const int64_t I = c.moe_inter, H = c.hidden;
-    HETERO_RETURN_IF_ERROR(
-        m.alloc(m.wide_q2, static_cast<size_t>(c.n_routed_experts * H * I), "widened FP4 experts"));
-    HETERO_RETURN_IF_ERROR(m.alloc(m.wide_scale2,
-                                   static_cast<size_t>(c.n_routed_experts * cuda::fp8_blocks(H) *
-                                                       cuda::fp8_weight_scale_ld(I)) *
-                                       4,
-                                   "widened FP4 experts"));
-    HETERO_RETURN_IF_ERROR(m.alloc(m.all_experts, E * 4, "active experts"));
-    std::vector<int32_t> all(E);
-    for (size_t e = 0; e < E; ++e) all[e] = static_cast<int32_t>(e);
-    HETERO_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(m.all_experts.get(), all.data(), E * 4, cudaMemcpyHostToDevice));
-    HETERO_ASSIGN_OR_RETURN(m.widen_stream, cuda::Stream::create());
-    HETERO_ASSIGN_OR_RETURN(m.widen_fork, cuda::Event::create());
-    HETERO_ASSIGN_OR_RETURN(m.widen_done, cuda::Event::create());
   }
 
   const std::vector<float> lf =
@@ -273,7 +251,7 @@ Result<std::unique_ptr<Dsv4CudaEngine>> Dsv4CudaEngine::load(const std::string& 
 Result<int64_t> Dsv4CudaEngine::fp4_lossy_groups() const {
   if (!impl_->lossy) return int64_t{0};
   unsigned long long n = 0;
-  HETERO_RETURN_IF_ERROR(impl_->quiesce());
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl_->stream.get()));
   HETERO_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(&n, impl_->lossy.get(), sizeof(n), cudaMemcpyDeviceToHost));
   return static_cast<int64_t>(n);
@@ -354,7 +332,8 @@ Status Dsv4CudaEngine::reset() {
   n_cached_ = resumed_at_ = 0;
   m.calls.clear();
   // The previous sequence's work (a failed chunk's lanes too) is done before its state is reused.
-  HETERO_RETURN_IF_ERROR(m.quiesce());
+  for (Impl::Lane& l : m.lanes) HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(l.stream.get()));
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream.get()));
   m.state.resize(m.layers.size());
   for (size_t i = static_cast<size_t>(m.first); i < static_cast<size_t>(m.end); ++i) {
     DState& s = m.state[i];
@@ -719,7 +698,6 @@ Status Dsv4CudaEngine::prefill_stage(const std::vector<int32_t>& ids, const uint
       tap(ev);
     }
     if (l == c.layers - 1 && !full_forward_) break;
-    HETERO_RETURN_IF_ERROR(widen_ahead(m, c, l, n));  // overlaps the attention
     HETERO_RETURN_IF_ERROR(attention(m, c, l, n, pos0));
     HETERO_RETURN_IF_ERROR(m.timer.mark(st, "hyper-connections + norms"));
     cuda::hc_expand(ha, f32(m.mix), bf(m.y), n, bf(m.h), st);

@@ -54,11 +54,9 @@ struct Dsv4CudaOptions {
   // or random()) keeps DeepSeek's own forms: the FP8 e4m3 projections (wq_a, wq_b, wkv, wo_b,
   // the indexer's wq_b, the shared expert) with their UE8M0 128x128 scales run on the FP8 GEMMs
   // as stored (their inputs quantized per token and 128 columns), wo_a is dequantized to bf16
-  // (the grouped einsum's operand, as in the reference), the routed experts stay FP4 and are
-  // widened to FP8 per chunk: for a chunk with at least 4 rows per expert, all of a layer's
-  // experts, both projections, on a stream of their own while the layer's attention runs; for a
-  // shorter one, the active ones, in one launch just before their GEMMs (fp4_lossy_groups()
-  // counts any inexact group); the rest
+  // (the grouped einsum's operand, as in the reference), the routed experts stay FP4 and a
+  // layer's active ones are widened to FP8 in one launch, just before their GEMMs, into a
+  // scratch of one projection's experts (fp4_lossy_groups() counts any inexact group); the rest
   // stays as stored (bf16 / f32). Loading streams the shards tensor
   // by tensor through a 64 MiB pinned buffer, refusing, by name, a tensor stored otherwise.
   // Otherwise: how the experts' weights (routed and shared: ~98% of a Flash layer's bytes) live
@@ -76,11 +74,6 @@ struct Dsv4CudaOptions {
   // widened footprint plus one projection's FP4 form (a layer's FP8 form is allocated before its
   // FP4 one is freed).
   bool widen_experts_at_load = false;
-  // Per chunk (not at load): whether a chunk with at least 4 rows per expert widens all of a
-  // layer's experts ahead, overlapping its attention (a second projection's scratch on the
-  // device: 2.1 GB at Flash shapes), or, like a shorter chunk, only the active ones just before
-  // their GEMMs. The same codes either way.
-  bool widen_ahead = true;
   // Routed experts' GEMMs over this many side streams (1: on the compute stream), each taking a
   // run of consecutive experts with about equal rows: one expert's GEMM (a few hundred rows at
   // 8K tokens) fills only part of the GPU. At most 16; 1 with grouped_experts. 4 measured 2%
@@ -168,8 +161,8 @@ class Dsv4CudaEngine {
   // Under WeightDtype::kCheckpoint: how many 32-element FP4 groups of the routed experts lost
   // low bits when widened to FP8 since the engine was made (their block's exponents span more
   // than 14; kernels/cuda/checkpoint_formats.h): per chunk, every widening counts again (the
-  // experts widened in every chunk: all of them, or a short chunk's active ones); with
-  // widen_experts_at_load, each group once, at load. 0 otherwise. Waits for the engine's streams.
+  // active experts of every chunk); with widen_experts_at_load, each group once, at load. 0
+  // otherwise. Waits for the compute stream.
   Result<int64_t> fp4_lossy_groups() const;
   // Bytes of device memory the weights take.
   int64_t weight_bytes() const { return weight_bytes_; }

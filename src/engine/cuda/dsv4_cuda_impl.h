@@ -173,15 +173,6 @@ struct Dsv4CudaEngine::Impl {
   cuda::DeviceBuffer wide_q, wide_scale, active, lossy;
   cuda::PinnedBuffer host_active;  // int32 [E]
   int64_t active_count = 0;
-  // Per chunk, a chunk with rows for about every expert (widens_ahead) widens all of a layer's
-  // experts, both projections, on a stream of its own as the layer's attention starts: the
-  // widening is bound by memory and the attention by the tensor cores, so they overlap (at 8K
-  // tokens the widening was 15% of a Flash layer). wide_q/wide_scale then hold w13 and
-  // wide_q2/wide_scale2 w2; the routed GEMMs wait for widen_done. all_experts: int32 0..E-1.
-  cuda::Stream widen_stream;
-  cuda::Event widen_fork, widen_done;
-  cuda::DeviceBuffer wide_q2, wide_scale2, all_experts;
-  bool widened_ahead = false;  // this layer's experts were widened ahead
   cuda::DeviceBuffer act_q, act_scale;
   cuda::PinnedBuffer host_pad;  // int32 [E + 1]: each expert's first row in act_q, padded
   cuda::DeviceBuffer pad;       // its device copy
@@ -201,8 +192,6 @@ struct Dsv4CudaEngine::Impl {
 
   explicit Impl(int64_t budget_bytes) : budget(budget_bytes) {}
   ~Impl();
-  // Waits for everything queued on the engine's streams (compute, expert lanes, widening).
-  Status quiesce();
   // Frees b (once the device has finished every queued read of it), then takes `bytes` from the
   // budget; contents are not kept.
   Status alloc(cuda::DeviceBuffer& b, size_t bytes, const char* what);
@@ -233,9 +222,6 @@ Status reserve_rows(Impl& m, DPool& p, int64_t rows, cudaStream_t st);
 Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos0);
 // The MoE of layer l on m.x [n, hidden] into m.y.
 Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n);
-// Per chunk, for a chunk with rows for about every expert: layer l's experts widened on
-// Impl::widen_stream, after what the compute stream has queued (Impl::widened_ahead says).
-Status widen_ahead(Impl& m, const Dsv4Config& c, int64_t l, int64_t n);
 
 }  // namespace dsv4_cuda
 }  // namespace hetero

@@ -190,24 +190,19 @@ Status fp8_linear(Impl& m, const uint16_t* x, int64_t rows, const cuda::Fp8Block
 // output (the last expert's land in the buffer's slack; a lane's last expert writes into the
 // lane's own buffer, and its real rows are copied into place). off: host and device copies of
 // the row offsets.
-// wide_q, wide_scale: where FP4 experts are widened (Impl::wide_q, or wide_q2 for w2 widened
-// ahead).
 Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* dev_off,
                         const uint16_t* x, const DFp8& w8, const DFp4& w4, uint16_t* y,
-                        const cuda::DeviceBuffer& wide_q, const cuda::DeviceBuffer& wide_scale,
                         const int32_t* rows_from = nullptr, int64_t per = 1) {
-  const bool widen = w4.mats > 0;  // FP4 experts widened (else FP8, resident)
+  const bool widen = w4.mats > 0;  // FP4 experts widened here (else FP8, resident)
   const int64_t wn = widen ? w4.n : w8.n, wk = widen ? w4.k : w8.k;
   const int64_t groups = cuda::fp8_blocks(wk);
   const int32_t* host_pad = m.host_pad.get<int32_t>();
   cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
                                   m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get(),
                                   rows_from, per);
-  if (widen && m.widened_ahead)  // the lanes fork from the compute stream after this wait
-    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(m.stream.get(), m.widen_done.get()));
-  else if (widen)  // every active expert's FP4 weight widened at once, ahead of the GEMMs
+  if (widen)  // every active expert's FP4 weight widened at once, ahead of the GEMMs
     cuda::widen_fp4_experts_to_fp8(w4.at(0), m.active.get<int32_t>(), m.active_count,
-                                   wide_q.get<uint8_t>(), f32(wide_scale),
+                                   m.wide_q.get<uint8_t>(), f32(m.wide_scale),
                                    m.lossy.get<unsigned long long>(), m.stream.get());
   std::vector<int64_t> last(m.lanes.size(), -1);  // each lane's last expert with rows
   if (!m.lanes.empty()) {
@@ -224,8 +219,8 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
         lane >= 0 && last[static_cast<size_t>(lane)] == e && cuda::fp8_act_rows(rows) != rows;
     uint16_t* out = spills ? bf(m.lanes[static_cast<size_t>(lane)].spill) : y + off[e] * wn;
     const cuda::Fp8BlockWeight w =
-        widen ? cuda::Fp8BlockWeight{wide_q.get<uint8_t>() + e * wn * wk,
-                                     f32(wide_scale) +
+        widen ? cuda::Fp8BlockWeight{m.wide_q.get<uint8_t>() + e * wn * wk,
+                                     f32(m.wide_scale) +
                                          e * cuda::fp8_blocks(wn) * cuda::fp8_weight_scale_ld(wk),
                                      wn, wk}
               : w8.at(e);
@@ -452,8 +447,8 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
     // The previous layer's copy of host_pad is done: the stream was waited for above.
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.pad.get(), host_pad, sizeof(int32_t) * (E + 1),
                                                 cudaMemcpyHostToDevice, st));
-    if (L.w13_4.mats > 0 && !m.widened_ahead) {  // the experts with rows, whose FP4 weights get
-                                                 // widened (host_active: as above)
+    if (L.w13_4.mats > 0) {  // the experts with rows, whose FP4 weights get widened (host_active:
+                             // as above)
       int32_t* active = m.host_active.get<int32_t>();
       m.active_count = 0;
       for (int64_t e = 0; e < E; ++e)
@@ -462,41 +457,19 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
           m.active.get(), active, sizeof(int32_t) * m.active_count, cudaMemcpyHostToDevice, st));
     }
     HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, dev_off, x, L.w13_8, L.w13_4, bf(m.gu),
-                                            m.wide_q, m.wide_scale, m.perm.get<int32_t>(), K));
+                                            m.perm.get<int32_t>(), K));
   } else {
     HETERO_RETURN_IF_ERROR(expert_gemms(m, E, off, bf(m.xe), H, bf(L.w13), 2 * I, bf(m.gu)));
   }
   cuda::swiglu(bf(m.gu), n * K, I, static_cast<float>(c.swiglu_limit), bf(m.act), st);
   if (m.fp8)
-    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, dev_off, bf(m.act), L.w2_8, L.w2_4, bf(m.ye),
-                                            m.widened_ahead ? m.wide_q2 : m.wide_q,
-                                            m.widened_ahead ? m.wide_scale2 : m.wide_scale));
+    HETERO_RETURN_IF_ERROR(
+        expert_gemms_fp8(m, E, off, dev_off, bf(m.act), L.w2_8, L.w2_4, bf(m.ye)));
   else
     HETERO_RETURN_IF_ERROR(expert_gemms(m, E, off, bf(m.act), I, bf(L.w2), H, bf(m.ye)));
   HETERO_RETURN_IF_ERROR(m.timer.mark(st, "moe combine"));
   cuda::moe_combine(bf(m.ye), m.slot_row.get<int32_t>(), f32(m.weights), S > 0 ? bf(m.sh) : nullptr,
                     n, K, H, bf(m.y), st);
-  return Status::ok();
-}
-
-Status widen_ahead(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
-  const DLayer& L = m.layers[static_cast<size_t>(l)];
-  const int64_t E = c.n_routed_experts;
-  // About every expert has rows from 4 per expert on (uniform routing leaves 1 - e^-4 = 98% of
-  // them with rows); below, only the active ones are widened, after the routing.
-  m.widened_ahead =
-      m.widen_stream.get() != nullptr && L.w13_4.mats > 0 && n * c.experts_per_tok >= 4 * E;
-  if (!m.widened_ahead) return Status::ok();
-  // After the compute stream's queue: the previous layer's GEMMs read these buffers.
-  cudaStream_t ws = m.widen_stream.get();
-  HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(m.widen_fork.get(), m.stream.get()));
-  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ws, m.widen_fork.get()));
-  unsigned long long* lossy = m.lossy.get<unsigned long long>();
-  cuda::widen_fp4_experts_to_fp8(L.w13_4.at(0), m.all_experts.get<int32_t>(), E,
-                                 m.wide_q.get<uint8_t>(), f32(m.wide_scale), lossy, ws);
-  cuda::widen_fp4_experts_to_fp8(L.w2_4.at(0), m.all_experts.get<int32_t>(), E,
-                                 m.wide_q2.get<uint8_t>(), f32(m.wide_scale2), lossy, ws);
-  HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(m.widen_done.get(), ws));
   return Status::ok();
 }
 
