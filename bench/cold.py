@@ -105,10 +105,18 @@ def start_stack(model: str, work: Path = None, prefill_model: str = "") -> tuple
                              "--port", str(ports[0]), "--decoder-port", str(ports[1]),
                              "--prefill-port", str(ports[2]), "--work-dir", str(work)] + extra,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    work.mkdir(parents=True, exist_ok=True)
+    log = (work / "up.log").open("w")  # the front's log and the stack's own lines
     for line in proc.stdout:
+        log.write(line)
         if "hetero is up" in line:
-            # Its later output is read and dropped, so a full pipe never blocks it.
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            # Its later output is read into the log, so a full pipe never blocks it.
+            def drain() -> None:
+                for rest in proc.stdout:
+                    log.write(rest)
+                    log.flush()
+                log.close()
+            threading.Thread(target=drain, daemon=True).start()
             secret = (work / "secret").read_text().strip()
             return proc, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}", secret
     raise SystemExit("hetero up did not come up; see " + str(work))
