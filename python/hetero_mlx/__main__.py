@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-step-size", type=int, help="mlx-lm default when omitted")
     serve.add_argument("--store", type=Path, help="decoder store root; mounts only inside it")
     serve.add_argument(
-        "--test-faults", action="store_true", help="enable POST /hetero/fault (tests only)"
+        "--test-faults", action="store_true", help="enable POST /hetero/fault and /hetero/calls (tests only)"
     )
     serve.add_argument(
         "--mount-budget-mb",

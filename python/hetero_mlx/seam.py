@@ -6,7 +6,9 @@ would drop its model to load them), which the seam refuses. Every seam reply is 
 CORS headers; errors are {"error": {"code", "message"}} with a 4xx status, and nothing a client
 sends can raise out of a handler. Access rules (secret, JSON bodies, dump directory): access.py.
 
-  POST /hetero/tokenize       OpenAI chat or completions body -> {"ids", "n", "segments"}
+  POST /hetero/tokenize       OpenAI chat or completions body -> {"ids", "n", "segments",
+                              "cached_tokens", "path", "calls"} (the prefill calls the decoder
+                              would run it in now: schedule.py)
   GET  /hetero/info           model layout, fingerprint, versions, prompt-cache stats
   POST /hetero/cached_prefix  {"ids"} -> {"cached_tokens", "n"} (read-only)
   POST /hetero/mount          {"entry", "ids"} -> {"mounted": B, "pin"} (pins.py); a tail entry
@@ -16,6 +18,8 @@ sends can raise out of a handler. Access rules (secret, JSON bodies, dump direct
                               <store>/dumps/name; the prompt cache is only read)
   POST /hetero/clear          -> {"cleared": number of entries dropped} (and every pin)
   POST /hetero/fault          {"kind"} -> {"armed"} (serve --test-faults only; pins.py)
+  POST /hetero/calls          -> {"calls": [tokens per model call since the last read]}
+                              (serve --test-faults only; schedule.CallRecorder)
 """
 
 import io
@@ -39,6 +43,7 @@ from .errors import SeamError, bad_request
 from .llama import build_cache, cache_arrays, context_window, extend_cache
 from .pins import unpin_request
 from .prompt_cache import LockedPromptCache
+from .schedule import CallRecorder, decoder_calls
 from .store import dump_request, entry_path, read_entry, request_ids
 
 log = logging.getLogger("hetero_mlx")
@@ -56,6 +61,7 @@ class Seam:
     store: Optional[Path]
     dumps: Optional[Path] = None  # access.dumps_dir(store): where /hetero/cache writes
     secret: Optional[str] = None  # every /hetero/ request must carry it (access.check_auth)
+    calls: Optional[CallRecorder] = None  # serve --test-faults only
 
     @property
     def model_key(self) -> Any:
@@ -78,6 +84,7 @@ class _TokenizeProbe:
         self._generator = generator
         self.result: Optional[tuple] = None
         self.error: Optional[Exception] = None
+        self.batched = False  # which prefill path the server would take (schedule.py)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._generator, name)
@@ -87,6 +94,7 @@ class _TokenizeProbe:
         try:
             tokenizer = generator.model_provider.tokenizer
             self.result = generator._tokenize(tokenizer, request, args)
+            self.batched = generator._is_batchable(args)
         except Exception as e:  # template errors, bad message content: reported as 400
             self.error = e
         raise _ProbeDone()
@@ -255,6 +263,7 @@ class SeamHandler(APIHandler):
             "/hetero/clear": SeamHandler._clear,
             "/hetero/unpin": SeamHandler._unpin,
             "/hetero/fault": SeamHandler._fault,
+            "/hetero/calls": SeamHandler._calls,
         }
         self._dispatch(routes, has_body=True)
 
@@ -371,16 +380,30 @@ class SeamHandler(APIHandler):
         return info
 
     def _tokenize_endpoint(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
-        prompt, segments, types, _, vision = self._server_tokenize(raw, body)
+        (prompt, segments, types, _, vision), batched = self._server_tokenize(raw, body)
         if vision is not None:
             # The server keys image prompts by a rewritten id list; the seam does not mount them.
             raise bad_request("images_unsupported", "prompts with images are not bridged")
         ids = [int(t) for t in prompt]
         parts = [{"type": t, "n": len(s)} for t, s in zip(types, segments)]
-        return {"ids": ids, "n": len(ids), "segments": parts}
+        cached = self.seam.prompt_cache.reuse_length(self.seam.model_key, ids)
+        step = self.seam.provider.cli_args.prefill_step_size
+        # A prompt the cache holds whole has no prefill to cut (the server refuses it).
+        calls = decoder_calls([len(s) for s in segments], cached, step, batched) if cached < len(
+            ids
+        ) else []
+        return {
+            "ids": ids,
+            "n": len(ids),
+            "segments": parts,
+            "cached_tokens": cached,
+            "path": "batch" if batched else "single",
+            "calls": [list(c) for c in calls],
+        }
 
     def _server_tokenize(self, raw: bytes, body: Dict[str, Any]) -> tuple:
-        """Runs APIHandler.do_POST on the raw body with a probe in place of the generator.
+        """Runs APIHandler.do_POST on the raw body with a probe in place of the generator:
+        (ResponseGenerator._tokenize's result, whether the server would batch the request).
 
         This is the server's own path: its parsing, validation, request and argument objects,
         and ResponseGenerator._tokenize. Its output goes to a buffer, read only on rejection.
@@ -400,7 +423,7 @@ class SeamHandler(APIHandler):
             raise bad_request("tokenize_failed", f"{type(probe.error).__name__}: {probe.error}")
         if probe.result is None:
             raise _rejection(sink.getvalue())
-        return probe.result
+        return probe.result, probe.batched
 
     def _cached_prefix(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
         ids = request_ids(body, self.seam.desc["vocab_size"])
@@ -455,6 +478,11 @@ class SeamHandler(APIHandler):
 
     def _fault(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
         return self.seam.prompt_cache.pins.arm(body)
+
+    def _calls(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
+        if self.seam.calls is None:
+            raise SeamError(404, "not_found", "the call recorder is off (serve --test-faults)")
+        return {"calls": self.seam.calls.take()}
 
     def _cache_dump(self, raw: bytes, body: Dict[str, Any]) -> Dict[str, Any]:
         ids = request_ids(body, self.seam.desc["vocab_size"])

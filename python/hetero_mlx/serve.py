@@ -30,6 +30,7 @@ from .access import dumps_dir, read_secret
 from .llama import describe
 from .pins import Pins
 from .prompt_cache import LockedPromptCache
+from .schedule import CallRecorder
 from .seam import Seam, SeamHandler, SeamHTTPServer, run_capturing
 
 log = logging.getLogger("hetero_mlx")
@@ -115,7 +116,9 @@ def serve(
         store,
         "secret required" if secret else "open (no --secret-file)",
     )
-    seam = Seam(provider, prompt_cache, desc, store, dumps=dumps, secret=secret)
+    # Tests compare the calls the seam predicts with those the model gets (schedule.py).
+    calls = CallRecorder(provider.model) if test_faults else None
+    seam = Seam(provider, prompt_cache, desc, store, dumps=dumps, secret=secret, calls=calls)
     args = provider.cli_args
     handler = functools.partial(SeamHandler, seam=seam)
     mlx_server._run_http_server(

@@ -11,7 +11,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Sequence
 
 import pytest
 import requests
@@ -43,9 +43,10 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float,
 
 @contextmanager
 def seam_server(model_dir: str, tmp_path_factory, health: str, timeout_s: float,
-                extra_env: Optional[Dict[str, str]] = None) -> Iterator[dict]:
-    """`python -m hetero_mlx serve` on model_dir with a fresh secret; yields {"url", "store",
-    "log", "model", "secret"}."""
+                extra_env: Optional[Dict[str, str]] = None,
+                extra_args: Sequence[str] = ()) -> Iterator[dict]:
+    """`python -m hetero_mlx serve` on model_dir with a fresh secret (and extra_args); yields
+    {"url", "store", "log", "model", "secret"}."""
     store = tmp_path_factory.mktemp("store")
     log = tmp_path_factory.mktemp("log") / "server.log"
     secret_file = tmp_path_factory.mktemp("secret") / "secret"
@@ -56,6 +57,7 @@ def seam_server(model_dir: str, tmp_path_factory, health: str, timeout_s: float,
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"), **(extra_env or {}))
     cmd = [sys.executable, "-m", "hetero_mlx", "serve", "--model", model_dir]
     cmd += ["--port", str(port), "--store", str(store), "--secret-file", str(secret_file)]
+    cmd += list(extra_args)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
