@@ -234,6 +234,14 @@ int cmd_verify(int argc, char** argv) {
     return fail("clear", c.status());
   auto native = ask(port, endpoint, request, max_new.value(), tmo);
   if (!native.is_ok()) return fail("native request", native.status());
+  // mlx-lm's single path (a request with "seed") stores its cache only after the reply has gone
+  // out: wait (a minute at most) until the decoder holds ids[:B]; the dump says what it covers.
+  for (const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+       std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(std::chrono::milliseconds(50))) {
+    auto held = seam.call("/hetero/cached_prefix", {{"ids", ids}});
+    if (held.is_ok() && held.value().value("cached_tokens", int64_t{0}) >= B) break;
+  }
   // The decoder's own cache for ids[:B], written by the seam into its dump directory under a
   // name of this run's own (an attached decoder's may hold others'); its path comes back.
   auto dump = [&](const std::string& leg) -> Result<std::string> {
@@ -257,6 +265,7 @@ int cmd_verify(int argc, char** argv) {
   params.partial_min_fraction = 1.0;  // verify checks whole prefixes only
   params.stall_ms = params.deadline_ms = tmo;
   params.secret = secret.value();
+  take_decoder_calls(tok.value(), &params);  // as it was asked: from a cold cache
   BridgeOutcome bridged_leg = run_bridge(seam, info.value(), ids, /*decoder_cached=*/0, params);
   const FetchResult& fetched = bridged_leg.fetch;
   if (bridged_leg.verdict.kind != VerdictKind::kComplete)

@@ -202,6 +202,10 @@ std::string decoder_family(const std::string& dir) {
 
 Status check_llama_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens) {
   HETERO_RETURN_IF_ERROR(check_rope_reach(w.rope_config, prompt_tokens));
+  return check_sliding_reach(w, prompt_tokens);
+}
+
+Status check_sliding_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens) {
   if (w.sliding_window > 0 && prompt_tokens > w.sliding_window)
     return failed_precondition(
         "a prompt of " + std::to_string(prompt_tokens) +

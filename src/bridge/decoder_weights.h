@@ -81,6 +81,8 @@ struct LlamaDecoderWeights {
 // of sliding-window layers (their caches then hold only a window, laid out by the decoder's
 // calls). A per-request refusal: the decoder answers the prompt natively.
 Status check_llama_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens);
+// The sliding-window half of check_llama_reach.
+Status check_sliding_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens);
 
 Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir);
 

@@ -57,7 +57,8 @@ LlamaDecoderWeights llama_decoder_weights_of(const LlamaWeights& w, std::string 
   return d;
 }
 
-KvRows LlamaCacheProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x) const {
+KvRows LlamaCacheProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+                              const RopeByCall* rope) const {
   const auto& L = w_->layers[static_cast<size_t>(layer)];
   const int64_t kvh = w_->layout.kv_heads, hd = w_->layout.head_dim;
   const int64_t kvd = kvh * hd;
@@ -67,7 +68,10 @@ KvRows LlamaCacheProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint
   if (maybe(L.k_norm))
     rms_norm(k.data(), n * kvh, hd, L.k_norm.data<uint16_t>(), static_cast<float>(w_->rms_norm_eps),
              k.data());
-  rope_apply(k.data(), n, kvh, hd, pos0, w_->rope);
+  if (rope)
+    rope->apply(k.data(), n, kvh, hd, pos0);
+  else
+    rope_apply(k.data(), n, kvh, hd, pos0, w_->rope);
   return KvRows{kv_rows_head_major(k, n, kvh, hd), kv_rows_head_major(v, n, kvh, hd)};
 }
 

@@ -31,7 +31,10 @@ class LlamaCacheProgram {
  public:
   explicit LlamaCacheProgram(const LlamaDecoderWeights* weights) : w_(weights) {}
   const DecoderCacheLayout& layout() const { return w_->layout; }
-  KvRows run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x) const;
+  // rope: each row's rope by the decoder's calls (a dynamic rope past its reach); null: the
+  // export's one rope for every row.
+  KvRows run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
+             const RopeByCall* rope = nullptr) const;
 
  private:
   const LlamaDecoderWeights* w_;

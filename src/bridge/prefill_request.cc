@@ -12,6 +12,7 @@ json prefill_request_json(const PrefillRequest& req) {
   if (req.chunk_tokens > 0) body["chunk"] = req.chunk_tokens;
   if (req.start > 0) body["start"] = req.start;
   if (!req.decoder_calls.empty()) body["decoder_calls"] = req.decoder_calls;
+  if (!req.decoder_batched) body["decoder_path"] = "single";
   if (!req.stream_nonce.empty()) body["stream_nonce"] = req.stream_nonce;
   return body;
 }
@@ -62,6 +63,12 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vo
     if (!j["stream_nonce"].is_string() || !valid_stream_nonce(j["stream_nonce"].get<std::string>()))
       return invalid_argument("'stream_nonce' must be 16 to 128 hex digits");
     r.stream_nonce = j["stream_nonce"].get<std::string>();
+  }
+  if (j.contains("decoder_path")) {
+    const json& v = j["decoder_path"];
+    if (!v.is_string() || (v != "batch" && v != "single"))
+      return invalid_argument("'decoder_path' must be \"batch\" or \"single\"");
+    r.decoder_batched = v == "batch";
   }
   if (j.contains("decoder_calls")) {
     const json& c = j["decoder_calls"];

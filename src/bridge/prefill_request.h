@@ -32,6 +32,10 @@ struct PrefillRequest {
   // prefix cache or computed again; deepseek_v4's from its checkpoint of exactly ids[:start]
   // (HTTP 409 "prefix_state_missing" without one). 0: the whole prefix.
   int64_t start = 0;
+  // Which of mlx-lm's prefill paths those calls are on (llama: a dynamic rope's base per call is
+  // float32 arithmetic on the batch path, doubles on the single one). Wire: "decoder_path",
+  // "batch" (the default) or "single".
+  bool decoder_batched = true;
 };
 
 // The body the decode side sends.

@@ -25,7 +25,7 @@ std::vector<ArraySpec> llama_segment_specs(const DecoderCacheLayout& layout, int
 
 Status LlamaSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
                                 std::vector<WireArray>* arrays) {
-  append_kv_arrays(layer, program_->run(layer, pos0, n, x), arrays);
+  append_kv_arrays(layer, program_->run(layer, pos0, n, x, rope_ ? &*rope_ : nullptr), arrays);
   return Status::ok();
 }
 

@@ -112,7 +112,10 @@ std::vector<ArraySpec> llama_segment_specs(const DecoderCacheLayout& layout, int
 
 class LlamaSegmentProgram : public SegmentProgram {
  public:
-  explicit LlamaSegmentProgram(const LlamaCacheProgram* program) : program_(program) {}
+  // rope: this request's rope by the decoder's calls (RopeByCall), when it needs one.
+  explicit LlamaSegmentProgram(const LlamaCacheProgram* program,
+                               std::optional<RopeByCall> rope = std::nullopt)
+      : program_(program), rope_(std::move(rope)) {}
   const DecoderCacheLayout& layout() const override { return program_->layout(); }
   std::optional<std::vector<ArraySpec>> planned_arrays(int64_t pos0, int64_t n) const override {
     (void)pos0;
@@ -123,6 +126,7 @@ class LlamaSegmentProgram : public SegmentProgram {
 
  private:
   const LlamaCacheProgram* program_;
+  std::optional<RopeByCall> rope_;
 };
 
 class BridgeProducer {

@@ -15,7 +15,35 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+// The lengths of the decoder's calls over rows [start, want), when its reported calls tile them
+// and end with the last token's (want, 1); else none (the prefill host then needs none, or
+// refuses a prompt whose rows depend on them).
+std::vector<int64_t> call_lengths(const std::vector<std::pair<int64_t, int64_t>>& calls,
+                                  int64_t start, int64_t want) {
+  if (calls.size() < 2 || calls.front().first != start || calls.back() != std::pair{want, 1L})
+    return {};
+  std::vector<int64_t> lengths;
+  int64_t pos = start;
+  for (size_t i = 0; i + 1 < calls.size(); ++i) {
+    if (calls[i].first != pos || calls[i].second <= 0) return {};
+    lengths.push_back(calls[i].second);
+    pos += calls[i].second;
+  }
+  return pos == want ? lengths : std::vector<int64_t>{};
+}
+
 }  // namespace
+
+void take_decoder_calls(const nlohmann::json& reply, BridgeParams* p) {
+  p->decoder_calls.clear();
+  if (!reply.is_object() || !reply.contains("calls") || !reply["calls"].is_array()) return;
+  for (const nlohmann::json& c : reply["calls"]) {
+    if (!c.is_array() || c.size() != 2 || !c[0].is_number_integer() || !c[1].is_number_integer())
+      return p->decoder_calls.clear();
+    p->decoder_calls.emplace_back(c[0].get<int64_t>(), c[1].get<int64_t>());
+  }
+  p->decoder_batched = reply.value("path", std::string("batch")) != "single";
+}
 
 BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
                          const std::vector<int32_t>& ids, int64_t decoder_cached,
@@ -39,6 +67,8 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   req.fingerprint = layout.fingerprint;
   req.chunk_tokens = p.chunk_tokens;
   req.decoder_calls = decoder_calls_from_info(info, want, start);
+  if (req.decoder_calls.empty()) req.decoder_calls = call_lengths(p.decoder_calls, start, want);
+  req.decoder_batched = p.decoder_batched;
   req.start = start;
   v.start = start;
   out.fetch = fetch_prefill(p.prefill_host, p.prefill_port, req, assembler.get(), p.stall_ms,

@@ -40,7 +40,15 @@ struct BridgeParams {
   // Asked every 100 ms while the prefill streams: true once the client that wants this bridge
   // has gone, which ends the stream (the prefill host then stops at its next chunk). Null: never.
   std::function<bool()> client_gone;
+  // The decoder's own prefill calls for this request, [first row, tokens] each with the last
+  // token's call last, and whether they are on its batch path: what the llama seam's
+  // /hetero/tokenize reported (take_decoder_calls). A dynamic rope past its reach needs them.
+  std::vector<std::pair<int64_t, int64_t>> decoder_calls;
+  bool decoder_batched = true;
 };
+
+// Reads /hetero/tokenize's "calls" and "path" into p (nothing when the reply has none).
+void take_decoder_calls(const nlohmann::json& tokenize_reply, BridgeParams* p);
 
 struct BridgeOutcome {
   Verdict verdict;         // complete, partial or declined; not yet confirmed by the decoder

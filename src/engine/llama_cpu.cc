@@ -40,7 +40,7 @@ Result<std::unique_ptr<LlamaCpuEngine>> LlamaCpuEngine::load(const std::string& 
 }
 
 LlamaCpuEngine::LlamaCpuEngine(LlamaWeights weights, Gemm gemm)
-    : w_(std::move(weights)), gemm_(gemm) {
+    : w_(std::move(weights)), gemm_(gemm), rope_(w_.config.rope) {
   const bool t = gemm_ == Gemm::kOrdered;
   f32_.resize(w_.layers.size());
   for (size_t i = 0; i < w_.layers.size(); ++i) {
@@ -53,7 +53,30 @@ LlamaCpuEngine::LlamaCpuEngine(LlamaWeights weights, Gemm gemm)
   v_cache_.resize(w_.layers.size());
 }
 
-void LlamaCpuEngine::reset() { n_cached_ = 0; }
+void LlamaCpuEngine::reset() {
+  n_cached_ = 0;
+  rope_ = RopeByCall(w_.config.rope);
+}
+
+Status LlamaCpuEngine::set_decoder_calls(const std::vector<int64_t>& calls, int64_t start,
+                                         bool batched) {
+  HETERO_ASSIGN_OR_RETURN(
+      RopeByCall r, RopeByCall::make(w_.config.rope_config, w_.config.rope, start, calls, batched));
+  if (r.per_call() && start > 0)
+    return failed_precondition(
+        "a tail from row " + std::to_string(start) + " past the reach of the decoder's rope (" +
+        describe_rope(w_.config.rope_config) +
+        ", recomputed per call): its earlier rows' ropes came from calls this request does not "
+        "name; it is left to the decoder");
+  rope_ = std::move(r);
+  return Status::ok();
+}
+
+bool LlamaCpuEngine::rows_follow_calls(const std::vector<int64_t>& calls, int64_t start,
+                                       bool batched) const {
+  auto r = RopeByCall::make(w_.config.rope_config, w_.config.rope, start, calls, batched);
+  return r.is_ok() && r->per_call();
+}
 
 int64_t LlamaCpuEngine::state_row_bytes() const {
   return 2 * static_cast<int64_t>(k_cache_.size()) * w_.config.kv_heads * w_.config.head_dim * 2;
@@ -167,8 +190,8 @@ Status LlamaCpuEngine::prefill_chunk(const std::vector<int32_t>& ids,
       rms_norm(q.data(), n * c.heads, hd, L.q_norm.data<uint16_t>(), eps, q.data());
       rms_norm(k.data(), n * c.kv_heads, hd, L.k_norm.data<uint16_t>(), eps, k.data());
     }
-    rope_apply(q.data(), n, c.heads, hd, pos0, c.rope);
-    rope_apply(k.data(), n, c.kv_heads, hd, pos0, c.rope);
+    rope_.apply(q.data(), n, c.heads, hd, pos0);
+    rope_.apply(k.data(), n, c.kv_heads, hd, pos0);
     std::memcpy(&k_cache_[static_cast<size_t>(l)][static_cast<size_t>(pos0 * kvd)], k.data(),
                 k.size() * 2);
     std::memcpy(&v_cache_[static_cast<size_t>(l)][static_cast<size_t>(pos0 * kvd)], v.data(),

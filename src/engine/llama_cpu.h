@@ -50,6 +50,13 @@ class LlamaCpuEngine {
   Status load_state(int64_t pos0, int64_t n, const uint8_t* in);
   // Logits of the last processed token (float32 [vocab]), for tests and greedy checks.
   std::vector<float> last_logits() const;
+  // The decoder's calls for this sequence's rows from `start` (its batch path or not): each row
+  // is roped with its call's spec (a dynamic rope past max_position_embeddings), every other
+  // row with the config's. reset() forgets them. A schedule that needs per-call ropes is refused
+  // for a tail (start > 0: the rows before it came from the decoder's earlier calls).
+  Status set_decoder_calls(const std::vector<int64_t>& calls, int64_t start, bool batched);
+  // Whether those calls give some row a rope of its own.
+  bool rows_follow_calls(const std::vector<int64_t>& calls, int64_t start, bool batched) const;
 
  private:
   struct LayerF32 {
@@ -63,6 +70,7 @@ class LlamaCpuEngine {
 
   LlamaWeights w_;
   Gemm gemm_;
+  RopeByCall rope_;  // the config's rope, or the decoder's calls' (set_decoder_calls)
   std::vector<LayerF32> f32_;
   int64_t n_cached_ = 0;
   int64_t kv_capacity_ = 0;

@@ -179,7 +179,7 @@ Status FrontServer::check_pairing() const {
 }
 
 BridgeOutcome FrontServer::bridge(const httplib::Request& req, const std::vector<int32_t>& ids,
-                                  const json& info, int64_t decoder_cached) {
+                                  const json& info, int64_t decoder_cached, const json& tokenized) {
   struct InFlight {  // counted by the caller before it came here, until this bridge is done
     std::atomic<int64_t>* n;
     ~InFlight() { --*n; }
@@ -197,6 +197,7 @@ BridgeOutcome FrontServer::bridge(const httplib::Request& req, const std::vector
   p.deadline_ms =
       cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * static_cast<int64_t>(ids.size());
   p.client_gone = [this, &req] { return guard_->client_gone(req); };
+  take_decoder_calls(tokenized, &p);
   BridgeOutcome out = run_bridge(seam_, info, ids, decoder_cached, p);
   out.verdict.timings_ms["bridge_queue"] = out.fetch.queued_ms;
 #ifdef __GLIBC__
@@ -315,7 +316,7 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
                     " wait for the prefill host; retry shortly");
   }
   if (route.bridge) {
-    BridgeOutcome b = bridge(req, ids, info.value(), route.cached);
+    BridgeOutcome b = bridge(req, ids, info.value(), route.cached, tok->body);
     v = std::move(b.verdict);
     v.route_by = route.verdict.route_by, v.route_tail = route.verdict.route_tail;
     v.route_bridge_ms = route.verdict.route_bridge_ms;

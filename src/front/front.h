@@ -111,10 +111,12 @@ class FrontServer {
   Status check_pairing() const;
   void handle_completion(const httplib::Request& req, httplib::Response& res,
                          const std::string& path);
-  // The bridge for ids, one at a time; decoder_cached: what the decoder holds of ids. A client
-  // that hangs up meanwhile ends it (its prefill stops; ConnectionGuard::client_gone).
+  // The bridge for ids, one at a time; decoder_cached: what the decoder holds of ids; tokenized:
+  // the seam's /hetero/tokenize reply (its calls). A client that hangs up meanwhile ends it (its
+  // prefill stops; ConnectionGuard::client_gone).
   BridgeOutcome bridge(const httplib::Request& req, const std::vector<int32_t>& ids,
-                       const nlohmann::json& info, int64_t decoder_cached);
+                       const nlohmann::json& info, int64_t decoder_cached,
+                       const nlohmann::json& tokenized);
 
   FrontConfig cfg_;
   SeamClient seam_;

@@ -4,6 +4,7 @@
 // float32 first.
 #include "model/llama_rope.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -146,17 +147,37 @@ Result<RopeSpec> proportional(const LlamaRopeConfig& c) {
 // base * (factor * s / mpe - (factor - 1)) ** (dims / (dims - 2)) with s = max(L + o, mpe), in
 // Python doubles (the libm pow Python's ** calls), rounded to float32 by mx.fast.rope. Within
 // mpe, s is mpe for every call: one base, whatever the schedule.
+// The base of a call ending at `end` (seq_len = L + offset) on the server's single path, whose
+// offset is an int: Python doubles, s = max(end, mpe).
+double dynamic_base_doubles(const LlamaRopeConfig& c, double factor, int64_t end) {
+  const auto mpe = static_cast<double>(c.max_position_embeddings);
+  const auto s = static_cast<double>(std::max(end, c.max_position_embeddings));
+  const double bracket = factor * s / mpe - (factor - 1);
+  const double exponent = static_cast<double>(c.dims) / static_cast<double>(c.dims - 2);
+  return c.base * std::pow(bracket, exponent);
+}
+
+// The same on the batch path once end >= mpe: the cache's offset is an mx.array, so
+// max(L + offset, mpe) is that int32 array and the base MLX's float32 arithmetic, each Python
+// scalar rounded to float32 where it meets the array (docs/findings/dynamic-rope-needs-the-
+// decoders-calls.md). MLX's CPU power of two float32 arrays is powf.
+double dynamic_base_float32(const LlamaRopeConfig& c, double factor, int64_t end) {
+  float t = static_cast<float>(factor) * static_cast<float>(end);
+  t = t / static_cast<float>(c.max_position_embeddings);
+  t = t - static_cast<float>(factor - 1);
+  t = std::pow(t,
+               static_cast<float>(static_cast<double>(c.dims) / static_cast<double>(c.dims - 2)));
+  return static_cast<double>(static_cast<float>(c.base) * t);
+}
+
 Result<RopeSpec> dynamic(const LlamaRopeConfig& c) {
   HETERO_ASSIGN_OR_RETURN(const double factor, number(c.scaling, "factor"));
   if (c.max_position_embeddings <= 0)
     return invalid_argument("rope_scaling type 'dynamic' needs max_position_embeddings");
   if (c.dims <= 2) return invalid_argument("rope_scaling type 'dynamic' needs head_dim > 2");
-  const auto mpe = static_cast<double>(c.max_position_embeddings);
-  const double bracket = factor * mpe / mpe - (factor - 1);
-  const double exponent = static_cast<double>(c.dims) / static_cast<double>(c.dims - 2);
-  return base_path(LlamaRopeConfig{c.scaling, c.base * std::pow(bracket, exponent), c.dims,
-                                   c.traditional, c.max_position_embeddings},
-                   1.0);
+  LlamaRopeConfig at = c;
+  at.base = dynamic_base_doubles(c, factor, c.max_position_embeddings);
+  return base_path(at, 1.0);
 }
 
 }  // namespace
@@ -214,6 +235,51 @@ Result<RopeSpec> llama_rope(const LlamaRopeConfig& c) {
   if (type == "proportional") return proportional(c);
   if (type == "dynamic") return dynamic(c);
   return invalid_argument("rope_scaling type '" + type + "' is not one mlx-lm implements");
+}
+
+Result<RopeSpec> llama_rope_for_call(const LlamaRopeConfig& c, int64_t offset, int64_t length,
+                                     bool batched) {
+  const int64_t end = offset + length;
+  const int64_t mpe = c.max_position_embeddings;
+  // Python's max(a, b) keeps a unless b > a: on the batch path the array wins from end == mpe.
+  const bool per_call = rope_type_of(c.scaling) == "dynamic" && (batched ? end >= mpe : end > mpe);
+  if (!per_call) return llama_rope(c);
+  HETERO_RETURN_IF_ERROR(llama_rope(c).status());  // the config's own checks
+  HETERO_ASSIGN_OR_RETURN(const double factor, number(c.scaling, "factor"));
+  LlamaRopeConfig at = c;
+  at.base = batched ? dynamic_base_float32(c, factor, end) : dynamic_base_doubles(c, factor, end);
+  return base_path(at, 1.0);
+}
+
+RopeByCall::RopeByCall(RopeSpec plain) : plain_(std::move(plain)) {}
+
+Result<RopeByCall> RopeByCall::make(const LlamaRopeConfig& c, RopeSpec plain, int64_t start,
+                                    const std::vector<int64_t>& calls, bool batched) {
+  RopeByCall r(std::move(plain));
+  int64_t pos = start;
+  for (int64_t n : calls) {
+    if (n <= 0) return invalid_argument("a decoder call of " + std::to_string(n) + " tokens");
+    HETERO_ASSIGN_OR_RETURN(RopeSpec spec, llama_rope_for_call(c, pos, n, batched));
+    if (!(spec == r.plain_)) r.calls_.push_back(Call{pos, pos + n, std::move(spec)});
+    pos += n;
+  }
+  return r;
+}
+
+void RopeByCall::apply(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                       int64_t pos0) const {
+  // Rows outside the calls with their own spec take the plain one; the calls are in order.
+  const int64_t row = heads * head_dim, end = pos0 + tokens;
+  int64_t p = pos0;
+  for (const Call& k : calls_) {
+    if (k.end <= p) continue;
+    if (k.begin >= end) break;
+    if (k.begin > p) rope_apply(x + (p - pos0) * row, k.begin - p, heads, head_dim, p, plain_);
+    const int64_t a = std::max(p, k.begin), b = std::min(end, k.end);
+    rope_apply(x + (a - pos0) * row, b - a, heads, head_dim, a, k.spec);
+    p = b;
+  }
+  if (p < end) rope_apply(x + (p - pos0) * row, end - p, heads, head_dim, p, plain_);
 }
 
 }  // namespace hetero

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "kernels/cpu_ops.h"
@@ -42,5 +43,35 @@ Status check_rope_reach(const LlamaRopeConfig& c, int64_t tokens);
 
 // "default", "llama3 (factor 8)", ... for messages.
 std::string describe_rope(const LlamaRopeConfig& c);
+
+// The RopeSpec of one of the decoder's calls, `length` tokens from `offset`, on the server's
+// batch path (batched) or its single path: llama_rope(c) for every rope but a "dynamic" one past
+// max_position_embeddings, whose base that call recomputes (in MLX float32 on the batch path,
+// Python doubles on the single one: docs/findings/dynamic-rope-needs-the-decoders-calls.md).
+Result<RopeSpec> llama_rope_for_call(const LlamaRopeConfig& c, int64_t offset, int64_t length,
+                                     bool batched);
+
+// Each row's rope by the decoder's call that computes it: rows in a call whose spec differs from
+// the plain one take the call's, every other row the plain one (for a request past rope_reach,
+// only right where the calls cover every row past it).
+class RopeByCall {
+ public:
+  explicit RopeByCall(RopeSpec plain);
+  // The calls' lengths, the first from row `start`, on the batch or the single path.
+  static Result<RopeByCall> make(const LlamaRopeConfig& c, RopeSpec plain, int64_t start,
+                                 const std::vector<int64_t>& calls, bool batched);
+  // rope_apply over [tokens, heads, head_dim] rows from position pos0, each with its call's spec.
+  void apply(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0) const;
+  const RopeSpec& plain() const { return plain_; }
+  bool per_call() const { return !calls_.empty(); }
+
+ private:
+  struct Call {
+    int64_t begin, end;
+    RopeSpec spec;
+  };
+  RopeSpec plain_;
+  std::vector<Call> calls_;  // the calls whose spec is not the plain one
+};
 
 }  // namespace hetero

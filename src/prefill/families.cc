@@ -48,8 +48,18 @@ Result<PrefillStack> load_llama(const std::string& model_dir, const std::string&
   const LlamaDecoderWeights* exported = &owned->weights;
   s.programs = [program,
                 exported](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-    HETERO_RETURN_IF_ERROR(check_llama_reach(*exported, prompt_tokens(req)));
-    return std::unique_ptr<SegmentProgram>(std::make_unique<LlamaSegmentProgram>(program));
+    HETERO_RETURN_IF_ERROR(check_sliding_reach(*exported, prompt_tokens(req)));
+    // Past a dynamic rope's reach every call's rows have their own base: the rows are the
+    // decoder's only with its calls, all of them (a cold request: the engine refuses a tail).
+    HETERO_ASSIGN_OR_RETURN(RopeByCall rope,
+                            RopeByCall::make(exported->rope_config, exported->rope, req.start,
+                                             req.decoder_calls, req.decoder_batched));
+    if (!rope.per_call()) {
+      HETERO_RETURN_IF_ERROR(check_rope_reach(exported->rope_config, prompt_tokens(req)));
+      return std::unique_ptr<SegmentProgram>(std::make_unique<LlamaSegmentProgram>(program));
+    }
+    return std::unique_ptr<SegmentProgram>(
+        std::make_unique<LlamaSegmentProgram>(program, std::move(rope)));
   };
   s.owned = owned;
   return s;

@@ -220,6 +220,7 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a,
   a->resume.reset();
   a->engine_state = std::move(paused);
   a->missing_state = false;
+  a->follows_calls = engine_->rows_follow_calls(req.decoder_calls, req.start, req.decoder_batched);
   if (req.start > 0 && tails_need_checkpoints() && !a->engine_state) {
     a->resume = checkpoints_ ? checkpoints_->find(req.ids, req.start) : nullptr;
     if (a->resume) a->engine_state = a->resume->engine;
@@ -235,7 +236,9 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a,
   if (a->engine_state)
     a->from = req.start;
   else
-    a->from = states_ && engine_->state_row_bytes() > 0 ? states_->lookup(req.ids, req.start) : 0;
+    a->from = states_ && engine_->state_row_bytes() > 0 && !a->follows_calls
+                  ? states_->lookup(req.ids, req.start)
+                  : 0;
   a->plan = plan_for(req, a->from);
   std::vector<int64_t>* plan = &a->plan;
   const int64_t from = a->from;
@@ -287,7 +290,8 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a,
       return admit(req, a);
     }
   }
-  if (st.is_ok()) st = engine_->set_decoder_calls(req.decoder_calls);
+  if (st.is_ok())
+    st = engine_->set_decoder_calls(req.decoder_calls, req.start, req.decoder_batched);
   if (!st.is_ok())
     log_line("prefill", "refused a request of " + std::to_string(req.ids.size()) +
                             " tokens: " + st.to_string());
@@ -386,8 +390,8 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
         for (size_t i = 0; i < chunks_done && i < now.plan.size(); ++i) at += now.plan[i];
         // Only after a chunk of its own in this turn (one it had not sent before): two
         // requests that took turns recomputing what the cache lost would never get on.
-        yield =
-            !gone && may_yield && at > emitted && chunks_done < now.plan.size() && should_yield(at);
+        yield = !gone && may_yield && !now.follows_calls && at > emitted &&
+                chunks_done < now.plan.size() && should_yield(at);
         ++chunks_done;
         return gone || producer.cancelled() || yield;
       });
@@ -454,7 +458,7 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
                             std::to_string(m.covered_tokens) + " of " + std::to_string(T) +
                             " tokens");
   // A forward that ran its whole plan leaves the state of ids[0, planned) for later requests.
-  if (st.is_ok() && !cancelled && states_ && holding.held) {
+  if (st.is_ok() && !cancelled && states_ && holding.held && !now.follows_calls) {
     const Status kept = states_->save(req.ids, planned, engine_);
     if (!kept.is_ok()) log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
   }

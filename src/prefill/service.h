@@ -56,12 +56,20 @@ class PrefillEngine {
     (void)tokens, (void)max_chunk_tokens;
     return Status::ok();
   }
-  // The decoder's call schedule for this request (PrefillRequest::decoder_calls), after
-  // reserve(): an engine whose arithmetic follows the decoder's calls runs each of them inside a
-  // chunk as the decoder did (DeepSeek-V4). Default: the calls change nothing.
-  virtual Status set_decoder_calls(const std::vector<int64_t>& calls) {
-    (void)calls;
+  // The decoder's call schedule for this request (PrefillRequest::decoder_calls, from row
+  // `start`, on its batch path or not), after reserve(): an engine whose arithmetic follows the
+  // decoder's calls runs each of them as the decoder did (DeepSeek-V4's calls inside a chunk,
+  // llama's per-call rope). Default: the calls change nothing.
+  virtual Status set_decoder_calls(const std::vector<int64_t>& calls, int64_t start, bool batched) {
+    (void)calls, (void)start, (void)batched;
     return Status::ok();
+  }
+  // Whether this request's rows depend on those calls in a way the prefix cache's states do not
+  // record (a dynamic rope past its reach): then no state is looked up, kept or yielded for it.
+  virtual bool rows_follow_calls(const std::vector<int64_t>& calls, int64_t start,
+                                 bool batched) const {
+    (void)calls, (void)start, (void)batched;
+    return false;
   }
   virtual Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) = 0;
   // A request's ids in chunks of the plan's lengths (they sum to ids.size()); stop is asked
@@ -127,11 +135,21 @@ class EngineAdapter : public PrefillEngine {
     else
       return Status::ok();
   }
-  Status set_decoder_calls(const std::vector<int64_t>& calls) override {
-    if constexpr (requires(Engine & e) { e.set_decoder_calls(calls); })
-      return engine_->set_decoder_calls(calls);
+  Status set_decoder_calls(const std::vector<int64_t>& calls, int64_t start,
+                           bool batched) override {
+    if constexpr (requires(Engine & e) { e.set_decoder_calls(calls, start, batched); })
+      return engine_->set_decoder_calls(calls, start, batched);
+    else if constexpr (requires(Engine & e) { e.set_decoder_calls(calls); })
+      return engine_->set_decoder_calls(calls);  // from its cached rows, which are `start`
     else
       return Status::ok();
+  }
+  bool rows_follow_calls(const std::vector<int64_t>& calls, int64_t start,
+                         bool batched) const override {
+    if constexpr (requires(const Engine& e) { e.rows_follow_calls(calls, start, batched); })
+      return engine_->rows_follow_calls(calls, start, batched);
+    else
+      return false;
   }
   Status prefill_chunk(const std::vector<int32_t>& ids, const AttentionInputTap& tap) override {
     if constexpr (requires(Engine & e) { e.prefill_chunk(ids, tap); })
@@ -334,6 +352,9 @@ class PrefillService {
     std::shared_ptr<const PrefixCheckpoints::Entry> resume;  // a tail's start, checkpointed
     std::shared_ptr<const Checkpoint> engine_state;          // what the engine restores
     bool missing_state = false;  // a tail refused for want of a checkpoint of its start
+    // The rows depend on the decoder's calls (PrefillEngine::rows_follow_calls): computed from
+    // 0, no state kept or yielded.
+    bool follows_calls = false;
   };
   // A family whose tail cannot be computed again from position 0 without the decoder's calls
   // for its prefix (DeepSeek-V4): a tail resumes from a checkpoint of exactly its start or not

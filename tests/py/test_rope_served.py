@@ -3,19 +3,27 @@ rope settings (llama3 scaling at theta 500000; YaRN x4 over 32768, written the t
 way; dynamic NTK) behind `hetero up`. A prompt long enough to bridge gets the decoder's own
 answer: verdict complete, the decoder's usage shows every prompt token but the last cached, and
 the text equals the decoder's native answer to the same request. A Mistral-style model with sliding-window
-layers is served the same way. A prompt past a dynamic rope's max_position_embeddings, or past
-the sliding window, is left to the decoder, and the verdict says why.
+layers is served the same way. A prompt past the sliding window is left to the decoder, and the
+verdict says why. Past a dynamic rope's max_position_embeddings every decoder call ropes its rows
+with a base of its own: a cold prompt is bridged with the calls the seam reports (and `hetero
+verify` finds its cache the decoder's bit for bit on both of mlx-lm's prefill paths); a warm tail
+there is left to the decoder, whose earlier calls set the rest.
 
 Needs HETERO_TOKENIZER (the checkpoints are random; the tokenizer is real) and the binary.
 """
 
 import json
+import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from frontstack import Decoder, answer, chat, kill_with_children, openai_chat, start_up, text
+from frontstack import (HETERO, ROOT, Decoder, answer, chat, kill_with_children, need,
+                        openai_chat, start_up, text)
 
 pytest.importorskip("mlx_lm")
 
@@ -44,7 +52,6 @@ MODELS = {
 
 # What a prompt past each model's reach is refused for, with its reach.
 PAST_REACH = {
-    "llama-dynamic": "past max_position_embeddings (1500)",
     "mistral-sliding": "past the decoder's sliding window of 1500 tokens",
 }
 
@@ -90,3 +97,65 @@ def test_a_prompt_past_the_models_reach_is_the_decoders(served) -> None:
     assert v["verdict"] != "complete" and not v.get("B"), v
     assert f"a prompt of {T} tokens is {PAST_REACH[name]}" in v["verdict"], v
     assert got == answer(native), (got, answer(native))
+
+
+@pytest.mark.parametrize("served", ["llama-dynamic"], indirect=True)
+def test_past_a_dynamic_ropes_reach_a_cold_prompt_is_bridged_and_a_warm_tail_is_not(served):
+    name, port, decoder = served
+    front = SimpleNamespace(port=port)
+    body = chat(text("dyn-cold", 1600), max_tokens=24)
+    native = decoder.native(body)
+    T = native["usage"]["prompt_tokens"]
+    assert T > 1500, native["usage"]
+    got, v, usage = openai_chat(front, body, stream=False)
+    assert v["verdict"] == "complete" and (v["B"], v["T"]) == (T - 1, T), v
+    assert usage.prompt_tokens_details.cached_tokens == T - 1
+    assert got == answer(native), (got, answer(native))
+    # The next turn: the decoder holds the first; its tail's rows past the reach would need the
+    # ropes of calls made before, which no request names.
+    turn = dict(body, messages=body["messages"] + [
+        {"role": "assistant", "content": got}, {"role": "user", "content": text("dyn-warm", 400)}])
+    got2, v2, _ = openai_chat(front, turn, stream=False)
+    assert v2["verdict"] != "complete" and not v2.get("B"), v2
+    assert "past the reach of the decoder's rope" in json.dumps(v2), v2
+    # The decoder's own two turns, the second warm from the first: the same answer.
+    decoder.clear()
+    decoder.post("/v1/chat/completions", body, timeout=600)
+    warm = decoder.post("/v1/chat/completions", turn, timeout=600)
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 1500, warm["usage"]
+    assert got2 == answer(warm), (got2, answer(warm))
+
+
+def verify_report(model: Path, prompt: Path, work: Path) -> dict:
+    need(HETERO, "hetero binary")
+    cmd = [str(HETERO), "verify", "--model", str(model), "--prompt-file", str(prompt),
+           "--max-tokens", "16", "--python", sys.executable, "--work-dir", str(work)]
+    env = {"PYTHONPATH": str(ROOT / "python")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, **env})
+    try:
+        return dict(json.loads(proc.stdout), rc=proc.returncode)
+    except json.JSONDecodeError:
+        pytest.fail(f"verify printed no JSON (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+@pytest.mark.parametrize("path", ["batch", "batch-with-system", "single"])
+def test_past_a_dynamic_ropes_reach_the_cache_is_the_decoders_bit_for_bit(tokenizer_dir, tmp_path,
+                                                                        path) -> None:
+    """`hetero verify` on a prompt of ~3,800 tokens over max_position_embeddings 1,500: two
+    prefill calls past it, each with its own base (MLX float32 on the batch path, Python doubles
+    on the single one, which a request with "seed" takes), every cache array bit-exact."""
+    model = tmp_path / "model"
+    make_tiny_llama(tokenizer_dir, model, seed=31, shape=MODELS["llama-dynamic"])
+    messages = [{"role": "user", "content": text("dyn-verify", 3400)}]
+    if path == "batch-with-system":
+        messages.insert(0, {"role": "system", "content": "You are terse. " * 40})
+    request = {"messages": messages, **({"seed": 5} if path == "single" else {})}
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(request))
+    r = verify_report(model, prompt, tmp_path / "work")
+    assert r["rc"] == 0 and r["pass"], r.get("failures") or r.get("error")
+    assert r["T"] > 3 * 1024, r["T"]  # calls of 2,048: two end past 1,500
+    assert r["arrays"]["bit_exact"] == r["arrays"]["count"] == 4 and r["arrays"]["max_ulp"] == 0
+    assert r["continuation"]["identical"]
+    assert r["decoder_accounting"]["bridged"]["processed"] == 1

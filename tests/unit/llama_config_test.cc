@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "../common/temp_dir.h"
 #include "model/llama.h"
@@ -151,6 +152,59 @@ TEST(LlamaConfig, DynamicRopeIsExactWithinMaxPositionEmbeddings) {
   auto none = config_of(j);
   ASSERT_FALSE(none.is_ok());
   EXPECT_NE(none.status().message().find("max_position_embeddings"), std::string::npos);
+}
+
+// Past max_position_embeddings each of the decoder's calls ropes its rows with a base of its own
+// (seq_len = the call's end), computed as mlx-lm's server computes it: MLX float32 on its batch
+// path (from end == mpe on), Python doubles on its single path (past mpe). RopeByCall gives each
+// row its call's spec; tests/py/test_rope_served.py holds the caches to the decoder's bits.
+TEST(LlamaConfig, DynamicRopePastMaxPositionEmbeddingsFollowsEachCall) {
+  auto j = base("llama");
+  j["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
+  j["max_position_embeddings"] = 1500;
+  auto c = config_of(j);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  const LlamaRopeConfig& r = c->rope_config;
+  auto base_of = [&](int64_t offset, int64_t n, bool batched) {
+    auto spec = llama_rope_for_call(r, offset, n, batched);
+    EXPECT_TRUE(spec.is_ok()) << spec.status().to_string();
+    return spec.is_ok() ? spec->base : 0.0f;
+  };
+  const auto f32 = [&](int64_t end) {
+    const float t = std::pow(2.0f * static_cast<float>(end) / 1500.0f - 1.0f,
+                             static_cast<float>(16.0 / 14.0));  // Python exponent, as float32
+    return 10000.0f * t;
+  };
+  const auto f64 = [&](int64_t end) {
+    return static_cast<float>(10000.0 * std::pow(2.0 * end / 1500.0 - 1.0, 16.0 / 14.0));
+  };
+  EXPECT_EQ(base_of(0, 1499, true), c->rope.base);     // ends within: the plain spec
+  EXPECT_EQ(base_of(1000, 500, false), c->rope.base);  // single path: ends at mpe, still plain
+  EXPECT_EQ(base_of(1000, 500, true), f32(1500));      // batch path: from end == mpe
+  EXPECT_EQ(base_of(2048, 1727, true), f32(3775));
+  EXPECT_EQ(base_of(2048, 1727, false), f64(3775));
+  EXPECT_NE(f32(3775), f64(3775));  // where the two paths' keys part
+
+  // Rows by their call: a chunk across a call's edge gets each side's spec.
+  auto byc = RopeByCall::make(r, c->rope, 0, {2048, 1727}, true);
+  ASSERT_TRUE(byc.is_ok()) << byc.status().to_string();
+  EXPECT_TRUE(byc->per_call());
+  const int64_t heads = 2, hd = 16, n = 100, pos0 = 2000;  // rows 2000..2099
+  std::vector<uint16_t> x(static_cast<size_t>(n * heads * hd));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<uint16_t>(0x3c00 + (i * 37) % 500);
+  std::vector<uint16_t> want = x, got = x;
+  const RopeSpec first = *llama_rope_for_call(r, 0, 2048, true);
+  const RopeSpec second = *llama_rope_for_call(r, 2048, 1727, true);
+  rope_apply(want.data(), 48, heads, hd, 2000, first);
+  rope_apply(want.data() + 48 * heads * hd, 52, heads, hd, 2048, second);
+  byc->apply(got.data(), n, heads, hd, pos0);
+  EXPECT_EQ(got, want);
+  // Within reach, or another rope: no row has a spec of its own.
+  EXPECT_FALSE(RopeByCall::make(r, c->rope, 0, {1000, 498}, true)->per_call());
+  auto plain = config_of(base("llama"));
+  EXPECT_FALSE(
+      RopeByCall::make(plain->rope_config, plain->rope, 0, {2048, 2048}, true)->per_call());
+  EXPECT_FALSE(RopeByCall::make(r, c->rope, 0, {0}, true).is_ok());
 }
 
 // Sliding-window layers (llama and mistral, the types whose mlx-lm code reads layer_types) need

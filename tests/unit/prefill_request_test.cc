@@ -29,6 +29,12 @@ TEST(PrefillRequest, RoundTripsThroughItsJson) {
   EXPECT_EQ(back->decoder_calls, r.decoder_calls);
   EXPECT_EQ(back->chunk_tokens, 2);
   EXPECT_EQ(back->stream_nonce, r.stream_nonce);
+  EXPECT_TRUE(back->decoder_batched);  // the default, not written
+  r.decoder_batched = false;
+  back = parse_prefill_request(prefill_request_json(r).dump(), 100, layout(), 16);
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_FALSE(back->decoder_batched);
+  EXPECT_EQ(prefill_request_json(r)["decoder_path"], "single");
 }
 
 TEST(PrefillRequest, RefusesWhatCannotBeServed) {
@@ -49,6 +55,12 @@ TEST(PrefillRequest, RefusesWhatCannotBeServed) {
   EXPECT_NE(wraps.message().find("cover more than"), std::string::npos) << wraps.message();
   EXPECT_EQ(parse(R"({"ids": [1, 2], "fingerprint": "fp", "decoder_calls": [1]})").code(),
             Code::kInvalidArgument);
+  for (const char* path : {R"("batched")", "true", "null"})
+    EXPECT_EQ(
+        parse(std::string(R"({"ids": [1], "fingerprint": "fp", "decoder_path": )") + path + "}")
+            .code(),
+        Code::kInvalidArgument)
+        << path;
 }
 
 }  // namespace
