@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """hetero bench dynamic-rope-verify: `hetero verify` past a dynamic rope's reach.
 
-A tiny random llama with mlx-lm's `dynamic` rope (factor 2) over max_position_embeddings 1,500
+A tiny random llama with mlx-lm's `dynamic` rope (factor 3) over max_position_embeddings 1,500
 (tokenizer: the default model's), and a ~3,800-token prompt three ways: one user message (the
 server's batch path), a system message before it (the batch path cut at the segment), and with
 "seed" (the single path). Each row's key is roped with the base of the decoder call that makes
@@ -34,11 +34,14 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hetero-dynamic-"))
     model = work / "model"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-    scaling = json.dumps({"type": "dynamic", "factor": 2.0})
+    # Factor 3 at theta 10,000: the first call's base (its end 2,048) differs between MLX
+    # float32 and Python doubles by enough to change its inverse frequencies, so a program that
+    # took the wrong path would miss bits.
+    scaling = json.dumps({"type": "dynamic", "factor": 3.0})
     subprocess.run([sys.executable, "-m", "hetero_mlx", "tiny-llama", "--tokenizer",
                     args.tokenizer, "--out", str(model), "--seed", "31", "--layers", "2",
                     "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-                    "--intermediate", "128", "--rope-scaling", scaling,
+                    "--intermediate", "128", "--rope-theta", "10000", "--rope-scaling", scaling,
                     "--max-position-embeddings", "1500"],
                    check=True, env=env)
     user = {"role": "user", "content": text("dyn-verify", args.words)}

@@ -12,6 +12,7 @@ there is left to the decoder, whose earlier calls set the rest.
 Needs HETERO_TOKENIZER (the checkpoints are random; the tokenizer is real) and the binary.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -146,7 +147,12 @@ def test_past_a_dynamic_ropes_reach_the_cache_is_the_decoders_bit_for_bit(tokeni
     prefill calls past it, each with its own base (MLX float32 on the batch path, Python doubles
     on the single one, which a request with "seed" takes), every cache array bit-exact."""
     model = tmp_path / "model"
-    make_tiny_llama(tokenizer_dir, model, seed=31, shape=MODELS["llama-dynamic"])
+    # Factor 3 at theta 10,000: the first call's base (its end 2,048) in MLX float32 and in
+    # Python doubles differ by enough to change its inverse frequencies, so taking the wrong
+    # path's arithmetic misses bits (bench/dynamic_rope_verify.py's control: 1 of 4 arrays).
+    shape = dataclasses.replace(MODELS["llama-dynamic"], rope_theta=10000.0,
+                                rope_scaling=json.dumps({"type": "dynamic", "factor": 3.0}))
+    make_tiny_llama(tokenizer_dir, model, seed=31, shape=shape)
     messages = [{"role": "user", "content": text("dyn-verify", 3400)}]
     if path == "batch-with-system":
         messages.insert(0, {"role": "system", "content": "You are terse. " * 40})
