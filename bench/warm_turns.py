@@ -21,13 +21,14 @@ is one core's work here for hours; the times then share the cores). Each turn is
 still says how far it got.
 --state DIR saves each pass after every turn (its rows, and the decoder's own cache rows for
 the next turn's prompt: bench/checkpoint.py) and resumes from there when run again with the
-same arguments; --stop-after N ends each pass after N turns. A conversation longer than the
+same arguments; --stop-after N ends each pass after N turns; --no-bridged runs the native pass
+alone (the longer one here), its table written by a later run with both. A conversation longer than the
 machine's session so runs over several; a pass already finished is not run again.
 Writes JSON lines to bench/results/warm-turns-<model>-<rev>.jsonl and prints a table.
 
 usage: python3 bench/warm_turns.py [--model DIR] [--prefill-model DIR] [--turns 20]
                                    [--min-words 900] [--max-words 3500] [--context 65536]
-                                   [--no-native] [--parallel] [--state DIR]
+                                   [--no-native | --no-bridged] [--parallel] [--state DIR]
                                    [--stop-after N]
 (DeepSeek-V4: --model models/dsv4-tiny/native --prefill-model models/dsv4-tiny/fp8)
 """
@@ -146,6 +147,9 @@ def main() -> int:
                         "(a run longer than the machine's session; llama family)")
     p.add_argument("--stop-after", type=int, default=0,
                    help="end each pass after this many turns (to resume with --state)")
+    p.add_argument("--no-bridged", action="store_true",
+                   help="the native pass only, saved with --state (its table comes with a later "
+                        "run that has the bridged pass)")
     p.add_argument("--no-native", action="store_true",
                    help="the bridged pass only (where the decoder is too slow for both); "
                         "answers are then not compared")
@@ -166,7 +170,12 @@ def main() -> int:
     if state is None:
         progress.unlink(missing_ok=True)
 
+    if args.no_bridged and (args.no_native or not args.state):
+        raise SystemExit("--no-bridged runs the native pass alone, to be saved: it needs --state "
+                         "and the native pass")
     passes = {"": None} if args.no_native else {"": None, "native": None}
+    if args.no_bridged:
+        passes.pop("")
     failed = []
 
     def one_pass(mode: str) -> None:
@@ -190,8 +199,10 @@ def main() -> int:
     if failed:
         raise SystemExit("; ".join(failed) + f" (turns so far: {progress})")
     short = {m or "bridged": len(r) for m, r in passes.items() if len(r) < args.turns}
-    if short:  # --stop-after: the table waits for every turn
-        print(f"turns so far {short} of {args.turns}, saved in {state}: run again to go on")
+    if short or args.no_bridged:  # --stop-after, --no-bridged: the table waits for every turn
+        done = {m or "bridged": len(r) for m, r in passes.items()}
+        print(f"turns so far {done} of {args.turns}, saved in {state}: run again "
+              f"{'with the bridged pass ' if args.no_bridged else ''}to go on")
         return 0
     bridged = passes[""]
     native = passes.get("native") or [None] * len(bridged)
