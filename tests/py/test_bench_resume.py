@@ -70,3 +70,29 @@ def test_another_conversations_state_is_refused(tmp_path) -> None:
     run_conversation(TINY, TURNS, "native", MAX_TOKENS, saved=saved, stop_after=1)
     with pytest.raises(RuntimeError, match="another conversation"):
         run_conversation(TINY, TURNS[::-1], "native", MAX_TOKENS, saved=saved)
+
+
+def test_the_native_pass_alone_then_both_writes_one_table(tmp_path) -> None:
+    """--no-bridged saves the native pass; a run with both passes loads it (not run again) and
+    writes the table with both."""
+    import json
+    import subprocess
+    import sys
+
+    def bench(*extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(ROOT / "bench" / "warm_turns.py"), "--model", str(TINY),
+               "--turns", "2", "--min-words", "40", "--max-words", "60", "--state",
+               str(tmp_path / "state"), "--out-dir", str(tmp_path / "out"), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+    first = bench("--no-bridged")
+    assert first.returncode == 0, first.stderr
+    assert "bridged turn" not in first.stdout and not list((tmp_path / "out").glob("*.jsonl"))
+    native = Checkpoint(tmp_path / "state", "native").load(user_turns(2, 40, 60, seed=1))["rows"]
+    both = bench()
+    assert both.returncode == 0, both.stderr
+    assert "native turn" not in both.stdout  # loaded, not run again
+    (table,) = (tmp_path / "out").glob("warm-turns-*.jsonl")
+    rows = [json.loads(line) for line in table.read_text().splitlines()]
+    assert [r["native"]["wall_s"] for r in rows] == [r["wall_s"] for r in native]
+    assert all(r["answer_equal"] for r in rows)
