@@ -133,7 +133,9 @@ int cmd_program(int argc, char** argv) {
              1;
     const Tensor& x = it->second;
     const int64_t T = x.shape[0], hd = layout.head_dim, kvh = layout.kv_heads;
-    if (Status reach = check_llama_reach(w.value(), T); !reach.is_ok())
+    // Rows past a sliding window are computed as any other (only the engine's attention
+    // differs there); past a dynamic rope's reach they would need the decoder's calls.
+    if (Status reach = check_rope_reach(w->rope_config, T); !reach.is_ok())
       return std::fprintf(stderr, "program: %s\n", reach.to_string().c_str()), 1;
     Tensor keys(DType::kBF16, {kvh, T, hd}), values(DType::kBF16, {kvh, T, hd});
     size_t ci = 0;

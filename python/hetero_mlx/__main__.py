@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
         help="qwen3: rope_theta and the scaling in a transformers-v5 rope_parameters block",
     )
     tiny.add_argument("--max-position-embeddings", type=int, default=32768)
+    tiny.add_argument(
+        "--sliding-window",
+        type=int,
+        default=0,
+        help="llama/mistral: > 0 makes the odd layers sliding_attention over this many positions",
+    )
 
     dsv4 = sub.add_parser(
         "tiny-dsv4", help="tiny random DeepSeek-V4 checkpoint: fp8/ (official), bf16/, mxfp4/"
@@ -194,6 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             rope_traditional=args.rope_traditional,
             rope_parameters=args.rope_parameters,
             max_position_embeddings=args.max_position_embeddings,
+            sliding_window=args.sliding_window,
         )
         try:
             made = make_tiny_llama(args.tokenizer, args.out, args.seed, shape)

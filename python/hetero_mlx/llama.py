@@ -12,7 +12,7 @@ Cache arrays, in the store and in truth dumps: per layer `layers.{i}.keys` and
 import hashlib
 import json
 from collections import Counter
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -145,8 +145,7 @@ def describe(model: nn.Module) -> Dict[str, Any]:
         # Other cache kinds need their own mount; refuse instead of guessing.
         raise ValueError(f"llama family needs KVCache layers, model makes {sorted(kinds)}")
     # Sliding-window layers (mlx-lm's llama "sliding_attention"): RotatingKVCache(sliding_window).
-    # Within the window their cache is every row in order; the prefill host bridges only such
-    # prompts (check_llama_reach).
+    # Within the window their cache is every row in order, past it the window's (_window_state).
     sliding = getattr(getattr(model, "model", None), "sliding_window", None)
     if "RotatingKVCache" not in kinds:
         sliding = None
@@ -200,8 +199,40 @@ def array_names(layers: int) -> List[str]:
     return [f"layers.{i}.{kind}" for i in range(layers) for kind in ("keys", "values")]
 
 
+def _in_order(layer_cache: RotatingKVCache) -> Tuple[mx.array, mx.array]:
+    """A rotating cache's rows in temporal order: all `offset` of them within its window, at
+    least its window's past it."""
+    keys = layer_cache._temporal_order(layer_cache.keys)
+    values = layer_cache._temporal_order(layer_cache.values)
+    if layer_cache.offset < layer_cache.max_size:
+        keys, values = keys[..., : layer_cache.offset, :], values[..., : layer_cache.offset, :]
+    return keys, values
+
+
+def _window_state(layer_cache: RotatingKVCache, keys: mx.array, values: mx.array,
+                  n_tokens: int) -> tuple:
+    """The state a sliding layer's RotatingKVCache has after n_tokens, from those rows' last ones
+    in temporal order ([1, kv_heads, >= min(n_tokens, window), head_dim]).
+
+    Within the window: every row, in order. Past it the decoder's own buffer after a
+    multi-token call holds its window's last W - 1 rows plus the call's, but every later use
+    reads only the last W of them, in order (a one-token call cuts the buffer to them, a longer
+    one keeps their last W - 1, the batch cache's merge takes min(offset, W)): the window alone
+    is the same cache to every reader (docs/findings/mlx-lm-sliding-window-cache.md).
+    """
+    window = layer_cache.max_size
+    if layer_cache.keep != 0:
+        raise ValueError(f"a rotating cache that keeps {layer_cache.keep} rows is not llama's")
+    rows = min(n_tokens, window)
+    if keys.shape[2] < rows:
+        raise ValueError(f"{keys.shape[2]} rows for a window that holds {rows}")
+    keys, values = keys[..., keys.shape[2] - rows :, :], values[..., values.shape[2] - rows :, :]
+    return keys, values, n_tokens, 0, window, rows
+
+
 def build_cache(model: nn.Module, arrays: Dict[str, mx.array], n_tokens: int) -> List[KVCache]:
-    """The decoder's own cache objects holding `arrays` ([kv_heads, n, head_dim] per layer).
+    """The decoder's own cache objects holding `arrays` ([kv_heads, n, head_dim] per layer);
+    a sliding layer keeps its window of them (_window_state).
 
     Evaluated here: the arrays were made on the calling (HTTP) thread and must not be left as
     lazy graphs for the generation thread to evaluate.
@@ -211,11 +242,7 @@ def build_cache(model: nn.Module, arrays: Dict[str, mx.array], n_tokens: int) ->
         keys = arrays[f"layers.{i}.keys"][None]
         values = arrays[f"layers.{i}.values"][None]
         if isinstance(layer_cache, RotatingKVCache):
-            # Within the window: every row in temporal order, as the decoder's own calls leave it.
-            if n_tokens >= layer_cache.max_size:
-                raise ValueError(f"layer {i}: {n_tokens} rows do not fit its window of "
-                                 f"{layer_cache.max_size} in order")
-            layer_cache.state = (keys, values, n_tokens, 0, layer_cache.max_size, n_tokens)
+            layer_cache.state = _window_state(layer_cache, keys, values, n_tokens)
         else:
             layer_cache.state = (keys, values, n_tokens)
     mx.eval([c.keys for c in cache] + [c.values for c in cache])
@@ -225,16 +252,23 @@ def build_cache(model: nn.Module, arrays: Dict[str, mx.array], n_tokens: int) ->
 def extend_cache(prefix: List[Any], arrays: Dict[str, mx.array], n_tokens: int) -> List[KVCache]:
     """The decoder's own cache objects for a prefix (a copy the caller owns), extended by a
     tail's rows ([kv_heads, n, head_dim] per layer) to n_tokens, the way the decoder appends
-    rows itself (KVCache.update_and_fetch). Evaluated here, as build_cache is."""
+    rows itself (KVCache.update_and_fetch; a sliding layer keeps its window of the prefix's
+    rows and the tail's). Evaluated here, as build_cache is."""
     for i, layer_cache in enumerate(prefix):
-        rotating = type(layer_cache) is RotatingKVCache
-        if type(layer_cache) is not KVCache and not rotating:
+        keys = arrays[f"layers.{i}.keys"][None]
+        values = arrays[f"layers.{i}.values"][None]
+        if type(layer_cache) is RotatingKVCache:
+            if layer_cache.offset + keys.shape[2] != n_tokens:
+                raise ValueError(f"layer {i} holds {layer_cache.offset} rows, not "
+                                 f"{n_tokens - keys.shape[2]}")
+            held_k, held_v = _in_order(layer_cache)
+            layer_cache.state = _window_state(
+                layer_cache, mx.concatenate([held_k, keys], axis=2),
+                mx.concatenate([held_v, values], axis=2), n_tokens)
+            continue
+        if type(layer_cache) is not KVCache:
             raise ValueError(f"layer {i} holds a {type(layer_cache).__name__}, not a KVCache")
-        if rotating and n_tokens >= layer_cache.max_size:
-            raise ValueError(f"layer {i}: {n_tokens} rows do not fit its window in order")
-        layer_cache.update_and_fetch(
-            arrays[f"layers.{i}.keys"][None], arrays[f"layers.{i}.values"][None]
-        )
+        layer_cache.update_and_fetch(keys, values)
         if layer_cache.offset != n_tokens:
             raise ValueError(f"layer {i} holds {layer_cache.offset} rows, not {n_tokens}")
     mx.eval([c.keys for c in prefix] + [c.values for c in prefix])
@@ -245,12 +279,22 @@ def cache_arrays(cache: List[Any], n_tokens: int) -> Dict[str, mx.array]:
     """Store-layout arrays of the first n_tokens rows of the decoder's cache objects.
 
     KVCache grows its buffers in steps of 256 rows, so the buffers are sliced to n_tokens; a
-    RotatingKVCache that has not filled its window holds its rows in order the same way.
+    RotatingKVCache that has not filled its window holds its rows in order the same way. One
+    past its window gives the rows every later use reads, its window's in temporal order
+    (_window_state), and only for exactly its offset: it cannot be cut back.
     """
     out = {}
     for i, layer_cache in enumerate(cache):
-        in_order = isinstance(layer_cache, KVCache) or (
-            isinstance(layer_cache, RotatingKVCache) and layer_cache.offset < layer_cache.max_size)
+        if isinstance(layer_cache, RotatingKVCache) and layer_cache.offset >= layer_cache.max_size:
+            if layer_cache.offset != n_tokens:
+                raise ValueError(f"layer {i} slides past its window at {layer_cache.offset} rows "
+                                 f"and cannot be cut back to {n_tokens}")
+            keys, values, _, _, _, _ = _window_state(layer_cache, *_in_order(layer_cache),
+                                                     n_tokens)
+            out[f"layers.{i}.keys"] = mx.contiguous(keys[0])
+            out[f"layers.{i}.values"] = mx.contiguous(values[0])
+            continue
+        in_order = isinstance(layer_cache, (KVCache, RotatingKVCache))
         if not in_order or layer_cache.offset < n_tokens:
             raise ValueError(f"layer {i} cache does not hold {n_tokens} rows in order")
         out[f"layers.{i}.keys"] = mx.contiguous(layer_cache.keys[0, :, :n_tokens, :])

@@ -200,18 +200,27 @@ std::string decoder_family(const std::string& dir) {
   return j["family"].get<std::string>();
 }
 
-Status check_llama_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens) {
-  HETERO_RETURN_IF_ERROR(check_rope_reach(w.rope_config, prompt_tokens));
-  return check_sliding_reach(w, prompt_tokens);
-}
-
-Status check_sliding_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens) {
-  if (w.sliding_window > 0 && prompt_tokens > w.sliding_window)
+Status check_sliding_calls(const LlamaDecoderWeights& w, int64_t start,
+                           const std::vector<int64_t>& calls) {
+  if (w.sliding_window <= 0) return Status::ok();
+  if (start > w.sliding_window)
     return failed_precondition(
-        "a prompt of " + std::to_string(prompt_tokens) +
-        " tokens is past the decoder's sliding window of " + std::to_string(w.sliding_window) +
-        " tokens, where its sliding-window layers keep only the window (laid out by its calls); "
-        "it is left to the decoder");
+        "a warm tail from row " + std::to_string(start) +
+        " is past the decoder's sliding "
+        "window of " +
+        std::to_string(w.sliding_window) +
+        " tokens, where the rows of its own one-token calls (its answers) sum the window in "
+        "its rotating cache's order; it is left to the decoder");
+  int64_t pos = start;
+  for (int64_t n : calls) {
+    if (n == 1 && pos >= w.sliding_window)
+      return failed_precondition(
+          "the decoder prefills row " + std::to_string(pos) +
+          " in a call of its own, past its sliding window of " + std::to_string(w.sliding_window) +
+          " tokens, where such a call sums the window in its rotating cache's order; it is "
+          "left to the decoder");
+    pos += n;
+  }
   return Status::ok();
 }
 

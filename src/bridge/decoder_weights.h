@@ -76,13 +76,16 @@ struct LlamaDecoderWeights {
   std::vector<LlamaProgramLayer> layers;
 };
 
-// OK, or why the decoder's cache for a prompt of `prompt_tokens` tokens is not one this export's
-// program computes: past a dynamic rope's reach (check_rope_reach), or past the sliding window
-// of sliding-window layers (their caches then hold only a window, laid out by the decoder's
-// calls). A per-request refusal: the decoder answers the prompt natively.
-Status check_llama_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens);
-// The sliding-window half of check_llama_reach.
-Status check_sliding_reach(const LlamaDecoderWeights& w, int64_t prompt_tokens);
+// Sliding-window layers past their window. Their rows are the decoder's whatever its calls
+// while every call that makes them has more than one token: such a call sums its window in
+// temporal order. A one-token call at or past the window (a tail of two, or the single path's
+// remainder) sums it in the rotated order of mlx-lm's RotatingKVCache, newest row first, which
+// no engine reproduces: a request whose decoder calls (lengths from `start`) include one is
+// refused, and the decoder answers it natively. So is a warm tail from past the window: the
+// decoder's rows before it include its answers', made by such calls, which the engine's own
+// rows there would not equal. Rows before the window are the same however they were made.
+Status check_sliding_calls(const LlamaDecoderWeights& w, int64_t start,
+                           const std::vector<int64_t>& calls);
 
 Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir);
 

@@ -198,7 +198,7 @@ Status LlamaCpuEngine::prefill_chunk(const std::vector<int32_t>& ids,
                 v.size() * 2);
     attention_causal(q.data(), n, c.heads, k_cache_[static_cast<size_t>(l)].data(),
                      v_cache_[static_cast<size_t>(l)].data(), c.kv_heads, hd, pos0,
-                     1.0f / std::sqrt(static_cast<float>(hd)), attn.data());
+                     1.0f / std::sqrt(static_cast<float>(hd)), attn.data(), c.window_of(l));
     linear(attn.data(), n, qd, F.wo, L.qwo, H, nullptr, tmp.data());
     add_bf16(h.data(), tmp.data(), n * H, h.data());
     rms_norm(h.data(), n, H, L.post_norm.data<uint16_t>(), eps, xn.data());

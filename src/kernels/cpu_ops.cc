@@ -296,8 +296,12 @@ void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out) {
 
 void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
                       const uint16_t* v, int64_t kv_heads, int64_t d, int64_t pos0, float scale,
-                      uint16_t* out) {
-  const int64_t total = pos0 + n, group = q_heads / kv_heads, kv_row = kv_heads * d;
+                      uint16_t* out, int64_t window) {
+  // Keys before `first` are outside every query's window. The decoder's buffer starts later or
+  // earlier than ours, but a key it masks adds an exact +0 to sums that start at +0 (below), so
+  // where the key range starts does not change a bit.
+  const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  const int64_t total = pos0 + n - first, group = q_heads / kv_heads, kv_row = kv_heads * d;
   const float scale_b = round_bf16(scale);
 #pragma omp parallel for schedule(dynamic)
   for (int64_t hq = 0; hq < q_heads; ++hq) {
@@ -307,8 +311,8 @@ void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint1
         o(static_cast<size_t>(n * d), 0.0f);
     for (int64_t t = 0; t < total; ++t)
       for (int64_t j = 0; j < d; ++j) {
-        kt[static_cast<size_t>(j * total + t)] = bf16_to_f32(k[t * kv_row + g * d + j]);
-        vh[static_cast<size_t>(t * d + j)] = bf16_to_f32(v[t * kv_row + g * d + j]);
+        kt[static_cast<size_t>(j * total + t)] = bf16_to_f32(k[(first + t) * kv_row + g * d + j]);
+        vh[static_cast<size_t>(t * d + j)] = bf16_to_f32(v[(first + t) * kv_row + g * d + j]);
       }
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < d; ++j)
@@ -318,19 +322,21 @@ void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint1
     gemm_ordered(qs.data(), n, d, kt.data(), total, s.data());
     for (int64_t i = 0; i < n; ++i) {
       float* row = s.data() + i * total;
-      const int64_t visible = pos0 + i + 1;
+      const int64_t end = pos0 + i + 1 - first;  // keys [lo, end) of the range are visible
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, end - window) : 0;
       float mx = -INFINITY;
-      for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, row[j] = round_bf16(row[j]));
+      for (int64_t j = lo; j < end; ++j) mx = std::max(mx, row[j] = round_bf16(row[j]));
       // Masked keys contribute exactly 0 to the sum and to the output (exp underflows to 0),
       // and adding +0 never changes a float sum that started at +0, so they are skipped.
       float tot = 0.0f;
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = lo; j < end; ++j) {
         row[j] = mlx_exp(row[j] - mx);
         tot = tot + row[j];
       }
       const float inv = 1.0f / tot;
-      for (int64_t j = 0; j < visible; ++j) row[j] = round_bf16(row[j] * inv);
-      for (int64_t j = visible; j < total; ++j) row[j] = 0.0f;
+      for (int64_t j = 0; j < lo; ++j) row[j] = 0.0f;
+      for (int64_t j = lo; j < end; ++j) row[j] = round_bf16(row[j] * inv);
+      for (int64_t j = end; j < total; ++j) row[j] = 0.0f;
     }
     gemm_ordered(s.data(), n, total, vh.data(), d, o.data());
     for (int64_t t = 0; t < n; ++t)

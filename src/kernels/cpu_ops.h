@@ -81,11 +81,12 @@ void silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out
 // out = bf16(a + b). In place is allowed.
 void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out);
 
-// Causal GQA attention for n queries at positions [pos0, pos0+n) over keys [0, pos0+n).
+// Causal GQA attention for n queries at positions [pos0, pos0+n) over keys [0, pos0+n), or
+// with window > 0 over the keys at (p - window, p] of each query p (mlx-lm's sliding layers).
 // q: [n, q_heads, d] bf16 (roped); k, v: token-major caches [>= pos0+n, kv_heads, d] bf16;
 // out: [n, q_heads, d] bf16. scale is rounded to bf16 first, as the decoder does.
 void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
                       const uint16_t* v, int64_t kv_heads, int64_t d, int64_t pos0, float scale,
-                      uint16_t* out);
+                      uint16_t* out, int64_t window = 0);
 
 }  // namespace hetero

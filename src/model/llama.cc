@@ -100,7 +100,8 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
       j["layer_types"].is_array()) {
     bool full = false, sliding = false;
     for (const json& t : j["layer_types"]) {
-      sliding = sliding || t == "sliding_attention";
+      c.sliding.push_back(t == "sliding_attention");
+      sliding = sliding || c.sliding.back();
       full = full || t == "full_attention";
     }
     if (sliding) {
@@ -115,6 +116,10 @@ Result<LlamaConfig> load_llama_config(const std::string& model_dir) {
       return invalid_argument(model_dir +
                               "/config.json: layer_types has no \"full_attention\" layer, "
                               "which mlx-lm's llama requires");
+    if (static_cast<int64_t>(c.sliding.size()) != c.layers)
+      return invalid_argument(model_dir + "/config.json: layer_types names " +
+                              std::to_string(c.sliding.size()) + " layers, the model has " +
+                              std::to_string(c.layers));
   }
   if (c.heads % c.kv_heads != 0)
     return invalid_argument("num_attention_heads must be a multiple of num_key_value_heads");

@@ -25,10 +25,17 @@ struct LlamaConfig {
   bool qk_norm = false;         // Qwen3: RMSNorm over head_dim of q and k before RoPE
   LlamaRopeConfig rope_config;  // as the config gives it (rope_scaling, max_position_embeddings)
   RopeSpec rope;                // what the decoder's rope module computes with
-  // > 0: some layers are mlx-lm's "sliding_attention" over the last sliding_window positions.
-  // For a prompt within it they compute what full attention does (the decoder's mask is then
-  // "causal" too), which is all the engines compute; longer prompts are not bridged.
+  // > 0: the layers marked in `sliding` are mlx-lm's "sliding_attention": a query at p sees the
+  // keys at (p - sliding_window, p] only. Within the window that is full attention.
   int64_t sliding_window = 0;
+  std::vector<bool> sliding;  // per layer (empty: none slides)
+
+  // The window layer l attends over (0: all of the past).
+  int64_t window_of(int64_t layer) const {
+    return static_cast<size_t>(layer) < sliding.size() && sliding[static_cast<size_t>(layer)]
+               ? sliding_window
+               : 0;
+  }
 };
 
 // Parses config.json as mlx-lm reads it (defaults per model type). Unsupported features (a rope

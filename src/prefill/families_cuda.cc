@@ -141,7 +141,8 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   const LlamaDecoderWeights* exported = &owned->weights;
   s.programs = [gw, pool, backend,
                 exported](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-    HETERO_RETURN_IF_ERROR(check_llama_reach(*exported, prompt_tokens(req)));
+    HETERO_RETURN_IF_ERROR(check_rope_reach(exported->rope_config, prompt_tokens(req)));
+    HETERO_RETURN_IF_ERROR(check_sliding_calls(*exported, req.start, req.decoder_calls));
     return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
       HETERO_ASSIGN_OR_RETURN(auto program, cuda::LlamaGpuSegmentProgram::create(gw, pool));
       return std::unique_ptr<SegmentProgram>(std::move(program));

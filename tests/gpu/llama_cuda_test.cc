@@ -65,19 +65,27 @@ struct Case {
   bool scaled = false;  // llama: llama3 rope on traditional pairs; qwen2: YaRN
   int quant_bits = 0;   // > 0: an mlx-lm-quantized checkpoint (affine, group 64, unless mx)
   bool mx = false;      // quantized to mxfp4 / mxfp8 (groups of 32)
+  int64_t window = 0;   // > 0: layer 1 of 3 is a sliding-window layer over this many positions
 };
+
+// Layer 1 of tiny_llama's 3 slides over `window` positions, as mlx-lm's layer_types would say.
+void slide_middle_layer(LlamaWeights& w, int64_t window) {
+  w.config.sliding_window = window;
+  w.config.sliding = {false, true, false};
+}
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.type << " head_dim " << c.head_dim << " " << cuda::kv_dtype_name(c.kv)
       << (c.scaled ? " scaled rope" : "")
-      << (c.quant_bits ? " q" + std::to_string(c.quant_bits) : "") << (c.mx ? " mx" : "");
+      << (c.quant_bits ? " q" + std::to_string(c.quant_bits) : "") << (c.mx ? " mx" : "")
+      << (c.window ? " window " + std::to_string(c.window) : "");
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
   return i.param.type + "_d" + std::to_string(i.param.head_dim) + "_" +
          cuda::kv_dtype_name(i.param.kv) + (i.param.scaled ? "_scaled" : "") +
          (i.param.quant_bits ? "_q" + std::to_string(i.param.quant_bits) : "") +
-         (i.param.mx ? "_mx" : "");
+         (i.param.mx ? "_mx" : "") + (i.param.window ? "_w" + std::to_string(i.param.window) : "");
 }
 
 nlohmann::json scaling_of(const Case& k) {
@@ -99,6 +107,7 @@ void expect_close_to_cpu(const Case& k, const cuda::LlamaCudaOptions& o, double 
                          !k.mx               ? "affine"
                          : k.quant_bits == 4 ? "mxfp4"
                                              : "mxfp8");
+  if (k.window) slide_middle_layer(w, k.window);
   const LlamaConfig& c = w.config;
   const std::vector<int32_t> ids = random_ids(300, c.vocab, 11);
   LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
@@ -146,15 +155,17 @@ TEST_P(LlamaCudaVsCpu, AttentionInputsWithinTolerance) {
                       {{300}, {64, 64, 172}, {37, 200, 5, 1, 57}}, "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, LlamaCudaVsCpu,
-                         ::testing::Values(Case{"llama", 64, cuda::KvDtype::kBf16},
-                                           Case{"llama", 64, cuda::KvDtype::kFp8},
-                                           Case{"llama", 128, cuda::KvDtype::kFp8},
-                                           Case{"qwen2", 64, cuda::KvDtype::kBf16},
-                                           Case{"qwen3", 128, cuda::KvDtype::kBf16},
-                                           Case{"llama", 64, cuda::KvDtype::kBf16, true},
-                                           Case{"qwen2", 64, cuda::KvDtype::kFp8, true}),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(
+    Variants, LlamaCudaVsCpu,
+    ::testing::Values(
+        Case{"llama", 64, cuda::KvDtype::kBf16}, Case{"llama", 64, cuda::KvDtype::kFp8},
+        Case{"llama", 128, cuda::KvDtype::kFp8}, Case{"qwen2", 64, cuda::KvDtype::kBf16},
+        Case{"qwen3", 128, cuda::KvDtype::kBf16}, Case{"llama", 64, cuda::KvDtype::kBf16, true},
+        Case{"qwen2", 64, cuda::KvDtype::kFp8, true},
+        // windows within a key tile and across tiles
+        Case{"llama", 64, cuda::KvDtype::kBf16, false, 0, false, 40},
+        Case{"llama", 128, cuda::KvDtype::kFp8, false, 0, false, 100}),
+    case_name);
 
 // Both attention kernels over a bf16 cache, each named: cuDNN's where the build has it (a build
 // with it that cannot run it on this GPU fails here), the engine's own always. The schedules
@@ -308,6 +319,40 @@ TEST_F(LlamaCudaEngineTest, ExactArithmeticIsBitIdenticalToCpu) {
         EXPECT_TRUE(got[static_cast<size_t>(l)] == want[static_cast<size_t>(l)])
             << type << " " << scaling.dump() << " layer " << l << " chunks " << chunks.size();
     }
+  }
+}
+
+// A sliding-window layer past its window: the exact path sums each query's window as the CPU
+// engine does (the decoder's multi-token calls), bit for bit, whatever the chunks; and the
+// window matters here (the CPU engine without it gives other inputs to the layer after it).
+TEST_F(LlamaCudaEngineTest, ExactSlidingWindowIsBitIdenticalToCpu) {
+  LlamaWeights w = tiny_llama("llama", 64, 13);
+  slide_middle_layer(w, 40);
+  const LlamaConfig& c = w.config;
+  const std::vector<int32_t> ids = random_ids(260, c.vocab, 17);
+  LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
+  Taps want;
+  ASSERT_TRUE(run_schedule(cpu, ids, {100, 160}, c.layers, c.hidden, &want).is_ok());
+  LlamaWeights full = w;
+  full.config.sliding_window = 0, full.config.sliding.clear();
+  LlamaCpuEngine cpu_full(full, LlamaCpuEngine::Gemm::kOrdered);
+  Taps unwindowed;
+  ASSERT_TRUE(run_schedule(cpu_full, ids, {260}, c.layers, c.hidden, &unwindowed).is_ok());
+  EXPECT_TRUE(unwindowed[1] == want[1]);  // layer 1's input: before its attention
+  EXPECT_FALSE(unwindowed[2] == want[2]);
+  cuda::LlamaCudaOptions o;
+  o.host_tap = true;
+  o.arith = cuda::LlamaCudaArith::kExact;
+  for (const std::vector<int64_t>& chunks :
+       {std::vector<int64_t>{100, 160}, std::vector<int64_t>{260}, std::vector<int64_t>{7, 250, 3},
+        std::vector<int64_t>{39, 1, 1, 219}}) {
+    auto gpu = cuda::LlamaCudaEngine::create(w, o);
+    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+    Taps got;
+    ASSERT_TRUE(run_schedule(**gpu, ids, chunks, c.layers, c.hidden, &got).is_ok());
+    for (int64_t l = 0; l < c.layers; ++l)
+      EXPECT_TRUE(got[static_cast<size_t>(l)] == want[static_cast<size_t>(l)])
+          << "layer " << l << " chunks " << chunks.size();
   }
 }
 
@@ -495,6 +540,20 @@ TEST_F(LlamaCudaEngineTest, TheAttentionKernelIsChosenAndNamed) {
   auto exact = cuda::LlamaCudaEngine::create(w, o);
   ASSERT_TRUE(exact.is_ok());
   EXPECT_EQ((*exact)->attention_name(), "-");
+  // cuDNN's graph here attends over the whole past: a model with sliding layers gets the own
+  // kernel, and saying cuDNN is refused.
+  LlamaWeights sliding = tiny_llama("llama", 64, 3);
+  slide_middle_layer(sliding, 40);
+  o.arith = cuda::LlamaCudaArith::kFast;
+  o.attention = cuda::AttentionKernel::kAuto;
+  auto own = cuda::LlamaCudaEngine::create(sliding, o);
+  ASSERT_TRUE(own.is_ok());
+  EXPECT_NE((*own)->attention_name().find("own flash kernel"), std::string::npos);
+  EXPECT_NE((*own)->attention_name().find("sliding window"), std::string::npos);
+  o.attention = cuda::AttentionKernel::kCudnn;
+  auto no = cuda::LlamaCudaEngine::create(sliding, o);
+  ASSERT_FALSE(no.is_ok());
+  EXPECT_NE(no.status().message().find("sliding-window"), std::string::npos);
 }
 
 }  // namespace

@@ -3,8 +3,9 @@ rope settings (llama3 scaling at theta 500000; YaRN x4 over 32768, written the t
 way; dynamic NTK) behind `hetero up`. A prompt long enough to bridge gets the decoder's own
 answer: verdict complete, the decoder's usage shows every prompt token but the last cached, and
 the text equals the decoder's native answer to the same request. A Mistral-style model with sliding-window
-layers is served the same way. A prompt past the sliding window is left to the decoder, and the
-verdict says why. Past a dynamic rope's max_position_embeddings every decoder call ropes its rows
+layers is served the same way, past its window too: a cold prompt is bridged (`hetero verify`: the
+sliding layer's window and the full layers' rows the decoder's bit for bit), a warm tail from past
+the window is left to the decoder, and the verdict says why. Past a dynamic rope's max_position_embeddings every decoder call ropes its rows
 with a base of its own: a cold prompt is bridged with the calls the seam reports (and `hetero
 verify` finds its cache the decoder's bit for bit on both of mlx-lm's prefill paths); a warm tail
 there is left to the decoder, whose earlier calls set the rest.
@@ -46,14 +47,10 @@ MODELS = {
     "llama-dynamic": TinyShape(
         "llama", 2, 64, 4, 2, 16, 128, tie=True, max_position_embeddings=1500,
         rope_scaling=json.dumps({"type": "dynamic", "factor": 2.0})),
-    # Every other layer attends over the last 1,500 positions only (RotatingKVCache).
+    # Layer 1 of 3 attends over the last 1,500 positions only (RotatingKVCache); layer 2's rows
+    # show what it computed.
     "mistral-sliding": TinyShape(
-        "mistral", 2, 64, 4, 2, 16, 128, tie=False, sliding_window=1500),
-}
-
-# What a prompt past each model's reach is refused for, with its reach.
-PAST_REACH = {
-    "mistral-sliding": "past the decoder's sliding window of 1500 tokens",
+        "mistral", 3, 64, 4, 2, 16, 128, tie=False, sliding_window=1500),
 }
 
 
@@ -87,17 +84,34 @@ def test_bridged_answer_is_the_decoders_own(served) -> None:
     assert got == answer(native), (got, answer(native))
 
 
-@pytest.mark.parametrize("served", sorted(PAST_REACH), indirect=True)  # the others reach any length
-def test_a_prompt_past_the_models_reach_is_the_decoders(served) -> None:
+@pytest.mark.parametrize("served", ["mistral-sliding"], indirect=True)
+def test_past_the_sliding_window_a_cold_prompt_is_bridged_and_a_warm_tail_is_not(served):
     name, port, decoder = served
-    body = chat(text(f"past-{name}", 1600), max_tokens=24)
-    got, v, usage = openai_chat(SimpleNamespace(port=port), body, stream=False)
-    native = decoder.native(body, settle=False)  # the module's last request: cold, then left
-    T = native["usage"]["prompt_tokens"]
-    assert T > 1500, native["usage"]
-    assert v["verdict"] != "complete" and not v.get("B"), v
-    assert f"a prompt of {T} tokens is {PAST_REACH[name]}" in v["verdict"], v
-    assert got == answer(native), (got, answer(native))
+    front = SimpleNamespace(port=port)
+    body = chat(text("slide-cold", 1600), max_tokens=24)
+    got, v, usage = openai_chat(front, body, stream=False)
+    T = v["T"]
+    assert T > 1500, v
+    # (From the decoder's entry for the template's system part, if an earlier request left it:
+    # rows before the window are the same however the decoder made them.)
+    assert v["verdict"] == "complete" and v["B"] == T - 1 and v.get("start", 0) < 1500, v
+    assert usage.prompt_tokens_details.cached_tokens == T - 1
+    # The next turn: the decoder holds the first and its answer, whose rows its one-token calls
+    # made past the window, summing it in its rotating cache's order.
+    turn = dict(body, messages=body["messages"] + [
+        {"role": "assistant", "content": got}, {"role": "user", "content": text("slide-warm", 400)}])
+    got2, v2, _ = openai_chat(front, turn, stream=False)
+    assert v2["verdict"] != "complete" and not v2.get("B"), v2
+    assert "past the decoder's sliding window of 1500" in json.dumps(v2), v2
+    # The decoder's own two turns, the second warm from the first: the same answers. (Its cache
+    # past the window cannot be trimmed, so these go last, as the requests leave it.)
+    decoder.clear()
+    cold = decoder.post("/v1/chat/completions", body, timeout=600)
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, cold["usage"]
+    warm = decoder.post("/v1/chat/completions", turn, timeout=600)
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 1500, warm["usage"]
+    assert got == answer(cold), (got, answer(cold))
+    assert got2 == answer(warm), (got2, answer(warm))
 
 
 @pytest.mark.parametrize("served", ["llama-dynamic"], indirect=True)
@@ -140,6 +154,28 @@ def verify_report(model: Path, prompt: Path, work: Path) -> dict:
         pytest.fail(f"verify printed no JSON (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+@pytest.mark.parametrize("system", [False, True])
+def test_past_the_sliding_window_the_cache_is_the_decoders_bit_for_bit(tokenizer_dir, tmp_path,
+                                                                       system) -> None:
+    """`hetero verify` on a prompt of ~3,800 tokens over a window of 1,500: the sliding layer's
+    cache is the decoder's window, the full layers' every row, all bit-exact; the decoder
+    continues from the mount as from its own prefill. (The single path keeps no entry at B to
+    compare with past the window: its cache is stored after the answer and cannot be cut back.)"""
+    model = tmp_path / "model"
+    make_tiny_llama(tokenizer_dir, model, seed=31, shape=MODELS["mistral-sliding"])
+    messages = [{"role": "user", "content": text("slide-verify", 3400)}]
+    if system:
+        messages.insert(0, {"role": "system", "content": "You are terse. " * 40})
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps({"messages": messages}))
+    r = verify_report(model, prompt, tmp_path / "work")
+    assert r["rc"] == 0 and r["pass"], r.get("failures") or r.get("error")
+    assert r["T"] > 2 * 1500, r["T"]
+    assert r["arrays"]["bit_exact"] == r["arrays"]["count"] == 6 and r["arrays"]["max_ulp"] == 0
+    assert r["continuation"]["identical"]
+    assert r["decoder_accounting"]["bridged"]["processed"] == 1
+
+
 @pytest.mark.parametrize("path", ["batch", "batch-with-system", "single"])
 def test_past_a_dynamic_ropes_reach_the_cache_is_the_decoders_bit_for_bit(tokenizer_dir, tmp_path,
                                                                         path) -> None:
@@ -149,7 +185,7 @@ def test_past_a_dynamic_ropes_reach_the_cache_is_the_decoders_bit_for_bit(tokeni
     model = tmp_path / "model"
     # Factor 3 at theta 10,000: the first call's base (its end 2,048) in MLX float32 and in
     # Python doubles differ by enough to change its inverse frequencies, so taking the wrong
-    # path's arithmetic misses bits (bench/dynamic_rope_verify.py's control: 1 of 4 arrays).
+    # path's arithmetic misses bits (bench/past_reach_verify.py's control: 1 of 4 arrays).
     shape = dataclasses.replace(MODELS["llama-dynamic"], rope_theta=10000.0,
                                 rope_scaling=json.dumps({"type": "dynamic", "factor": 3.0}))
     make_tiny_llama(tokenizer_dir, model, seed=31, shape=shape)

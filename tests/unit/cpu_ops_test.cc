@@ -34,6 +34,35 @@ TEST(CpuOps, DecoderOrderLinearIsSequentialSum) {
                 0.02f + 0.01f * std::fabs(bf16_to_f32(out[i])));
 }
 
+// A sliding layer's query at p sees keys (p - W, p]: the same bits as attention over just those
+// keys, whatever else is in the cache and wherever the call starts (the decoder's buffer holds
+// other masked rows, which add exact zeros).
+TEST(CpuOps, WindowedAttentionIsAttentionOverTheWindowAlone) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int64_t qh = 4, kvh = 2, d = 16, W = 5;
+  for (int64_t pos0 : {0, 3, 9}) {
+    const int64_t n = 7, total = pos0 + n;
+    std::vector<uint16_t> q(n * qh * d), k(total * kvh * d), v(k.size()), out(q.size());
+    for (auto* t : {&q, &k, &v})
+      for (auto& x : *t) x = f32_to_bf16(nd(rng));
+    attention_causal(q.data(), n, qh, k.data(), v.data(), kvh, d, pos0, 0.25f, out.data(), W);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = pos0 + i, first = std::max<int64_t>(0, p - W + 1), seen = p - first + 1;
+      std::vector<uint16_t> one(qh * d);
+      attention_causal(q.data() + i * qh * d, 1, qh, k.data() + first * kvh * d,
+                       v.data() + first * kvh * d, kvh, d, seen - 1, 0.25f, one.data());
+      for (int64_t j = 0; j < qh * d; ++j)
+        ASSERT_EQ(out[i * qh * d + j], one[j]) << "pos0 " << pos0 << " query " << i;
+    }
+    // Without the window the last query sees all of the past: a different answer.
+    std::vector<uint16_t> full(q.size());
+    attention_causal(q.data(), n, qh, k.data(), v.data(), kvh, d, pos0, 0.25f, full.data());
+    EXPECT_NE(std::vector<uint16_t>(full.end() - qh * d, full.end()),
+              std::vector<uint16_t>(out.end() - qh * d, out.end()));
+  }
+}
+
 TEST(CpuOps, RopeAtPositionZeroIsIdentity) {
   std::vector<uint16_t> x(2 * 3 * 8);
   for (size_t i = 0; i < x.size(); ++i)

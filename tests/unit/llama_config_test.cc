@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../common/temp_dir.h"
+#include "bridge/decoder_weights.h"
 #include "model/llama.h"
 
 namespace hetero {
@@ -208,7 +209,7 @@ TEST(LlamaConfig, DynamicRopePastMaxPositionEmbeddingsFollowsEachCall) {
 }
 
 // Sliding-window layers (llama and mistral, the types whose mlx-lm code reads layer_types) need
-// the window their caches are sized by; the reach of a bridge is then that window.
+// the window their caches are sized by, and are the layers their types name.
 TEST(LlamaConfig, SlidingWindowLayersNeedTheirWindow) {
   for (const char* type : {"llama", "mistral"}) {
     auto j = base(type);
@@ -220,6 +221,13 @@ TEST(LlamaConfig, SlidingWindowLayersNeedTheirWindow) {
     c = config_of(j);
     ASSERT_TRUE(c.is_ok()) << type << ": " << c.status().message();
     EXPECT_EQ(c->sliding_window, 512);
+    EXPECT_EQ(c->window_of(0), 0) << type;  // each layer as its type says
+    EXPECT_EQ(c->window_of(1), 512) << type;
+    j["layer_types"] = {"full_attention", "sliding_attention", "full_attention"};
+    c = config_of(j);  // mlx-lm builds one layer per type: another count is another model
+    ASSERT_FALSE(c.is_ok()) << type;
+    EXPECT_NE(c.status().message().find("names 3 layers, the model has 2"), std::string::npos)
+        << c.status().message();
     // mlx-lm's llama needs one full-attention layer to load at all.
     j["layer_types"] = {"chunked_attention"};
     c = config_of(j);
@@ -229,6 +237,30 @@ TEST(LlamaConfig, SlidingWindowLayersNeedTheirWindow) {
     ASSERT_TRUE(config_of(j).is_ok()) << type;
     EXPECT_EQ(config_of(j)->sliding_window, 0) << type;
   }
+}
+
+// Past the window, a sliding layer's rows are the decoder's for calls of more than one token
+// (they sum the window in temporal order); a one-token call there sums it in its rotating
+// cache's order, and a request with one, or a tail after rows made so, is refused. Within the
+// window any call is fine.
+TEST(LlamaConfig, OneTokenCallsPastTheSlidingWindowAreRefused) {
+  LlamaDecoderWeights w;
+  EXPECT_TRUE(check_sliding_calls(w, 5000, {1, 1}).is_ok());  // no sliding layers
+  w.sliding_window = 300;
+  EXPECT_TRUE(check_sliding_calls(w, 0, {2048, 452}).is_ok());
+  EXPECT_FALSE(check_sliding_calls(w, 0, {299, 1, 1}).is_ok());  // row 300 alone
+  EXPECT_TRUE(check_sliding_calls(w, 0, {298, 1, 7}).is_ok());   // row 298: within the window
+  EXPECT_TRUE(check_sliding_calls(w, 0, {}).is_ok());            // calls unknown: any cut
+  auto st = check_sliding_calls(w, 200, {2048, 1, 5});
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("row 2248 in a call of its own"), std::string::npos) << st.message();
+  // A warm tail: from within the window the rows before it are the same however the decoder
+  // made them; from past it they include its answers', made by one-token calls.
+  EXPECT_TRUE(check_sliding_calls(w, 300, {2048}).is_ok());
+  st = check_sliding_calls(w, 301, {2048});
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("a warm tail from row 301 is past"), std::string::npos)
+      << st.message();
 }
 
 // mlx-lm's qwen2 and qwen3 ignore layer_types (their attention is always full), so a checkpoint

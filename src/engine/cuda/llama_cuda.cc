@@ -89,6 +89,14 @@ Status LlamaCudaEngine::choose_attention() {
     return Status::ok();
   }
   const LlamaConfig& c = config_;
+  if (c.sliding_window > 0) {  // the graph here is causal over the whole past, one per engine
+    if (want == AttentionKernel::kCudnn)
+      return invalid_argument(
+          "cuDNN attention here attends over the whole past; this model's "
+          "sliding-window layers need --attention own or auto");
+    attention_note_ = "cuDNN's here has no sliding window";
+    return Status::ok();
+  }
   auto a = CudnnAttention::create(
       static_cast<int>(c.heads), static_cast<int>(c.kv_heads), static_cast<int>(c.head_dim),
       1.0f / std::sqrt(static_cast<float>(c.head_dim)), options_.device);
@@ -613,7 +621,7 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
                               /*token_major=*/true};
       HETERO_RETURN_IF_ERROR(cudnn_->run(q, rows, attn, st));
     } else {
-      attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, st);
+      attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, st, c.window_of(l));
     }
     HETERO_RETURN_IF_ERROR(linear(attn, n, L.wo, tmp));
     add_rms_norm_rows(h, tmp, n, H, L.post_norm, eps, xn, st);
@@ -749,7 +757,8 @@ Status LlamaCudaEngine::prefill_exact(const std::vector<int32_t>& ids,
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
         vc + pos0 * kvd, v, static_cast<size_t>(n * kvd) * 2, cudaMemcpyDeviceToDevice, st));
     attention_causal(q, n, c.heads, kc, vc, c.kv_heads, hd, pos0,
-                     1.0f / std::sqrt(static_cast<float>(hd)), X.scratch.get<float>(), attn, st);
+                     1.0f / std::sqrt(static_cast<float>(hd)), X.scratch.get<float>(), attn, st,
+                     c.window_of(l));
     HETERO_RETURN_IF_ERROR(linear(attn, qd, E.wo, H, nullptr, tmp));
     add_bf16(h, tmp, n * H, h, st);
     hetero::cuda::rms_norm(h, n, H, L.post_norm, eps, xn, st);

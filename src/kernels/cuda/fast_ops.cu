@@ -207,7 +207,7 @@ template <int D, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_kernel(const uint16_t* __restrict__ q, int64_t n, int heads, int kv_heads,
                      int64_t pos0, float scale_log2, const KvPageRef* __restrict__ pages,
-                     uint16_t* __restrict__ out) {
+                     int64_t window, uint16_t* __restrict__ out) {
   constexpr int kPitch = D + 8;  // 16-byte rows land in distinct banks for ldmatrix
   extern __shared__ __align__(16) uint16_t smem[];
   // Buffer b: K at smem + 2b * tile, V at smem + (2b + 1) * tile.
@@ -222,6 +222,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t qp_lo = pos0 + row0 + g, qp_hi = qp_lo + 8;
   const int64_t warp_first_q = pos0 + row0;  // this warp's smallest and largest query positions
   const int64_t warp_last_q = pos0 + min(row0 + 15, n - 1);
+  // With a window (> 0) a query at p sees keys (p - window, p]: tiles before the block's first
+  // query's window are never loaded, and a warp skips those before its own.
+  const int64_t kt0 =
+      window > 0 ? max(int64_t(0), pos0 + int64_t(blockIdx.x) * kRows - window + 1) / kKeys : 0;
+  const int64_t warp_first_key = window > 0 ? warp_first_q - window + 1 : 0;
 
   uint32_t qa[D / 16][4];
   {
@@ -242,16 +247,17 @@ __global__ void __launch_bounds__(kWarps * 32)
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
 
   Staged<D, kFp8> st;
-  st.load(pages[0], kvh, 0, total);
+  st.load(pages[kt0], kvh, kt0 * kKeys, total);
   st.store(smem, smem + kTile, kPitch);
   __syncthreads();
   // ldmatrix lane roles: matrix mi = lane/8, its row lane%8.
   const int mi = lane / 8, mr = lane % 8;
-  for (int64_t kt = 0; kt < tiles; ++kt) {
-    const int buf = int(kt & 1);
+  for (int64_t kt = kt0; kt < tiles; ++kt) {
+    const int buf = int((kt - kt0) & 1);
     if (kt + 1 < tiles) st.load(pages[kt + 1], kvh, (kt + 1) * kKeys, total);
     const int64_t key0 = kt * kKeys;
-    if (active && key0 <= warp_last_q) {  // warp-uniform: mma and ldmatrix need every lane
+    // warp-uniform: mma and ldmatrix need every lane
+    if (active && key0 <= warp_last_q && key0 + kKeys > warp_first_key) {
       const uint16_t* K = smem + 2 * buf * kTile;
       const uint16_t* V = K + kTile;
       float s[8][4];
@@ -267,7 +273,8 @@ __global__ void __launch_bounds__(kWarps * 32)
         }
       }
       // Scale into log2 units; mask where the tile reaches the diagonal or the cache's end.
-      const bool need_mask = key0 + kKeys - 1 > warp_first_q || key0 + kKeys > total;
+      const bool need_mask = key0 + kKeys - 1 > warp_first_q || key0 + kKeys > total ||
+                             (window > 0 && key0 <= warp_last_q - window);
       float mx_lo = -INFINITY, mx_hi = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -276,7 +283,8 @@ __global__ void __launch_bounds__(kWarps * 32)
           float v = s[j][e] * scale_log2;
           if (need_mask) {
             const int64_t kp = key0 + j * 8 + 2 * c + (e & 1);
-            if (kp > (e < 2 ? qp_lo : qp_hi) || kp >= total) v = -INFINITY;
+            const int64_t qp = e < 2 ? qp_lo : qp_hi;
+            if (kp > qp || kp >= total || (window > 0 && kp <= qp - window)) v = -INFINITY;
           }
           s[j][e] = v;
           if (e < 2)
@@ -346,7 +354,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 template <int D, bool kFp8>
 void launch_attention(const uint16_t* q, int64_t n, int heads, int kv_heads, int64_t pos0,
-                      float scale_log2, const KvPageRef* pages, uint16_t* out,
+                      float scale_log2, const KvPageRef* pages, int64_t window, uint16_t* out,
                       cudaStream_t stream) {
   constexpr size_t smem = 4 * kKeys * (D + 8) * sizeof(uint16_t);
   static bool configured = false;  // the attribute is per function; setting it twice is harmless
@@ -356,8 +364,8 @@ void launch_attention(const uint16_t* q, int64_t n, int heads, int kv_heads, int
     configured = true;
   }
   const dim3 grid(static_cast<unsigned>((n + kRows - 1) / kRows), static_cast<unsigned>(heads));
-  attention_kernel<D, kFp8>
-      <<<grid, kWarps * 32, smem, stream>>>(q, n, heads, kv_heads, pos0, scale_log2, pages, out);
+  attention_kernel<D, kFp8><<<grid, kWarps * 32, smem, stream>>>(q, n, heads, kv_heads, pos0,
+                                                                 scale_log2, pages, window, out);
 }
 
 __global__ void iota_i32_kernel(int32_t* dst, int64_t n) {
@@ -416,21 +424,24 @@ void silu_mul_halves(const uint16_t* gate_up, int64_t n, int64_t inter, uint16_t
 bool attention_paged_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 void attention_paged(const uint16_t* q, int64_t n, int heads, int64_t pos0, float scale,
-                     const PagedKvView& kv, uint16_t* out, cudaStream_t stream) {
+                     const PagedKvView& kv, uint16_t* out, cudaStream_t stream, int64_t window) {
   if (n == 0) return;
   const float scale_log2 = scale * 1.4426950408889634f;
   const bool fp8 = kv.dtype == KvDtype::kFp8;
   const int kvh = kv.kv_heads;
   if (kv.head_dim == 64) {
     if (fp8)
-      launch_attention<64, true>(q, n, heads, kvh, pos0, scale_log2, kv.pages, out, stream);
+      launch_attention<64, true>(q, n, heads, kvh, pos0, scale_log2, kv.pages, window, out, stream);
     else
-      launch_attention<64, false>(q, n, heads, kvh, pos0, scale_log2, kv.pages, out, stream);
+      launch_attention<64, false>(q, n, heads, kvh, pos0, scale_log2, kv.pages, window, out,
+                                  stream);
   } else {
     if (fp8)
-      launch_attention<128, true>(q, n, heads, kvh, pos0, scale_log2, kv.pages, out, stream);
+      launch_attention<128, true>(q, n, heads, kvh, pos0, scale_log2, kv.pages, window, out,
+                                  stream);
     else
-      launch_attention<128, false>(q, n, heads, kvh, pos0, scale_log2, kv.pages, out, stream);
+      launch_attention<128, false>(q, n, heads, kvh, pos0, scale_log2, kv.pages, window, out,
+                                   stream);
   }
 }
 

@@ -74,10 +74,11 @@ void silu_mul_halves(const uint16_t* gate_up, int64_t n, int64_t inter, uint16_t
                      cudaStream_t stream);
 
 // Causal GQA attention of the chunk's queries q [n][heads][d] (positions pos0..pos0+n-1) over
-// the cache's rows [0, pos0+n), out [n][heads][d]. head_dim 64 or 128. Tensor cores (mma.sync
-// bf16, f32 accumulation), online softmax in f32.
+// the cache's rows [0, pos0+n), or with window > 0 over the rows (p - window, p] of each query p;
+// out [n][heads][d]. head_dim 64 or 128. Tensor cores (mma.sync bf16, f32 accumulation), online
+// softmax in f32.
 void attention_paged(const uint16_t* q, int64_t n, int heads, int64_t pos0, float scale,
-                     const PagedKvView& kv, uint16_t* out, cudaStream_t stream);
+                     const PagedKvView& kv, uint16_t* out, cudaStream_t stream, int64_t window = 0);
 
 // Whether attention_paged supports this head dim.
 bool attention_paged_supports(int head_dim);

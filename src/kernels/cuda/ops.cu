@@ -297,12 +297,13 @@ __global__ void add_kernel(const uint16_t* a, const uint16_t* b, int64_t n, uint
 // Scores for one (query row, q head) per block; keys across threads; each a d-long ordered sum.
 __global__ void attn_scores_kernel(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
                                    int64_t kv_heads, int64_t d, int64_t pos0, float scale_b,
-                                   float* s) {
+                                   int64_t window, float* s) {
   const int64_t i = blockIdx.x, hq = blockIdx.y, total = pos0 + n;
   const int64_t g = hq / (q_heads / kv_heads), visible = pos0 + i + 1;
+  const int64_t first = window > 0 ? max(int64_t(0), visible - window) : 0;
   const uint16_t* qr = q + (i * q_heads + hq) * d;
   float* row = s + (hq * n + i) * total;
-  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) {
+  for (int64_t j = first + threadIdx.x; j < visible; j += blockDim.x) {
     const uint16_t* kr = k + (j * kv_heads + g) * d;
     float acc = 0.0f;
     for (int64_t e = 0; e < d; ++e)
@@ -311,38 +312,43 @@ __global__ void attn_scores_kernel(const uint16_t* q, int64_t n, int64_t q_heads
   }
 }
 
-// Softmax per row: max (order-free), exp, a sequential sum (thread 0), then probabilities.
-__global__ void attn_softmax_kernel(int64_t n, int64_t pos0, float* s) {
+// Softmax per row: max (order-free), exp, a sequential sum (thread 0), then probabilities. With
+// a window, keys before it are the decoder's masked ones: exact zeros in its sums, skipped here.
+__global__ void attn_softmax_kernel(int64_t n, int64_t pos0, int64_t window, float* s) {
   const int64_t i = blockIdx.x, hq = blockIdx.y, total = pos0 + n, visible = pos0 + i + 1;
+  const int64_t first = window > 0 ? max(int64_t(0), visible - window) : 0;
   float* row = s + (hq * n + i) * total;
   __shared__ float mx, inv;
   if (threadIdx.x == 0) {
     float m = -INFINITY;
-    for (int64_t j = 0; j < visible; ++j) m = fmaxf(m, row[j]);
+    for (int64_t j = first; j < visible; ++j) m = fmaxf(m, row[j]);
     mx = m;
   }
   __syncthreads();
-  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x)
+  for (int64_t j = first + threadIdx.x; j < visible; j += blockDim.x)
     row[j] = mlx_exp(__fsub_rn(row[j], mx));
   __syncthreads();
   if (threadIdx.x == 0) {
     float tot = 0.0f;
-    for (int64_t j = 0; j < visible; ++j) tot = __fadd_rn(tot, row[j]);
+    for (int64_t j = first; j < visible; ++j) tot = __fadd_rn(tot, row[j]);
     inv = __fdiv_rn(1.0f, tot);
   }
   __syncthreads();
-  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) row[j] = rb(__fmul_rn(row[j], inv));
+  for (int64_t j = first + threadIdx.x; j < visible; j += blockDim.x)
+    row[j] = rb(__fmul_rn(row[j], inv));
 }
 
 // Output: thread per dim, ordered sum over the visible keys.
 __global__ void attn_pv_kernel(const float* s, int64_t n, int64_t q_heads, const uint16_t* v,
-                               int64_t kv_heads, int64_t d, int64_t pos0, uint16_t* out) {
+                               int64_t kv_heads, int64_t d, int64_t pos0, int64_t window,
+                               uint16_t* out) {
   const int64_t i = blockIdx.x, hq = blockIdx.y, total = pos0 + n, visible = pos0 + i + 1;
+  const int64_t first = window > 0 ? max(int64_t(0), visible - window) : 0;
   const int64_t g = hq / (q_heads / kv_heads);
   const float* row = s + (hq * n + i) * total;
   for (int64_t e = threadIdx.x; e < d; e += blockDim.x) {
     float acc = 0.0f;
-    for (int64_t j = 0; j < visible; ++j)
+    for (int64_t j = first; j < visible; ++j)
       acc = __fadd_rn(acc, __fmul_rn(row[j], b2f(v[(j * kv_heads + g) * d + e])));
     out[(i * q_heads + hq) * d + e] = f2b(acc);
   }
@@ -429,7 +435,7 @@ void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out, cu
 
 void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
                       const uint16_t* v, int64_t kv_heads, int64_t d, int64_t pos0, float scale,
-                      float* scratch, uint16_t* out, cudaStream_t stream) {
+                      float* scratch, uint16_t* out, cudaStream_t stream, int64_t window) {
   if (n <= 0) return;
   // The decoder rounds the scale to bf16 before multiplying (bit pattern as the CPU op).
   uint32_t bits;
@@ -439,10 +445,10 @@ void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint1
   float scale_b;
   std::memcpy(&scale_b, &bits, 4);
   const dim3 grid{unsigned(n), unsigned(q_heads), 1u};
-  attn_scores_kernel<<<grid, 128, 0, stream>>>(q, n, q_heads, k, kv_heads, d, pos0, scale_b,
+  attn_scores_kernel<<<grid, 128, 0, stream>>>(q, n, q_heads, k, kv_heads, d, pos0, scale_b, window,
                                                scratch);
-  attn_softmax_kernel<<<grid, 128, 0, stream>>>(n, pos0, scratch);
-  attn_pv_kernel<<<grid, 64, 0, stream>>>(scratch, n, q_heads, v, kv_heads, d, pos0, out);
+  attn_softmax_kernel<<<grid, 128, 0, stream>>>(n, pos0, window, scratch);
+  attn_pv_kernel<<<grid, 64, 0, stream>>>(scratch, n, q_heads, v, kv_heads, d, pos0, window, out);
 }
 
 }  // namespace hetero::cuda

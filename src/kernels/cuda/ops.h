@@ -60,9 +60,10 @@ void add_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out, cu
 // layout).
 void heads_major(const uint16_t* x, int64_t n, int64_t heads, int64_t d, uint16_t* out,
                  cudaStream_t stream);
-// Causal GQA attention, same layouts as the CPU op. scratch: float [q_heads, n, pos0 + n].
+// Causal GQA attention, same layouts and window as the CPU op. scratch: float
+// [q_heads, n, pos0 + n].
 void attention_causal(const uint16_t* q, int64_t n, int64_t q_heads, const uint16_t* k,
                       const uint16_t* v, int64_t kv_heads, int64_t d, int64_t pos0, float scale,
-                      float* scratch, uint16_t* out, cudaStream_t stream);
+                      float* scratch, uint16_t* out, cudaStream_t stream, int64_t window = 0);
 
 }  // namespace hetero::cuda
