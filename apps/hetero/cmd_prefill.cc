@@ -152,8 +152,16 @@ Options prefill_options() {
       {"ids-file", "", "", "offline: JSON array of token ids to prefill instead of serving"},
       {"fingerprint", "", "", "offline: the decoder fingerprint to require (default: export's)"},
       {"decoder-calls", "", "",
-       "offline, deepseek_v4: the decoder's call lengths a,b,c for the ids (the last repeated; "
-       "required with --weights; without, --chunk's chunks may then span several calls)"},
+       "offline: the decoder's call lengths a,b,c for the ids (deepseek_v4: the last repeated; "
+       "required with --weights; without, --chunk's chunks may then span several calls; llama: "
+       "all of them, for a dynamic rope past max_position_embeddings)"},
+      {"decoder-path",
+       "",
+       "batch",
+       "offline, llama: the decoder's prefill path the calls are on (batch: mlx-lm server's "
+       "batch generator; single: a request with a seed)",
+       false,
+       {"batch", "single"}},
       {"out", "", "",
        "offline: where to write the assembled cache (safetensors); for deepseek_v4 without "
        "--weights a directory for the attention inputs (--chunk may then be a list a,b,c, the "
@@ -218,6 +226,7 @@ int cmd_prefill(int argc, char** argv) {
     if (opts.has("decoder-calls"))
       body["decoder_calls"] =
           nlohmann::json::parse("[" + opts.get("decoder-calls") + "]", nullptr, false);
+    body["decoder_path"] = opts.get("decoder-path");
     auto req =
         parse_prefill_request(body.dump(), stack->engine->vocab(), layout, max_tokens.value());
     if (!req.is_ok())

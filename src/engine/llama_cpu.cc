@@ -61,14 +61,7 @@ void LlamaCpuEngine::reset() {
 Status LlamaCpuEngine::set_decoder_calls(const std::vector<int64_t>& calls, int64_t start,
                                          bool batched) {
   HETERO_ASSIGN_OR_RETURN(
-      RopeByCall r, RopeByCall::make(w_.config.rope_config, w_.config.rope, start, calls, batched));
-  if (r.per_call() && start > 0)
-    return failed_precondition(
-        "a tail from row " + std::to_string(start) + " past the reach of the decoder's rope (" +
-        describe_rope(w_.config.rope_config) +
-        ", recomputed per call): its earlier rows' ropes came from calls this request does not "
-        "name; it is left to the decoder");
-  rope_ = std::move(r);
+      rope_, RopeByCall::for_engine(w_.config.rope_config, w_.config.rope, start, calls, batched));
   return Status::ok();
 }
 

@@ -266,20 +266,24 @@ Result<RopeByCall> RopeByCall::make(const LlamaRopeConfig& c, RopeSpec plain, in
   return r;
 }
 
+Result<RopeByCall> RopeByCall::for_engine(const LlamaRopeConfig& c, RopeSpec plain, int64_t start,
+                                          const std::vector<int64_t>& calls, bool batched) {
+  HETERO_ASSIGN_OR_RETURN(RopeByCall r, make(c, std::move(plain), start, calls, batched));
+  if (r.per_call() && start > 0)
+    return failed_precondition(
+        "a tail from row " + std::to_string(start) + " past the reach of the decoder's rope (" +
+        describe_rope(c) +
+        ", recomputed per call): its earlier rows' ropes came from calls this request does not "
+        "name; it is left to the decoder");
+  return r;
+}
+
 void RopeByCall::apply(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim,
                        int64_t pos0) const {
-  // Rows outside the calls with their own spec take the plain one; the calls are in order.
-  const int64_t row = heads * head_dim, end = pos0 + tokens;
-  int64_t p = pos0;
-  for (const Call& k : calls_) {
-    if (k.end <= p) continue;
-    if (k.begin >= end) break;
-    if (k.begin > p) rope_apply(x + (p - pos0) * row, k.begin - p, heads, head_dim, p, plain_);
-    const int64_t a = std::max(p, k.begin), b = std::min(end, k.end);
-    rope_apply(x + (a - pos0) * row, b - a, heads, head_dim, a, k.spec);
-    p = b;
-  }
-  if (p < end) rope_apply(x + (p - pos0) * row, end - p, heads, head_dim, p, plain_);
+  const int64_t row = heads * head_dim;
+  for_each_span(tokens, pos0, [&](int64_t off, int64_t rows, size_t i) {
+    rope_apply(x + off * row, rows, heads, head_dim, pos0 + off, spec(i));
+  });
 }
 
 }  // namespace hetero

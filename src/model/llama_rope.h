@@ -4,6 +4,7 @@
 // The formulas and their rounding points: docs/findings/rope-variants-in-mlx.md.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -60,10 +61,35 @@ class RopeByCall {
   // The calls' lengths, the first from row `start`, on the batch or the single path.
   static Result<RopeByCall> make(const LlamaRopeConfig& c, RopeSpec plain, int64_t start,
                                  const std::vector<int64_t>& calls, bool batched);
+  // make, for an engine that computes the rows from `start` on top of rows it already holds:
+  // a tail whose calls have their own specs is refused (its earlier rows' ropes came from calls
+  // no request names).
+  static Result<RopeByCall> for_engine(const LlamaRopeConfig& c, RopeSpec plain, int64_t start,
+                                       const std::vector<int64_t>& calls, bool batched);
   // rope_apply over [tokens, heads, head_dim] rows from position pos0, each with its call's spec.
   void apply(uint16_t* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t pos0) const;
   const RopeSpec& plain() const { return plain_; }
   bool per_call() const { return !calls_.empty(); }
+  // The specs rows take: 0 the plain one, i > 0 the i-th call's with its own.
+  size_t specs() const { return calls_.size() + 1; }
+  const RopeSpec& spec(size_t i) const { return i == 0 ? plain_ : calls_[i - 1].spec; }
+  // f(offset, rows, spec index) for each run of the rows [pos0, pos0 + tokens) under one spec,
+  // in order (offset from pos0).
+  template <class F>
+  void for_each_span(int64_t tokens, int64_t pos0, F&& f) const {
+    const int64_t end = pos0 + tokens;
+    int64_t p = pos0;
+    for (size_t i = 0; i < calls_.size(); ++i) {
+      const Call& k = calls_[i];
+      if (k.end <= p) continue;
+      if (k.begin >= end) break;
+      if (k.begin > p) f(p - pos0, k.begin - p, size_t{0});
+      const int64_t a = std::max(p, k.begin), b = std::min(end, k.end);
+      f(a - pos0, b - a, i + 1);
+      p = b;
+    }
+    if (p < end) f(p - pos0, end - p, size_t{0});
+  }
 
  private:
   struct Call {

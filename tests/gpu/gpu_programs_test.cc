@@ -25,14 +25,18 @@ LlamaDecoderWeights export_of(const LlamaWeights& w) { return llama_decoder_weig
 
 class GpuProgramsTest : public CudaDeviceTest {};
 
-// Every layer's K/V rows from the GPU program equal the CPU program's, byte for byte.
-void expect_program_matches_cpu(const LlamaWeights& w, const std::string& label) {
+// Every layer's K/V rows from the GPU program equal the CPU program's, byte for byte (with
+// `calls`: each row roped by its decoder call's own rope on both).
+void expect_program_matches_cpu(const LlamaWeights& w, const std::string& label,
+                                const RopeByCall* calls = nullptr) {
   const LlamaDecoderWeights d = export_of(w);
   auto gw = cuda::upload_llama_weights(d);
   ASSERT_TRUE(gw.is_ok()) << gw.status().to_string();
   auto stream = cuda::Stream::create();
   ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
-  cuda::LlamaGpuCacheProgram gpu(gw->get(), stream->get());
+  cuda::DeviceRopeByCall device_calls;
+  if (calls) ASSERT_TRUE(device_calls.upload(*calls, &(*gw)->rope).is_ok());
+  cuda::LlamaGpuCacheProgram gpu(gw->get(), stream->get(), calls ? &device_calls : nullptr);
   LlamaCacheProgram cpu(&d);
   const int64_t n = 77, pos0 = 1000, H = w.config.hidden;
   const std::vector<uint16_t> x = random_bf16(static_cast<size_t>(n * H), 1.f, 5);
@@ -42,7 +46,7 @@ void expect_program_matches_cpu(const LlamaWeights& w, const std::string& label)
   for (int64_t l = 0; l < w.config.layers; ++l) {
     auto got = gpu.run_device(l, pos0, n, xd.get<uint16_t>());
     ASSERT_TRUE(got.is_ok()) << got.status().to_string();
-    const KvRows want = cpu.run(l, pos0, n, x.data());
+    const KvRows want = cpu.run(l, pos0, n, x.data(), calls);
     ASSERT_EQ(got->keys.shape, want.keys.shape);
     EXPECT_EQ(got->keys.bytes, want.keys.bytes) << label << " layer " << l << " keys";
     EXPECT_EQ(got->values.bytes, want.values.bytes) << label << " layer " << l << " values";
@@ -52,6 +56,27 @@ void expect_program_matches_cpu(const LlamaWeights& w, const std::string& label)
 TEST_F(GpuProgramsTest, LlamaProgramBitIdenticalToCpu) {
   for (const VariantCase& v : variant_cases())
     expect_program_matches_cpu(tiny_llama(v.type, 64, 21, v.scaling, v.traditional), v.type);
+}
+
+// A dynamic rope past max_position_embeddings: the rows of each of the decoder's calls (here one
+// ending inside the program's 77 rows, at 1,030, and one after it) roped with that call's base,
+// on both of mlx-lm's paths; and those bases do change the rows.
+TEST_F(GpuProgramsTest, DynamicRopeByTheDecodersCallsBitIdenticalToCpu) {
+  LlamaWeights w = tiny_llama("llama", 64, 21, {{"type", "dynamic"}, {"factor", 3.0}});
+  w.config.rope_config.max_position_embeddings = 500;
+  w.config.rope = llama_rope(w.config.rope_config).value();
+  for (const bool batched : {true, false}) {
+    auto calls = RopeByCall::make(w.config.rope_config, w.config.rope, 0, {1030, 47}, batched);
+    ASSERT_TRUE(calls.is_ok()) << calls.status().to_string();
+    ASSERT_TRUE(calls->per_call());
+    expect_program_matches_cpu(w, batched ? "dynamic, batch path" : "dynamic, single path",
+                               &calls.value());
+    const LlamaDecoderWeights d = export_of(w);
+    const std::vector<uint16_t> x = random_bf16(static_cast<size_t>(77 * w.config.hidden), 1.f, 5);
+    LlamaCacheProgram cpu(&d);
+    EXPECT_NE(cpu.run(0, 1000, 77, x.data(), &calls.value()).keys.bytes,
+              cpu.run(0, 1000, 77, x.data()).keys.bytes);
+  }
 }
 
 // An mlx-lm-quantized decoder's k/v (affine, 4 and 8 bits; mxfp4 and mxfp8; qwen2's biases added

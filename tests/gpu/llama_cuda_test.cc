@@ -356,6 +356,59 @@ TEST_F(LlamaCudaEngineTest, ExactSlidingWindowIsBitIdenticalToCpu) {
   }
 }
 
+// A dynamic rope past max_position_embeddings (100 here): every decoder call ropes its rows with
+// its own base. With the same calls the exact path is the CPU engine's bit for bit on both of
+// mlx-lm's paths, the fast one within its tolerance; a tail there is refused, as on the CPU.
+TEST_F(LlamaCudaEngineTest, DynamicRopeFollowsTheDecodersCallsAsCpu) {
+  LlamaWeights w = tiny_llama("llama", 64, 13, {{"type", "dynamic"}, {"factor", 3.0}});
+  w.config.rope_config.max_position_embeddings = 100;
+  w.config.rope = llama_rope(w.config.rope_config).value();
+  const LlamaConfig& c = w.config;
+  const std::vector<int32_t> ids = random_ids(260, c.vocab, 17);
+  for (const bool batched : {true, false}) {
+    const std::vector<int64_t> calls =
+        batched ? std::vector<int64_t>{128, 100, 32} : std::vector<int64_t>{128, 100, 31, 1};
+    LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
+    ASSERT_TRUE(cpu.set_decoder_calls(calls, 0, batched).is_ok());
+    Taps want;
+    ASSERT_TRUE(run_schedule(cpu, ids, {100, 160}, c.layers, c.hidden, &want).is_ok());
+    LlamaCpuEngine plain(w, LlamaCpuEngine::Gemm::kOrdered);
+    Taps unroped;
+    ASSERT_TRUE(run_schedule(plain, ids, {260}, c.layers, c.hidden, &unroped).is_ok());
+    EXPECT_FALSE(unroped[1] == want[1]) << "the calls' bases change what layer 1 sees";
+    for (const cuda::LlamaCudaArith arith :
+         {cuda::LlamaCudaArith::kExact, cuda::LlamaCudaArith::kFast}) {
+      cuda::LlamaCudaOptions o;
+      o.host_tap = true;
+      o.kv_dtype = cuda::KvDtype::kBf16;
+      o.arith = arith;
+      for (const std::vector<int64_t>& chunks :
+           {std::vector<int64_t>{100, 160}, std::vector<int64_t>{7, 250, 3}}) {
+        auto gpu = cuda::LlamaCudaEngine::create(w, o);
+        ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+        ASSERT_TRUE((*gpu)->set_decoder_calls(calls, 0, batched).is_ok());
+        EXPECT_TRUE((*gpu)->rows_follow_calls(calls, 0, batched));
+        Taps got;
+        ASSERT_TRUE(run_schedule(**gpu, ids, chunks, c.layers, c.hidden, &got).is_ok());
+        ASSERT_TRUE((*gpu)->synchronize().is_ok());
+        for (int64_t l = 0; l < c.layers; ++l) {
+          if (arith == cuda::LlamaCudaArith::kExact) {
+            EXPECT_TRUE(got[static_cast<size_t>(l)] == want[static_cast<size_t>(l)])
+                << "batched " << batched << " layer " << l << " chunks " << chunks.size();
+          } else {
+            EXPECT_LT(rel_rms(got[static_cast<size_t>(l)], want[static_cast<size_t>(l)]),
+                      kTolBf16Cache)
+                << "batched " << batched << " layer " << l;
+          }
+        }
+        auto tail = (*gpu)->set_decoder_calls({100, 32}, 128, batched);
+        ASSERT_FALSE(tail.is_ok());
+        EXPECT_NE(tail.message().find("a tail from row 128"), std::string::npos) << tail.message();
+      }
+    }
+  }
+}
+
 // The exact path's state, handed out and loaded into a fresh engine (the prefill host's prefix
 // cache), continues the sequence bit for bit; and it is the CPU engine's state, byte for byte.
 TEST_F(LlamaCudaEngineTest, ExactStateSavedAndLoadedContinuesTheSequence) {

@@ -149,8 +149,9 @@ Result<std::unique_ptr<LlamaGpuWeights>> upload_llama_weights(const LlamaDecoder
   return g;
 }
 
-LlamaGpuCacheProgram::LlamaGpuCacheProgram(const LlamaGpuWeights* weights, cudaStream_t stream)
-    : w_(weights), stream_(stream) {}
+LlamaGpuCacheProgram::LlamaGpuCacheProgram(const LlamaGpuWeights* weights, cudaStream_t stream,
+                                           const DeviceRopeByCall* rope)
+    : w_(weights), stream_(stream), rope_(rope) {}
 
 LlamaGpuCacheProgram::~LlamaGpuCacheProgram() { cudaStreamSynchronize(stream_); }
 
@@ -190,7 +191,10 @@ Status LlamaGpuCacheProgram::enqueue(int64_t layer, int64_t pos0, int64_t n, con
   if (L.k_norm.bytes())
     rms_norm(k_.get<uint16_t>(), n * kvh, hd, L.k_norm.get<uint16_t>(), w_->eps, k_.get<uint16_t>(),
              stream_);
-  rope_apply(k_.get<uint16_t>(), n, kvh, hd, pos0, w_->rope.table(), stream_);
+  if (rope_)
+    rope_->apply(k_.get<uint16_t>(), n, kvh, hd, pos0, stream_);
+  else
+    rope_apply(k_.get<uint16_t>(), n, kvh, hd, pos0, w_->rope.table(), stream_);
   // The decoder's layout on the device, then straight into the caller's page-locked memory.
   heads_major(k_.get<uint16_t>(), n, kvh, hd, kt_.get<uint16_t>(), stream_);
   heads_major(v_.get<uint16_t>(), n, kvh, hd, vt_.get<uint16_t>(), stream_);
@@ -269,10 +273,15 @@ size_t PinnedPool::host_bytes() const {
 }
 
 Result<std::unique_ptr<LlamaGpuSegmentProgram>> LlamaGpuSegmentProgram::create(
-    const LlamaGpuWeights* weights, std::shared_ptr<PinnedPool> pool) {
+    const LlamaGpuWeights* weights, std::shared_ptr<PinnedPool> pool, const RopeByCall* rope) {
   HETERO_ASSIGN_OR_RETURN(Stream stream, Stream::create());
+  std::unique_ptr<DeviceRopeByCall> calls;
+  if (rope && rope->per_call()) {
+    calls = std::make_unique<DeviceRopeByCall>();
+    HETERO_RETURN_IF_ERROR(calls->upload(*rope, &weights->rope));
+  }
   return std::unique_ptr<LlamaGpuSegmentProgram>(
-      new LlamaGpuSegmentProgram(weights, std::move(stream), std::move(pool)));
+      new LlamaGpuSegmentProgram(weights, std::move(stream), std::move(pool), std::move(calls)));
 }
 
 Status LlamaGpuSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,

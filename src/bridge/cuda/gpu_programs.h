@@ -19,6 +19,7 @@
 #include "bridge/producer.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_rope.h"
+#include "kernels/cuda/device_rope_by_call.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/resource.h"
 
@@ -84,8 +85,10 @@ Result<std::unique_ptr<LlamaGpuWeights>> upload_llama_weights(const LlamaDecoder
 
 class LlamaGpuCacheProgram {
  public:
-  // weights and stream must outlive the program.
-  LlamaGpuCacheProgram(const LlamaGpuWeights* weights, cudaStream_t stream);
+  // weights and stream (and rope, when given: each of the decoder's calls' own rope, else the
+  // weights' one) must outlive the program.
+  LlamaGpuCacheProgram(const LlamaGpuWeights* weights, cudaStream_t stream,
+                       const DeviceRopeByCall* rope = nullptr);
   ~LlamaGpuCacheProgram();
   LlamaGpuCacheProgram(const LlamaGpuCacheProgram&) = delete;
   LlamaGpuCacheProgram& operator=(const LlamaGpuCacheProgram&) = delete;
@@ -103,6 +106,7 @@ class LlamaGpuCacheProgram {
  private:
   const LlamaGpuWeights* w_;
   cudaStream_t stream_;
+  const DeviceRopeByCall* rope_;
   DeviceBuffer xf_, acc_, k_, v_, kt_, vt_, flags_;
   int64_t rows_ = 0;
   PinnedBuffer pinned_;  // run_device's page-locked staging (k then v)
@@ -146,8 +150,11 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
   // pool: page-locked blocks shared with other requests' programs (null: its own). The program
   // runs on the device current at creation (weights must be there), whichever thread calls it;
   // a pool serves programs of one device (its events are that device's).
+  // rope: the request's rows roped by the decoder's calls (a dynamic rope past its reach; null
+  // or not per_call(): the weights' one rope).
   static Result<std::unique_ptr<LlamaGpuSegmentProgram>> create(
-      const LlamaGpuWeights* weights, std::shared_ptr<PinnedPool> pool = nullptr);
+      const LlamaGpuWeights* weights, std::shared_ptr<PinnedPool> pool = nullptr,
+      const RopeByCall* rope = nullptr);
   const DecoderCacheLayout& layout() const override { return program_.layout(); }
   Status run(int64_t layer, int64_t pos0, int64_t n, const uint16_t* x,
              std::vector<WireArray>* arrays) override;
@@ -163,12 +170,14 @@ class LlamaGpuSegmentProgram : public SegmentProgram {
 
  private:
   LlamaGpuSegmentProgram(const LlamaGpuWeights* weights, Stream stream,
-                         std::shared_ptr<PinnedPool> pool)
+                         std::shared_ptr<PinnedPool> pool, std::unique_ptr<DeviceRopeByCall> rope)
       : stream_(std::move(stream)),
-        program_(weights, stream_.get()),
+        rope_(std::move(rope)),
+        program_(weights, stream_.get(), rope_.get()),
         pool_(pool ? std::move(pool) : make_pinned_pool()) {}
   int device_ = current_device();
   Stream stream_;  // non-blocking: it orders against the engine's only through events
+  std::unique_ptr<DeviceRopeByCall> rope_;  // null: the weights' rope
   LlamaGpuCacheProgram program_;
   std::shared_ptr<PinnedPool> pool_;
   std::shared_ptr<PinnedPool::Block> block_of(int64_t pos0);

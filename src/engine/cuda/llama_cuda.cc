@@ -207,6 +207,7 @@ Status LlamaCudaEngine::upload(const LlamaWeights& w) {
     return failed_precondition("the config's rope was not built (llama_rope) for head_dim " +
                                std::to_string(c.head_dim));
   HETERO_RETURN_IF_ERROR(rope_.upload(c.rope));
+  call_rope_.clear(&rope_);
   // Concatenated row blocks (each a bf16 [rows, cols] tensor) copied into one device array.
   auto put = [&](std::initializer_list<const Tensor*> parts, const uint16_t** out) -> Status {
     size_t bytes = 0;
@@ -351,7 +352,24 @@ Status LlamaCudaEngine::reset() {
   n_cached_ = 0;
   // A failed chunk may have left work queued: it is done before the next sequence starts.
   HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+  call_rope_.clear(&rope_);
   return Status::ok();
+}
+
+Status LlamaCudaEngine::set_decoder_calls(const std::vector<int64_t>& calls, int64_t start,
+                                          bool batched) {
+  HETERO_ASSIGN_OR_RETURN(RopeByCall r, RopeByCall::for_engine(config_.rope_config, config_.rope,
+                                                               start, calls, batched));
+  DeviceGuard on_engine(options_.device);
+  // Chunks still queued read the tables being replaced.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+  return call_rope_.upload(r, &rope_);
+}
+
+bool LlamaCudaEngine::rows_follow_calls(const std::vector<int64_t>& calls, int64_t start,
+                                        bool batched) const {
+  auto r = RopeByCall::make(config_.rope_config, config_.rope, start, calls, batched);
+  return r.is_ok() && r->per_call();
 }
 
 size_t LlamaCudaEngine::cache_bytes() const { return pages_->slab_bytes; }
@@ -612,7 +630,11 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
     PagedKvView kv{pages_->table[static_cast<size_t>(l)].get<KvPageRef>(), options_.kv_dtype,
                    static_cast<int>(c.kv_heads), static_cast<int>(hd), cudnn_ != nullptr};
     HETERO_RETURN_IF_ERROR(linear(xn, n, L.wqkv, qkv));
-    qkv_rope_store(qkv, n, static_cast<int>(c.heads), pos0, rope_.table(), L.extra, q, kv, st);
+    const int64_t qkv_row = (c.heads + 2 * c.kv_heads) * hd;
+    call_rope_.for_each_span(n, pos0, [&](int64_t off, int64_t rows, const RopeTable& rope) {
+      qkv_rope_store(qkv + off * qkv_row, rows, static_cast<int>(c.heads), pos0 + off, rope,
+                     L.extra, q + off * c.heads * hd, kv, st);
+    });
     if (cudnn_) {
       // One slab per layer (grow_pages): its K rows, then its V rows.
       const Pages& P = *pages_;
@@ -750,8 +772,8 @@ Status LlamaCudaEngine::prefill_exact(const std::vector<int32_t>& ids,
       hetero::cuda::rms_norm(q, n * c.heads, hd, L.extra.q_norm, eps, q, st);
       hetero::cuda::rms_norm(k, n * c.kv_heads, hd, L.extra.k_norm, eps, k, st);
     }
-    rope_apply(q, n, c.heads, hd, pos0, rope_.table(), st);
-    rope_apply(k, n, c.kv_heads, hd, pos0, rope_.table(), st);
+    call_rope_.apply(q, n, c.heads, hd, pos0, st);
+    call_rope_.apply(k, n, c.kv_heads, hd, pos0, st);
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
         kc + pos0 * kvd, k, static_cast<size_t>(n * kvd) * 2, cudaMemcpyDeviceToDevice, st));
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(

@@ -35,6 +35,7 @@
 #include "engine/tap.h"
 #include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/device_rope.h"
+#include "kernels/cuda/device_rope_by_call.h"
 #include "kernels/cuda/fast_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/resource.h"
@@ -109,6 +110,10 @@ class LlamaCudaEngine {
   // on the device or in the budget; the engine then holds no more than its weights and serves
   // the next request.
   Status reserve(int64_t tokens, int64_t max_chunk_tokens);
+  // As LlamaCpuEngine's: past a dynamic rope's reach each of the decoder's calls ropes its rows
+  // with its own base (a tail there is refused); reset() goes back to the config's rope.
+  Status set_decoder_calls(const std::vector<int64_t>& calls, int64_t start, bool batched);
+  bool rows_follow_calls(const std::vector<int64_t>& calls, int64_t start, bool batched) const;
   int64_t cached_tokens() const { return n_cached_; }
   // Enqueues the next chunk: ids are positions [cached_tokens(), +ids.size()). Ids outside the
   // vocabulary are refused before anything changes; out of device memory is
@@ -163,6 +168,7 @@ class LlamaCudaEngine {
   DeviceBuffer staging_;  // bf16 projection weights on their way to FP8 (upload only)
   std::vector<DeviceBuffer> weights_;
   DeviceRope rope_;
+  DeviceRopeByCall call_rope_;  // rope_, or the decoder's calls' (set_decoder_calls)
   std::vector<Layer> layers_;
   const uint16_t* embed_ = nullptr;
   const uint16_t* lm_head_ = nullptr;
