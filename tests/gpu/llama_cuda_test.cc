@@ -295,6 +295,25 @@ TEST(LlamaCudaOptionsTest, WeightDtypeNames) {
 }
 
 // The exact path reproduces the CPU engine (and so the decoder) bit for bit, whatever the chunks.
+// The exact path over each chunk schedule gives `want`'s taps (the CPU engine's), bit for bit.
+void expect_exact_taps(const LlamaWeights& w, const std::vector<int32_t>& ids, const Taps& want,
+                       const std::vector<std::vector<int64_t>>& schedules,
+                       const std::string& label) {
+  const LlamaConfig& c = w.config;
+  cuda::LlamaCudaOptions o;
+  o.host_tap = true;
+  o.arith = cuda::LlamaCudaArith::kExact;
+  for (const std::vector<int64_t>& chunks : schedules) {
+    auto gpu = cuda::LlamaCudaEngine::create(w, o);
+    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+    Taps got;
+    ASSERT_TRUE(run_schedule(**gpu, ids, chunks, c.layers, c.hidden, &got).is_ok());
+    for (int64_t l = 0; l < c.layers; ++l)
+      EXPECT_TRUE(got[static_cast<size_t>(l)] == want[static_cast<size_t>(l)])
+          << label << " layer " << l << " chunks " << chunks.size();
+  }
+}
+
 TEST_F(LlamaCudaEngineTest, ExactArithmeticIsBitIdenticalToCpu) {
   for (const VariantCase& v : variant_cases()) {
     const std::string& type = v.type;
@@ -305,20 +324,7 @@ TEST_F(LlamaCudaEngineTest, ExactArithmeticIsBitIdenticalToCpu) {
     LlamaCpuEngine cpu(w, LlamaCpuEngine::Gemm::kOrdered);
     Taps want;
     ASSERT_TRUE(run_schedule(cpu, ids, {100, 160}, c.layers, c.hidden, &want).is_ok());
-    cuda::LlamaCudaOptions o;
-    o.host_tap = true;
-    o.arith = cuda::LlamaCudaArith::kExact;
-    for (const std::vector<int64_t>& chunks :
-         {std::vector<int64_t>{100, 160}, std::vector<int64_t>{260},
-          std::vector<int64_t>{7, 250, 3}}) {
-      auto gpu = cuda::LlamaCudaEngine::create(w, o);
-      ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
-      Taps got;
-      ASSERT_TRUE(run_schedule(**gpu, ids, chunks, c.layers, c.hidden, &got).is_ok());
-      for (int64_t l = 0; l < c.layers; ++l)
-        EXPECT_TRUE(got[static_cast<size_t>(l)] == want[static_cast<size_t>(l)])
-            << type << " " << scaling.dump() << " layer " << l << " chunks " << chunks.size();
-    }
+    expect_exact_taps(w, ids, want, {{100, 160}, {260}, {7, 250, 3}}, type + " " + scaling.dump());
   }
 }
 
@@ -340,20 +346,7 @@ TEST_F(LlamaCudaEngineTest, ExactSlidingWindowIsBitIdenticalToCpu) {
   ASSERT_TRUE(run_schedule(cpu_full, ids, {260}, c.layers, c.hidden, &unwindowed).is_ok());
   EXPECT_TRUE(unwindowed[1] == want[1]);  // layer 1's input: before its attention
   EXPECT_FALSE(unwindowed[2] == want[2]);
-  cuda::LlamaCudaOptions o;
-  o.host_tap = true;
-  o.arith = cuda::LlamaCudaArith::kExact;
-  for (const std::vector<int64_t>& chunks :
-       {std::vector<int64_t>{100, 160}, std::vector<int64_t>{260}, std::vector<int64_t>{7, 250, 3},
-        std::vector<int64_t>{39, 1, 1, 219}}) {
-    auto gpu = cuda::LlamaCudaEngine::create(w, o);
-    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
-    Taps got;
-    ASSERT_TRUE(run_schedule(**gpu, ids, chunks, c.layers, c.hidden, &got).is_ok());
-    for (int64_t l = 0; l < c.layers; ++l)
-      EXPECT_TRUE(got[static_cast<size_t>(l)] == want[static_cast<size_t>(l)])
-          << "layer " << l << " chunks " << chunks.size();
-  }
+  expect_exact_taps(w, ids, want, {{100, 160}, {260}, {7, 250, 3}, {39, 1, 1, 219}}, "window 40");
 }
 
 // A dynamic rope past max_position_embeddings (100 here): every decoder call ropes its rows with

@@ -97,21 +97,29 @@ def test_past_the_sliding_window_a_cold_prompt_is_bridged_and_a_warm_tail_is_not
     assert v["verdict"] == "complete" and v["B"] == T - 1 and v.get("start", 0) < 1500, v
     assert usage.prompt_tokens_details.cached_tokens == T - 1
     # The next turn: the decoder holds the first and its answer, whose rows its one-token calls
-    # made past the window, summing it in its rotating cache's order.
+    # made past the window, summing it in its rotating cache's order. (Its cache past the window
+    # cannot be trimmed, so the decoder's own cold answer comes last, from the same turns.)
+    cold = warm_turn_left_to_decoder(front, decoder, body, got, "slide-warm",
+                                     "past the decoder's sliding window of 1500")
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, cold["usage"]
+    assert got == answer(cold), (got, answer(cold))
+
+
+def warm_turn_left_to_decoder(front, decoder, body: dict, got: str, key: str, why: str) -> dict:
+    """The turn after body (whose bridged answer was got): left to the decoder, the verdict
+    saying `why`, and answered as the decoder's own two turns answer it, the second warm from
+    the first. Returns the decoder's own reply to body (cold)."""
     turn = dict(body, messages=body["messages"] + [
-        {"role": "assistant", "content": got}, {"role": "user", "content": text("slide-warm", 400)}])
+        {"role": "assistant", "content": got}, {"role": "user", "content": text(key, 400)}])
     got2, v2, _ = openai_chat(front, turn, stream=False)
     assert v2["verdict"] != "complete" and not v2.get("B"), v2
-    assert "past the decoder's sliding window of 1500" in json.dumps(v2), v2
-    # The decoder's own two turns, the second warm from the first: the same answers. (Its cache
-    # past the window cannot be trimmed, so these go last, as the requests leave it.)
+    assert why in json.dumps(v2), v2
     decoder.clear()
     cold = decoder.post("/v1/chat/completions", body, timeout=600)
-    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, cold["usage"]
     warm = decoder.post("/v1/chat/completions", turn, timeout=600)
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 1500, warm["usage"]
-    assert got == answer(cold), (got, answer(cold))
     assert got2 == answer(warm), (got2, answer(warm))
+    return cold
 
 
 @pytest.mark.parametrize("served", ["llama-dynamic"], indirect=True)
@@ -128,17 +136,8 @@ def test_past_a_dynamic_ropes_reach_a_cold_prompt_is_bridged_and_a_warm_tail_is_
     assert got == answer(native), (got, answer(native))
     # The next turn: the decoder holds the first; its tail's rows past the reach would need the
     # ropes of calls made before, which no request names.
-    turn = dict(body, messages=body["messages"] + [
-        {"role": "assistant", "content": got}, {"role": "user", "content": text("dyn-warm", 400)}])
-    got2, v2, _ = openai_chat(front, turn, stream=False)
-    assert v2["verdict"] != "complete" and not v2.get("B"), v2
-    assert "past the reach of the decoder's rope" in json.dumps(v2), v2
-    # The decoder's own two turns, the second warm from the first: the same answer.
-    decoder.clear()
-    decoder.post("/v1/chat/completions", body, timeout=600)
-    warm = decoder.post("/v1/chat/completions", turn, timeout=600)
-    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 1500, warm["usage"]
-    assert got2 == answer(warm), (got2, answer(warm))
+    warm_turn_left_to_decoder(front, decoder, body, got, "dyn-warm",
+                              "past the reach of the decoder's rope")
 
 
 def verify_report(model: Path, prompt: Path, work: Path) -> dict:
