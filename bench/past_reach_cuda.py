@@ -87,6 +87,8 @@ def judge(want: dict, got: dict) -> dict:
     equal = total = exact = 0
     num = den = 0.0
     for name, w in want.items():  # a sliding layer: its last rows, as the decoder holds them
+        if got[name].shape[1] < w.shape[1]:
+            raise ValueError(f"{name}: {got[name].shape[1]} rows, the decoder holds {w.shape[1]}")
         g = got[name][:, got[name].shape[1] - w.shape[1] :, :]
         gb, wb = np.array(g.view(mx.uint16)), np.array(w.view(mx.uint16))
         equal, total = equal + int((gb == wb).sum()), total + gb.size

@@ -50,9 +50,12 @@ def main() -> int:
         want = cache_arrays(cache, T)
         (root / "ids.json").write_text(json.dumps(ids))
         got_path = root / "got.safetensors"
+        # The engine's rows, which are the same for any cut into calls of more than one token:
+        # named as one call (the decoder's real ones here include the one-token calls measured).
         subprocess.run(["build/hetero", "prefill", "--model", str(root / "hf"), "--weights",
-                        str(root / "export"), "--ids-file", str(root / "ids.json"), "--out",
-                        str(got_path)], check=True, capture_output=True)
+                        str(root / "export"), "--ids-file", str(root / "ids.json"),
+                        "--decoder-calls", str(T), "--out", str(got_path)],
+                       check=True, capture_output=True)
         got = mx.load(str(got_path))
         for layer in range(shape.layers):
             rows = set()

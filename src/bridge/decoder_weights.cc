@@ -200,9 +200,16 @@ std::string decoder_family(const std::string& dir) {
   return j["family"].get<std::string>();
 }
 
-Status check_sliding_calls(const LlamaDecoderWeights& w, int64_t start,
+Status check_sliding_calls(const LlamaDecoderWeights& w, int64_t start, int64_t end,
                            const std::vector<int64_t>& calls) {
   if (w.sliding_window <= 0) return Status::ok();
+  if (calls.empty() && end > w.sliding_window)
+    return failed_precondition(
+        "rows up to " + std::to_string(end) + " reach past the decoder's sliding window of " +
+        std::to_string(w.sliding_window) +
+        " tokens, where a one-token call of the decoder's would sum the window in its rotating "
+        "cache's order, and the request names no decoder calls ('decoder_calls') to rule that "
+        "out; it is left to the decoder");
   if (start > w.sliding_window)
     return failed_precondition(
         "a warm tail from row " + std::to_string(start) +

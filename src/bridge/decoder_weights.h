@@ -80,11 +80,12 @@ struct LlamaDecoderWeights {
 // while every call that makes them has more than one token: such a call sums its window in
 // temporal order. A one-token call at or past the window (a tail of two, or the single path's
 // remainder) sums it in the rotated order of mlx-lm's RotatingKVCache, newest row first, which
-// no engine reproduces: a request whose decoder calls (lengths from `start`) include one is
-// refused, and the decoder answers it natively. So is a warm tail from past the window: the
+// no engine reproduces: a request for rows [start, end) whose decoder calls (lengths from
+// `start`) include one, or that names none past the window, is refused, and the decoder answers
+// it natively. So is a warm tail from past the window: the
 // decoder's rows before it include its answers', made by such calls, which the engine's own
 // rows there would not equal. Rows before the window are the same however they were made.
-Status check_sliding_calls(const LlamaDecoderWeights& w, int64_t start,
+Status check_sliding_calls(const LlamaDecoderWeights& w, int64_t start, int64_t end,
                            const std::vector<int64_t>& calls);
 
 Result<LlamaDecoderWeights> load_llama_decoder_weights(const std::string& dir);

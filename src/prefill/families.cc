@@ -48,7 +48,8 @@ Result<PrefillStack> load_llama(const std::string& model_dir, const std::string&
   const LlamaDecoderWeights* exported = &owned->weights;
   s.programs = [program,
                 exported](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-    HETERO_RETURN_IF_ERROR(check_sliding_calls(*exported, req.start, req.decoder_calls));
+    HETERO_RETURN_IF_ERROR(
+        check_sliding_calls(*exported, req.start, prompt_tokens(req), req.decoder_calls));
     // Past a dynamic rope's reach every call's rows have their own base: the rows are the
     // decoder's only with its calls, all of them (a cold request: the engine refuses a tail).
     HETERO_ASSIGN_OR_RETURN(RopeByCall rope,

@@ -35,7 +35,9 @@ void expect_program_matches_cpu(const LlamaWeights& w, const std::string& label,
   auto stream = cuda::Stream::create();
   ASSERT_TRUE(stream.is_ok()) << stream.status().to_string();
   cuda::DeviceRopeByCall device_calls;
-  if (calls) ASSERT_TRUE(device_calls.upload(*calls, &(*gw)->rope).is_ok());
+  if (calls) {
+    ASSERT_TRUE(device_calls.upload(*calls, &(*gw)->rope).is_ok());
+  }
   cuda::LlamaGpuCacheProgram gpu(gw->get(), stream->get(), calls ? &device_calls : nullptr);
   LlamaCacheProgram cpu(&d);
   const int64_t n = 77, pos0 = 1000, H = w.config.hidden;

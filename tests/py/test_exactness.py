@@ -470,9 +470,12 @@ def test_program_same_input(lab, hetero_bin, tmp_path, name, T, chunking):
 def test_prefill_end_to_end(lab, hetero_bin, tmp_path, name, T, chunk):
     native = lab.native(name, T)
     out = tmp_path / "prefill.safetensors"
+    # The decoder's calls, as the truth was prefilled (a sliding window past T needs them named).
+    calls = ",".join(str(min(SERVER_PREFILL_STEP, T - s)) for s in range(0, T, SERVER_PREFILL_STEP))
     res = _run(
         hetero_bin, "prefill", "--model", lab.model_dir(name), "--weights", lab.export_dir(name),
-        "--ids-file", native.ids, "--chunk", chunk, "--out", out,
+        "--ids-file", native.ids, "--chunk", chunk, "--decoder-calls", calls,
+        "--decoder-path", "single", "--out", out,
     )  # fmt: skip
     assert res.returncode == 0, f"prefill failed ({res.returncode}): {res.stderr}"
     summary = json.loads(res.stdout.strip().splitlines()[-1])

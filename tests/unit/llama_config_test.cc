@@ -245,19 +245,23 @@ TEST(LlamaConfig, SlidingWindowLayersNeedTheirWindow) {
 // window any call is fine.
 TEST(LlamaConfig, OneTokenCallsPastTheSlidingWindowAreRefused) {
   LlamaDecoderWeights w;
-  EXPECT_TRUE(check_sliding_calls(w, 5000, {1, 1}).is_ok());  // no sliding layers
+  EXPECT_TRUE(check_sliding_calls(w, 5000, 5002, {1, 1}).is_ok());  // no sliding layers
   w.sliding_window = 300;
-  EXPECT_TRUE(check_sliding_calls(w, 0, {2048, 452}).is_ok());
-  EXPECT_FALSE(check_sliding_calls(w, 0, {299, 1, 1}).is_ok());  // row 300 alone
-  EXPECT_TRUE(check_sliding_calls(w, 0, {298, 1, 7}).is_ok());   // row 298: within the window
-  EXPECT_TRUE(check_sliding_calls(w, 0, {}).is_ok());            // calls unknown: any cut
-  auto st = check_sliding_calls(w, 200, {2048, 1, 5});
+  EXPECT_TRUE(check_sliding_calls(w, 0, 2500, {2048, 452}).is_ok());
+  EXPECT_FALSE(check_sliding_calls(w, 0, 301, {299, 1, 1}).is_ok());  // row 300 alone
+  EXPECT_TRUE(check_sliding_calls(w, 0, 306, {298, 1, 7}).is_ok());   // row 298: within it
+  // Calls unknown: fine within the window, refused past it (any cut could hide one).
+  EXPECT_TRUE(check_sliding_calls(w, 0, 300, {}).is_ok());
+  auto st = check_sliding_calls(w, 0, 301, {});
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("names no decoder calls"), std::string::npos) << st.message();
+  st = check_sliding_calls(w, 200, 2254, {2048, 1, 5});
   ASSERT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("row 2248 in a call of its own"), std::string::npos) << st.message();
   // A warm tail: from within the window the rows before it are the same however the decoder
   // made them; from past it they include its answers', made by one-token calls.
-  EXPECT_TRUE(check_sliding_calls(w, 300, {2048}).is_ok());
-  st = check_sliding_calls(w, 301, {2048});
+  EXPECT_TRUE(check_sliding_calls(w, 300, 2348, {2048}).is_ok());
+  st = check_sliding_calls(w, 301, 2349, {2048});
   ASSERT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("a warm tail from row 301 is past"), std::string::npos)
       << st.message();

@@ -15,12 +15,13 @@ class DeviceRopeByCall {
  public:
   // Synchronous copies onto the current device; `plain` is the table already uploaded for every
   // row outside the calls with their own specs (kept by its owner, which must outlive this).
+  // On failure nothing changes.
   Status upload(const RopeByCall& r, const DeviceRope* plain) {
+    std::vector<DeviceRope> tables(r.specs() - 1);
+    for (size_t i = 1; i < r.specs(); ++i) HETERO_RETURN_IF_ERROR(tables[i - 1].upload(r.spec(i)));
     spans_ = r;
     plain_ = plain;
-    tables_.clear();
-    tables_.resize(r.specs() - 1);
-    for (size_t i = 1; i < r.specs(); ++i) HETERO_RETURN_IF_ERROR(tables_[i - 1].upload(r.spec(i)));
+    tables_ = std::move(tables);
     return Status::ok();
   }
   // Back to the plain table for every row.
