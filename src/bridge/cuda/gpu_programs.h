@@ -17,9 +17,9 @@
 #include "bridge/dsv4_stream.h"
 #include "bridge/llama_program.h"
 #include "bridge/producer.h"
+#include "engine/cuda/device_rope_by_call.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_rope.h"
-#include "kernels/cuda/device_rope_by_call.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/resource.h"
 

@@ -32,10 +32,10 @@
 #include <vector>
 
 #include "common/status.h"
+#include "engine/cuda/device_rope_by_call.h"
 #include "engine/tap.h"
 #include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/device_rope.h"
-#include "kernels/cuda/device_rope_by_call.h"
 #include "kernels/cuda/fast_ops.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/resource.h"

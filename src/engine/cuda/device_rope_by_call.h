@@ -1,6 +1,7 @@
 // A request's rope by the decoder's calls (hetero::RopeByCall) on the device: one uploaded table
 // per spec, and the rows of each call roped with its own, as the CPU engine and program do.
-// Header-only: the CUDA kernel library does not link the model library, its users do.
+// Header-only, beside the engine (the CUDA kernel library may not see the model): the llama
+// engine and the GPU cache program use it.
 #pragma once
 
 #include <cstdint>
