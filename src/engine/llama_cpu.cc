@@ -67,8 +67,7 @@ Status LlamaCpuEngine::set_decoder_calls(const std::vector<int64_t>& calls, int6
 
 bool LlamaCpuEngine::rows_follow_calls(const std::vector<int64_t>& calls, int64_t start,
                                        bool batched) const {
-  auto r = RopeByCall::make(w_.config.rope_config, w_.config.rope, start, calls, batched);
-  return r.is_ok() && r->per_call();
+  return RopeByCall::follows_calls(w_.config.rope_config, w_.config.rope, start, calls, batched);
 }
 
 int64_t LlamaCpuEngine::state_row_bytes() const {

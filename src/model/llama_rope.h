@@ -61,6 +61,12 @@ class RopeByCall {
   // The calls' lengths, the first from row `start`, on the batch or the single path.
   static Result<RopeByCall> make(const LlamaRopeConfig& c, RopeSpec plain, int64_t start,
                                  const std::vector<int64_t>& calls, bool batched);
+  // Whether such a request's rows depend on its calls (some call has its own spec).
+  static bool follows_calls(const LlamaRopeConfig& c, const RopeSpec& plain, int64_t start,
+                            const std::vector<int64_t>& calls, bool batched) {
+    auto r = make(c, plain, start, calls, batched);
+    return r.is_ok() && r->per_call();
+  }
   // make, for an engine that computes the rows from `start` on top of rows it already holds:
   // a tail whose calls have their own specs is refused (its earlier rows' ropes came from calls
   // no request names).

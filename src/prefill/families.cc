@@ -48,17 +48,9 @@ Result<PrefillStack> load_llama(const std::string& model_dir, const std::string&
   const LlamaDecoderWeights* exported = &owned->weights;
   s.programs = [program,
                 exported](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-    HETERO_RETURN_IF_ERROR(
-        check_sliding_calls(*exported, req.start, prompt_tokens(req), req.decoder_calls));
-    // Past a dynamic rope's reach every call's rows have their own base: the rows are the
-    // decoder's only with its calls, all of them (a cold request: the engine refuses a tail).
-    HETERO_ASSIGN_OR_RETURN(RopeByCall rope,
-                            RopeByCall::make(exported->rope_config, exported->rope, req.start,
-                                             req.decoder_calls, req.decoder_batched));
-    if (!rope.per_call()) {
-      HETERO_RETURN_IF_ERROR(check_rope_reach(exported->rope_config, prompt_tokens(req)));
+    HETERO_ASSIGN_OR_RETURN(RopeByCall rope, llama_program_rope(*exported, req));
+    if (!rope.per_call())
       return std::unique_ptr<SegmentProgram>(std::make_unique<LlamaSegmentProgram>(program));
-    }
     return std::unique_ptr<SegmentProgram>(
         std::make_unique<LlamaSegmentProgram>(program, std::move(rope)));
   };
@@ -132,6 +124,15 @@ void configure_service(PrefillService* service, const PrefillStack& stack,
 
 int64_t prompt_tokens(const PrefillRequest& req) {
   return static_cast<int64_t>(req.ids.size()) + 1;
+}
+
+Result<RopeByCall> llama_program_rope(const LlamaDecoderWeights& w, const PrefillRequest& req) {
+  HETERO_RETURN_IF_ERROR(check_sliding_calls(w, req.start, prompt_tokens(req), req.decoder_calls));
+  HETERO_ASSIGN_OR_RETURN(
+      RopeByCall rope,
+      RopeByCall::make(w.rope_config, w.rope, req.start, req.decoder_calls, req.decoder_batched));
+  if (!rope.per_call()) HETERO_RETURN_IF_ERROR(check_rope_reach(w.rope_config, prompt_tokens(req)));
+  return rope;
 }
 
 Status require_decoder_calls(const PrefillRequest& req) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "bridge/decoder_weights.h"
 #include "bridge/dsv4_program.h"
 #include "model/dsv4.h"
 #include "prefill/service.h"
@@ -109,6 +110,12 @@ Status require_decoder_calls(const PrefillRequest& req);
 // prompt's last token, which the decoder keeps to process (run_bridge), and its call may take
 // those rows with it.
 int64_t prompt_tokens(const PrefillRequest& req);
+
+// llama, both backends: the rope a request's rows take in the cache program, or why they are
+// not computed (a sliding window's calls, check_sliding_calls; past a rope's reach without the
+// decoder's calls). Past a dynamic rope's reach every call's rows have their own base: the rows
+// are the decoder's only with its calls, all of them (a tail there the engine refuses).
+Result<RopeByCall> llama_program_rope(const LlamaDecoderWeights& w, const PrefillRequest& req);
 
 // deepseek_v4: every parameter the cache program's arithmetic depends on must agree between the
 // prefill host's checkpoint and the decoder's export; the message names both values.

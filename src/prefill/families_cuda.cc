@@ -141,14 +141,7 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   const LlamaDecoderWeights* exported = &owned->weights;
   s.programs = [gw, pool, backend,
                 exported](const PrefillRequest& req) -> Result<std::unique_ptr<SegmentProgram>> {
-    HETERO_RETURN_IF_ERROR(
-        check_sliding_calls(*exported, req.start, prompt_tokens(req), req.decoder_calls));
-    // Past a dynamic rope's reach every call's rows have their own base, as on the CPU.
-    HETERO_ASSIGN_OR_RETURN(RopeByCall rope,
-                            RopeByCall::make(exported->rope_config, exported->rope, req.start,
-                                             req.decoder_calls, req.decoder_batched));
-    if (!rope.per_call())
-      HETERO_RETURN_IF_ERROR(check_rope_reach(exported->rope_config, prompt_tokens(req)));
+    HETERO_ASSIGN_OR_RETURN(RopeByCall rope, llama_program_rope(*exported, req));
     return on_program_device(backend, [&]() -> Result<std::unique_ptr<SegmentProgram>> {
       HETERO_ASSIGN_OR_RETURN(auto program, cuda::LlamaGpuSegmentProgram::create(gw, pool, &rope));
       return std::unique_ptr<SegmentProgram>(std::move(program));

@@ -368,8 +368,7 @@ Status LlamaCudaEngine::set_decoder_calls(const std::vector<int64_t>& calls, int
 
 bool LlamaCudaEngine::rows_follow_calls(const std::vector<int64_t>& calls, int64_t start,
                                         bool batched) const {
-  auto r = RopeByCall::make(config_.rope_config, config_.rope, start, calls, batched);
-  return r.is_ok() && r->per_call();
+  return RopeByCall::follows_calls(config_.rope_config, config_.rope, start, calls, batched);
 }
 
 size_t LlamaCudaEngine::cache_bytes() const { return pages_->slab_bytes; }
