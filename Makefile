@@ -14,7 +14,7 @@ APT_PACKAGES := cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev 
   libopenblas-dev libxxhash-dev libssl-dev zlib1g-dev libbrotli-dev clang-format python3-venv \
   clang libclang-rt-14-dev libomp-dev
 
-.PHONY: up test deps cudnn-frontend venv model tiny tiny-dsv4 prompts build unit pytest fuzz demo format format-check clean
+.PHONY: up test deps cudnn-frontend cutlass venv model tiny tiny-dsv4 prompts build unit pytest fuzz demo format format-check clean
 
 # The whole served stack on the default model: prefill host, decoder with seam, front door on
 # :8012 (Ctrl-C stops all three). Check it from another shell with ./build/hetero doctor.
@@ -83,7 +83,21 @@ $(STAMPS)/cudnn-frontend-$(CUDNN_FE_VERSION): $(STAMPS)/venv
 	  && rm -rf .deps/dl && touch $@; \
 	else echo "cuDNN frontend $(CUDNN_FE_VERSION) not fetched: the GPU engine keeps its own attention"; fi
 
-build: $(STAMPS)/deps $(STAMPS)/cudnn-frontend-$(CUDNN_FE_VERSION)
+# CUTLASS's headers (BSD-3-Clause) from its PyPI wheel, for the routed experts' grouped FP8 GEMM
+# on Hopper (src/kernels/cuda/fp8_grouped_gemm.h). Optional as above: without them the engines
+# keep one cuBLASLt GEMM per expert, and CMake says so.
+CUTLASS_VERSION := 4.2.0
+cutlass: $(STAMPS)/cutlass-$(CUTLASS_VERSION)
+$(STAMPS)/cutlass-$(CUTLASS_VERSION): $(STAMPS)/venv
+	@mkdir -p $(STAMPS) .deps
+	@rm -rf .deps/cutlass .deps/dl-cutlass
+	@if $(VPY) -m pip download -q --disable-pip-version-check --no-deps -d .deps/dl-cutlass \
+	    nvidia-cutlass==$(CUTLASS_VERSION); then \
+	  $(PY) scripts/extract_cutlass.py .deps/dl-cutlass .deps/cutlass \
+	  && rm -rf .deps/dl-cutlass && touch $@; \
+	else echo "CUTLASS $(CUTLASS_VERSION) not fetched: the GPU engine keeps per-expert GEMMs"; fi
+
+build: $(STAMPS)/deps $(STAMPS)/cudnn-frontend-$(CUDNN_FE_VERSION) $(STAMPS)/cutlass-$(CUTLASS_VERSION)
 	cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 	cmake --build build -j$(JOBS)
 

@@ -252,6 +252,13 @@ int main(int argc, char** argv) {
       auto w = cuda::parse_weight_dtype(next());
       if (!w.is_ok()) return std::fprintf(stderr, "%s\n", w.status().to_string().c_str()), 2;
       opts.weight_dtype = w.value();
+    } else if (a == "--expert-gemm") {
+      const std::string g = next();
+      if (g != "auto" && g != "grouped" && g != "per-expert")
+        return std::fprintf(stderr, "--expert-gemm takes auto, grouped or per-expert\n"), 2;
+      opts.expert_gemm = g == "grouped"      ? Dsv4CudaOptions::ExpertGemm::kGrouped
+                         : g == "per-expert" ? Dsv4CudaOptions::ExpertGemm::kPerExpert
+                                             : Dsv4CudaOptions::ExpertGemm::kAuto;
     } else if (a == "--widen-experts") {
       const std::string w = next();
       if (w != "at-load" && w != "per-chunk")
@@ -271,7 +278,8 @@ int main(int argc, char** argv) {
           stderr,
           "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
           "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8|checkpoint] "
-          "[--widen-experts per-chunk|at-load] [--bridge off,on] [--program-device N] [--phases] "
+          "[--widen-experts per-chunk|at-load] [--expert-gemm auto|grouped|per-expert] "
+          "[--bridge off,on] [--program-device N] [--phases] "
           "[--refcheck] [--checkpoint] "
           "[--rev GIT_REV]\n",
           argv[0]);
@@ -430,7 +438,8 @@ int main(int argc, char** argv) {
       const double overhead = on && off_wall > 0 ? wall.median / off_wall - 1.0 : 0.0;
       std::printf(
           "{\"bench\":\"gpu_dsv4_layer\",\"gpu\":\"%s\",\"rev\":\"%s\",\"config\":\"flash-shape "
-          "random\",\"weights\":\"%s\",\"expert_streams\":%d,\"program_device\":%d,\"weight_gb\":%."
+          "random\",\"weights\":\"%s\",\"expert_gemm\":\"%s\",\"expert_streams\":%d,\"program_"
+          "device\":%d,\"weight_gb\":%."
           "2f,\"T\":%lld,"
           "\"chunk\":%lld,\"layers\":%"
           "lld,\"moe\":\"%s\",\"warmup\":%d,"
@@ -449,10 +458,11 @@ int main(int argc, char** argv) {
                      ? "checkpoint: fp8 projections, fp4 experts widened to fp8 at load"
                      : "checkpoint: fp8 projections, fp4 experts")
               : "bf16",
-          opts.expert_streams, program_device, engine->weight_bytes() / 1e9,
-          static_cast<long long>(T), static_cast<long long>(chunk), static_cast<long long>(layers),
-          opts.grouped_experts ? "grouped" : "loop", warmup, repeats, bridge.c_str(), wall.median,
-          wall.min, wall.max, on ? std::to_string(overhead).c_str() : "null",
+          engine->expert_gemm_name().c_str(), opts.expert_streams, program_device,
+          engine->weight_bytes() / 1e9, static_cast<long long>(T), static_cast<long long>(chunk),
+          static_cast<long long>(layers), opts.grouped_experts ? "grouped" : "loop", warmup,
+          repeats, bridge.c_str(), wall.median, wall.min, wall.max,
+          on ? std::to_string(overhead).c_str() : "null",
           on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null", capture_bytes,
           on ? (manifest_complete ? "true" : "false") : "null", per_layer.c_str(), by_ratio[0],
           by_ratio[1], by_ratio[2], tot.median, tot.min, tot.max, model_ms * 1e-3, tok_s, tflops,

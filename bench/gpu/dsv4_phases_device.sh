@@ -9,7 +9,8 @@
 #
 # Carry: .devkit/lib, build/hetero_gpu_tests, build/hetero_gpu_dsv4_layer_bench[, the base's].
 # Env: REV (names the output), BASE (a directory holding the base binary), T (8192,32768,131072),
-# LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0), BRIDGE (off; "off,on" also runs each T with
+# LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0), GEMMS (empty: the default routed-expert
+# kernel; "per-expert,grouped": each, named $REV-<kernel>), BRIDGE (off; "off,on" also runs each T with
 # the bridge behind the forward: its cost and wire bytes), PHASES (1: --phases). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,
 # ncu.txt}.
 set -uo pipefail
@@ -36,8 +37,15 @@ run_bench() {  # name binary_dir [more flags]
   grep -E "phase|^ +[0-9]+ " "$OUT_DIR/layer-$1.txt"
 }
 [[ -n ${BASE:-} ]] && run_bench base "$BASE"
-run_bench "$REV" build
-[[ ${WIDEN:-0} == 1 ]] && run_bench "$REV-at-load" build --widen-experts at-load
+if [[ -n ${GEMMS:-} ]]; then  # each routed-expert kernel in turn, in this run: $REV-<kernel>
+  for g in ${GEMMS//,/ }; do
+    run_bench "$REV-$g" build --expert-gemm "$g"
+    [[ ${WIDEN:-0} == 1 ]] && run_bench "$REV-$g-at-load" build --expert-gemm "$g" --widen-experts at-load
+  done
+else
+  run_bench "$REV" build
+  [[ ${WIDEN:-0} == 1 ]] && run_bench "$REV-at-load" build --widen-experts at-load
+fi
 if [[ ${NCU:-0} == 1 ]]; then
   timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
     build/hetero_gpu_dsv4_layer_bench --weights checkpoint --layers 3 --t 8192 --chunk 8192 \

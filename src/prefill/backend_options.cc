@@ -56,6 +56,15 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "any chunk; the same codes and scales, so the same results, either way)",
        false,
        {"per-chunk", "at-load"}},
+      {"expert-gemm",
+       "HETERO_PREFILL_EXPERT_GEMM",
+       "auto",
+       "cuda, deepseek_v4, --weight-dtype fp8 or checkpoint: the routed experts' GEMMs "
+       "(grouped: every active expert in one launch, CUTLASS's Hopper kernel, refused where the "
+       "build has none; per-expert: one cuBLASLt GEMM per expert over 8 streams; auto: grouped "
+       "where built, named in the log; the two agree to float32 rounding, not bit for bit)",
+       false,
+       {"auto", "grouped", "per-expert"}},
       {"gemm",
        "HETERO_PREFILL_GEMM",
        "ordered",
@@ -122,6 +131,7 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
   b.weights = opts.get("weight-dtype");
   b.gemm = opts.get("gemm");
   b.expert_widening = opts.get("expert-widening");
+  b.expert_gemm = opts.get("expert-gemm");
   HETERO_ASSIGN_OR_RETURN(int64_t device, opts.get_int("device"));
   HETERO_ASSIGN_OR_RETURN(int64_t program_device, opts.get_int("program-device"));
   HETERO_ASSIGN_OR_RETURN(o.chunk_tokens, opts.get_int("chunk"));
@@ -168,6 +178,10 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
     return invalid_argument(
         "--expert-widening at-load widens deepseek_v4's FP4 experts: it needs --backend cuda and "
         "--weight-dtype checkpoint");
+  if (b.expert_gemm != "auto" && (b.name != "cuda" || b.weights == "bf16"))
+    return invalid_argument(
+        "--expert-gemm chooses deepseek_v4's FP8 expert kernel: it needs --backend cuda and "
+        "--weight-dtype fp8 or checkpoint");
   if (!b.gpus.empty() && device != 0) return invalid_argument("pass --gpus or --device, not both");
   return o;
 }

@@ -51,6 +51,9 @@ struct PrefillBackend {
   // layer's GEMMs) or "at-load" (widened once and kept as FP8; Dsv4CudaOptions::
   // widen_experts_at_load).
   std::string expert_widening = "per-chunk";
+  // deepseek_v4 on cuda with FP8 experts: auto, grouped or per-expert (Dsv4CudaOptions::
+  // expert_gemm).
+  std::string expert_gemm = "auto";
   // cuda: the GPU the cache program runs on (-1: the engine's). Another GPU than the engine's
   // keeps the program's work off the engine's SMs; the tap's rows cross peer to peer.
   int program_device = -1;

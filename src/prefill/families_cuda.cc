@@ -179,12 +179,19 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
   po.devices = gpus;
   HETERO_ASSIGN_OR_RETURN(po.engine.weight_dtype, cuda::parse_weight_dtype(backend.weights));
   po.engine.widen_experts_at_load = backend.expert_widening == "at-load";
+  po.engine.expert_gemm = backend.expert_gemm == "grouped" ? Dsv4CudaOptions::ExpertGemm::kGrouped
+                          : backend.expert_gemm == "per-expert"
+                              ? Dsv4CudaOptions::ExpertGemm::kPerExpert
+                              : Dsv4CudaOptions::ExpertGemm::kAuto;
   po.engine.device_memory_budget_bytes = backend.device_memory_budget_bytes;
   auto owned = std::make_shared<Dsv4Owned>();
   HETERO_ASSIGN_OR_RETURN(owned->weights, load_dsv4_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(owned->pipeline, Dsv4Pipeline::load(model_dir, po));
   const Dsv4Pipeline& p = *owned->pipeline;
   HETERO_RETURN_IF_ERROR(check_dsv4_export_matches_model(p.config(), owned->weights));
+  std::fprintf(stderr, "prefill: cuda deepseek_v4 engine, %lld stage(s), routed experts: %s\n",
+               static_cast<long long>(p.stages()),
+               owned->pipeline->stage(0).expert_gemm_name().c_str());
   std::vector<cuda::BridgeStage> stages;
   for (int64_t st = 0; st < p.stages(); ++st)
     stages.push_back({p.device(st),

@@ -25,6 +25,7 @@
 #include "engine/cuda/dsv4_cuda.h"
 #include "engine/dsv4_cpu.h"
 #include "kernels/cuda/checkpoint_formats.h"
+#include "kernels/cuda/fp8_grouped_gemm.h"
 #include "model/dsv4_checkpoint_writer.h"
 
 namespace hetero {
@@ -453,14 +454,20 @@ TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
                                                      cuda::Fp4GroupWeight::scale_bytes(2 * I, H) +
                                                      cuda::Fp4GroupWeight::code_bytes(H, I) +
                                                      cuda::Fp4GroupWeight::scale_bytes(H, I));
-  for (bool streamed : {false, true}) {
-    auto make = [&](const Dsv4CudaOptions& so) {
+  using ExpertGemm = Dsv4CudaOptions::ExpertGemm;
+  for (auto [streamed, kernel] :
+       {std::pair{false, ExpertGemm::kPerExpert}, std::pair{true, ExpertGemm::kPerExpert},
+        std::pair{false, ExpertGemm::kAuto}, std::pair{true, ExpertGemm::kAuto}}) {
+    auto make = [&, streamed = streamed, kernel = kernel](Dsv4CudaOptions so) {
+      so.expert_gemm = kernel;
       return streamed ? Dsv4CudaEngine::load(dir.path, so) : Dsv4CudaEngine::random(c, 9, so);
     };
     auto per_chunk = make(o);
     auto at_load = make(wide);
     ASSERT_TRUE(per_chunk.is_ok()) << per_chunk.status().to_string();
     ASSERT_TRUE(at_load.is_ok()) << at_load.status().to_string();
+    std::printf("[ widened at load ] %s\n", (*per_chunk)->expert_gemm_name().c_str());
+    const bool grouped_built = cuda::fp8_grouped_gemm_available().is_ok();
     EXPECT_EQ((*at_load)->weight_bytes() - (*per_chunk)->weight_bytes(),
               c.layers * (fp8_bytes - fp4_bytes));
     for (const std::vector<int64_t>& schedule :
@@ -475,6 +482,10 @@ TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
         EXPECT_EQ(got[l], want[l]) << (streamed ? "streamed" : "random") << ", " << schedule.size()
                                    << " chunks, layer " << l;
     }
+    // kAuto's chunks here (a few dozen rows an expert) run on the grouped kernel where built.
+    const bool want_grouped = kernel == ExpertGemm::kAuto && grouped_built;
+    EXPECT_EQ((*per_chunk)->grouped_expert_launches() > 0, want_grouped);
+    EXPECT_EQ((*at_load)->grouped_expert_launches() > 0, want_grouped);
   }
   Dsv4CudaOptions bad;
   bad.widen_experts_at_load = true;  // bf16 and fp8 weights have no FP4 experts

@@ -18,6 +18,7 @@
 #include "../common/dsv4_model_weights.h"
 #include "cuda_test_base.h"
 #include "engine/dsv4_cpu.h"
+#include "kernels/cuda/fp8_grouped_gemm.h"
 
 namespace hetero {
 namespace {
@@ -135,7 +136,15 @@ TEST_F(Dsv4CudaEngineTest, ScoreRoutedAttentionInputsStayCloseToCpuDequant) {
 // scale layout's byte.
 constexpr double kTolFp8Experts = 6e-2;
 
-TEST_F(Dsv4CudaEngineTest, Fp8ExpertsStayCloseToCpuDequant) {
+// Both FP8 expert kernels: per expert through cuBLASLt, grouped through CUTLASS (where the build
+// has it).
+class Fp8ExpertKernels : public Dsv4CudaEngineTest,
+                         public ::testing::WithParamInterface<Dsv4CudaOptions::ExpertGemm> {};
+
+TEST_P(Fp8ExpertKernels, Fp8ExpertsStayCloseToCpuDequant) {
+  if (GetParam() == Dsv4CudaOptions::ExpertGemm::kGrouped &&
+      !cuda::fp8_grouped_gemm_available().is_ok())
+    GTEST_SKIP() << cuda::fp8_grouped_gemm_available().message();
   const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/true);
   const Dsv4Weights w = random_dsv4_model(c, 11);
   Dsv4EngineOptions cpu_opts;
@@ -147,10 +156,12 @@ TEST_F(Dsv4CudaEngineTest, Fp8ExpertsStayCloseToCpuDequant) {
   ASSERT_TRUE(bf16_made.is_ok()) << bf16_made.status().to_string();
   Dsv4CudaEngine& bf16 = **bf16_made;
   o.weight_dtype = cuda::WeightDtype::kFp8;
+  o.expert_gemm = GetParam();
   ASSERT_TRUE(Dsv4CudaEngine::check_options(c, o).is_ok());
   auto fp8_made = Dsv4CudaEngine::create(w, o);
   ASSERT_TRUE(fp8_made.is_ok()) << fp8_made.status().to_string();
   Dsv4CudaEngine& fp8 = **fp8_made;
+  std::printf("[ dsv4 fp8 experts ] %s\n", fp8.expert_gemm_name().c_str());
 
   const int64_t E = c.n_routed_experts, I = c.moe_inter, H = c.hidden;
   const int64_t S = c.moe_inter * c.n_shared_experts;
@@ -188,7 +199,21 @@ TEST_F(Dsv4CudaEngineTest, Fp8ExpertsStayCloseToCpuDequant) {
     }
     EXPECT_EQ(got[0], base[0]) << name;
   }
+  // Every chunk's two projections on the kernel asked for (and none on the other).
+  if (GetParam() == Dsv4CudaOptions::ExpertGemm::kGrouped)
+    EXPECT_GT(fp8.grouped_expert_launches(), 0);
+  else
+    EXPECT_EQ(fp8.grouped_expert_launches(), 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Dsv4CudaEngineTest, Fp8ExpertKernels,
+                         ::testing::Values(Dsv4CudaOptions::ExpertGemm::kPerExpert,
+                                           Dsv4CudaOptions::ExpertGemm::kGrouped),
+                         [](const auto& info) {
+                           return info.param == Dsv4CudaOptions::ExpertGemm::kGrouped
+                                      ? std::string("Grouped")
+                                      : std::string("PerExpert");
+                         });
 
 // Experts over side streams run the same GEMMs on other streams: every layer's input is the same
 // bits as on the compute stream alone, bf16 and FP8 (where a lane's last expert writes its
@@ -203,6 +228,7 @@ TEST_F(Dsv4CudaEngineTest, ExpertStreamsGiveTheSameBits) {
     Dsv4CudaOptions o;
     o.host_tap = true;
     o.weight_dtype = dtype;
+    if (dtype != cuda::WeightDtype::kBf16) o.expert_gemm = Dsv4CudaOptions::ExpertGemm::kPerExpert;
     o.expert_streams = 1;
     auto one_made = Dsv4CudaEngine::create(w, o);
     ASSERT_TRUE(one_made.is_ok()) << one_made.status().to_string();
@@ -231,6 +257,34 @@ TEST_F(Dsv4CudaEngineTest, ExpertStreamsGiveTheSameBits) {
   EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
 }
 
+// kAuto takes the grouped kernel for chunks whose active experts average few rows and cuBLASLt per
+// expert past Dsv4CudaOptions::kGroupedMaxMeanRows (8 experts, 2 a token: a chunk of T tokens
+// averages T / 4 rows an expert when all are active).
+TEST_F(Dsv4CudaEngineTest, AutoPicksTheExpertKernelByRowsPerExpert) {
+  if (!cuda::fp8_grouped_gemm_available().is_ok())
+    GTEST_SKIP() << cuda::fp8_grouped_gemm_available().message();
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
+  const Dsv4Weights w = random_dsv4_model(c, 17);
+  Dsv4CudaOptions o;
+  o.host_tap = true;
+  o.weight_dtype = cuda::WeightDtype::kFp8;
+  auto made = Dsv4CudaEngine::create(w, o);
+  ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+  Dsv4CudaEngine& e = **made;
+  std::printf("[ auto ] %s\n", e.expert_gemm_name().c_str());
+  Status st;
+  dsv4_taps(e, random_ids(300, c.vocab, 5), {300}, &st);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  // ~75 rows an expert: grouped, two projections a layer (the last layer's MoE is not run: no
+  // later attention input needs it).
+  const int64_t small = e.grouped_expert_launches();
+  EXPECT_EQ(small, 2 * (c.layers - 1));
+  const int64_t T = 8 * Dsv4CudaOptions::kGroupedMaxMeanRows;
+  dsv4_taps(e, random_ids(T, c.vocab, 6), {T}, &st);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(e.grouped_expert_launches(), small);  // >= 2x the limit: per expert
+}
+
 // Options FP8 experts cannot run with are refused before any weight is touched.
 TEST_F(Dsv4CudaEngineTest, Fp8ExpertsRefuseWhatTheyCannotRun) {
   Dsv4Config c = tiny_dsv4_config();
@@ -245,6 +299,13 @@ TEST_F(Dsv4CudaEngineTest, Fp8ExpertsRefuseWhatTheyCannotRun) {
   const Status narrow = Dsv4CudaEngine::check_options(c, o);
   EXPECT_EQ(narrow.code(), Code::kInvalidArgument) << narrow.to_string();
   EXPECT_NE(narrow.message().find("multiples of 16"), std::string::npos) << narrow.to_string();
+  c = tiny_dsv4_config();
+  o.weight_dtype = cuda::WeightDtype::kBf16;  // the expert kernel is a choice among FP8 ones
+  o.expert_gemm = Dsv4CudaOptions::ExpertGemm::kGrouped;
+  EXPECT_EQ(Dsv4CudaEngine::check_options(c, o).code(), Code::kInvalidArgument);
+  o.weight_dtype = cuda::WeightDtype::kFp8;
+  EXPECT_EQ(Dsv4CudaEngine::check_options(c, o).is_ok(),
+            cuda::fp8_grouped_gemm_available().is_ok());
 }
 
 // The device tap: x_device on the engine's stream holds what the host tap got.

@@ -127,6 +127,29 @@ TEST(PrefillBackend, ExpertWideningAtLoadNeedsCheckpointWeightsOnCuda) {
   EXPECT_FALSE(parse_backend({"--expert-widening", "never"}).is_ok());
 }
 
+// --expert-gemm: auto by default; a choice only where FP8 experts run on cuda.
+TEST(PrefillBackend, ExpertGemmNeedsFp8ExpertsOnCuda) {
+  auto d = parse_backend({"--backend", "cuda", "--weight-dtype", "checkpoint"});
+  ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+  EXPECT_EQ(d->backend.expert_gemm, "auto");
+  for (const char* kind : {"grouped", "per-expert"}) {
+    auto r = parse_backend({"--backend", "cuda", "--weight-dtype", "fp8", "--expert-gemm", kind});
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    EXPECT_EQ(r->backend.expert_gemm, kind);
+  }
+  for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
+           {"--expert-gemm", "grouped"},
+           {"--backend", "cuda", "--expert-gemm", "per-expert"},
+           {"--backend", "cpu", "--weight-dtype", "checkpoint", "--expert-gemm", "grouped"}}) {
+    auto r = parse_backend(bad);
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("--expert-gemm"), std::string::npos)
+        << r.status().message();
+  }
+  EXPECT_FALSE(parse_backend({"--expert-gemm", "fastest"}).is_ok());
+}
+
 // Every flag a child prefill host gets carries --gpus as parsed, so `hetero up` passes it on.
 TEST(PrefillBackend, GpusPassToTheChildHost) {
   Options opts("prefill", "test", prefill_backend_specs());

@@ -111,7 +111,23 @@ Status Dsv4CudaEngine::init() {
   m.online_only = options_.online_softmax_attention;
   m.fp8 = options_.weight_dtype != cuda::WeightDtype::kBf16;
   m.ckpt = options_.weight_dtype == cuda::WeightDtype::kCheckpoint;
-  if (options_.expert_streams > 1) {
+  using ExpertGemm = Dsv4CudaOptions::ExpertGemm;
+  if (m.fp8 && options_.expert_gemm != ExpertGemm::kPerExpert &&
+      (options_.expert_gemm == ExpertGemm::kGrouped ||
+       cuda::fp8_grouped_gemm_available().is_ok())) {
+    HETERO_ASSIGN_OR_RETURN(m.grouped_fp8,
+                            cuda::Fp8GroupedGemm::create(c.n_routed_experts, &m.budget));
+    m.grouped_max_rows = options_.expert_gemm == ExpertGemm::kGrouped
+                             ? INT64_MAX
+                             : Dsv4CudaOptions::kGroupedMaxMeanRows;
+    const int64_t I = c.moe_inter, H = c.hidden;
+    const int64_t per = std::max(cuda::fp8_blocks(2 * I) * cuda::fp8_blocks(H),
+                                 cuda::fp8_blocks(H) * cuda::fp8_blocks(I));
+    HETERO_RETURN_IF_ERROR(
+        m.alloc(m.scale_t, static_cast<size_t>(c.n_routed_experts * per) * 4, "expert scales"));
+  }
+  // The lanes serve the per-expert GEMMs only.
+  if (options_.expert_streams > 1 && options_.expert_gemm != ExpertGemm::kGrouped) {
     HETERO_ASSIGN_OR_RETURN(m.fork, cuda::Event::create());
     m.lanes.resize(static_cast<size_t>(options_.expert_streams));
     for (Impl::Lane& lane : m.lanes) {
@@ -277,11 +293,18 @@ Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions&
     return invalid_argument(
         "widen_experts_at_load widens the checkpoint's FP4 experts: it needs weight dtype "
         "checkpoint");
-  if (options.weight_dtype == cuda::WeightDtype::kBf16) return Status::ok();
+  if (options.weight_dtype == cuda::WeightDtype::kBf16) {
+    if (options.expert_gemm != Dsv4CudaOptions::ExpertGemm::kAuto)
+      return invalid_argument(
+          "expert_gemm chooses between FP8 expert kernels: it needs fp8 or checkpoint weights");
+    return Status::ok();
+  }
+  if (options.expert_gemm == Dsv4CudaOptions::ExpertGemm::kGrouped)
+    HETERO_RETURN_IF_ERROR(cuda::fp8_grouped_gemm_available());
   if (options.grouped_experts)
     return invalid_argument(
-        "fp8 and checkpoint-precision experts run one cuBLASLt GEMM per expert; grouped_experts "
-        "is for bf16 weights");
+        "fp8 and checkpoint-precision experts run FP8 GEMMs (expert_gemm); grouped_experts is "
+        "cuBLAS's grouped GEMM for bf16 weights");
   if (options.weight_dtype == cuda::WeightDtype::kCheckpoint) {
     // FP4 experts are widened 128x128 block by block; the shared expert's w1|w3 share one FP8
     // matrix, so each must be whole blocks; the FP8 projections need K % 16.
@@ -312,6 +335,23 @@ Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions&
 void* Dsv4CudaEngine::stream() const { return impl_->stream.get(); }
 
 int64_t Dsv4CudaEngine::device_bytes() const { return impl_->budget.used_bytes(); }
+
+int64_t Dsv4CudaEngine::grouped_expert_launches() const { return impl_->grouped_launches; }
+
+std::string Dsv4CudaEngine::expert_gemm_name() const {
+  const Impl& m = *impl_;
+  if (m.grouped_fp8 && m.grouped_max_rows == INT64_MAX)
+    return "grouped FP8 (CUTLASS, one launch per projection)";
+  const std::string per = "per-expert FP8 (cuBLASLt, " +
+                          std::to_string(std::max<size_t>(m.lanes.size(), 1)) + " stream(s))";
+  if (m.grouped_fp8)
+    return "grouped FP8 (CUTLASS) where a chunk's active experts average <= " +
+           std::to_string(m.grouped_max_rows) + " rows, else " + per;
+  if (m.fp8)
+    return "per-expert FP8 (cuBLASLt, " + std::to_string(std::max<size_t>(m.lanes.size(), 1)) +
+           " stream(s))";
+  return m.grouped ? "bf16 (cuBLAS grouped)" : "bf16 (cuBLAS, one per expert)";
+}
 
 std::vector<std::pair<std::string, double>> Dsv4CudaEngine::phase_ms() const {
   std::vector<std::pair<std::string, double>> out;

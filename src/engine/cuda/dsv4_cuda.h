@@ -84,6 +84,19 @@ struct Dsv4CudaOptions {
   // of a chunk's rows at the widest expert projection (256 MiB at Flash shapes and a
   // 32,768-token chunk) and its own cuBLAS handles.
   int expert_streams = 8;
+  // How FP8 and checkpoint-precision routed experts run their GEMMs. kGrouped: every active
+  // expert's GEMM in one launch per projection (CUTLASS's grouped Hopper kernel with FP8
+  // blockwise scaling, kernels/cuda/fp8_grouped_gemm.h; no lane is made for the routed experts);
+  // refused where the build has no CUTLASS. kPerExpert: one cuBLASLt GEMM per active expert over
+  // expert_streams. kAuto: per chunk, the grouped kernel where the chunk's active experts average
+  // at most kGroupedMaxMeanRows rows, else per expert (at Flash's shapes the grouped kernel was
+  // 1.1-1.8x faster at 8,192 tokens, ~192 rows an expert, and cuBLASLt over 8 streams 1.03-1.14x
+  // at 32,768 tokens, ~768 rows; RESULTS §39); without CUTLASS, per expert. expert_gemm_name()
+  // says which. The two kernels gave equal bits in every test so far, but nothing promises it.
+  // Not for bf16 weights.
+  enum class ExpertGemm { kAuto, kGrouped, kPerExpert };
+  ExpertGemm expert_gemm = ExpertGemm::kAuto;
+  static constexpr int64_t kGroupedMaxMeanRows = 384;
   // The layers this engine holds and runs, [first_layer, end_layer) (end_layer -1: through the
   // last): a stage of a layer pipeline. Only the stage holding layer 0 holds the embedding and
   // takes prefill_chunk; a later stage runs prefill_stage from the previous stage's residual.
@@ -156,6 +169,11 @@ class Dsv4CudaEngine {
   // Waits for everything enqueued on the compute stream.
   Status synchronize();
   void* stream() const;  // the compute stream (cudaStream_t)
+  // How the routed experts' GEMMs run: "grouped FP8 (CUTLASS)", "per-expert FP8 (cuBLASLt, N
+  // streams)" or "bf16 (cuBLAS...)".
+  std::string expert_gemm_name() const;
+  // How many routed-expert projections ran on the grouped kernel since the engine was made.
+  int64_t grouped_expert_launches() const;
   // With phase_timing: milliseconds of device time per phase since construction.
   std::vector<std::pair<std::string, double>> phase_ms() const;
   // Under WeightDtype::kCheckpoint: how many 32-element FP4 groups of the routed experts lost

@@ -18,6 +18,7 @@
 #include "engine/cuda/dsv4_cuda.h"
 #include "kernels/cuda/checkpoint_formats.h"
 #include "kernels/cuda/fp8_gemm.h"
+#include "kernels/cuda/fp8_grouped_gemm.h"
 #include "kernels/cuda/resource.h"
 #include "model/dsv4_calls.h"
 
@@ -165,6 +166,14 @@ struct Dsv4CudaEngine::Impl {
   // FP8 experts (Dsv4CudaOptions::weight_dtype): the GEMM plans and the quantized inputs.
   bool fp8 = false;
   std::unique_ptr<cuda::Fp8Gemm> fp8_gemm;
+  // The grouped kernel (Dsv4CudaOptions::expert_gemm) where made, the transposed weight scales it
+  // reads (one projection's experts) and the groups of a launch; grouped_max_rows: the largest
+  // mean rows per active expert it takes (larger chunks run per expert; INT64_MAX: always).
+  std::unique_ptr<cuda::Fp8GroupedGemm> grouped_fp8;
+  int64_t grouped_max_rows = 0;
+  int64_t grouped_launches = 0;  // since the engine was made
+  cuda::DeviceBuffer scale_t;
+  std::vector<cuda::Fp8GemmGroup> fp8_groups;
   bool ckpt = false;  // WeightDtype::kCheckpoint: FP8 projections, FP4 experts widened per expert
   // The layer's active FP4 experts widened to FP8 (one projection at a time: [E] matrices of the
   // larger shape), the active experts' ids (host and device), and the count of groups whose

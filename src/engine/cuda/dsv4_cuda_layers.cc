@@ -197,13 +197,34 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
   const int64_t wn = widen ? w4.n : w8.n, wk = widen ? w4.k : w8.k;
   const int64_t groups = cuda::fp8_blocks(wk);
   const int32_t* host_pad = m.host_pad.get<int32_t>();
+  int64_t active = 0;
+  for (int64_t e = 0; e < E; ++e) active += off[e + 1] > off[e];
+  // The mean rows per active expert, rounded up, against the grouped kernel's limit.
+  const bool grouped =
+      m.grouped_fp8 && active > 0 && (off[E] + active - 1) / active <= m.grouped_max_rows;
+  if (grouped) ++m.grouped_launches;
   cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
                                   m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get(),
-                                  rows_from, per);
+                                  rows_from, per, /*tight_scales=*/grouped);
   if (widen)  // every active expert's FP4 weight widened at once, ahead of the GEMMs
     cuda::widen_fp4_experts_to_fp8(w4.at(0), m.active.get<int32_t>(), m.active_count,
                                    m.wide_q.get<uint8_t>(), f32(m.wide_scale),
                                    m.lossy.get<unsigned long long>(), m.stream.get());
+  const uint8_t* wq = widen ? m.wide_q.get<uint8_t>() : w8.q.get<uint8_t>();
+  if (grouped) {  // one launch: every expert with rows against its own weight
+    cuda::transpose_fp8_weight_scales(widen ? f32(m.wide_scale) : f32(w8.scale), E, wn, wk,
+                                      f32(m.scale_t), m.stream.get());
+    const int64_t per_scale = cuda::fp8_blocks(wn) * groups;
+    m.fp8_groups.clear();
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t rows = off[e + 1] - off[e], p = host_pad[e];
+      if (rows == 0) continue;
+      m.fp8_groups.push_back({m.act_q.get<uint8_t>() + p * wk, f32(m.act_scale) + p * groups, rows,
+                              wq + e * wn * wk, f32(m.scale_t) + e * per_scale, y + off[e] * wn});
+    }
+    return m.grouped_fp8->run(m.fp8_groups.data(), static_cast<int64_t>(m.fp8_groups.size()), wn,
+                              wk, m.stream.get());
+  }
   std::vector<int64_t> last(m.lanes.size(), -1);  // each lane's last expert with rows
   if (!m.lanes.empty()) {
     const std::vector<int64_t> cut = split_by_rows(off, E, m.lanes.size());
@@ -219,7 +240,7 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
         lane >= 0 && last[static_cast<size_t>(lane)] == e && cuda::fp8_act_rows(rows) != rows;
     uint16_t* out = spills ? bf(m.lanes[static_cast<size_t>(lane)].spill) : y + off[e] * wn;
     const cuda::Fp8BlockWeight w =
-        widen ? cuda::Fp8BlockWeight{m.wide_q.get<uint8_t>() + e * wn * wk,
+        widen ? cuda::Fp8BlockWeight{wq + e * wn * wk,
                                      f32(m.wide_scale) +
                                          e * cuda::fp8_blocks(wn) * cuda::fp8_weight_scale_ld(wk),
                                      wn, wk}

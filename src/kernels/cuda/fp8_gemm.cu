@@ -102,7 +102,8 @@ __global__ void quantize_act_segments_kernel(const uint16_t* __restrict__ x,
                                              const int32_t* __restrict__ pad, int64_t segments,
                                              int64_t total, int64_t k, int64_t groups,
                                              const int32_t* __restrict__ rows_from, int64_t per,
-                                             uint8_t* __restrict__ q, float* __restrict__ scale) {
+                                             bool tight, uint8_t* __restrict__ q,
+                                             float* __restrict__ scale) {
   const int64_t unit = (static_cast<int64_t>(blockIdx.x) * kActThreads + threadIdx.x) / 16;
   const int sub = threadIdx.x % 16;
   const bool exists = unit < total * groups;
@@ -117,11 +118,12 @@ __global__ void quantize_act_segments_kernel(const uint16_t* __restrict__ x,
   }
   const int64_t e = lo, i = p - pad[e], rows = pad[e + 1] - pad[e];
   const int64_t col = g * kFp8Block + sub * 8;
-  const int64_t at = off[e] + i;
-  const uint16_t* src =
-      i < off[e + 1] - off[e] ? x + (rows_from ? rows_from[at] / per : at) * k + col : nullptr;
+  const int64_t at = off[e] + i, real = off[e + 1] - off[e];
+  const uint16_t* src = i < real ? x + (rows_from ? rows_from[at] / per : at) * k + col : nullptr;
+  // Tight: the segment's scales strided by its real rows, the padding rows' scales not written.
   quantize_unit(src, exists && col < k, sub, q + p * k + col,
-                scale + pad[e] * groups + g * rows + i, exists);
+                scale + pad[e] * groups + g * (tight ? real : rows) + i,
+                exists && (!tight || i < real));
 }
 
 }  // namespace
@@ -147,12 +149,12 @@ void quantize_act_fp8_group(const uint16_t* x, int64_t m, int64_t k, uint8_t* q,
 void quantize_act_fp8_segments(const uint16_t* x, const int32_t* off, const int32_t* pad,
                                int64_t segments, int64_t total_rows, int64_t k, uint8_t* q,
                                float* scale, cudaStream_t stream, const int32_t* rows_from,
-                               int64_t per) {
+                               int64_t per, bool tight_scales) {
   const int64_t groups = fp8_blocks(k), units = total_rows * groups;
   if (units == 0 || segments == 0) return;
   const int64_t blocks = (units * 16 + kActThreads - 1) / kActThreads;
   quantize_act_segments_kernel<<<static_cast<unsigned>(blocks), kActThreads, 0, stream>>>(
-      x, off, pad, segments, total_rows, k, groups, rows_from, per, q, scale);
+      x, off, pad, segments, total_rows, k, groups, rows_from, per, tight_scales, q, scale);
 }
 
 }  // namespace hetero::cuda

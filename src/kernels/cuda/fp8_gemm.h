@@ -77,11 +77,14 @@ void quantize_act_fp8_group(const uint16_t* x, int64_t m, int64_t k, uint8_t* q,
 // off and pad: device int32 [segments + 1]. With rows_from (device int32, one per row), row j of
 // the segments is x's row rows_from[j] / per instead of row j: an MoE's rows gathered from the
 // tokens as they are quantized (rows_from the slot permutation, per the experts per token), with
-// no gathered copy in between.
+// no gathered copy in between. With tight_scales, segment e's scales are
+// [ceil(k/128)][rows_e] (strided by its real rows, as fp8_grouped_gemm.h reads them), still at
+// scale + pad[e] * ceil(k/128).
 void quantize_act_fp8_segments(const uint16_t* x, const int32_t* off, const int32_t* pad,
                                int64_t segments, int64_t total_rows, int64_t k, uint8_t* q,
                                float* scale, cudaStream_t stream,
-                               const int32_t* rows_from = nullptr, int64_t per = 1);
+                               const int32_t* rows_from = nullptr, int64_t per = 1,
+                               bool tight_scales = false);
 
 // out bf16 [fp8_act_rows(m), n] = dequant(act) · dequant(W)^T with float32 accumulation, through
 // cuBLASLt. The plan (descriptors, layouts, heuristic algorithm) is chosen once per (m, n, k) and
