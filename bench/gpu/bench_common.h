@@ -83,6 +83,27 @@ inline Spread spread(std::vector<double> v) {
   return {v[v.size() / 2], v.front(), v.back()};
 }
 
+// f() timed `repeat` times after `warmup` untimed calls, by CUDA events on the default stream
+// around each call: each run's milliseconds.
+template <class F>
+std::vector<double> event_times_ms(F&& f, int warmup, int repeat) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a), cudaEventCreate(&b);
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<double> ms;
+  for (int i = 0; i < repeat; ++i) {
+    cudaEventRecord(a);
+    f();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a), cudaEventDestroy(b);
+  return ms;
+}
+
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }

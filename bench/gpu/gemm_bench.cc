@@ -34,22 +34,8 @@ namespace {
 
 template <typename F>
 float median_ms(F&& f, int repeat) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 2; ++i) f();  // warm-up
-  std::vector<float> ms;
-  for (int i = 0; i < repeat; ++i) {
-    cudaEventRecord(a);
-    f();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float t;
-    cudaEventElapsedTime(&t, a, b);
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return static_cast<float>(
+      hetero::bench::spread(hetero::bench::event_times_ms(f, 2, repeat)).median);
 }
 
 // The FP8 rows: m = 8192 tokens through q|k|v, o, gate|up and down of a ~1B llama (hidden 2048,

@@ -61,22 +61,9 @@ struct Timing {
 
 template <class F>
 Timing time_ms(F&& f, int repeat) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a), cudaEventCreate(&b);
-  for (int i = 0; i < 2; ++i) f();
-  std::vector<double> ms;
-  for (int i = 0; i < repeat; ++i) {
-    cudaEventRecord(a);
-    f();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float t = 0;
-    cudaEventElapsedTime(&t, a, b);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a), cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return {ms[ms.size() / 2], ms.back() / ms.front() - 1.0};
+  const hetero::bench::Spread s =
+      hetero::bench::spread(hetero::bench::event_times_ms(f, 2, repeat));
+  return {s.median, s.max / s.min - 1.0};
 }
 
 }  // namespace
