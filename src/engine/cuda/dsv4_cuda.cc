@@ -347,9 +347,7 @@ std::string Dsv4CudaEngine::expert_gemm_name() const {
   if (m.grouped_fp8)
     return "grouped FP8 (CUTLASS) where a chunk's active experts average <= " +
            std::to_string(m.grouped_max_rows) + " rows, else " + per;
-  if (m.fp8)
-    return "per-expert FP8 (cuBLASLt, " + std::to_string(std::max<size_t>(m.lanes.size(), 1)) +
-           " stream(s))";
+  if (m.fp8) return per;
   return m.grouped ? "bf16 (cuBLAS grouped)" : "bf16 (cuBLAS, one per expert)";
 }
 
