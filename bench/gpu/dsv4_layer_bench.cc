@@ -253,12 +253,9 @@ int main(int argc, char** argv) {
       if (!w.is_ok()) return std::fprintf(stderr, "%s\n", w.status().to_string().c_str()), 2;
       opts.weight_dtype = w.value();
     } else if (a == "--expert-gemm") {
-      const std::string g = next();
-      if (g != "auto" && g != "grouped" && g != "per-expert")
-        return std::fprintf(stderr, "--expert-gemm takes auto, grouped or per-expert\n"), 2;
-      opts.expert_gemm = g == "grouped"      ? Dsv4CudaOptions::ExpertGemm::kGrouped
-                         : g == "per-expert" ? Dsv4CudaOptions::ExpertGemm::kPerExpert
-                                             : Dsv4CudaOptions::ExpertGemm::kAuto;
+      auto g = parse_expert_gemm(next());
+      if (!g.is_ok()) return std::fprintf(stderr, "%s\n", g.status().to_string().c_str()), 2;
+      opts.expert_gemm = g.value();
     } else if (a == "--widen-experts") {
       const std::string w = next();
       if (w != "at-load" && w != "per-chunk")

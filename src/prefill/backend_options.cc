@@ -61,8 +61,9 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "auto",
        "cuda, deepseek_v4, --weight-dtype fp8 or checkpoint: the routed experts' GEMMs "
        "(grouped: every active expert in one launch, CUTLASS's Hopper kernel, refused where the "
-       "build has none; per-expert: one cuBLASLt GEMM per expert over 8 streams; auto: grouped "
-       "where built, named in the log; the two agree to float32 rounding, not bit for bit)",
+       "build has none; per-expert: one cuBLASLt GEMM per expert over 8 streams; auto: per "
+       "chunk, grouped where the active experts average <= 384 rows and the build has it, else "
+       "per-expert; named in the log)",
        false,
        {"auto", "grouped", "per-expert"}},
       {"gemm",

@@ -113,6 +113,10 @@ Result<PrefillStack> load_llama_cuda(const std::string& model_dir, const std::st
   HETERO_ASSIGN_OR_RETURN(cuda::KvDtype kv, cuda::parse_kv_dtype(backend.kv_dtype));
   HETERO_ASSIGN_OR_RETURN(cuda::LlamaCudaArith arith, cuda::parse_llama_cuda_arith(backend.arith));
   HETERO_ASSIGN_OR_RETURN(cuda::WeightDtype wdt, cuda::parse_weight_dtype(backend.weights));
+  if (backend.expert_gemm != "auto")
+    return invalid_argument(
+        "--expert-gemm chooses deepseek_v4's routed-expert kernel; llama has "
+        "no experts");
   HETERO_ASSIGN_OR_RETURN(LlamaDecoderWeights weights, load_llama_decoder_weights(weights_dir));
   HETERO_ASSIGN_OR_RETURN(LlamaConfig config, load_llama_config(model_dir));
   HETERO_RETURN_IF_ERROR(check_export_matches_model(config, weights));
@@ -179,10 +183,7 @@ Result<PrefillStack> load_dsv4_cuda(const std::string& model_dir, const std::str
   po.devices = gpus;
   HETERO_ASSIGN_OR_RETURN(po.engine.weight_dtype, cuda::parse_weight_dtype(backend.weights));
   po.engine.widen_experts_at_load = backend.expert_widening == "at-load";
-  po.engine.expert_gemm = backend.expert_gemm == "grouped" ? Dsv4CudaOptions::ExpertGemm::kGrouped
-                          : backend.expert_gemm == "per-expert"
-                              ? Dsv4CudaOptions::ExpertGemm::kPerExpert
-                              : Dsv4CudaOptions::ExpertGemm::kAuto;
+  HETERO_ASSIGN_OR_RETURN(po.engine.expert_gemm, parse_expert_gemm(backend.expert_gemm));
   po.engine.device_memory_budget_bytes = backend.device_memory_budget_bytes;
   auto owned = std::make_shared<Dsv4Owned>();
   HETERO_ASSIGN_OR_RETURN(owned->weights, load_dsv4_decoder_weights(weights_dir));

@@ -10,10 +10,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -71,7 +74,7 @@ TEST_F(Fp8GroupedGemmTest, EveryExpertMatchesFloat64AndCublasLt) {
     }
     Dev dx(x.size() * 2), doff(off.size() * 4), dpad(pad.size() * 4), dq(total * k),
         ds(total * groups * 4), dwq(all_q.size()), dws(all_s.size() * 4),
-        dwt(static_cast<size_t>(E * groups * fp8_blocks(n)) * 4), dout(m * n * 2),
+        dwt(static_cast<size_t>(E * groups * fp8_blocks(n)) * 4), dout((m + 16) * n * 2),
         dref(fp8_act_rows(300) * n * 2);
     put(dx, x), put(doff, off), put(dpad, pad), put(dwq, all_q), put(dws, all_s);
     cuda::quantize_act_fp8_segments(dx.as<uint16_t>(), doff.as<int32_t>(), dpad.as<int32_t>(), E,
@@ -128,7 +131,7 @@ TEST_F(Fp8GroupedGemmTest, EveryExpertMatchesFloat64AndCublasLt) {
       lt_out[e] = get<uint16_t>(dref, static_cast<size_t>(r * n));
     }
     {
-      ASSERT_EQ(cudaMemset(dout.p, 0xff, static_cast<size_t>(m * n) * 2), cudaSuccess);
+      ASSERT_EQ(cudaMemset(dout.p, 0xff, static_cast<size_t>((m + 16) * n) * 2), cudaSuccess);
       std::vector<cuda::Fp8GemmGroup> gs;
       for (int64_t e = 0; e < E; ++e)
         if (rows[e] > 0)
@@ -138,7 +141,10 @@ TEST_F(Fp8GroupedGemmTest, EveryExpertMatchesFloat64AndCublasLt) {
       const Status st = (*gemm)->run(gs.data(), static_cast<int64_t>(gs.size()), n, k, nullptr);
       ASSERT_TRUE(st.is_ok()) << st.to_string();
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const auto out = get<uint16_t>(dout, static_cast<size_t>(m * n));
+      const auto out = get<uint16_t>(dout, static_cast<size_t>((m + 16) * n));
+      EXPECT_TRUE(std::all_of(out.begin() + m * n, out.end(), [](uint16_t v) {
+        return v == 0xffff;
+      })) << "a write past the last expert's rows";
       for (int64_t e = 0; e < E; ++e) {
         const int64_t r = rows[e];
         if (r == 0) continue;
@@ -172,9 +178,11 @@ TEST_F(Fp8GroupedGemmTest, EveryExpertMatchesFloat64AndCublasLt) {
   }
 }
 
-// The same launch twice gives the same bits (no split-K, no atomics), and a launch following
-// another before the stream has run it (the two staging slots) reads its own arguments.
-TEST_F(Fp8GroupedGemmTest, DeterministicAndBackToBack) {
+// The same launch twice gives the same bits (no split-K, no atomics), and launches queued while
+// the stream is held (a host callback sleeps on it) each read their own arguments: the third
+// reuses the first's staging slot with other arguments, so a slot written too early would send
+// the first launch's output elsewhere. Rows past the group's stay untouched.
+TEST_F(Fp8GroupedGemmTest, DeterministicAndQueuedLaunchesReadTheirOwnArguments) {
   auto gemm = cuda::Fp8GroupedGemm::create(4);
   ASSERT_TRUE(gemm.is_ok()) << gemm.status().to_string();
   const int64_t n = 256, k = 256, r = 77, groups = fp8_blocks(k);
@@ -186,29 +194,43 @@ TEST_F(Fp8GroupedGemmTest, DeterministicAndBackToBack) {
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t i = 0; i < r; ++i)
       tight[static_cast<size_t>(g * r + i)] = a.scale[static_cast<size_t>(g * fp8_act_rows(r) + i)];
+  const size_t out_bytes = static_cast<size_t>((r + 16) * n) * 2;  // 16 guard rows
   Dev aq(a.q.size()), as(tight.size() * 4), wq1(w1.q.size()), wq2(w2.q.size()),
       ws(w1.scale.size() * 8), wt(static_cast<size_t>(2 * groups * fp8_blocks(n)) * 4),
-      o1(r * n * 2), o2(r * n * 2), o3(r * n * 2);
+      o1(out_bytes), o2(out_bytes), o3(out_bytes), o4(out_bytes);
   put(aq, a.q), put(as, tight), put(wq1, w1.q), put(wq2, w2.q);
   std::vector<float> both = w1.scale;
   both.insert(both.end(), w2.scale.begin(), w2.scale.end());
   put(ws, both);
+  for (Dev* o : {&o1, &o2, &o3, &o4}) ASSERT_EQ(cudaMemset(o->p, 0xff, out_bytes), cudaSuccess);
   cuda::transpose_fp8_weight_scales(ws.as<float>(), 2, n, k, wt.as<float>(), nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const float* t1 = wt.as<float>();
   const float* t2 = t1 + groups * fp8_blocks(n);
   auto launch = [&](const uint8_t* w, const float* t, uint16_t* o) {
     const cuda::Fp8GemmGroup g{aq.as<uint8_t>(), as.as<float>(), r, w, t, o};
     return (*gemm)->run(&g, 1, n, k, nullptr);
   };
-  ASSERT_TRUE(launch(wq1.as<uint8_t>(), t1, o1.as<uint16_t>()).is_ok());
-  ASSERT_TRUE(launch(wq2.as<uint8_t>(), t2, o2.as<uint16_t>()).is_ok());
-  ASSERT_TRUE(launch(wq1.as<uint8_t>(), t1, o3.as<uint16_t>()).is_ok());
+  ASSERT_EQ(cudaLaunchHostFunc(
+                nullptr, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); },
+                nullptr),
+            cudaSuccess);
+  ASSERT_TRUE(launch(wq1.as<uint8_t>(), t1, o1.as<uint16_t>()).is_ok());  // slot 0
+  ASSERT_TRUE(launch(wq2.as<uint8_t>(), t2, o2.as<uint16_t>()).is_ok());  // slot 1
+  ASSERT_TRUE(launch(wq2.as<uint8_t>(), t2, o3.as<uint16_t>()).is_ok());  // slot 0 again
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto x1 = get<uint16_t>(o1, static_cast<size_t>(r * n));
-  const auto x2 = get<uint16_t>(o2, static_cast<size_t>(r * n));
-  const auto x3 = get<uint16_t>(o3, static_cast<size_t>(r * n));
-  EXPECT_EQ(x1, x3);
+  ASSERT_TRUE(launch(wq1.as<uint8_t>(), t1, o4.as<uint16_t>()).is_ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const size_t all = out_bytes / 2, real = static_cast<size_t>(r * n);
+  const auto x1 = get<uint16_t>(o1, all), x2 = get<uint16_t>(o2, all);
+  const auto x3 = get<uint16_t>(o3, all), x4 = get<uint16_t>(o4, all);
+  EXPECT_EQ(x1, x4) << "the first launch read another's arguments, or is not deterministic";
+  EXPECT_EQ(x2, x3);
   EXPECT_NE(x1, x2);
+  for (const auto* x : {&x1, &x2, &x3, &x4})
+    EXPECT_TRUE(std::all_of(x->begin() + static_cast<ptrdiff_t>(real), x->end(), [](uint16_t v) {
+      return v == 0xffff;
+    })) << "a write past the group's rows";
 }
 
 TEST_F(Fp8GroupedGemmTest, RefusesWhatItCannotRun) {

@@ -169,6 +169,9 @@ Status Dsv4CudaEngine::init() {
                             4);
     HETERO_RETURN_IF_ERROR(m.alloc(m.wide_q, q, "widened FP4 experts"));
     HETERO_RETURN_IF_ERROR(m.alloc(m.wide_scale, sc, "widened FP4 experts"));
+    // Defined from the start: the grouped kernel's scale transpose reads every expert's scales,
+    // inactive ones (never widened, never used) too.
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemset(m.wide_scale.get(), 0, sc));
     HETERO_RETURN_IF_ERROR(m.alloc(m.active, E * 4, "active experts"));
     HETERO_RETURN_IF_ERROR(m.host_active.allocate(E * 4, "active experts"));
   }
@@ -271,6 +274,14 @@ Result<int64_t> Dsv4CudaEngine::fp4_lossy_groups() const {
   HETERO_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(&n, impl_->lossy.get(), sizeof(n), cudaMemcpyDeviceToHost));
   return static_cast<int64_t>(n);
+}
+
+Result<Dsv4CudaOptions::ExpertGemm> parse_expert_gemm(const std::string& name) {
+  if (name == "auto") return Dsv4CudaOptions::ExpertGemm::kAuto;
+  if (name == "grouped") return Dsv4CudaOptions::ExpertGemm::kGrouped;
+  if (name == "per-expert") return Dsv4CudaOptions::ExpertGemm::kPerExpert;
+  return invalid_argument("the expert GEMM must be auto, grouped or per-expert, not '" + name +
+                          "'");
 }
 
 Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions& options) {

@@ -90,8 +90,9 @@ struct Dsv4CudaOptions {
   // refused where the build has no CUTLASS. kPerExpert: one cuBLASLt GEMM per active expert over
   // expert_streams. kAuto: per chunk, the grouped kernel where the chunk's active experts average
   // at most kGroupedMaxMeanRows rows, else per expert (at Flash's shapes the grouped kernel was
-  // 1.1-1.8x faster at 8,192 tokens, ~192 rows an expert, and cuBLASLt over 8 streams 1.03-1.14x
-  // at 32,768 tokens, ~768 rows; RESULTS §39); without CUTLASS, per expert. expert_gemm_name()
+  // 1.08-1.35x faster for w1|w3 and 1.58-2.57x for w2 at 8,192 tokens, ~192 rows an expert, and
+  // cuBLASLt over 8 streams 1.03-1.22x faster at 32,768 tokens, ~768 rows; four runs, RESULTS
+  // §39); without CUTLASS, per expert. expert_gemm_name()
   // says which. The two kernels gave equal bits in every test so far, but nothing promises it.
   // Not for bf16 weights.
   enum class ExpertGemm { kAuto, kGrouped, kPerExpert };
@@ -107,6 +108,9 @@ struct Dsv4CudaOptions {
   // budget beyond the device. An allocation past it fails as a cudaMalloc out of memory does.
   int64_t device_memory_budget_bytes = 0;
 };
+
+// "auto", "grouped" or "per-expert" (the --expert-gemm spelling) as a Dsv4CudaOptions::ExpertGemm.
+Result<Dsv4CudaOptions::ExpertGemm> parse_expert_gemm(const std::string& name);
 
 class Dsv4CudaEngine {
  public:

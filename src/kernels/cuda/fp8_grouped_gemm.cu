@@ -52,7 +52,7 @@ struct Fp8GroupedGemm::Impl {
   int device = 0, sm_count = 0;
   PinnedBuffer host[2];
   DeviceBuffer dev[2];
-  Event copied[2];  // the staging slot's copy is done: its host side may be written again
+  Event copied[2];  // the slot's launch is done: its host staging may be written again
   bool used[2] = {false, false};
   int slot = 0;
   DeviceBuffer workspace;
@@ -113,9 +113,14 @@ Status Fp8GroupedGemm::run(const Fp8GemmGroup* groups, int64_t count, int64_t n,
   const Status st =
       m.runner->run(groups, count, n, k, m.host[s].get(), m.dev[s].get(), m.workspace.get(),
                     m.workspace.bytes(), m.device, m.sm_count, stream);
-  // Recorded whatever the launch did: the staging copy may be queued either way.
-  HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(m.copied[s].get(), stream));
+  // Recorded whatever the launch did: the staging copy may be queued either way. Where the event
+  // cannot be recorded, the stream is drained so that the slot is free.
   m.used[s] = true;
+  if (cudaEventRecord(m.copied[s].get(), stream) != cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    cudaStreamSynchronize(stream);
+    HETERO_CUDA_RETURN_IF_ERROR(e);
+  }
   return st;
 }
 

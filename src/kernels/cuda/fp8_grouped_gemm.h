@@ -59,9 +59,10 @@ class Fp8GroupedGemm {
 
   // Enqueues every group's GEMM on `stream` as one launch; returns once the arguments are
   // copied into a staging slot (two slots alternate: a call may follow the previous one before
-  // the stream has run it). n and k multiples of 16; more groups than max_groups, a group with
-  // no rows or a misaligned pointer is invalid_argument; a shape the kernel cannot run is
-  // failed_precondition, naming it.
+  // the stream has run it; the third waits for the first's launch). Every call on one stream:
+  // the launches share the kernel's workspace. n and k multiples of 16; more groups than
+  // max_groups, a group with no rows or a misaligned pointer is invalid_argument; a shape the
+  // kernel cannot run is failed_precondition, naming it.
   Status run(const Fp8GemmGroup* groups, int64_t count, int64_t n, int64_t k, cudaStream_t stream);
 
   struct Impl;
