@@ -68,7 +68,8 @@ Result<std::unique_ptr<Fp8GroupedGemm>> Fp8GroupedGemm::create(int64_t max_group
   HETERO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&impl->device));
   HETERO_RETURN_IF_ERROR(check_fp8_device(impl->device));
   impl->runner = grouped_detail::make_runner();
-  if (!impl->runner) return fp8_grouped_gemm_available();
+  if (!impl->runner)  // available() said yes: the build's kernel file is missing from the link
+    return internal_error("the grouped FP8 GEMM has no kernel although this build has CUTLASS");
   impl->max_groups = max_groups;
   HETERO_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&impl->sm_count, cudaDevAttrMultiProcessorCount, impl->device));
