@@ -275,7 +275,7 @@ int main(int argc, char** argv) {
           stderr,
           "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
           "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8|checkpoint] "
-          "[--widen-experts per-chunk|at-load] [--expert-gemm auto|grouped|per-expert] "
+          "[--widen-experts per-chunk|at-load] [--expert-gemm auto|grouped|per-expert|w4a8] "
           "[--bridge off,on] [--program-device N] [--phases] "
           "[--refcheck] [--checkpoint] "
           "[--rev GIT_REV]\n",

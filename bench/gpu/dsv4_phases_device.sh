@@ -10,7 +10,7 @@
 # Carry: .devkit/lib, build/hetero_gpu_tests, build/hetero_gpu_dsv4_layer_bench[, the base's].
 # Env: REV (names the output), BASE (a directory holding the base binary), T (8192,32768,131072),
 # LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0), GEMMS (empty: the default routed-expert
-# kernel; "per-expert,grouped": each, named $REV-<kernel>), BRIDGE (off; "off,on" also runs each T with
+# kernel; "per-expert,grouped,w4a8": each, named $REV-<kernel>), BRIDGE (off; "off,on" also runs each T with
 # the bridge behind the forward: its cost and wire bytes), PHASES (1: --phases). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,
 # ncu.txt}.
 set -uo pipefail
@@ -40,7 +40,9 @@ run_bench() {  # name binary_dir [more flags]
 if [[ -n ${GEMMS:-} ]]; then  # each routed-expert kernel in turn, in this run: $REV-<kernel>
   for g in ${GEMMS//,/ }; do
     run_bench "$REV-$g" build --expert-gemm "$g"
-    [[ ${WIDEN:-0} == 1 ]] && run_bench "$REV-$g-at-load" build --expert-gemm "$g" --widen-experts at-load
+    # w4a8 runs FP4 experts: never widened at load
+    [[ ${WIDEN:-0} == 1 && $g != w4a8 ]] &&
+      run_bench "$REV-$g-at-load" build --expert-gemm "$g" --widen-experts at-load
   done
 else
   run_bench "$REV" build

@@ -61,11 +61,13 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "auto",
        "cuda, deepseek_v4, --weight-dtype fp8 or checkpoint: the routed experts' GEMMs "
        "(grouped: every active expert in one launch, CUTLASS's Hopper kernel, refused where the "
-       "build has none; per-expert: one cuBLASLt GEMM per expert over 8 streams; auto: per "
-       "chunk, grouped where the active experts average <= 384 rows and the build has it, else "
+       "build has none; per-expert: one cuBLASLt GEMM per expert over 8 streams; w4a8: "
+       "checkpoint experts widened per chunk, FP4 widened inside one launch of our own kernel, "
+       "no widened copy; auto: per chunk, w4a8 for per-chunk checkpoint experts averaging <= "
+       "384 rows, else grouped where they average <= 384 rows and the build has it, else "
        "per-expert; named in the log)",
        false,
-       {"auto", "grouped", "per-expert"}},
+       {"auto", "grouped", "per-expert", "w4a8"}},
       {"gemm",
        "HETERO_PREFILL_GEMM",
        "ordered",
@@ -183,6 +185,10 @@ Result<PrefillBackendOptions> prefill_backend_from(const Options& opts) {
     return invalid_argument(
         "--expert-gemm chooses deepseek_v4's FP8 expert kernel: it needs --backend cuda and "
         "--weight-dtype fp8 or checkpoint");
+  if (b.expert_gemm == "w4a8" && (b.weights != "checkpoint" || b.expert_widening != "per-chunk"))
+    return invalid_argument(
+        "--expert-gemm w4a8 runs deepseek_v4's FP4 experts: it needs --weight-dtype checkpoint "
+        "and --expert-widening per-chunk");
   if (!b.gpus.empty() && device != 0) return invalid_argument("pass --gpus or --device, not both");
   return o;
 }

@@ -271,42 +271,48 @@ TEST_F(CheckpointPrecisionTest, EngineStreamedFromTheCheckpointTracksTheCpuEngin
   Dsv4CpuEngine cpu(*w, cpu_opts);
   Dsv4CudaOptions o;
   o.host_tap = true;
-  o.weight_dtype = cuda::WeightDtype::kCheckpoint;
-  auto gpu = Dsv4CudaEngine::load(dir.path, o);
-  ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
   o.weight_dtype = cuda::WeightDtype::kBf16;
   auto bf16 = Dsv4CudaEngine::load(dir.path, o);
   ASSERT_TRUE(bf16.is_ok()) << bf16.status().to_string();
-  std::printf("[ checkpoint engine ] weights on the device: %lld bytes (bf16 engine %lld)\n",
-              static_cast<long long>((*gpu)->weight_bytes()),
-              static_cast<long long>((*bf16)->weight_bytes()));
-  EXPECT_LT((*gpu)->weight_bytes(), (*bf16)->weight_bytes());
+  o.weight_dtype = cuda::WeightDtype::kCheckpoint;
+  // The FP4 experts widened inside the W4A8 GEMM, and widened first for cuBLASLt.
+  for (auto kernel :
+       {Dsv4CudaOptions::ExpertGemm::kW4a8, Dsv4CudaOptions::ExpertGemm::kPerExpert}) {
+    o.expert_gemm = kernel;
+    auto gpu = Dsv4CudaEngine::load(dir.path, o);
+    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+    std::printf("[ checkpoint engine ] %s; weights on the device: %lld bytes (bf16 engine %lld)\n",
+                (*gpu)->expert_gemm_name().c_str(), static_cast<long long>((*gpu)->weight_bytes()),
+                static_cast<long long>((*bf16)->weight_bytes()));
+    EXPECT_LT((*gpu)->weight_bytes(), (*bf16)->weight_bytes());
 
-  const int64_t T = 300;
-  std::mt19937 rng(9);
-  std::vector<int32_t> ids(static_cast<size_t>(T));
-  for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
-  for (const std::vector<int64_t>& schedule :
-       std::vector<std::vector<int64_t>>{{T}, {37, 37, 37, 37, 37, 37, 37, 37, 4}}) {
-    Status st;
-    const auto want = dsv4_taps(cpu, ids, schedule, &st);
-    ASSERT_TRUE(st.is_ok()) << st.message();
-    const auto base = dsv4_taps(**bf16, ids, schedule, &st);
-    ASSERT_TRUE(st.is_ok()) << st.message();
-    const auto got = dsv4_taps(**gpu, ids, schedule, &st);
-    ASSERT_TRUE(st.is_ok()) << st.message();
-    for (size_t l = 0; l < got.size(); ++l) {
-      const double e = rel_rms(got[l], want[l]), eb = rel_rms(base[l], want[l]);
-      std::printf("[ checkpoint engine ] chunks %zu layer %zu: rel rms %.4g (bf16 engine %.4g)\n",
-                  schedule.size(), l, e, eb);
-      EXPECT_LE(e, kTolCheckpoint * std::sqrt(static_cast<double>(std::max<size_t>(l, 1))))
-          << "layer " << l;
+    const int64_t T = 300;
+    std::mt19937 rng(9);
+    std::vector<int32_t> ids(static_cast<size_t>(T));
+    for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
+    for (const std::vector<int64_t>& schedule :
+         std::vector<std::vector<int64_t>>{{T}, {37, 37, 37, 37, 37, 37, 37, 37, 4}}) {
+      Status st;
+      const auto want = dsv4_taps(cpu, ids, schedule, &st);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+      const auto base = dsv4_taps(**bf16, ids, schedule, &st);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+      const auto got = dsv4_taps(**gpu, ids, schedule, &st);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+      for (size_t l = 0; l < got.size(); ++l) {
+        const double e = rel_rms(got[l], want[l]), eb = rel_rms(base[l], want[l]);
+        std::printf("[ checkpoint engine ] chunks %zu layer %zu: rel rms %.4g (bf16 engine %.4g)\n",
+                    schedule.size(), l, e, eb);
+        EXPECT_LE(e, kTolCheckpoint * std::sqrt(static_cast<double>(std::max<size_t>(l, 1))))
+            << "layer " << l;
+      }
+      EXPECT_EQ(got[0], base[0]);  // before any projection
     }
-    EXPECT_EQ(got[0], base[0]);  // before any projection
+    EXPECT_EQ((*gpu)->w4a8_expert_launches() > 0, kernel == Dsv4CudaOptions::ExpertGemm::kW4a8);
+    auto lossy = (*gpu)->fp4_lossy_groups();
+    ASSERT_TRUE(lossy.is_ok());
+    EXPECT_EQ(*lossy, 0);
   }
-  auto lossy = (*gpu)->fp4_lossy_groups();
-  ASSERT_TRUE(lossy.is_ok());
-  EXPECT_EQ(*lossy, 0);
 }
 
 // A tensor stored in a form checkpoint precision does not know, or missing, is refused by name.
@@ -455,21 +461,33 @@ TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
                                                      cuda::Fp4GroupWeight::code_bytes(H, I) +
                                                      cuda::Fp4GroupWeight::scale_bytes(H, I));
   using ExpertGemm = Dsv4CudaOptions::ExpertGemm;
-  for (auto [streamed, kernel] :
-       {std::pair{false, ExpertGemm::kPerExpert}, std::pair{true, ExpertGemm::kPerExpert},
-        std::pair{false, ExpertGemm::kAuto}, std::pair{true, ExpertGemm::kAuto}}) {
-    auto make = [&, streamed = streamed, kernel = kernel](Dsv4CudaOptions so) {
-      so.expert_gemm = kernel;
+  const bool grouped_built = cuda::fp8_grouped_gemm_available().is_ok();
+  // Per chunk widened, then cuBLASLt or the grouped kernel where built; the W4A8 kernel,
+  // widening inside the GEMM, against the grouped kernel at load (the same operands and sums).
+  const ExpertGemm fp8_grouped = grouped_built ? ExpertGemm::kGrouped : ExpertGemm::kPerExpert;
+  for (auto [streamed, kernel, loaded_kernel] :
+       {std::tuple{false, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert},
+        std::tuple{true, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert},
+        std::tuple{false, fp8_grouped, fp8_grouped}, std::tuple{true, fp8_grouped, fp8_grouped},
+        std::tuple{false, ExpertGemm::kW4a8, fp8_grouped},
+        std::tuple{true, ExpertGemm::kW4a8, fp8_grouped}}) {
+    auto make = [&, streamed = streamed](Dsv4CudaOptions so, ExpertGemm k) {
+      so.expert_gemm = k;
       return streamed ? Dsv4CudaEngine::load(dir.path, so) : Dsv4CudaEngine::random(c, 9, so);
     };
-    auto per_chunk = make(o);
-    auto at_load = make(wide);
+    auto per_chunk = make(o, kernel);
+    auto at_load = make(wide, loaded_kernel);
     ASSERT_TRUE(per_chunk.is_ok()) << per_chunk.status().to_string();
     ASSERT_TRUE(at_load.is_ok()) << at_load.status().to_string();
-    std::printf("[ widened at load ] %s\n", (*per_chunk)->expert_gemm_name().c_str());
-    const bool grouped_built = cuda::fp8_grouped_gemm_available().is_ok();
+    std::printf("[ widened at load ] per chunk: %s; at load: %s\n",
+                (*per_chunk)->expert_gemm_name().c_str(), (*at_load)->expert_gemm_name().c_str());
+    // The W4A8 engine holds each expert block's largest exponent beside the FP4 form.
+    const int64_t block_max_bytes =
+        kernel == ExpertGemm::kW4a8
+            ? E * (cuda::fp8_blocks(2 * I) * (H / 128) + cuda::fp8_blocks(H) * (I / 128))
+            : 0;
     EXPECT_EQ((*at_load)->weight_bytes() - (*per_chunk)->weight_bytes(),
-              c.layers * (fp8_bytes - fp4_bytes));
+              c.layers * (fp8_bytes - fp4_bytes - block_max_bytes));
     for (const std::vector<int64_t>& schedule :
          std::vector<std::vector<int64_t>>{{T}, {37, 37, 37, 37, 37, 37, 37, 37, 4}, {5, 3, 200}}) {
       Status st;
@@ -482,10 +500,9 @@ TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
         EXPECT_EQ(got[l], want[l]) << (streamed ? "streamed" : "random") << ", " << schedule.size()
                                    << " chunks, layer " << l;
     }
-    // kAuto's chunks here (a few dozen rows an expert) run on the grouped kernel where built.
-    const bool want_grouped = kernel == ExpertGemm::kAuto && grouped_built;
-    EXPECT_EQ((*per_chunk)->grouped_expert_launches() > 0, want_grouped);
-    EXPECT_EQ((*at_load)->grouped_expert_launches() > 0, want_grouped);
+    EXPECT_EQ((*per_chunk)->grouped_expert_launches() > 0, kernel == ExpertGemm::kGrouped);
+    EXPECT_EQ((*per_chunk)->w4a8_expert_launches() > 0, kernel == ExpertGemm::kW4a8);
+    EXPECT_EQ((*at_load)->grouped_expert_launches() > 0, loaded_kernel == ExpertGemm::kGrouped);
   }
   Dsv4CudaOptions bad;
   bad.widen_experts_at_load = true;  // bf16 and fp8 weights have no FP4 experts
@@ -494,6 +511,12 @@ TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
   EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
   bad.weight_dtype = cuda::WeightDtype::kCheckpoint;
   EXPECT_TRUE(Dsv4CudaEngine::check_options(c, bad).is_ok());
+  bad.expert_gemm = ExpertGemm::kW4a8;  // FP4 experts only: not widened at load, not FP8
+  EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
+  bad.widen_experts_at_load = false;
+  EXPECT_TRUE(Dsv4CudaEngine::check_options(c, bad).is_ok());
+  bad.weight_dtype = cuda::WeightDtype::kFp8;
+  EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
 }
 
 }  // namespace

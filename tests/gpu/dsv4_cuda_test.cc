@@ -285,6 +285,28 @@ TEST_F(Dsv4CudaEngineTest, AutoPicksTheExpertKernelByRowsPerExpert) {
   EXPECT_EQ(e.grouped_expert_launches(), small);  // >= 2x the limit: per expert
 }
 
+// The same for FP4 experts per chunk: kAuto takes the W4A8 kernel up to
+// Dsv4CudaOptions::kW4a8MaxMeanRows and widens them first past it.
+TEST_F(Dsv4CudaEngineTest, AutoPicksTheFp4ExpertKernelByRowsPerExpert) {
+  const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
+  Dsv4CudaOptions o;
+  o.host_tap = true;
+  o.weight_dtype = cuda::WeightDtype::kCheckpoint;
+  auto made = Dsv4CudaEngine::random(c, 17, o);
+  ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+  Dsv4CudaEngine& e = **made;
+  std::printf("[ auto ] %s\n", e.expert_gemm_name().c_str());
+  Status st;
+  dsv4_taps(e, random_ids(300, c.vocab, 5), {300}, &st);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  const int64_t small = e.w4a8_expert_launches();
+  EXPECT_EQ(small, 2 * (c.layers - 1));
+  const int64_t T = 8 * Dsv4CudaOptions::kW4a8MaxMeanRows;
+  dsv4_taps(e, random_ids(T, c.vocab, 6), {T}, &st);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(e.w4a8_expert_launches(), small);  // >= 2x the limit: widened first
+}
+
 // Options FP8 experts cannot run with are refused before any weight is touched.
 TEST_F(Dsv4CudaEngineTest, Fp8ExpertsRefuseWhatTheyCannotRun) {
   Dsv4Config c = tiny_dsv4_config();

@@ -137,10 +137,18 @@ TEST(PrefillBackend, ExpertGemmNeedsFp8ExpertsOnCuda) {
     ASSERT_TRUE(r.is_ok()) << r.status().to_string();
     EXPECT_EQ(r->backend.expert_gemm, kind);
   }
+  auto w =
+      parse_backend({"--backend", "cuda", "--weight-dtype", "checkpoint", "--expert-gemm", "w4a8"});
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  EXPECT_EQ(w->backend.expert_gemm, "w4a8");
   for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
            {"--expert-gemm", "grouped"},
            {"--backend", "cuda", "--expert-gemm", "per-expert"},
-           {"--backend", "cpu", "--weight-dtype", "checkpoint", "--expert-gemm", "grouped"}}) {
+           {"--backend", "cpu", "--weight-dtype", "checkpoint", "--expert-gemm", "grouped"},
+           // w4a8 runs FP4 experts per chunk only
+           {"--backend", "cuda", "--weight-dtype", "fp8", "--expert-gemm", "w4a8"},
+           {"--backend", "cuda", "--weight-dtype", "checkpoint", "--expert-widening", "at-load",
+            "--expert-gemm", "w4a8"}}) {
     auto r = parse_backend(bad);
     ASSERT_FALSE(r.is_ok());
     EXPECT_EQ(r.status().code(), Code::kInvalidArgument);

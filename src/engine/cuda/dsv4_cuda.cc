@@ -112,22 +112,30 @@ Status Dsv4CudaEngine::init() {
   m.fp8 = options_.weight_dtype != cuda::WeightDtype::kBf16;
   m.ckpt = options_.weight_dtype == cuda::WeightDtype::kCheckpoint;
   using ExpertGemm = Dsv4CudaOptions::ExpertGemm;
-  if (m.fp8 && options_.expert_gemm != ExpertGemm::kPerExpert &&
-      (options_.expert_gemm == ExpertGemm::kGrouped ||
-       cuda::fp8_grouped_gemm_available().is_ok())) {
+  const ExpertGemm eg = options_.expert_gemm;
+  const int64_t I = c.moe_inter, H = c.hidden;
+  if (m.fp8 && eg != ExpertGemm::kPerExpert && eg != ExpertGemm::kW4a8 &&
+      (eg == ExpertGemm::kGrouped || cuda::fp8_grouped_gemm_available().is_ok())) {
     HETERO_ASSIGN_OR_RETURN(m.grouped_fp8,
                             cuda::Fp8GroupedGemm::create(c.n_routed_experts, &m.budget));
     m.grouped_max_rows = options_.expert_gemm == ExpertGemm::kGrouped
                              ? INT64_MAX
                              : Dsv4CudaOptions::kGroupedMaxMeanRows;
-    const int64_t I = c.moe_inter, H = c.hidden;
     const int64_t per = std::max(cuda::fp8_blocks(2 * I) * cuda::fp8_blocks(H),
                                  cuda::fp8_blocks(H) * cuda::fp8_blocks(I));
     HETERO_RETURN_IF_ERROR(
         m.alloc(m.scale_t, static_cast<size_t>(c.n_routed_experts * per) * 4, "expert scales"));
   }
+  // FP4 experts per chunk: the W4A8 kernel where asked, or under auto where it runs the shapes.
+  if (m.ckpt && !options_.widen_experts_at_load &&
+      (eg == ExpertGemm::kW4a8 ||
+       (eg == ExpertGemm::kAuto && cuda::W4a8GroupedGemm::supports(2 * I, H).is_ok() &&
+        cuda::W4a8GroupedGemm::supports(H, I).is_ok()))) {
+    HETERO_ASSIGN_OR_RETURN(m.w4a8, cuda::W4a8GroupedGemm::create(c.n_routed_experts, &m.budget));
+    m.w4a8_max_rows = eg == ExpertGemm::kW4a8 ? INT64_MAX : Dsv4CudaOptions::kW4a8MaxMeanRows;
+  }
   // The lanes serve the per-expert GEMMs only.
-  if (options_.expert_streams > 1 && options_.expert_gemm != ExpertGemm::kGrouped) {
+  if (options_.expert_streams > 1 && eg != ExpertGemm::kGrouped && eg != ExpertGemm::kW4a8) {
     HETERO_ASSIGN_OR_RETURN(m.fork, cuda::Event::create());
     m.lanes.resize(static_cast<size_t>(options_.expert_streams));
     for (Impl::Lane& lane : m.lanes) {
@@ -144,7 +152,7 @@ Status Dsv4CudaEngine::init() {
       HETERO_ASSIGN_OR_RETURN(lane.fp8, cuda::Fp8Gemm::create(&m.budget));
     }
     // Ask cuBLASLt for every FP8 shape now: one it refuses fails the engine, not a chunk.
-    const int64_t I = c.moe_inter, S = c.moe_inter * c.n_shared_experts, H = c.hidden;
+    const int64_t S = c.moe_inter * c.n_shared_experts;
     std::vector<std::pair<int64_t, int64_t>> shapes = {{2 * I, H}, {H, I}, {2 * S, H}, {H, S}};
     if (m.ckpt)
       shapes.insert(shapes.end(), {{c.q_lora_rank, H},
@@ -159,8 +167,8 @@ Status Dsv4CudaEngine::init() {
     HETERO_RETURN_IF_ERROR(m.alloc(m.lossy, sizeof(unsigned long long), "a counter"));
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemset(m.lossy.get(), 0, sizeof(unsigned long long)));
   }
-  if (m.ckpt && !options_.widen_experts_at_load) {
-    const int64_t I = c.moe_inter, H = c.hidden;
+  // The widening scratch, unless every chunk runs the W4A8 kernel.
+  if (m.ckpt && !options_.widen_experts_at_load && eg != ExpertGemm::kW4a8) {
     const size_t q = static_cast<size_t>(c.n_routed_experts * std::max(2 * I * H, H * I));
     const size_t sc =
         static_cast<size_t>(c.n_routed_experts *
@@ -172,6 +180,8 @@ Status Dsv4CudaEngine::init() {
     // Defined from the start: the grouped kernel's scale transpose reads every expert's scales,
     // inactive ones (never widened, never used) too.
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemset(m.wide_scale.get(), 0, sc));
+  }
+  if (m.ckpt && !options_.widen_experts_at_load) {
     HETERO_RETURN_IF_ERROR(m.alloc(m.active, E * 4, "active experts"));
     HETERO_RETURN_IF_ERROR(m.host_active.allocate(E * 4, "active experts"));
   }
@@ -243,7 +253,7 @@ Result<std::unique_ptr<Dsv4CudaEngine>> Dsv4CudaEngine::random(const Dsv4Config&
   std::unique_ptr<Dsv4CudaEngine> e(new Dsv4CudaEngine(config, options));
   HETERO_RETURN_IF_ERROR(e->init());
   HETERO_RETURN_IF_ERROR(e->fill_random(seed));
-  if (options.widen_experts_at_load) HETERO_RETURN_IF_ERROR(e->widen_experts());
+  HETERO_RETURN_IF_ERROR(e->finish_experts());
   return e;
 }
 
@@ -260,7 +270,7 @@ Result<std::unique_ptr<Dsv4CudaEngine>> Dsv4CudaEngine::load(const std::string& 
     std::unique_ptr<Dsv4CudaEngine> e(new Dsv4CudaEngine(config, options));
     HETERO_RETURN_IF_ERROR(e->init());
     HETERO_RETURN_IF_ERROR(e->stream_checkpoint(model_dir));
-    if (options.widen_experts_at_load) HETERO_RETURN_IF_ERROR(e->widen_experts());
+    HETERO_RETURN_IF_ERROR(e->finish_experts());
     return e;
   }
   HETERO_ASSIGN_OR_RETURN(Dsv4Weights w, load_dsv4_weights(model_dir));
@@ -280,8 +290,9 @@ Result<Dsv4CudaOptions::ExpertGemm> parse_expert_gemm(const std::string& name) {
   if (name == "auto") return Dsv4CudaOptions::ExpertGemm::kAuto;
   if (name == "grouped") return Dsv4CudaOptions::ExpertGemm::kGrouped;
   if (name == "per-expert") return Dsv4CudaOptions::ExpertGemm::kPerExpert;
-  return invalid_argument("the expert GEMM must be auto, grouped or per-expert, not '" + name +
-                          "'");
+  if (name == "w4a8") return Dsv4CudaOptions::ExpertGemm::kW4a8;
+  return invalid_argument("the expert GEMM must be auto, grouped, per-expert or w4a8, not '" +
+                          name + "'");
 }
 
 Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions& options) {
@@ -312,6 +323,14 @@ Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions&
   }
   if (options.expert_gemm == Dsv4CudaOptions::ExpertGemm::kGrouped)
     HETERO_RETURN_IF_ERROR(cuda::fp8_grouped_gemm_available());
+  if (options.expert_gemm == Dsv4CudaOptions::ExpertGemm::kW4a8) {
+    if (options.weight_dtype != cuda::WeightDtype::kCheckpoint || options.widen_experts_at_load)
+      return invalid_argument(
+          "the w4a8 expert GEMM runs FP4 experts: it needs weight dtype checkpoint, with the "
+          "experts not widened at load");
+    for (auto [n, k] : {std::pair{2 * c.moe_inter, c.hidden}, std::pair{c.hidden, c.moe_inter}})
+      HETERO_RETURN_IF_ERROR(cuda::W4a8GroupedGemm::supports(n, k));
+  }
   if (options.grouped_experts)
     return invalid_argument(
         "fp8 and checkpoint-precision experts run FP8 GEMMs (expert_gemm); grouped_experts is "
@@ -349,7 +368,20 @@ int64_t Dsv4CudaEngine::device_bytes() const { return impl_->budget.used_bytes()
 
 int64_t Dsv4CudaEngine::grouped_expert_launches() const { return impl_->grouped_launches; }
 
+int64_t Dsv4CudaEngine::w4a8_expert_launches() const { return impl_->w4a8_launches; }
+
 std::string Dsv4CudaEngine::expert_gemm_name() const {
+  const Impl& m = *impl_;
+  if (m.w4a8 && m.w4a8_max_rows == INT64_MAX)
+    return "W4A8 (FP4 widened in the GEMM, one launch per projection)";
+  const std::string fp8 = expert_fp8_gemm_name();
+  if (m.w4a8)
+    return "W4A8 (FP4 widened in the GEMM) where a chunk's active experts average <= " +
+           std::to_string(m.w4a8_max_rows) + " rows, else widened, then " + fp8;
+  return fp8;
+}
+
+std::string Dsv4CudaEngine::expert_fp8_gemm_name() const {
   const Impl& m = *impl_;
   if (m.grouped_fp8 && m.grouped_max_rows == INT64_MAX)
     return "grouped FP8 (CUTLASS, one launch per projection)";

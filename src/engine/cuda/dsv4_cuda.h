@@ -94,10 +94,16 @@ struct Dsv4CudaOptions {
   // cuBLASLt over 8 streams 1.03-1.22x faster at 32,768 tokens, ~768 rows; four runs, RESULTS
   // §39); without CUTLASS, per expert. expert_gemm_name()
   // says which. The two kernels gave equal bits in every test so far, but nothing promises it.
-  // Not for bf16 weights.
-  enum class ExpertGemm { kAuto, kGrouped, kPerExpert };
+  // kW4a8 (checkpoint precision with the experts FP4, i.e. not widen_experts_at_load): the
+  // active experts' FP4 weights widened inside one grouped GEMM per projection
+  // (kernels/cuda/w4a8_grouped_gemm.h), never written out widened; the same FP8 operands as the
+  // widened path, summed in another order. Under kAuto such experts run kW4a8 where a chunk's
+  // active experts average at most kW4a8MaxMeanRows rows, else are widened first and run as
+  // above. Not for bf16 weights.
+  enum class ExpertGemm { kAuto, kGrouped, kPerExpert, kW4a8 };
   ExpertGemm expert_gemm = ExpertGemm::kAuto;
   static constexpr int64_t kGroupedMaxMeanRows = 384;
+  static constexpr int64_t kW4a8MaxMeanRows = 384;
   // The layers this engine holds and runs, [first_layer, end_layer) (end_layer -1: through the
   // last): a stage of a layer pipeline. Only the stage holding layer 0 holds the embedding and
   // takes prefill_chunk; a later stage runs prefill_stage from the previous stage's residual.
@@ -109,7 +115,8 @@ struct Dsv4CudaOptions {
   int64_t device_memory_budget_bytes = 0;
 };
 
-// "auto", "grouped" or "per-expert" (the --expert-gemm spelling) as a Dsv4CudaOptions::ExpertGemm.
+// "auto", "grouped", "per-expert" or "w4a8" (the --expert-gemm spelling) as a
+// Dsv4CudaOptions::ExpertGemm.
 Result<Dsv4CudaOptions::ExpertGemm> parse_expert_gemm(const std::string& name);
 
 class Dsv4CudaEngine {
@@ -176,8 +183,10 @@ class Dsv4CudaEngine {
   // How the routed experts' GEMMs run: "grouped FP8 (CUTLASS)", "per-expert FP8 (cuBLASLt, N
   // streams)" or "bf16 (cuBLAS...)".
   std::string expert_gemm_name() const;
-  // How many routed-expert projections ran on the grouped kernel since the engine was made.
+  // How many routed-expert projections ran on the grouped FP8 kernel, and on the W4A8 one,
+  // since the engine was made.
   int64_t grouped_expert_launches() const;
+  int64_t w4a8_expert_launches() const;
   // With phase_timing: milliseconds of device time per phase since construction.
   std::vector<std::pair<std::string, double>> phase_ms() const;
   // Under WeightDtype::kCheckpoint: how many 32-element FP4 groups of the routed experts lost
@@ -200,9 +209,12 @@ class Dsv4CudaEngine {
   // The official checkpoint's tensors, streamed (WeightDtype::kCheckpoint; dsv4_cuda_weights.cc).
   Status stream_checkpoint(const std::string& model_dir);
   Status fill_random(uint64_t seed);
-  // Dsv4CudaOptions::widen_experts_at_load, once the FP4 experts are on the device.
+  // Once the FP4 experts are on the device: widened (Dsv4CudaOptions::widen_experts_at_load),
+  // or their block exponents computed where the W4A8 kernel may run them.
+  Status finish_experts();
   Status widen_experts();
   Status size_scratch(int64_t n);
+  std::string expert_fp8_gemm_name() const;
   void release_sequence_memory();
 
   Dsv4Config config_;

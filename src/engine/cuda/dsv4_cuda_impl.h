@@ -20,6 +20,7 @@
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/fp8_grouped_gemm.h"
 #include "kernels/cuda/resource.h"
+#include "kernels/cuda/w4a8_grouped_gemm.h"
 #include "model/dsv4_calls.h"
 
 namespace hetero {
@@ -54,7 +55,9 @@ struct DFp8 {
 // (kernels/cuda/checkpoint_formats.h): packed e2m1 codes, then each matrix's UE8M0 scales.
 struct DFp4 {
   cuda::DeviceBuffer codes, scale;
+  cuda::DeviceBuffer block_max;  // where the W4A8 kernel may run them (cuda::fp4_block_max)
   int64_t mats = 0, n = 0, k = 0;
+  cuda::Fp4Experts experts() const { return {at(0), block_max.get<uint8_t>(), mats}; }
   cuda::Fp4GroupWeight at(int64_t i) const {
     return {codes.get<uint8_t>() + i * cuda::Fp4GroupWeight::code_bytes(n, k),
             scale.get<uint8_t>() + i * cuda::Fp4GroupWeight::scale_bytes(n, k), n, k};
@@ -174,6 +177,12 @@ struct Dsv4CudaEngine::Impl {
   int64_t grouped_launches = 0;  // since the engine was made
   cuda::DeviceBuffer scale_t;
   std::vector<cuda::Fp8GemmGroup> fp8_groups;
+  // FP4 experts per chunk through the W4A8 kernel (Dsv4CudaOptions::ExpertGemm::kW4a8, or kAuto)
+  // where made: the largest mean rows per active expert it takes (INT64_MAX: always).
+  std::unique_ptr<cuda::W4a8GroupedGemm> w4a8;
+  int64_t w4a8_max_rows = 0;
+  int64_t w4a8_launches = 0;
+  std::vector<cuda::W4a8Group> w4a8_groups;
   bool ckpt = false;  // WeightDtype::kCheckpoint: FP8 projections, FP4 experts widened per expert
   // The layer's active FP4 experts widened to FP8 (one projection at a time: [E] matrices of the
   // larger shape), the active experts' ids (host and device), and the count of groups whose

@@ -199,9 +199,25 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
   const int32_t* host_pad = m.host_pad.get<int32_t>();
   int64_t active = 0;
   for (int64_t e = 0; e < E; ++e) active += off[e + 1] > off[e];
-  // The mean rows per active expert, rounded up, against the grouped kernel's limit.
-  const bool grouped =
-      m.grouped_fp8 && active > 0 && (off[E] + active - 1) / active <= m.grouped_max_rows;
+  // The mean rows per active expert, rounded up, against each grouped kernel's limit.
+  const int64_t mean_rows = active > 0 ? (off[E] + active - 1) / active : 0;
+  if (widen && m.w4a8 && active > 0 && mean_rows <= m.w4a8_max_rows) {
+    // FP4 experts widened inside the GEMM: no widened copy, no scale transpose.
+    ++m.w4a8_launches;
+    cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
+                                    m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get(),
+                                    rows_from, per);
+    m.w4a8_groups.clear();
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t rows = off[e + 1] - off[e], p = host_pad[e];
+      if (rows == 0) continue;
+      m.w4a8_groups.push_back({m.act_q.get<uint8_t>() + p * wk, f32(m.act_scale) + p * groups, rows,
+                               e, y + off[e] * wn});
+    }
+    return m.w4a8->run(m.w4a8_groups.data(), static_cast<int64_t>(m.w4a8_groups.size()),
+                       w4.experts(), m.lossy.get<unsigned long long>(), m.stream.get());
+  }
+  const bool grouped = m.grouped_fp8 && active > 0 && mean_rows <= m.grouped_max_rows;
   if (grouped) ++m.grouped_launches;
   cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
                                   m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get(),

@@ -486,6 +486,25 @@ Status Dsv4CudaEngine::stream_checkpoint(const std::string& model_dir) {
   return Status::ok();
 }
 
+Status Dsv4CudaEngine::finish_experts() {
+  Impl& m = *impl_;
+  if (options_.widen_experts_at_load) return widen_experts();
+  if (!m.w4a8) return Status::ok();
+  for (int64_t l = m.first; l < m.end; ++l) {
+    DLayer& L = m.layers[static_cast<size_t>(l)];
+    for (DFp4* f4 : {&L.w13_4, &L.w2_4}) {
+      HETERO_RETURN_IF_ERROR(m.alloc(f4->block_max,
+                                     cuda::Fp4Experts::block_max_bytes(f4->mats, f4->n, f4->k),
+                                     "FP4 experts' block exponents"));
+      cuda::fp4_block_max(f4->at(0), f4->mats, f4->block_max.get<uint8_t>(), m.stream.get());
+      weight_bytes_ += static_cast<int64_t>(f4->block_max.bytes());
+    }
+  }
+  HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream.get()));
+  return Status::ok();
+}
+
 // Each layer's routed experts from FP4 to FP8, one layer at a time, its FP4 form freed before
 // the next layer is widened (so the peak is the widened layers, the rest still FP4, and one
 // layer of both). The widening kernel is the one the per-chunk path runs, so the codes and

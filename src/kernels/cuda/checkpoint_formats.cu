@@ -3,6 +3,7 @@
 #include <cuda_fp8.h>
 
 #include "kernels/cuda/checkpoint_formats.h"
+#include "kernels/cuda/fp4_widen.cuh"
 #include "kernels/cuda/fp8_block.cuh"
 
 namespace hetero::cuda {
@@ -14,32 +15,12 @@ __device__ __forceinline__ float ue8m0(uint8_t e) {
   return e == 0xff ? __int_as_float(0x7fc00000) : ldexpf(1.f, int(e) - 127);
 }
 
-__device__ __forceinline__ float e2m1(uint32_t nibble) {
-  constexpr float kMag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-  const float m = kMag[nibble & 7u];
-  return (nibble & 8u) ? -m : m;
-}
-
 __device__ __forceinline__ float e4m3(uint8_t v) {
   const int exp = (v >> 3) & 0xf, mant = v & 0x7;
   const float sign = (v & 0x80u) ? -1.f : 1.f;
   if (exp == 0xf && mant == 0x7) return __int_as_float(0x7fc00000);
   if (exp == 0) return sign * ldexpf(float(mant), -9);
   return sign * ldexpf(float(8 + mant), exp - 10);
-}
-
-// The e4m3 code of e2m1 nibble * 2^d when it is an e4m3 normal or zero (-5 <= d <= 6): an e2m1
-// magnitude code m (1..7) is 2^((m >> 1) - 1) * (1 + (m odd and m > 1) / 2), so the e4m3
-// exponent field is (m >> 1) - 1 + d + 7 and the mantissa's top bit the e2m1 mantissa bit.
-__device__ __forceinline__ uint32_t e2m1_to_e4m3_normal(uint32_t nib, int d) {
-  const uint32_t mag = nib & 7u, sign = (nib & 8u) << 4;
-  if (mag == 0) return sign;
-  return sign | (uint32_t(int(mag >> 1) + d + 6) << 3) | (((mag > 1) & mag) << 2);
-}
-
-// Round to nearest even, saturating to ±448. Low byte = a.
-__device__ __forceinline__ uint16_t e4m3x2(float a, float b) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 
 __device__ __forceinline__ uint16_t round_bf16(float f) {
@@ -146,44 +127,11 @@ __global__ void __launch_bounds__(kWidenThreads)
     const int d = e8[j] - mx + 6;
     const uint32_t w[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
     uint32_t out[8];
-    bool nonzero = false;
-    if (d >= -5) {
-      // Every value is an e4m3 normal: its code from the nibble's bits (the conversion through
-      // float below made this kernel compute-bound at a quarter of the memory bandwidth). The
-      // group's eight magnitude codes go into a byte table (two words) and each word of nibbles
-      // is looked up four at a time with a byte permute; the sign bits move to each byte's top.
-      const uint32_t lut_lo = e2m1_to_e4m3_normal(1, d) << 8 | e2m1_to_e4m3_normal(2, d) << 16 |
-                              e2m1_to_e4m3_normal(3, d) << 24;
-      const uint32_t lut_hi = e2m1_to_e4m3_normal(4, d) | e2m1_to_e4m3_normal(5, d) << 8 |
-                              e2m1_to_e4m3_normal(6, d) << 16 | e2m1_to_e4m3_normal(7, d) << 24;
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t mags = w[i] & 0x77777777u;
-        nonzero = nonzero || mags != 0;
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t sel = (mags >> (16 * h)) & 0xffffu;
-          // The sign bits of the four nibbles (bits 3, 7, 11, 15) to bits 7, 15, 23, 31.
-          uint32_t sg = (w[i] >> (16 * h)) & 0x8888u;
-          sg = (sg | (sg << 8)) & 0x00ff00ffu;
-          sg = ((sg | (sg << 4)) & 0x0f0f0f0fu) << 4;
-          out[2 * i + h] = __byte_perm(lut_lo, lut_hi, sel) | sg;
-        }
-      }
-    } else {
-      for (int i = 0; i < 4; ++i) {
-        float v[8];
-        for (int b = 0; b < 8; ++b) {
-          const uint32_t nib = (w[i] >> (4 * b)) & 0xfu;
-          nonzero = nonzero || (nib & 7u) != 0;
-          v[b] = ldexpf(e2m1(nib), d);
-        }
-        out[2 * i] = e4m3x2(v[0], v[1]) | (uint32_t(e4m3x2(v[2], v[3])) << 16);
-        out[2 * i + 1] = e4m3x2(v[4], v[5]) | (uint32_t(e4m3x2(v[6], v[7])) << 16);
-      }
-    }
+    const bool lost_bits = widen_fp4_group(w, d, out);
     uint4* dst = reinterpret_cast<uint4*>(q + (r0 + r) * k + g * kFp4Group);
     dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
     dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
-    if (nonzero && d < -8) ++lost;
+    lost += lost_bits;
   }
   if (lossy && lost) atomicAdd(lossy, lost);
 }

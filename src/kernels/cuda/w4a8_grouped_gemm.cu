@@ -1,0 +1,518 @@
+// w4a8_grouped_gemm.h: the kernel (cp.async stages, FP4 widened into swizzled shared memory,
+// wgmma with both operands in shared memory, per-128-K promotion), the block exponents, and the
+// launch (argument staging, the tile list). Built for sm_90a (wgmma).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/fp4_widen.cuh"
+#include "kernels/cuda/fp8_gemm.h"
+#include "kernels/cuda/w4a8_grouped_gemm.h"
+
+namespace hetero::cuda {
+namespace {
+
+constexpr int kBK = 128;       // k per stage: one promotion interval
+constexpr int kStages = 4;     // cp.async stages of raw operands
+constexpr int kMaxKBlocks = 64;
+// A block of BM weight rows (BM / 64 warp groups, one wgmma's M = 64 rows each) by BN rows of a
+// group.
+template <int BM, int BN>
+struct Tile {
+  static constexpr int kThreads = 2 * BM;
+  static constexpr int kRawBytes = BM * kBK / 2;        // FP4 codes of a stage
+  static constexpr int kRawScaleBytes = BM * kBK / 32;  // their group exponents
+  static constexpr int kWideBytes = BM * kBK;           // the widened e4m3 tile
+  static constexpr int kOutPitch = BM + 8;              // epilogue staging row, in bf16
+  static constexpr int kSmem = 1024 /* alignment slack */ + 2 * kWideBytes +
+                               kStages * (BN * kBK + kRawBytes + kRawScaleBytes + BN * 4) +
+                               2 * BN * 4 + kMaxKBlocks;
+};
+
+struct DevGroup {  // W4a8Group as the kernel reads it
+  const uint8_t* act_q;
+  const float* act_scale;
+  uint16_t* out;
+  int32_t rows, expert;
+};
+
+struct Params {
+  const DevGroup* groups;
+  const int32_t* cta_start;  // [count + 1]: each group's first block
+  int32_t count, n, k;
+  const uint8_t* codes;
+  const uint8_t* scales;
+  const uint8_t* block_max;
+  unsigned long long* lossy;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+// Shared memory written by ordinary stores and cp.async, read next by the tensor cores (the
+// async proxy), needs this in each writing thread before the barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// A K-major operand tile in shared memory, rows of 128 bytes with the 128-byte swizzle (the
+// 16-byte chunk c of row r stored at chunk c ^ (r % 8)), 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | (uint64_t{1} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+__device__ __forceinline__ int sw128(int r, int chunk) { return r * 128 + ((chunk ^ (r & 7)) << 4); }
+
+// 2^e, exactly (ldexpf's value without its call).
+__device__ __forceinline__ float pow2(int e) {
+  return e >= -126 ? __int_as_float((e + 127) << 23) : ldexpf(1.f, e);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 x N float32, wgmma's accumulator fragment) = or += A (64 x 32, e4m3, K-major) · B^T
+// (N x 32, e4m3, K-major), both from shared memory through their descriptors.
+__device__ __forceinline__ void wgmma_m64n64k32(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, "
+      "%40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <int BN>
+__device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], uint64_t a, uint64_t b, int acc) {
+  if constexpr (BN == 64)
+    wgmma_m64n64k32(d, a, b, acc);
+  else
+    wgmma_m64n128k32(d, a, b, acc);
+}
+
+template <int BM, int BN>
+__global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(const Params p) {
+  using T = Tile<BM, BN>;
+  constexpr int kThreads = T::kThreads, kRawBytes = T::kRawBytes;
+  constexpr int kRawScaleBytes = T::kRawScaleBytes, kWideBytes = T::kWideBytes;
+  constexpr int kOutPitch = T::kOutPitch;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* wide = smem;                                  // [2][64][128], swizzled
+  uint8_t* b_tile = wide + 2 * kWideBytes;               // [stages][BN][128], swizzled
+  uint8_t* raw = b_tile + kStages * BN * kBK;            // [stages][64][64]
+  uint8_t* raw_sc = raw + kStages * kRawBytes;           // [stages][64][4]
+  float* act_sc = reinterpret_cast<float*>(raw_sc + kStages * kRawScaleBytes);  // [stages][BN]
+  float* scale = act_sc + kStages * BN;  // [2][BN]: activation scale x weight block's scale
+  uint8_t* bmax = reinterpret_cast<uint8_t*>(scale + 2 * BN);  // [k / 128]
+
+  // This block's tile: the group by binary search over the groups' first blocks, then the weight
+  // rows (slower) and the group's rows (faster: a group's row tiles of one weight tile run side
+  // by side and share it through L2).
+  const int cta = static_cast<int>(blockIdx.x);
+  int lo = 0, hi = p.count;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (p.cta_start[mid] <= cta)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  const DevGroup G = p.groups[lo];
+  const int rows = G.rows, padded = (rows + 15) / 16 * 16;
+  const int row_tiles = (rows + BN - 1) / BN, local = cta - p.cta_start[lo];
+  const int nt = local % row_tiles, m0 = (local / row_tiles) * BM, n0 = nt * BN;
+  const int n = p.n, k = p.k, kt_count = k / kBK;
+  const uint8_t* codes = p.codes + (static_cast<size_t>(G.expert) * n + m0) * (k / 2);
+  const uint8_t* gsc = p.scales + (static_cast<size_t>(G.expert) * n + m0) * (k / 32);
+  const uint8_t* bm =
+      p.block_max + (static_cast<size_t>(G.expert) * ((n + 127) / 128) + m0 / 128) * kt_count;
+  const uint8_t* aq = G.act_q + static_cast<size_t>(n0) * k;
+  const float* as = G.act_scale + n0;
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int i = tid; i < kt_count; i += kThreads) bmax[i] = bm[i];
+
+  // Stage kt % stages <- k tile kt: the activation rows (zeros past the group's padded rows),
+  // the FP4 codes and exponents, the activation scales. Always one commit group per call. Each
+  // thread's rows and 16-byte chunks are the same in every stage (the thread counts are multiples
+  // of 8 rows' chunks), so its addresses are set once here and the loop only adds offsets.
+  constexpr int kBCopies = BN * 8 / kThreads, kRawCopies = BM * 4 / kThreads;
+  constexpr int kBStep = kThreads / 8, kRawStep = kThreads / 4;  // rows between a thread's copies
+  const int b_row = tid >> 3, raw_row = tid >> 2;
+  const uint32_t b_dst = smem_u32(b_tile) + sw128(b_row, tid & 7);
+  const uint8_t* b_src = aq + static_cast<size_t>(b_row) * k + (tid & 7) * 16;
+  uint32_t b_ok = 0;  // bit j: the thread's j-th row is inside the group's padded rows
+#pragma unroll
+  for (int j = 0; j < kBCopies; ++j) b_ok |= uint32_t(n0 + b_row + j * kBStep < padded) << j;
+  const uint32_t raw_dst = smem_u32(raw) + raw_row * 64 + (tid & 3) * 16;
+  const uint8_t* raw_src = codes + static_cast<size_t>(raw_row) * (k / 2) + (tid & 3) * 16;
+  const uint32_t rsc_dst = smem_u32(raw_sc) + tid * 4;
+  const uint8_t* rsc_src = gsc + static_cast<size_t>(tid) * (k / 32);
+  const bool act_ok = n0 + tid * 4 < padded;
+  const uint32_t act_dst = smem_u32(act_sc) + tid * 16;
+  auto load = [&](int kt) {
+    const int s = kt % kStages;
+    if (kt < kt_count) {
+#pragma unroll
+      for (int j = 0; j < kBCopies; ++j) {
+        const bool ok = (b_ok >> j) & 1;
+        cp_async16(b_dst + s * BN * kBK + j * kBStep * 128,
+                   ok ? b_src + static_cast<size_t>(j * kBStep) * k + kt * kBK : G.act_q, ok);
+      }
+#pragma unroll
+      for (int j = 0; j < kRawCopies; ++j)
+        cp_async16(raw_dst + s * kRawBytes + j * kRawStep * 64,
+                   raw_src + static_cast<size_t>(j * kRawStep) * (k / 2) + kt * 64, true);
+      if (tid < BM) cp_async4(rsc_dst + s * kRawScaleBytes, rsc_src + kt * 4);
+      if (tid < BN / 4)
+        cp_async16(act_dst + s * BN * 4,
+                   act_ok ? as + static_cast<size_t>(kt) * padded + tid * 4 : G.act_scale, act_ok);
+    }
+    cp_async_commit();
+  };
+
+  // wide[buf] <- k tile kt widened: thread t takes row t / 2, its groups 2 (t % 2) and the next.
+  // Returns the groups whose widening was not exact.
+  auto widen = [&](int kt, int buf) {
+    const int s = kt % kStages, r = tid >> 1, h = tid & 1;
+    const int mx = bmax[kt];
+    const uint8_t* sc = raw_sc + s * kRawScaleBytes + r * 4 + 2 * h;
+    uint8_t* dst = wide + buf * kWideBytes;
+    unsigned lost = 0;
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      const uint4 v = *reinterpret_cast<const uint4*>(raw + s * kRawBytes + r * 64 + (2 * h + g) * 16);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      const int d = int(sc[g]) - mx + 6;
+      uint32_t o[8];
+      const bool nonzero = widen_fp4_group(w, d, o);
+      const int c = 2 * (2 * h + g);
+      *reinterpret_cast<uint4*>(dst + sw128(r, c)) = make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(dst + sw128(r, c + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
+      lost += nonzero && d < -8;
+    }
+    return lost;
+  };
+
+  // scale[kt % 2] <- k tile kt's promotion factors, one per column (group row), made once per
+  // block instead of once per thread and column.
+  auto scales = [&](int kt) {
+    if (tid < BN)
+      scale[(kt & 1) * BN + tid] =
+          act_sc[(kt % kStages) * BN + tid] * pow2(int(bmax[kt]) - 133);
+  };
+
+  const int lane = tid & 31, warp = tid >> 5;
+  float acc[BN / 2], tot[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) tot[i] = 0.f, acc[i] = 0.f;
+  for (int s = 0; s < kStages - 1; ++s) load(s);
+  cp_async_wait<kStages - 2>();
+  __syncthreads();
+  unsigned lost = widen(0, 0);
+  scales(0);
+  for (int kt = 0; kt < kt_count; ++kt) {
+    cp_async_wait<kStages - 3>();  // k tiles kt and kt + 1 are here
+    fence_proxy_async();
+    __syncthreads();
+    load(kt + kStages - 1);  // into the stage k tile kt - 1 used, done with
+    // Each warp group its own 64 weight rows of the tile.
+    const uint32_t a_addr = smem_u32(wide + (kt & 1) * kWideBytes + (warp / 4) * 64 * kBK);
+    const uint32_t b_addr = smem_u32(b_tile + (kt % kStages) * BN * kBK);
+    fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 32; ++kk)
+      wgmma_k32<BN>(acc, sw128_desc(a_addr + kk * 32), sw128_desc(b_addr + kk * 32), kk > 0);
+    wgmma_commit();
+    if (kt + 1 < kt_count) {  // beside the tensor cores
+      lost += widen(kt + 1, (kt + 1) & 1);
+      scales(kt + 1);
+    }
+    wgmma_wait_all();
+    fence_operands(acc);
+    // Promotion: acc holds rows 16 warp + lane / 4 (+ 8) of the tile, columns (group rows)
+    // 8 j + 2 (lane % 4) (+ 1); each column's factor is its activation scale times the weight
+    // block's (the product fp8_grouped_gemm.h's kernel forms, in the same order).
+    const float2* f = reinterpret_cast<const float2*>(scale + (kt & 1) * BN);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const float2 s2 = f[4 * j + (lane & 3)];
+      tot[4 * j] = fmaf(acc[4 * j], s2.x, tot[4 * j]);
+      tot[4 * j + 1] = fmaf(acc[4 * j + 1], s2.y, tot[4 * j + 1]);
+      tot[4 * j + 2] = fmaf(acc[4 * j + 2], s2.x, tot[4 * j + 2]);
+      tot[4 * j + 3] = fmaf(acc[4 * j + 3], s2.y, tot[4 * j + 3]);
+    }
+  }
+  if (p.lossy && nt == 0 && lost) atomicAdd(p.lossy, static_cast<unsigned long long>(lost));
+
+  // Epilogue: the tile transposed through shared memory (the activation stages are free), then
+  // written a 16-byte chunk at a time, rows of the group only.
+  __syncthreads();
+  uint16_t* stage = reinterpret_cast<uint16_t*>(b_tile);  // [BN][kOutPitch]
+  const int r0 = 16 * warp + (lane >> 2);
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int c = j * 8 + 2 * (lane & 3);
+    stage[c * kOutPitch + r0] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j]));
+    stage[(c + 1) * kOutPitch + r0] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 1]));
+    stage[c * kOutPitch + r0 + 8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 2]));
+    stage[(c + 1) * kOutPitch + r0 + 8] =
+        __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 3]));
+  }
+  __syncthreads();
+  for (int i = tid; i < BN * (BM / 8); i += kThreads) {
+    const int c = i / (BM / 8), ch = i % (BM / 8);
+    if (n0 + c < rows)
+      *reinterpret_cast<uint4*>(G.out + static_cast<size_t>(n0 + c) * n + m0 + ch * 8) =
+          *reinterpret_cast<const uint4*>(stage + c * kOutPitch + ch * 8);
+  }
+}
+
+// One thread per 128x128 block: the largest of its (up to) 128 rows x 4 group exponents.
+__global__ void block_max_kernel(const uint8_t* __restrict__ sc, int64_t mats, int64_t n,
+                                 int64_t k, uint8_t* __restrict__ out) {
+  const int64_t nb = (n + 127) / 128, kb = k / 128;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= mats * nb * kb) return;
+  const int64_t m = i / (nb * kb), b = (i / kb) % nb, c = i % kb;
+  const int64_t r1 = min(n, (b + 1) * 128);
+  unsigned mx = 0;
+  for (int64_t r = b * 128; r < r1; ++r) {
+    const uint32_t v =
+        *reinterpret_cast<const uint32_t*>(sc + (m * n + r) * (k / kFp4Group) + c * 4);
+    mx = max(max(max(mx, v & 0xffu), max((v >> 8) & 0xffu, (v >> 16) & 0xffu)), v >> 24);
+  }
+  out[i] = static_cast<uint8_t>(mx);
+}
+
+template <int M, int N>
+struct TileId {
+  static constexpr int kM = M, kN = N;
+};
+// f(TileId<M, N>{}) for every tile the kernel is built for, stopping at the first error.
+template <class F>
+Status each_tile(F&& f) {
+  HETERO_RETURN_IF_ERROR(f(TileId<64, 64>{}));
+  HETERO_RETURN_IF_ERROR(f(TileId<64, 128>{}));
+  return f(TileId<128, 128>{});
+}
+
+}  // namespace
+
+void fp4_block_max(const Fp4GroupWeight& w0, int64_t mats, uint8_t* out, cudaStream_t stream) {
+  const int64_t total = mats * ((w0.n + 127) / 128) * (w0.k / 128);
+  if (total <= 0) return;
+  block_max_kernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+      w0.scale, mats, w0.n, w0.k, out);
+}
+
+Status w4a8_grouped_gemm_available(int device) { return check_fp8_device(device); }
+
+Status W4a8GroupedGemm::supports(int64_t n, int64_t k) {
+  if (n <= 0 || k <= 0 || n % 64 != 0 || k % kBK != 0 || k / kBK > kMaxKBlocks ||
+      n > (int64_t{1} << 24))
+    return failed_precondition("the W4A8 grouped GEMM takes n a multiple of 64 and k a multiple "
+                               "of 128 up to 8192, not n=" + std::to_string(n) +
+                               " k=" + std::to_string(k));
+  return Status::ok();
+}
+
+struct W4a8GroupedGemm::Impl {
+  int64_t max_groups = 0;
+  int tile_m = 0, tile_n = 0;  // 0: chosen per launch
+  PinnedBuffer host[2];
+  DeviceBuffer dev[2];
+  Event copied[2];  // the slot's launch is done: its host staging may be written again
+  bool used[2] = {false, false};
+  int slot = 0;
+};
+
+namespace {
+size_t arg_bytes(int64_t groups) {
+  return static_cast<size_t>(groups) * sizeof(DevGroup) +
+         static_cast<size_t>(groups + 1) * sizeof(int32_t);
+}
+}  // namespace
+
+Result<std::unique_ptr<W4a8GroupedGemm>> W4a8GroupedGemm::create(int64_t max_groups,
+                                                                 DeviceMemoryBudget* budget) {
+  int device = 0;
+  HETERO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  HETERO_RETURN_IF_ERROR(w4a8_grouped_gemm_available(device));
+  if (max_groups <= 0 || max_groups > (int64_t{1} << 20))
+    return invalid_argument("the W4A8 grouped GEMM needs max_groups in [1, 2^20], not " +
+                            std::to_string(max_groups));
+  auto impl = std::make_unique<Impl>();
+  impl->max_groups = max_groups;
+  for (int s = 0; s < 2; ++s) {
+    HETERO_RETURN_IF_ERROR(
+        impl->host[s].allocate(arg_bytes(max_groups), "the W4A8 GEMM's argument staging"));
+    HETERO_RETURN_IF_ERROR(
+        impl->dev[s].allocate(arg_bytes(max_groups), "the W4A8 GEMM's arguments", budget));
+    HETERO_ASSIGN_OR_RETURN(impl->copied[s], Event::create());
+  }
+  HETERO_RETURN_IF_ERROR(each_tile([](auto tile) -> Status {
+    using T = decltype(tile);
+    HETERO_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(w4a8_grouped_kernel<T::kM, T::kN>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     Tile<T::kM, T::kN>::kSmem));
+    return Status::ok();
+  }));
+  return std::unique_ptr<W4a8GroupedGemm>(new W4a8GroupedGemm(std::move(impl)));
+}
+
+void W4a8GroupedGemm::set_tile(int weight_rows, int group_rows) {
+  const bool ok = (weight_rows == 64 || weight_rows == 128) && (group_rows == 64 || group_rows == 128);
+  impl_->tile_m = ok ? weight_rows : 0;
+  impl_->tile_n = ok ? group_rows : 0;
+}
+
+Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Experts& w,
+                            unsigned long long* lossy_groups, cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (count == 0) return Status::ok();
+  if (count < 0 || count > m.max_groups)
+    return invalid_argument("the W4A8 grouped GEMM takes up to " + std::to_string(m.max_groups) +
+                            " groups, not " + std::to_string(count));
+  const int64_t n = w.w0.n, k = w.w0.k;
+  const Status shape = supports(n, k);
+  if (!shape.is_ok()) return invalid_argument(shape.message());
+  if (!w.w0.codes || !w.w0.scale || !w.block_max)
+    return invalid_argument("the W4A8 grouped GEMM needs the experts' codes, scales and block "
+                            "exponents");
+  auto aligned = [](const void* p) { return p && (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  int64_t rows_total = 0;
+  for (int64_t g = 0; g < count; ++g) {
+    const W4a8Group& x = groups[g];
+    if (x.rows <= 0 || x.rows > (int64_t{1} << 30) || x.expert < 0 || x.expert >= w.mats)
+      return invalid_argument("W4A8 grouped GEMM group " + std::to_string(g) + " has " +
+                              std::to_string(x.rows) + " rows of expert " +
+                              std::to_string(x.expert) + " (of " + std::to_string(w.mats) + ")");
+    if (!aligned(x.act_q) || !aligned(x.act_scale) || !aligned(x.out))
+      return invalid_argument("W4A8 grouped GEMM group " + std::to_string(g) +
+                              ": operands must be 16-byte aligned");
+    rows_total += x.rows;
+  }
+  // Group rows per tile: 128 unless 64-row tiles waste fewer rows by a margin (their MMAs read
+  // more shared memory per flop); weight rows: 64.
+  int bm = m.tile_m, bn = m.tile_n;
+  if (bm == 0 || n % bm != 0) {
+    int64_t pad64 = 0, pad128 = 0;
+    for (int64_t g = 0; g < count; ++g) {
+      pad64 += (groups[g].rows + 63) / 64 * 64;
+      pad128 += (groups[g].rows + 127) / 128 * 128;
+    }
+    bm = 64;
+    bn = static_cast<double>(pad64) * 1.15 < static_cast<double>(pad128) ? 64 : 128;
+  }
+  const int s = m.slot;
+  m.slot ^= 1;
+  if (m.used[s]) HETERO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(m.copied[s].get()));
+  auto* dg = m.host[s].get<DevGroup>();
+  auto* start = reinterpret_cast<int32_t*>(dg + m.max_groups);
+  const int64_t m_tiles = n / bm;
+  int64_t ctas = 0;
+  for (int64_t g = 0; g < count; ++g) {
+    const W4a8Group& x = groups[g];
+    dg[g] = {x.act_q, x.act_scale, x.out, static_cast<int32_t>(x.rows),
+             static_cast<int32_t>(x.expert)};
+    start[g] = static_cast<int32_t>(ctas);
+    ctas += m_tiles * ((x.rows + bn - 1) / bn);
+  }
+  start[count] = static_cast<int32_t>(ctas);
+  if (ctas > INT32_MAX / 2) return invalid_argument("the W4A8 grouped GEMM launch is too large");
+  const Status st = [&]() -> Status {
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.dev[s].get(), dg, arg_bytes(m.max_groups),
+                                                cudaMemcpyHostToDevice, stream));
+    const auto* ddg = m.dev[s].get<DevGroup>();
+    const Params prm{ddg, reinterpret_cast<const int32_t*>(ddg + m.max_groups),
+                     static_cast<int32_t>(count), static_cast<int32_t>(n),
+                     static_cast<int32_t>(k), w.w0.codes, w.w0.scale, w.block_max, lossy_groups};
+    HETERO_RETURN_IF_ERROR(each_tile([&](auto tile) -> Status {
+      using T = decltype(tile);
+      if (T::kM == bm && T::kN == bn)
+        w4a8_grouped_kernel<T::kM, T::kN>
+            <<<static_cast<unsigned>(ctas), 2 * T::kM, Tile<T::kM, T::kN>::kSmem, stream>>>(prm);
+      return Status::ok();
+    }));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return Status::ok();
+  }();
+  m.used[s] = true;
+  if (cudaEventRecord(m.copied[s].get(), stream) != cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    cudaStreamSynchronize(stream);
+    HETERO_CUDA_RETURN_IF_ERROR(e);
+  }
+  return st;
+}
+
+W4a8GroupedGemm::W4a8GroupedGemm(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+W4a8GroupedGemm::~W4a8GroupedGemm() = default;
+
+}  // namespace hetero::cuda
