@@ -82,8 +82,8 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
     const int64_t per_q = n * k, per_s = fp8_blocks(n) * fp8_weight_scale_ld(k);
     Dev dx(x.size() * 2), doff(off.size() * 4), dpad(pad.size() * 4), dq(total * k),
         ds(total * groups * 4), dc(w4.codes.size()), dsc(w4.scales.size()),
-        dbm(cuda::Fp4Experts::block_max_bytes(E, n, k)), dact(active.size() * 4),
-        dwq(E * per_q), dws(E * per_s * 4), dlw(8), dlf(8), dref(fp8_act_rows(300) * n * 2);
+        dbm(cuda::Fp4Experts::block_max_bytes(E, n, k)), dact(active.size() * 4), dwq(E * per_q),
+        dws(E * per_s * 4), dlw(8), dlf(8), dref(fp8_act_rows(300) * n * 2);
     put(dx, x), put(doff, off), put(dpad, pad), put(dc, w4.codes), put(dsc, w4.scales);
     put(dact, active);
     ASSERT_EQ(cudaMemset(dlw.p, 0, 8), cudaSuccess);
@@ -92,8 +92,8 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
     const cuda::Fp4GroupWeight w0{dc.as<uint8_t>(), dsc.as<uint8_t>(), n, k};
     cuda::fp4_block_max(w0, E, dbm.as<uint8_t>(), nullptr);
     cuda::widen_fp4_experts_to_fp8(w0, dact.as<int32_t>(), static_cast<int64_t>(active.size()),
-                                   dwq.as<uint8_t>(), dws.as<float>(),
-                                   dlw.as<unsigned long long>(), nullptr);
+                                   dwq.as<uint8_t>(), dws.as<float>(), dlw.as<unsigned long long>(),
+                                   nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto q = get<uint8_t>(dq, static_cast<size_t>(total * k));
     const auto s = get<float>(ds, static_cast<size_t>(total * groups));
@@ -111,10 +111,9 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
           for (int64_t t = 0; t < k; ++t) {
             const double a = e4m3_value(q[static_cast<size_t>((pad[e] + i) * k + t)]) *
                              s[static_cast<size_t>(pad[e] * groups + (t / 128) * R + i)];
-            const double b = e4m3_value(wq[static_cast<size_t>(e * per_q + j * k + t)]) *
-                             wsc[static_cast<size_t>(e * per_s + (j / 128) *
-                                                                     fp8_weight_scale_ld(k) +
-                                                     t / 128)];
+            const double b =
+                e4m3_value(wq[static_cast<size_t>(e * per_q + j * k + t)]) *
+                wsc[static_cast<size_t>(e * per_s + (j / 128) * fp8_weight_scale_ld(k) + t / 128)];
             sum += a * b, abs_sum += std::fabs(a * b);
           }
           ref[e].push_back(sum), mag[e].push_back(abs_sum);
@@ -134,8 +133,8 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
       ASSERT_EQ(cudaMemset(dlf.p, 0, 8), cudaSuccess);
       std::vector<cuda::W4a8Group> gs;
       for (int64_t e : active)
-        gs.push_back({dq.as<uint8_t>() + pad[e] * k, ds.as<float>() + pad[e] * groups,
-                      cs.rows[e], e, dout.as<uint16_t>() + off[e] * n});
+        gs.push_back({dq.as<uint8_t>() + pad[e] * k, ds.as<float>() + pad[e] * groups, cs.rows[e],
+                      e, dout.as<uint16_t>() + off[e] * n});
       const cuda::Fp4Experts experts{w0, dbm.as<uint8_t>(), E};
       const Status st = (*gemm)->run(gs.data(), static_cast<int64_t>(gs.size()), experts,
                                      dlf.as<unsigned long long>(), nullptr);
@@ -164,11 +163,12 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
         }
         const double rel = std::sqrt(num / std::max(den, 1e-300));
         const double vs_lt = std::sqrt(dn / std::max(den, 1e-300));
-        std::printf("[ w4a8 n %lld k %lld tile %dx%d expert %lld rows %lld ] worst/bound %.3f, "
-                    "rel rms vs float64 %.2e; vs widened + cuBLASLt: %.1f%% equal, rel rms %.2e\n",
-                    static_cast<long long>(n), static_cast<long long>(k), tile_m, tile,
-                    static_cast<long long>(e), static_cast<long long>(r), worst, rel,
-                    100.0 * static_cast<double>(equal) / static_cast<double>(r * n), vs_lt);
+        std::printf(
+            "[ w4a8 n %lld k %lld tile %dx%d expert %lld rows %lld ] worst/bound %.3f, "
+            "rel rms vs float64 %.2e; vs widened + cuBLASLt: %.1f%% equal, rel rms %.2e\n",
+            static_cast<long long>(n), static_cast<long long>(k), tile_m, tile,
+            static_cast<long long>(e), static_cast<long long>(r), worst, rel,
+            100.0 * static_cast<double>(equal) / static_cast<double>(r * n), vs_lt);
         EXPECT_GT(den, 0.0) << "a zero reference tests nothing";
         EXPECT_LE(worst, 1.0) << "n " << n << " k " << k << " expert " << e;
         EXPECT_LT(rel, 3e-3) << "bf16 output rounding alone is about 1.1e-3";
@@ -190,8 +190,8 @@ TEST_F(W4a8GroupedGemmTest, DeterministicAndQueuedLaunchesReadTheirOwnArguments)
   const HostFp8 a = host_quantize_act(blocky_bf16(r, k, 1, 7), r, k);
   const size_t out_bytes = static_cast<size_t>((r + 16) * n) * 2;
   Dev aq(a.q.size()), as(a.scale.size() * 4), dc(w4.codes.size()), dsc(w4.scales.size()),
-      dbm(cuda::Fp4Experts::block_max_bytes(2, n, k)), o1(out_bytes), o2(out_bytes),
-      o3(out_bytes), o4(out_bytes);
+      dbm(cuda::Fp4Experts::block_max_bytes(2, n, k)), o1(out_bytes), o2(out_bytes), o3(out_bytes),
+      o4(out_bytes);
   put(aq, a.q), put(as, a.scale), put(dc, w4.codes), put(dsc, w4.scales);
   for (Dev* o : {&o1, &o2, &o3, &o4}) ASSERT_EQ(cudaMemset(o->p, 0xff, out_bytes), cudaSuccess);
   const cuda::Fp4GroupWeight w0{dc.as<uint8_t>(), dsc.as<uint8_t>(), n, k};

@@ -126,13 +126,9 @@ Status Dsv4CudaEngine::init() {
     HETERO_RETURN_IF_ERROR(
         m.alloc(m.scale_t, static_cast<size_t>(c.n_routed_experts * per) * 4, "expert scales"));
   }
-  // FP4 experts per chunk: the W4A8 kernel where asked, or under auto where it runs the shapes.
-  if (m.ckpt && !options_.widen_experts_at_load &&
-      (eg == ExpertGemm::kW4a8 ||
-       (eg == ExpertGemm::kAuto && cuda::W4a8GroupedGemm::supports(2 * I, H).is_ok() &&
-        cuda::W4a8GroupedGemm::supports(H, I).is_ok()))) {
+  // FP4 experts per chunk through the W4A8 kernel, where asked (check_options: per chunk only).
+  if (eg == ExpertGemm::kW4a8) {
     HETERO_ASSIGN_OR_RETURN(m.w4a8, cuda::W4a8GroupedGemm::create(c.n_routed_experts, &m.budget));
-    m.w4a8_max_rows = eg == ExpertGemm::kW4a8 ? INT64_MAX : Dsv4CudaOptions::kW4a8MaxMeanRows;
   }
   // The lanes serve the per-expert GEMMs only.
   if (options_.expert_streams > 1 && eg != ExpertGemm::kGrouped && eg != ExpertGemm::kW4a8) {
@@ -372,17 +368,7 @@ int64_t Dsv4CudaEngine::w4a8_expert_launches() const { return impl_->w4a8_launch
 
 std::string Dsv4CudaEngine::expert_gemm_name() const {
   const Impl& m = *impl_;
-  if (m.w4a8 && m.w4a8_max_rows == INT64_MAX)
-    return "W4A8 (FP4 widened in the GEMM, one launch per projection)";
-  const std::string fp8 = expert_fp8_gemm_name();
-  if (m.w4a8)
-    return "W4A8 (FP4 widened in the GEMM) where a chunk's active experts average <= " +
-           std::to_string(m.w4a8_max_rows) + " rows, else widened, then " + fp8;
-  return fp8;
-}
-
-std::string Dsv4CudaEngine::expert_fp8_gemm_name() const {
-  const Impl& m = *impl_;
+  if (m.w4a8) return "W4A8 (FP4 widened in the GEMM, one launch per projection)";
   if (m.grouped_fp8 && m.grouped_max_rows == INT64_MAX)
     return "grouped FP8 (CUTLASS, one launch per projection)";
   const std::string per = "per-expert FP8 (cuBLASLt, " +

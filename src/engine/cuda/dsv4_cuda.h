@@ -96,14 +96,14 @@ struct Dsv4CudaOptions {
   // says which. The two kernels gave equal bits in every test so far, but nothing promises it.
   // kW4a8 (checkpoint precision with the experts FP4, i.e. not widen_experts_at_load): the
   // active experts' FP4 weights widened inside one grouped GEMM per projection
-  // (kernels/cuda/w4a8_grouped_gemm.h), never written out widened; the same FP8 operands as the
-  // widened path, summed in another order. Under kAuto such experts run kW4a8 where a chunk's
-  // active experts average at most kW4a8MaxMeanRows rows, else are widened first and run as
-  // above. Not for bf16 weights.
+  // (kernels/cuda/w4a8_grouped_gemm.h), never written out widened, so the engine holds no
+  // widening scratch (one projection's experts in FP8: 4.3 GB at Flash shapes); the same FP8
+  // operands and the same bits as the widened path's kernels gave in every test. Slower today:
+  // 0.62-0.69x the widened path's GEMMs at Flash shapes and 8,192 tokens (RESULTS §40), so
+  // kAuto never takes it. Not for bf16 weights.
   enum class ExpertGemm { kAuto, kGrouped, kPerExpert, kW4a8 };
   ExpertGemm expert_gemm = ExpertGemm::kAuto;
   static constexpr int64_t kGroupedMaxMeanRows = 384;
-  static constexpr int64_t kW4a8MaxMeanRows = 384;
   // The layers this engine holds and runs, [first_layer, end_layer) (end_layer -1: through the
   // last): a stage of a layer pipeline. Only the stage holding layer 0 holds the embedding and
   // takes prefill_chunk; a later stage runs prefill_stage from the previous stage's residual.
@@ -214,7 +214,6 @@ class Dsv4CudaEngine {
   Status finish_experts();
   Status widen_experts();
   Status size_scratch(int64_t n);
-  std::string expert_fp8_gemm_name() const;
   void release_sequence_memory();
 
   Dsv4Config config_;

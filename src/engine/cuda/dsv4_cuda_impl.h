@@ -177,10 +177,9 @@ struct Dsv4CudaEngine::Impl {
   int64_t grouped_launches = 0;  // since the engine was made
   cuda::DeviceBuffer scale_t;
   std::vector<cuda::Fp8GemmGroup> fp8_groups;
-  // FP4 experts per chunk through the W4A8 kernel (Dsv4CudaOptions::ExpertGemm::kW4a8, or kAuto)
-  // where made: the largest mean rows per active expert it takes (INT64_MAX: always).
+  // FP4 experts per chunk through the W4A8 kernel (Dsv4CudaOptions::ExpertGemm::kW4a8), where
+  // made.
   std::unique_ptr<cuda::W4a8GroupedGemm> w4a8;
-  int64_t w4a8_max_rows = 0;
   int64_t w4a8_launches = 0;
   std::vector<cuda::W4a8Group> w4a8_groups;
   bool ckpt = false;  // WeightDtype::kCheckpoint: FP8 projections, FP4 experts widened per expert

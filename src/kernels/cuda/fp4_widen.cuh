@@ -40,10 +40,10 @@ __device__ __forceinline__ bool widen_fp4_group(const uint32_t (&w)[4], int d, u
     // (m >> 1) + d + 6 and the e2m1 mantissa bit as its top mantissa bit: at d = 0 the codes
     // 0x30 0x38 0x3c 0x40 0x44 0x48 0x4c, and 8d more for any d (no byte carries: d >= -5). The
     // eight magnitude codes sit in a byte table (two words; magnitude 0 stays 0) and each nibble
-    // selects its byte with a byte permute, four at a time. A second permute of 0x80 bytes, selected by the whole nibble, gives
-    // 0xff where the sign bit is set (the permute's sign-replicate mode), whose bit 6 shifted up
-    // is the code's sign. Four instructions for four elements: the W4A8 GEMM widens in its main
-    // loop, where issue slots are what it runs short of.
+    // selects its byte with a byte permute, four at a time. A second permute of 0x80 bytes,
+    // selected by the whole nibble, gives 0xff where the sign bit is set (the permute's
+    // sign-replicate mode), whose bit 6 shifted up is the code's sign. Four instructions for four
+    // elements: the W4A8 GEMM widens in its main loop, where issue slots are what it runs short of.
     const uint32_t step = static_cast<uint32_t>(8 * d);
     const uint32_t lut_lo = 0x3c383000u + step * 0x01010100u;
     const uint32_t lut_hi = 0x4c484440u + step * 0x01010101u;

@@ -15,8 +15,8 @@
 namespace hetero::cuda {
 namespace {
 
-constexpr int kBK = 128;       // k per stage: one promotion interval
-constexpr int kStages = 4;     // cp.async stages of raw operands
+constexpr int kBK = 128;    // k per stage: one promotion interval
+constexpr int kStages = 4;  // cp.async stages of raw operands
 constexpr int kMaxKBlocks = 64;
 // A block of BM weight rows (BM / 64 warp groups, one wgmma's M = 64 rows each) by BN rows of a
 // group.
@@ -76,11 +76,8 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | (uint64_t{1} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
-__device__ __forceinline__ int sw128(int r, int chunk) { return r * 128 + ((chunk ^ (r & 7)) << 4); }
-
-// 2^e, exactly (ldexpf's value without its call).
-__device__ __forceinline__ float pow2(int e) {
-  return e >= -126 ? __int_as_float((e + 127) << 23) : ldexpf(1.f, e);
+__device__ __forceinline__ int sw128(int r, int chunk) {
+  return r * 128 + ((chunk ^ (r & 7)) << 4);
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -100,7 +97,8 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 
 // d (64 x N float32, wgmma's accumulator fragment) = or += A (64 x 32, e4m3, K-major) · B^T
 // (N x 32, e4m3, K-major), both from shared memory through their descriptors.
-__device__ __forceinline__ void wgmma_m64n64k32(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+__device__ __forceinline__ void wgmma_m64n64k32(float (&d)[32], uint64_t a, uint64_t b,
+                                                int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
@@ -109,16 +107,16 @@ __device__ __forceinline__ void wgmma_m64n64k32(float (&d)[32], uint64_t a, uint
       "%16, %17, %18, %19, %20, %21, %22, %23, "
       "%24, %25, %26, %27, %28, %29, %30, %31"
       "}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
-__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uint64_t b,
+                                                 int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
@@ -131,17 +129,16 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uin
       "%48, %49, %50, %51, %52, %53, %54, %55, "
       "%56, %57, %58, %59, %60, %61, %62, %63"
       "}, %64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -160,12 +157,12 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
   constexpr int kRawScaleBytes = T::kRawScaleBytes, kWideBytes = T::kWideBytes;
   constexpr int kOutPitch = T::kOutPitch;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* wide = smem;                                  // [2][64][128], swizzled
-  uint8_t* b_tile = wide + 2 * kWideBytes;               // [stages][BN][128], swizzled
-  uint8_t* raw = b_tile + kStages * BN * kBK;            // [stages][64][64]
-  uint8_t* raw_sc = raw + kStages * kRawBytes;           // [stages][64][4]
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* wide = smem;                         // [2][64][128], swizzled
+  uint8_t* b_tile = wide + 2 * kWideBytes;      // [stages][BN][128], swizzled
+  uint8_t* raw = b_tile + kStages * BN * kBK;   // [stages][64][64]
+  uint8_t* raw_sc = raw + kStages * kRawBytes;  // [stages][64][4]
   float* act_sc = reinterpret_cast<float*>(raw_sc + kStages * kRawScaleBytes);  // [stages][BN]
   float* scale = act_sc + kStages * BN;  // [2][BN]: activation scale x weight block's scale
   uint8_t* bmax = reinterpret_cast<uint8_t*>(scale + 2 * BN);  // [k / 128]
@@ -197,40 +194,32 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
   for (int i = tid; i < kt_count; i += kThreads) bmax[i] = bm[i];
 
   // Stage kt % stages <- k tile kt: the activation rows (zeros past the group's padded rows),
-  // the FP4 codes and exponents, the activation scales. Always one commit group per call. Each
-  // thread's rows and 16-byte chunks are the same in every stage (the thread counts are multiples
-  // of 8 rows' chunks), so its addresses are set once here and the loop only adds offsets.
-  constexpr int kBCopies = BN * 8 / kThreads, kRawCopies = BM * 4 / kThreads;
-  constexpr int kBStep = kThreads / 8, kRawStep = kThreads / 4;  // rows between a thread's copies
-  const int b_row = tid >> 3, raw_row = tid >> 2;
-  const uint32_t b_dst = smem_u32(b_tile) + sw128(b_row, tid & 7);
-  const uint8_t* b_src = aq + static_cast<size_t>(b_row) * k + (tid & 7) * 16;
-  uint32_t b_ok = 0;  // bit j: the thread's j-th row is inside the group's padded rows
-#pragma unroll
-  for (int j = 0; j < kBCopies; ++j) b_ok |= uint32_t(n0 + b_row + j * kBStep < padded) << j;
-  const uint32_t raw_dst = smem_u32(raw) + raw_row * 64 + (tid & 3) * 16;
-  const uint8_t* raw_src = codes + static_cast<size_t>(raw_row) * (k / 2) + (tid & 3) * 16;
-  const uint32_t rsc_dst = smem_u32(raw_sc) + tid * 4;
-  const uint8_t* rsc_src = gsc + static_cast<size_t>(tid) * (k / 32);
-  const bool act_ok = n0 + tid * 4 < padded;
-  const uint32_t act_dst = smem_u32(act_sc) + tid * 16;
+  // the FP4 codes and exponents, the activation scales. Always one commit group per call.
   auto load = [&](int kt) {
     const int s = kt % kStages;
     if (kt < kt_count) {
+      uint8_t* bs = b_tile + s * BN * kBK;
 #pragma unroll
-      for (int j = 0; j < kBCopies; ++j) {
-        const bool ok = (b_ok >> j) & 1;
-        cp_async16(b_dst + s * BN * kBK + j * kBStep * 128,
-                   ok ? b_src + static_cast<size_t>(j * kBStep) * k + kt * kBK : G.act_q, ok);
+      for (int i = tid; i < BN * 8; i += kThreads) {
+        const int r = i >> 3, c = i & 7;
+        const bool ok = n0 + r < padded;
+        cp_async16(smem_u32(bs + sw128(r, c)),
+                   ok ? aq + static_cast<size_t>(r) * k + kt * kBK + c * 16 : G.act_q, ok);
       }
 #pragma unroll
-      for (int j = 0; j < kRawCopies; ++j)
-        cp_async16(raw_dst + s * kRawBytes + j * kRawStep * 64,
-                   raw_src + static_cast<size_t>(j * kRawStep) * (k / 2) + kt * 64, true);
-      if (tid < BM) cp_async4(rsc_dst + s * kRawScaleBytes, rsc_src + kt * 4);
-      if (tid < BN / 4)
-        cp_async16(act_dst + s * BN * 4,
-                   act_ok ? as + static_cast<size_t>(kt) * padded + tid * 4 : G.act_scale, act_ok);
+      for (int i = tid; i < BM * 4; i += kThreads) {
+        const int r = i >> 2, c = i & 3;
+        cp_async16(smem_u32(raw + s * kRawBytes + r * 64 + c * 16),
+                   codes + static_cast<size_t>(r) * (k / 2) + kt * 64 + c * 16, true);
+      }
+      if (tid < BM)
+        cp_async4(smem_u32(raw_sc + s * kRawScaleBytes + tid * 4),
+                  gsc + static_cast<size_t>(tid) * (k / 32) + kt * 4);
+      if (tid < BN / 4) {
+        const bool ok = n0 + tid * 4 < padded;
+        cp_async16(smem_u32(act_sc + s * BN + tid * 4),
+                   ok ? as + static_cast<size_t>(kt) * padded + tid * 4 : G.act_scale, ok);
+      }
     }
     cp_async_commit();
   };
@@ -245,7 +234,8 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
     unsigned lost = 0;
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
-      const uint4 v = *reinterpret_cast<const uint4*>(raw + s * kRawBytes + r * 64 + (2 * h + g) * 16);
+      const uint4 v =
+          *reinterpret_cast<const uint4*>(raw + s * kRawBytes + r * 64 + (2 * h + g) * 16);
       const uint32_t w[4] = {v.x, v.y, v.z, v.w};
       const int d = int(sc[g]) - mx + 6;
       uint32_t o[8];
@@ -263,7 +253,7 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
   auto scales = [&](int kt) {
     if (tid < BN)
       scale[(kt & 1) * BN + tid] =
-          act_sc[(kt % kStages) * BN + tid] * pow2(int(bmax[kt]) - 133);
+          act_sc[(kt % kStages) * BN + tid] * ldexpf(1.f, int(bmax[kt]) - 133);
   };
 
   const int lane = tid & 31, warp = tid >> 5;
@@ -321,8 +311,7 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
     stage[c * kOutPitch + r0] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j]));
     stage[(c + 1) * kOutPitch + r0] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 1]));
     stage[c * kOutPitch + r0 + 8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 2]));
-    stage[(c + 1) * kOutPitch + r0 + 8] =
-        __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 3]));
+    stage[(c + 1) * kOutPitch + r0 + 8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 3]));
   }
   __syncthreads();
   for (int i = tid; i < BN * (BM / 8); i += kThreads) {
@@ -334,8 +323,8 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
 }
 
 // One thread per 128x128 block: the largest of its (up to) 128 rows x 4 group exponents.
-__global__ void block_max_kernel(const uint8_t* __restrict__ sc, int64_t mats, int64_t n,
-                                 int64_t k, uint8_t* __restrict__ out) {
+__global__ void block_max_kernel(const uint8_t* __restrict__ sc, int64_t mats, int64_t n, int64_t k,
+                                 uint8_t* __restrict__ out) {
   const int64_t nb = (n + 127) / 128, kb = k / 128;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= mats * nb * kb) return;
@@ -367,8 +356,8 @@ Status each_tile(F&& f) {
 void fp4_block_max(const Fp4GroupWeight& w0, int64_t mats, uint8_t* out, cudaStream_t stream) {
   const int64_t total = mats * ((w0.n + 127) / 128) * (w0.k / 128);
   if (total <= 0) return;
-  block_max_kernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
-      w0.scale, mats, w0.n, w0.k, out);
+  block_max_kernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(w0.scale, mats,
+                                                                                   w0.n, w0.k, out);
 }
 
 Status w4a8_grouped_gemm_available(int device) { return check_fp8_device(device); }
@@ -376,9 +365,10 @@ Status w4a8_grouped_gemm_available(int device) { return check_fp8_device(device)
 Status W4a8GroupedGemm::supports(int64_t n, int64_t k) {
   if (n <= 0 || k <= 0 || n % 64 != 0 || k % kBK != 0 || k / kBK > kMaxKBlocks ||
       n > (int64_t{1} << 24))
-    return failed_precondition("the W4A8 grouped GEMM takes n a multiple of 64 and k a multiple "
-                               "of 128 up to 8192, not n=" + std::to_string(n) +
-                               " k=" + std::to_string(k));
+    return failed_precondition(
+        "the W4A8 grouped GEMM takes n a multiple of 64 and k a multiple "
+        "of 128 up to 8192, not n=" +
+        std::to_string(n) + " k=" + std::to_string(k));
   return Status::ok();
 }
 
@@ -427,7 +417,8 @@ Result<std::unique_ptr<W4a8GroupedGemm>> W4a8GroupedGemm::create(int64_t max_gro
 }
 
 void W4a8GroupedGemm::set_tile(int weight_rows, int group_rows) {
-  const bool ok = (weight_rows == 64 || weight_rows == 128) && (group_rows == 64 || group_rows == 128);
+  const bool ok =
+      (weight_rows == 64 || weight_rows == 128) && (group_rows == 64 || group_rows == 128);
   impl_->tile_m = ok ? weight_rows : 0;
   impl_->tile_n = ok ? group_rows : 0;
 }
@@ -443,8 +434,9 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
   const Status shape = supports(n, k);
   if (!shape.is_ok()) return invalid_argument(shape.message());
   if (!w.w0.codes || !w.w0.scale || !w.block_max)
-    return invalid_argument("the W4A8 grouped GEMM needs the experts' codes, scales and block "
-                            "exponents");
+    return invalid_argument(
+        "the W4A8 grouped GEMM needs the experts' codes, scales and block "
+        "exponents");
   auto aligned = [](const void* p) { return p && (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
   int64_t rows_total = 0;
   for (int64_t g = 0; g < count; ++g) {
@@ -490,9 +482,15 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.dev[s].get(), dg, arg_bytes(m.max_groups),
                                                 cudaMemcpyHostToDevice, stream));
     const auto* ddg = m.dev[s].get<DevGroup>();
-    const Params prm{ddg, reinterpret_cast<const int32_t*>(ddg + m.max_groups),
-                     static_cast<int32_t>(count), static_cast<int32_t>(n),
-                     static_cast<int32_t>(k), w.w0.codes, w.w0.scale, w.block_max, lossy_groups};
+    const Params prm{ddg,
+                     reinterpret_cast<const int32_t*>(ddg + m.max_groups),
+                     static_cast<int32_t>(count),
+                     static_cast<int32_t>(n),
+                     static_cast<int32_t>(k),
+                     w.w0.codes,
+                     w.w0.scale,
+                     w.block_max,
+                     lossy_groups};
     HETERO_RETURN_IF_ERROR(each_tile([&](auto tile) -> Status {
       using T = decltype(tile);
       if (T::kM == bm && T::kN == bn)

@@ -30,7 +30,7 @@ namespace hetero::cuda {
 // FP4 matrices [mats][n, k] laid back to back (codes, then scales, as widen_fp4_experts_to_fp8
 // reads them) and their block exponents; views device memory it does not own.
 struct Fp4Experts {
-  Fp4GroupWeight w0;                  // matrix 0; matrix e's codes at w0.codes + e * n * k / 2
+  Fp4GroupWeight w0;                   // matrix 0; matrix e's codes at w0.codes + e * n * k / 2
   const uint8_t* block_max = nullptr;  // [mats][ceil(n/128)][k/128], fp4_block_max's
   int64_t mats = 0;
   static size_t block_max_bytes(int64_t mats, int64_t n, int64_t k) {
