@@ -169,8 +169,8 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaMemcpy(dact, active.data(), active.size() * 4, cudaMemcpyHostToDevice));
       const double flops = 2.0 * static_cast<double>(off.back()) * static_cast<double>(n * k);
       auto widen = [&] {
-        hc::widen_fp4_experts_to_fp8(w0, dact, static_cast<int64_t>(active.size()), wq, wsc,
-                                     lossy, nullptr);
+        hc::widen_fp4_experts_to_fp8(w0, dact, static_cast<int64_t>(active.size()), wq, wsc, lossy,
+                                     nullptr);
       };
       std::vector<hc::Fp8GemmGroup> gs;
       std::vector<hc::W4a8Group> g4;
@@ -202,15 +202,13 @@ int main(int argc, char** argv) {
             for (int lane = 0; lane < kLanes; ++lane) {
               CHECK_CUDA(cudaStreamWaitEvent(lanes[static_cast<size_t>(lane)], fork));
               const double until = static_cast<double>(off.back()) * (lane + 1) / kLanes;
-              for (; at < active.size() &&
-                     (lane == kLanes - 1 || off[active[at] + 1] <= until);
+              for (; at < active.size() && (lane == kLanes - 1 || off[active[at] + 1] <= until);
                    ++at) {
                 const int64_t e = active[at];
                 const hc::Fp8BlockWeight w{wq + e * n * k, wsc + e * ws, n, k};
-                CHECK(lt[static_cast<size_t>(lane)]->run(aq + pad[e] * k, as + pad[e] * groups,
-                                                         rows[static_cast<size_t>(e)], w,
-                                                         out + off[e] * n,
-                                                         lanes[static_cast<size_t>(lane)]));
+                CHECK(lt[static_cast<size_t>(lane)]->run(
+                    aq + pad[e] * k, as + pad[e] * groups, rows[static_cast<size_t>(e)], w,
+                    out + off[e] * n, lanes[static_cast<size_t>(lane)]));
               }
               CHECK_CUDA(cudaEventRecord(done[static_cast<size_t>(lane)],
                                          lanes[static_cast<size_t>(lane)]));
@@ -227,13 +225,12 @@ int main(int argc, char** argv) {
               CHECK(grouped->run(gs.data(), static_cast<int64_t>(gs.size()), n, k, nullptr));
             },
             repeat);
-      const double best =
-          grouped ? std::min(wide_lt.median, wide_grouped.median) : wide_lt.median;
+      const double best = grouped ? std::min(wide_lt.median, wide_grouped.median) : wide_lt.median;
       report("widening alone", wide_only, best);
       report("widened + cuBLASLt per expert, 8 streams", wide_lt, best);
       if (grouped) report("widened + grouped (CUTLASS)", wide_grouped, best);
-      for (auto [tm, tn] : {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 128},
-                            std::pair{0, 0}}) {
+      for (auto [tm, tn] :
+           {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 128}, std::pair{0, 0}}) {
         (*w4a8)->set_tile(tm, tn);
         const Timing f = time_ms(
             [&] {

@@ -14,6 +14,10 @@
 //
 // Tiles: 64 or 128 weight rows (the MMA's M: the operands are swapped, so the output's columns;
 // a warp group per 64) by 64 or 128 of a group's rows, 128 deep, four stages of cp.async.
+//
+// Bit-equal to the widened path (widen_fp4_experts_to_fp8, then cuBLASLt or the grouped FP8
+// kernel) in every test, but 0.42-0.69x its speed at DeepSeek-V4-Flash's shapes (RESULTS §40):
+// the engine runs it only where asked (Dsv4CudaOptions::ExpertGemm::kW4a8).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -67,8 +71,8 @@ class W4a8GroupedGemm {
   // Whether run() takes matrices of this shape: n a multiple of 64, k a multiple of 128 and at
   // most 8192.
   static Status supports(int64_t n, int64_t k);
-  // The tile: weight rows 64 or 128 (n a multiple of it), group rows 64 or 128; anything else
-  // (the default) chooses per launch. For benches and tests.
+  // The tile: weight rows 64 or 128 (n a multiple of it), group rows 64 or 128. Anything else
+  // (the default): 128x128 where n is a multiple of 128, else 64x128. For benches and tests.
   void set_tile(int weight_rows, int group_rows);
 
   // Enqueues every group's GEMM on `stream` as one launch; returns once the arguments are
