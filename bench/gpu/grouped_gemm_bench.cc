@@ -8,31 +8,22 @@
 // hetero_gpu_tests' (Fp8GroupedGemmTest). JSON lines to stdout.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
-#include "bench_common.h"
+#include "expert_gemm_bench.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/fp8_grouped_gemm.h"
 
 namespace {
 
+namespace hb = hetero::bench;
 namespace hc = hetero::cuda;
-
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    const hetero::Status s_ = (x);                                                     \
-    if (!s_.is_ok()) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.to_string().c_str()); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-#define CHECK_CUDA(x) CHECK(hetero::cuda::call_status((x), #x, __FILE__, __LINE__))
+#define CHECK EXPERT_BENCH_CHECK
+#define CHECK_CUDA EXPERT_BENCH_CHECK_CUDA
 
 void* dev_alloc(size_t bytes) {
   void* p = nullptr;
@@ -55,70 +46,21 @@ void fill(uint8_t* q, size_t n, float* scale, size_t ns, uint32_t seed) {
   CHECK_CUDA(cudaMemcpy(scale, hs.data(), ns * 4, cudaMemcpyHostToDevice));
 }
 
-struct Timing {
-  double median = 0, spread = 0;
-};
-
-template <class F>
-Timing time_ms(F&& f, int repeat) {
-  const hetero::bench::Spread s =
-      hetero::bench::spread(hetero::bench::event_times_ms(f, 2, repeat));
-  return {s.median, s.max / s.min - 1.0};
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int64_t> tokens = {8192, 32768};
-  int repeat = 5;
-  std::string rev = "unknown";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&] { return i + 1 < argc ? argv[++i] : (std::exit(2), argv[0]); };
-    if (a == "--tokens") {
-      tokens.clear();
-      for (char* t = std::strtok(next(), ","); t; t = std::strtok(nullptr, ","))
-        tokens.push_back(std::atoll(t));
-    } else if (a == "--repeat") {
-      repeat = std::atoi(next());
-    } else if (a == "--rev") {
-      rev = next();
-    } else {
-      std::fprintf(stderr, "usage: %s [--tokens 8192,32768] [--repeat 5] [--rev REV]\n", argv[0]);
-      return 2;
-    }
-  }
+  const hb::ExpertBenchArgs args = hb::parse_expert_bench_args(argc, argv);
+  const int repeat = args.repeat;
   CHECK(hc::check_fp8_device(0));
   CHECK(hc::fp8_grouped_gemm_available());
-  const std::string gpu = hetero::bench::gpu_name();
-  const int64_t E = 256, top = 6, H = 4096, I = 2048;
+  const std::string gpu = hb::gpu_name();
+  const int64_t E = hb::kFlashExperts, top = hb::kFlashTop, H = hb::kFlashHidden,
+                I = hb::kFlashInter;
   auto grouped = hc::Fp8GroupedGemm::create(E);
   CHECK(grouped.status());
-  constexpr int kLanes = 8;
-  std::vector<std::unique_ptr<hc::Fp8Gemm>> lt;
-  std::vector<cudaStream_t> lanes(kLanes);
-  std::vector<cudaEvent_t> done(kLanes);
-  cudaEvent_t fork;
-  CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-  for (int i = 0; i < kLanes; ++i) {
-    auto g = hc::Fp8Gemm::create();
-    CHECK(g.status());
-    lt.push_back(std::move(*g));
-    CHECK_CUDA(cudaStreamCreateWithFlags(&lanes[i], cudaStreamNonBlocking));
-    CHECK_CUDA(cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming));
-  }
-  for (const int64_t T : tokens) {
-    // Rows per expert: each token picks `top` distinct experts uniformly.
-    std::vector<int64_t> rows(static_cast<size_t>(E), 0);
-    std::mt19937 rng(static_cast<uint32_t>(T));
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<int> picked;
-      while (static_cast<int64_t>(picked.size()) < top) {
-        const int e = static_cast<int>(rng() % E);
-        if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
-      }
-      for (int e : picked) ++rows[static_cast<size_t>(e)];
-    }
+  hb::CublasLtLanes lanes;
+  for (const int64_t T : args.tokens) {
+    const std::vector<int64_t> rows = hb::uniform_router_rows(T, E, top);
     std::vector<int64_t> off = {0}, pad = {0};
     for (int64_t r : rows)
       off.push_back(off.back() + r), pad.push_back(pad.back() + hc::fp8_act_rows(r));
@@ -144,49 +86,33 @@ int main(int argc, char** argv) {
           gs.push_back({aq + pad[e] * k, as_tight + pad[e] * groups, rows[static_cast<size_t>(e)],
                         wq + e * n * k, wst + e * groups * hc::fp8_blocks(n), out + off[e] * n});
       const double flops = 2.0 * static_cast<double>(off.back()) * static_cast<double>(n * k);
-      auto one = [&](int lane, int64_t e) {
+      auto one = [&](hc::Fp8Gemm& g, cudaStream_t st, int64_t e) {
         const hc::Fp8BlockWeight w{wq + e * n * k, wsc + e * ws, n, k};
-        CHECK(lt[static_cast<size_t>(std::max(lane, 0))]->run(
-            aq + pad[e] * k, as_pad + pad[e] * groups, rows[static_cast<size_t>(e)], w,
-            out + off[e] * n, lane < 0 ? nullptr : lanes[static_cast<size_t>(lane)]));
+        CHECK(g.run(aq + pad[e] * k, as_pad + pad[e] * groups, rows[static_cast<size_t>(e)], w,
+                    out + off[e] * n, st));
       };
-      auto report = [&](const char* kernel, const Timing& t, double ref_ms) {
+      auto report = [&](const char* kernel, const hb::Timing& t, double ref_ms) {
         std::printf(
             "{\"bench\":\"grouped_fp8_gemm\",\"gpu\":\"%s\",\"rev\":\"%s\",\"T\":%lld,"
             "\"experts\":%lld,\"top_k\":%lld,\"gemm\":\"%s\",\"n\":%lld,\"k\":%lld,"
             "\"rows\":%lld,\"kernel\":\"%s\",\"ms_median\":%.4f,\"spread\":%.4f,\"repeat\":%d,"
             "\"tflops\":%.1f,\"vs_cublaslt_8_streams\":%.3f}\n",
-            gpu.c_str(), rev.c_str(), static_cast<long long>(T), static_cast<long long>(E),
+            gpu.c_str(), args.rev.c_str(), static_cast<long long>(T), static_cast<long long>(E),
             static_cast<long long>(top), what, static_cast<long long>(n), static_cast<long long>(k),
             static_cast<long long>(off.back()), kernel, t.median, t.spread, repeat,
             flops / (t.median * 1e-3) / 1e12, ref_ms / t.median);
         std::fflush(stdout);
       };
-      const Timing loop = time_ms(
+      const hb::Timing loop = hb::time_ms(
           [&] {
             for (int64_t e = 0; e < E; ++e)
-              if (rows[static_cast<size_t>(e)] > 0) one(-1, e);
+              if (rows[static_cast<size_t>(e)] > 0) one(lanes.first(), nullptr, e);
           },
           repeat);
-      const Timing streams = time_ms(
-          [&] {
-            // Runs of consecutive experts with about equal rows, one per lane, as the engine.
-            CHECK_CUDA(cudaEventRecord(fork, nullptr));
-            int64_t e = 0;
-            for (int lane = 0; lane < kLanes; ++lane) {
-              CHECK_CUDA(cudaStreamWaitEvent(lanes[static_cast<size_t>(lane)], fork));
-              const double until = static_cast<double>(off.back()) * (lane + 1) / kLanes;
-              for (; e < E && (lane == kLanes - 1 || off[e + 1] <= until); ++e)
-                if (rows[static_cast<size_t>(e)] > 0) one(lane, e);
-              CHECK_CUDA(cudaEventRecord(done[static_cast<size_t>(lane)],
-                                         lanes[static_cast<size_t>(lane)]));
-              CHECK_CUDA(cudaStreamWaitEvent(nullptr, done[static_cast<size_t>(lane)]));
-            }
-          },
-          repeat);
+      const hb::Timing streams = hb::time_ms([&] { lanes.run(off, one); }, repeat);
       report("cuBLASLt per expert, 1 stream", loop, streams.median);
       report("cuBLASLt per expert, 8 streams", streams, streams.median);
-      const Timing g = time_ms(
+      const hb::Timing g = hb::time_ms(
           [&] {
             CHECK((*grouped)->run(gs.data(), static_cast<int64_t>(gs.size()), n, k, nullptr));
           },

@@ -9,15 +9,13 @@
 // Random codes and exponents; correctness is hetero_gpu_tests' (W4a8GroupedGemmTest). JSON lines.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
-#include "bench_common.h"
+#include "expert_gemm_bench.h"
 #include "kernels/cuda/checkpoint_formats.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/fp8_grouped_gemm.h"
@@ -25,17 +23,10 @@
 
 namespace {
 
+namespace hb = hetero::bench;
 namespace hc = hetero::cuda;
-
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    const hetero::Status s_ = (x);                                                     \
-    if (!s_.is_ok()) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.to_string().c_str()); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-#define CHECK_CUDA(x) CHECK(hetero::cuda::call_status((x), #x, __FILE__, __LINE__))
+#define CHECK EXPERT_BENCH_CHECK
+#define CHECK_CUDA EXPERT_BENCH_CHECK_CUDA
 
 template <class T = uint8_t>
 T* dev_alloc(size_t bytes) {
@@ -58,43 +49,16 @@ void fill_random(uint8_t* d, size_t bytes, uint32_t seed, uint8_t lo = 0, uint8_
     CHECK_CUDA(cudaMemcpy(d + o, h.data(), std::min(chunk, bytes - o), cudaMemcpyHostToDevice));
 }
 
-struct Timing {
-  double median = 0, spread = 0;
-};
-
-template <class F>
-Timing time_ms(F&& f, int repeat) {
-  const hetero::bench::Spread s =
-      hetero::bench::spread(hetero::bench::event_times_ms(f, 2, repeat));
-  return {s.median, s.max / s.min - 1.0};
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int64_t> tokens = {8192, 32768};
-  int repeat = 5;
-  std::string rev = "unknown";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&] { return i + 1 < argc ? argv[++i] : (std::exit(2), argv[0]); };
-    if (a == "--tokens") {
-      tokens.clear();
-      for (char* t = std::strtok(next(), ","); t; t = std::strtok(nullptr, ","))
-        tokens.push_back(std::atoll(t));
-    } else if (a == "--repeat") {
-      repeat = std::atoi(next());
-    } else if (a == "--rev") {
-      rev = next();
-    } else {
-      std::fprintf(stderr, "usage: %s [--tokens 8192,32768] [--repeat 5] [--rev REV]\n", argv[0]);
-      return 2;
-    }
-  }
+  const hb::ExpertBenchArgs args = hb::parse_expert_bench_args(argc, argv);
+  const int repeat = args.repeat;
   CHECK(hc::check_fp8_device(0));
   const bool have_cutlass = hc::fp8_grouped_gemm_available().is_ok();
-  const std::string gpu = hetero::bench::gpu_name();
-  const int64_t E = 256, top = 6, H = 4096, I = 2048;
+  const std::string gpu = hb::gpu_name();
+  const int64_t E = hb::kFlashExperts, top = hb::kFlashTop, H = hb::kFlashHidden,
+                I = hb::kFlashInter;
   auto w4a8 = hc::W4a8GroupedGemm::create(E);
   CHECK(w4a8.status());
   std::unique_ptr<hc::Fp8GroupedGemm> grouped;
@@ -103,19 +67,7 @@ int main(int argc, char** argv) {
     CHECK(g.status());
     grouped = std::move(*g);
   }
-  constexpr int kLanes = 8;
-  std::vector<std::unique_ptr<hc::Fp8Gemm>> lt;
-  std::vector<cudaStream_t> lanes(kLanes);
-  std::vector<cudaEvent_t> done(kLanes);
-  cudaEvent_t fork;
-  CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-  for (int i = 0; i < kLanes; ++i) {
-    auto g = hc::Fp8Gemm::create();
-    CHECK(g.status());
-    lt.push_back(std::move(*g));
-    CHECK_CUDA(cudaStreamCreateWithFlags(&lanes[i], cudaStreamNonBlocking));
-    CHECK_CUDA(cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming));
-  }
+  hb::CublasLtLanes lanes;
   auto* lossy = dev_alloc<unsigned long long>(8);
   for (auto [n, k, what] :
        {std::tuple<int64_t, int64_t, const char*>{2 * I, H, "w1|w3"}, {H, I, "w2"}}) {
@@ -134,18 +86,8 @@ int main(int argc, char** argv) {
     auto* wq = dev_alloc(static_cast<size_t>(E * n * k));
     auto* wsc = dev_alloc<float>(static_cast<size_t>(E * ws) * 4);
     auto* wst = dev_alloc<float>(static_cast<size_t>(E * ws) * 4);
-    for (const int64_t T : tokens) {
-      // Rows per expert: each token picks `top` distinct experts uniformly.
-      std::vector<int64_t> rows(static_cast<size_t>(E), 0);
-      std::mt19937 rng(static_cast<uint32_t>(T));
-      for (int64_t t = 0; t < T; ++t) {
-        std::vector<int> picked;
-        while (static_cast<int64_t>(picked.size()) < top) {
-          const int e = static_cast<int>(rng() % E);
-          if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
-        }
-        for (int e : picked) ++rows[static_cast<size_t>(e)];
-      }
+    for (const int64_t T : args.tokens) {
+      const std::vector<int64_t> rows = hb::uniform_router_rows(T, E, top);
       std::vector<int64_t> off = {0}, pad = {0};
       std::vector<int32_t> active;
       for (int64_t e = 0; e < E; ++e) {
@@ -181,44 +123,32 @@ int main(int argc, char** argv) {
         g4.push_back({aq + pad[e] * k, as + pad[e] * groups, rows[static_cast<size_t>(e)], e,
                       out + off[e] * n});
       }
-      auto report = [&](const char* kernel, const Timing& t, double ref_ms) {
+      auto report = [&](const char* kernel, const hb::Timing& t, double ref_ms) {
         std::printf(
             "{\"bench\":\"w4a8_grouped_gemm\",\"gpu\":\"%s\",\"rev\":\"%s\",\"T\":%lld,"
             "\"experts\":%lld,\"top_k\":%lld,\"gemm\":\"%s\",\"n\":%lld,\"k\":%lld,"
             "\"rows\":%lld,\"kernel\":\"%s\",\"ms_median\":%.4f,\"spread\":%.4f,\"repeat\":%d,"
             "\"tflops\":%.1f,\"vs_widened_best\":%.3f}\n",
-            gpu.c_str(), rev.c_str(), static_cast<long long>(T), static_cast<long long>(E),
+            gpu.c_str(), args.rev.c_str(), static_cast<long long>(T), static_cast<long long>(E),
             static_cast<long long>(top), what, static_cast<long long>(n), static_cast<long long>(k),
             static_cast<long long>(off.back()), kernel, t.median, t.spread, repeat,
             flops / (t.median * 1e-3) / 1e12, ref_ms / t.median);
         std::fflush(stdout);
       };
-      const Timing wide_only = time_ms(widen, repeat);
-      const Timing wide_lt = time_ms(
+      const hb::Timing wide_only = hb::time_ms(widen, repeat);
+      const hb::Timing wide_lt = hb::time_ms(
           [&] {
             widen();
-            CHECK_CUDA(cudaEventRecord(fork, nullptr));
-            size_t at = 0;
-            for (int lane = 0; lane < kLanes; ++lane) {
-              CHECK_CUDA(cudaStreamWaitEvent(lanes[static_cast<size_t>(lane)], fork));
-              const double until = static_cast<double>(off.back()) * (lane + 1) / kLanes;
-              for (; at < active.size() && (lane == kLanes - 1 || off[active[at] + 1] <= until);
-                   ++at) {
-                const int64_t e = active[at];
-                const hc::Fp8BlockWeight w{wq + e * n * k, wsc + e * ws, n, k};
-                CHECK(lt[static_cast<size_t>(lane)]->run(
-                    aq + pad[e] * k, as + pad[e] * groups, rows[static_cast<size_t>(e)], w,
-                    out + off[e] * n, lanes[static_cast<size_t>(lane)]));
-              }
-              CHECK_CUDA(cudaEventRecord(done[static_cast<size_t>(lane)],
-                                         lanes[static_cast<size_t>(lane)]));
-              CHECK_CUDA(cudaStreamWaitEvent(nullptr, done[static_cast<size_t>(lane)]));
-            }
+            lanes.run(off, [&](hc::Fp8Gemm& g, cudaStream_t st, int64_t e) {
+              const hc::Fp8BlockWeight w{wq + e * n * k, wsc + e * ws, n, k};
+              CHECK(g.run(aq + pad[e] * k, as + pad[e] * groups, rows[static_cast<size_t>(e)], w,
+                          out + off[e] * n, st));
+            });
           },
           repeat);
-      Timing wide_grouped{};
+      hb::Timing wide_grouped{};
       if (grouped)
-        wide_grouped = time_ms(
+        wide_grouped = hb::time_ms(
             [&] {
               widen();
               hc::transpose_fp8_weight_scales(wsc, E, n, k, wst, nullptr);
@@ -232,7 +162,7 @@ int main(int argc, char** argv) {
       for (auto [tm, tn] :
            {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 128}, std::pair{0, 0}}) {
         (*w4a8)->set_tile(tm, tn);
-        const Timing f = time_ms(
+        const hb::Timing f = hb::time_ms(
             [&] {
               CHECK((*w4a8)->run(g4.data(), static_cast<int64_t>(g4.size()), experts, lossy,
                                  nullptr));

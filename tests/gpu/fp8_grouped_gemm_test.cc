@@ -11,12 +11,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -145,35 +143,12 @@ TEST_F(Fp8GroupedGemmTest, EveryExpertMatchesFloat64AndCublasLt) {
       EXPECT_TRUE(std::all_of(out.begin() + m * n, out.end(), [](uint16_t v) {
         return v == 0xffff;
       })) << "a write past the last expert's rows";
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t r = rows[e];
-        if (r == 0) continue;
-        double worst = 0, num = 0, den = 0, dn = 0;
-        size_t equal = 0;
-        for (int64_t i = 0; i < r * n; ++i) {
-          const double got = bf16_to_f32(out[static_cast<size_t>(off[e] * n + i)]);
-          const double want = ref[e][static_cast<size_t>(i)];
-          const double bound = std::ldexp(std::fabs(want), -8) +
-                               std::ldexp(mag[e][static_cast<size_t>(i)], -10) + 1e-30;
-          worst = std::max(worst, std::fabs(got - want) / bound);
-          num += (got - want) * (got - want), den += want * want;
-          const double l = bf16_to_f32(lt_out[e][static_cast<size_t>(i)]);
-          equal += got == l;
-          dn += (got - l) * (got - l);
-        }
-        const double rel = std::sqrt(num / std::max(den, 1e-300));
-        const double vs_lt = std::sqrt(dn / std::max(den, 1e-300));
-        std::printf(
-            "[ grouped fp8 n %lld k %lld expert %lld rows %lld ] worst/bound %.3f, rel rms "
-            "vs float64 %.2e; vs cuBLASLt: %.1f%% equal, rel rms %.2e\n",
-            static_cast<long long>(n), static_cast<long long>(k), static_cast<long long>(e),
-            static_cast<long long>(r), worst, rel,
-            100.0 * static_cast<double>(equal) / static_cast<double>(r * n), vs_lt);
-        EXPECT_GT(den, 0.0) << "a zero reference tests nothing";
-        EXPECT_LE(worst, 1.0) << "n " << n << " k " << k << " expert " << e;
-        EXPECT_LT(rel, 3e-3) << "bf16 output rounding alone is about 1.1e-3";
-        EXPECT_LT(vs_lt, 3e-3) << "expert " << e;
-      }
+      for (int64_t e = 0; e < E; ++e)
+        if (rows[e] > 0)
+          expect_expert_agrees(
+              out.data() + off[e] * n, ref[e].data(), mag[e].data(), lt_out[e].data(), rows[e] * n,
+              "grouped fp8 n " + std::to_string(n) + " k " + std::to_string(k) + " expert " +
+                  std::to_string(e) + " rows " + std::to_string(rows[e]));
     }
   }
 }
@@ -196,13 +171,11 @@ TEST_F(Fp8GroupedGemmTest, DeterministicAndQueuedLaunchesReadTheirOwnArguments) 
       tight[static_cast<size_t>(g * r + i)] = a.scale[static_cast<size_t>(g * fp8_act_rows(r) + i)];
   const size_t out_bytes = static_cast<size_t>((r + 16) * n) * 2;  // 16 guard rows
   Dev aq(a.q.size()), as(tight.size() * 4), wq1(w1.q.size()), wq2(w2.q.size()),
-      ws(w1.scale.size() * 8), wt(static_cast<size_t>(2 * groups * fp8_blocks(n)) * 4),
-      o1(out_bytes), o2(out_bytes), o3(out_bytes), o4(out_bytes);
+      ws(w1.scale.size() * 8), wt(static_cast<size_t>(2 * groups * fp8_blocks(n)) * 4);
   put(aq, a.q), put(as, tight), put(wq1, w1.q), put(wq2, w2.q);
   std::vector<float> both = w1.scale;
   both.insert(both.end(), w2.scale.begin(), w2.scale.end());
   put(ws, both);
-  for (Dev* o : {&o1, &o2, &o3, &o4}) ASSERT_EQ(cudaMemset(o->p, 0xff, out_bytes), cudaSuccess);
   cuda::transpose_fp8_weight_scales(ws.as<float>(), 2, n, k, wt.as<float>(), nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const float* t1 = wt.as<float>();
@@ -211,26 +184,11 @@ TEST_F(Fp8GroupedGemmTest, DeterministicAndQueuedLaunchesReadTheirOwnArguments) 
     const cuda::Fp8GemmGroup g{aq.as<uint8_t>(), as.as<float>(), r, w, t, o};
     return (*gemm)->run(&g, 1, n, k, nullptr);
   };
-  ASSERT_EQ(cudaLaunchHostFunc(
-                nullptr, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); },
-                nullptr),
-            cudaSuccess);
-  ASSERT_TRUE(launch(wq1.as<uint8_t>(), t1, o1.as<uint16_t>()).is_ok());  // slot 0
-  ASSERT_TRUE(launch(wq2.as<uint8_t>(), t2, o2.as<uint16_t>()).is_ok());  // slot 1
-  ASSERT_TRUE(launch(wq2.as<uint8_t>(), t2, o3.as<uint16_t>()).is_ok());  // slot 0 again
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  ASSERT_TRUE(launch(wq1.as<uint8_t>(), t1, o4.as<uint16_t>()).is_ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const size_t all = out_bytes / 2, real = static_cast<size_t>(r * n);
-  const auto x1 = get<uint16_t>(o1, all), x2 = get<uint16_t>(o2, all);
-  const auto x3 = get<uint16_t>(o3, all), x4 = get<uint16_t>(o4, all);
-  EXPECT_EQ(x1, x4) << "the first launch read another's arguments, or is not deterministic";
-  EXPECT_EQ(x2, x3);
-  EXPECT_NE(x1, x2);
-  for (const auto* x : {&x1, &x2, &x3, &x4})
-    EXPECT_TRUE(std::all_of(x->begin() + static_cast<ptrdiff_t>(real), x->end(), [](uint16_t v) {
-      return v == 0xffff;
-    })) << "a write past the group's rows";
+  check_queued_launches(
+      [&](int set, uint16_t* o) {
+        return set == 0 ? launch(wq1.as<uint8_t>(), t1, o) : launch(wq2.as<uint8_t>(), t2, o);
+      },
+      out_bytes, static_cast<size_t>(r * n));
 }
 
 TEST_F(Fp8GroupedGemmTest, RefusesWhatItCannotRun) {

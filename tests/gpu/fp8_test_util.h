@@ -7,9 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "common/bf16.h"
@@ -131,6 +135,70 @@ std::vector<T> get(const Dev& d, size_t n) {
   std::vector<T> v(n);
   EXPECT_EQ(cudaMemcpy(v.data(), d.p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
   return v;
+}
+
+// One expert's output of a grouped GEMM against the float64 product of its dequantized operands
+// (ref, and mag = sum |a b| per element) and against another kernel's output of the same
+// operands, all `count` elements: the worst error over fp8_gemm_test's bound
+// (|got - ref| <= 2^-8 |ref| + 2^-10 mag; 1 passes), the relative RMS against each, the share of
+// elements bit-equal to the other kernel's; checked against the limits the grouped GEMM tests
+// hold (the bf16 output's rounding alone is about 1.1e-3 relative RMS) and printed after `what`.
+inline void expect_expert_agrees(const uint16_t* got, const double* ref, const double* mag,
+                                 const uint16_t* other, int64_t count, const std::string& what) {
+  double worst = 0, num = 0, den = 0, dn = 0;
+  int64_t equal = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const double g = bf16_to_f32(got[i]), want = ref[i], o = bf16_to_f32(other[i]);
+    const double bound = std::ldexp(std::fabs(want), -8) + std::ldexp(mag[i], -10) + 1e-30;
+    worst = std::max(worst, std::fabs(g - want) / bound);
+    num += (g - want) * (g - want), den += want * want;
+    equal += g == o;
+    dn += (g - o) * (g - o);
+  }
+  const double rel = std::sqrt(num / std::max(den, 1e-300));
+  const double vs_other = std::sqrt(dn / std::max(den, 1e-300));
+  std::printf(
+      "[ %s ] worst/bound %.3f, rel rms vs float64 %.2e; vs the other kernel: %.1f%% "
+      "equal, rel rms %.2e\n",
+      what.c_str(), worst, rel, 100.0 * static_cast<double>(equal) / static_cast<double>(count),
+      vs_other);
+  EXPECT_GT(den, 0.0) << what << ": a zero reference tests nothing";
+  EXPECT_LE(worst, 1.0) << what;
+  EXPECT_LT(rel, 3e-3) << what;
+  EXPECT_LT(vs_other, 3e-3) << what;
+}
+
+// The staging-slot check of the grouped GEMMs (two argument slots used in turn):
+// launch(set, out) enqueues on the default stream one launch of argument set 0 or 1 writing `out`
+// (bf16, out_bytes, of which the first `real` elements are the launch's). While a host callback
+// holds the stream for 200 ms, sets 0, 1, 1 are queued (the third reusing the first's slot with
+// other arguments), then set 0 again once the stream is free: the first and last outputs must be
+// equal (a launch reading another's arguments, or not deterministic, would differ), the middle
+// two equal, the sets' outputs different, and nothing past `real` written.
+template <class Launch>
+void check_queued_launches(Launch&& launch, size_t out_bytes, size_t real) {
+  Dev o1(out_bytes), o2(out_bytes), o3(out_bytes), o4(out_bytes);
+  for (Dev* o : {&o1, &o2, &o3, &o4}) ASSERT_EQ(cudaMemset(o->p, 0xff, out_bytes), cudaSuccess);
+  ASSERT_EQ(cudaLaunchHostFunc(
+                nullptr, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); },
+                nullptr),
+            cudaSuccess);
+  ASSERT_TRUE(launch(0, o1.as<uint16_t>()).is_ok());  // slot 0
+  ASSERT_TRUE(launch(1, o2.as<uint16_t>()).is_ok());  // slot 1
+  ASSERT_TRUE(launch(1, o3.as<uint16_t>()).is_ok());  // slot 0 again
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_TRUE(launch(0, o4.as<uint16_t>()).is_ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const size_t all = out_bytes / 2;
+  const auto x1 = get<uint16_t>(o1, all), x2 = get<uint16_t>(o2, all);
+  const auto x3 = get<uint16_t>(o3, all), x4 = get<uint16_t>(o4, all);
+  EXPECT_EQ(x1, x4) << "the first launch read another's arguments, or is not deterministic";
+  EXPECT_EQ(x2, x3);
+  EXPECT_NE(x1, x2);
+  for (const auto* x : {&x1, &x2, &x3, &x4})
+    EXPECT_TRUE(std::all_of(x->begin() + static_cast<ptrdiff_t>(real), x->end(), [](uint16_t v) {
+      return v == 0xffff;
+    })) << "a write past the group's rows";
 }
 
 }  // namespace hetero::fp8_test

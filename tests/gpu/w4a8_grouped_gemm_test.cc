@@ -10,11 +10,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "cuda_test_base.h"
@@ -146,34 +144,12 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
       EXPECT_TRUE(std::all_of(out.begin() + m * n, out.end(), [](uint16_t v) {
         return v == 0xffff;
       })) << "a write past the last expert's rows";
-      for (int64_t e : active) {
-        const int64_t r = cs.rows[e];
-        double worst = 0, num = 0, den = 0, dn = 0;
-        size_t equal = 0;
-        for (int64_t i = 0; i < r * n; ++i) {
-          const double got = bf16_to_f32(out[static_cast<size_t>(off[e] * n + i)]);
-          const double want = ref[e][static_cast<size_t>(i)];
-          const double bound = std::ldexp(std::fabs(want), -8) +
-                               std::ldexp(mag[e][static_cast<size_t>(i)], -10) + 1e-30;
-          worst = std::max(worst, std::fabs(got - want) / bound);
-          num += (got - want) * (got - want), den += want * want;
-          const double l = bf16_to_f32(lt_out[e][static_cast<size_t>(i)]);
-          equal += got == l;
-          dn += (got - l) * (got - l);
-        }
-        const double rel = std::sqrt(num / std::max(den, 1e-300));
-        const double vs_lt = std::sqrt(dn / std::max(den, 1e-300));
-        std::printf(
-            "[ w4a8 n %lld k %lld tile %dx%d expert %lld rows %lld ] worst/bound %.3f, "
-            "rel rms vs float64 %.2e; vs widened + cuBLASLt: %.1f%% equal, rel rms %.2e\n",
-            static_cast<long long>(n), static_cast<long long>(k), tile_m, tile,
-            static_cast<long long>(e), static_cast<long long>(r), worst, rel,
-            100.0 * static_cast<double>(equal) / static_cast<double>(r * n), vs_lt);
-        EXPECT_GT(den, 0.0) << "a zero reference tests nothing";
-        EXPECT_LE(worst, 1.0) << "n " << n << " k " << k << " expert " << e;
-        EXPECT_LT(rel, 3e-3) << "bf16 output rounding alone is about 1.1e-3";
-        EXPECT_LT(vs_lt, 3e-3) << "expert " << e;
-      }
+      for (int64_t e : active)
+        expect_expert_agrees(out.data() + off[e] * n, ref[e].data(), mag[e].data(),
+                             lt_out[e].data(), cs.rows[e] * n,
+                             "w4a8 n " + std::to_string(n) + " k " + std::to_string(k) + " tile " +
+                                 std::to_string(tile_m) + "x" + std::to_string(tile) + " expert " +
+                                 std::to_string(e) + " rows " + std::to_string(cs.rows[e]));
     }
     std::printf("[ w4a8 n %lld k %lld ] lossy groups %llu\n", static_cast<long long>(n),
                 static_cast<long long>(k), lossy_widen);
@@ -190,10 +166,8 @@ TEST_F(W4a8GroupedGemmTest, DeterministicAndQueuedLaunchesReadTheirOwnArguments)
   const HostFp8 a = host_quantize_act(blocky_bf16(r, k, 1, 7), r, k);
   const size_t out_bytes = static_cast<size_t>((r + 16) * n) * 2;
   Dev aq(a.q.size()), as(a.scale.size() * 4), dc(w4.codes.size()), dsc(w4.scales.size()),
-      dbm(cuda::Fp4Experts::block_max_bytes(2, n, k)), o1(out_bytes), o2(out_bytes), o3(out_bytes),
-      o4(out_bytes);
+      dbm(cuda::Fp4Experts::block_max_bytes(2, n, k));
   put(aq, a.q), put(as, a.scale), put(dc, w4.codes), put(dsc, w4.scales);
-  for (Dev* o : {&o1, &o2, &o3, &o4}) ASSERT_EQ(cudaMemset(o->p, 0xff, out_bytes), cudaSuccess);
   const cuda::Fp4GroupWeight w0{dc.as<uint8_t>(), dsc.as<uint8_t>(), n, k};
   cuda::fp4_block_max(w0, 2, dbm.as<uint8_t>(), nullptr);
   const cuda::Fp4Experts experts{w0, dbm.as<uint8_t>(), 2};
@@ -202,26 +176,7 @@ TEST_F(W4a8GroupedGemmTest, DeterministicAndQueuedLaunchesReadTheirOwnArguments)
     const cuda::W4a8Group g{aq.as<uint8_t>(), as.as<float>(), r, e, o};
     return (*gemm)->run(&g, 1, experts, nullptr, nullptr);
   };
-  ASSERT_EQ(cudaLaunchHostFunc(
-                nullptr, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); },
-                nullptr),
-            cudaSuccess);
-  ASSERT_TRUE(launch(0, o1.as<uint16_t>()).is_ok());  // slot 0
-  ASSERT_TRUE(launch(1, o2.as<uint16_t>()).is_ok());  // slot 1
-  ASSERT_TRUE(launch(1, o3.as<uint16_t>()).is_ok());  // slot 0 again
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  ASSERT_TRUE(launch(0, o4.as<uint16_t>()).is_ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const size_t all = out_bytes / 2, real = static_cast<size_t>(r * n);
-  const auto x1 = get<uint16_t>(o1, all), x2 = get<uint16_t>(o2, all);
-  const auto x3 = get<uint16_t>(o3, all), x4 = get<uint16_t>(o4, all);
-  EXPECT_EQ(x1, x4) << "the first launch read another's arguments, or is not deterministic";
-  EXPECT_EQ(x2, x3);
-  EXPECT_NE(x1, x2);
-  for (const auto* x : {&x1, &x2, &x3, &x4})
-    EXPECT_TRUE(std::all_of(x->begin() + static_cast<ptrdiff_t>(real), x->end(), [](uint16_t v) {
-      return v == 0xffff;
-    })) << "a write past the group's rows";
+  check_queued_launches(launch, out_bytes, static_cast<size_t>(r * n));
 }
 
 TEST_F(W4a8GroupedGemmTest, RefusesWhatItCannotRun) {

@@ -50,11 +50,7 @@ struct Fp8GroupedGemm::Impl {
   std::unique_ptr<grouped_detail::Runner> runner;
   int64_t max_groups = 0;
   int device = 0, sm_count = 0;
-  PinnedBuffer host[2];
-  DeviceBuffer dev[2];
-  Event copied[2];  // the slot's launch is done: its host staging may be written again
-  bool used[2] = {false, false};
-  int slot = 0;
+  ArgumentSlots args;
   DeviceBuffer workspace;
 };
 
@@ -73,12 +69,8 @@ Result<std::unique_ptr<Fp8GroupedGemm>> Fp8GroupedGemm::create(int64_t max_group
   impl->max_groups = max_groups;
   HETERO_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&impl->sm_count, cudaDevAttrMultiProcessorCount, impl->device));
-  const size_t args = impl->runner->arg_bytes(max_groups);
-  for (int s = 0; s < 2; ++s) {
-    HETERO_RETURN_IF_ERROR(impl->host[s].allocate(args, "the grouped FP8 GEMM's argument staging"));
-    HETERO_RETURN_IF_ERROR(impl->dev[s].allocate(args, "the grouped FP8 GEMM's arguments", budget));
-    HETERO_ASSIGN_OR_RETURN(impl->copied[s], Event::create());
-  }
+  HETERO_RETURN_IF_ERROR(impl->args.allocate(impl->runner->arg_bytes(max_groups),
+                                             "the grouped FP8 GEMM's arguments", budget));
   // The workspace (the scheduler's, and tensor maps per SM) depends on the group count and the
   // SMs, not on the shapes.
   const size_t ws = impl->runner->workspace_bytes(max_groups, impl->device, impl->sm_count);
@@ -108,20 +100,12 @@ Status Fp8GroupedGemm::run(const Fp8GemmGroup* groups, int64_t count, int64_t n,
       return invalid_argument("grouped FP8 GEMM group " + std::to_string(g) +
                               ": operands must be 16-byte aligned and scales given");
   }
-  const int s = m.slot;
-  m.slot ^= 1;
-  if (m.used[s]) HETERO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(m.copied[s].get()));
+  HETERO_ASSIGN_OR_RETURN(const int s, m.args.next());
   const Status st =
-      m.runner->run(groups, count, n, k, m.host[s].get(), m.dev[s].get(), m.workspace.get(),
+      m.runner->run(groups, count, n, k, m.args.host(s), m.args.device(s), m.workspace.get(),
                     m.workspace.bytes(), m.device, m.sm_count, stream);
-  // Recorded whatever the launch did: the staging copy may be queued either way. Where the event
-  // cannot be recorded, the stream is drained so that the slot is free.
-  m.used[s] = true;
-  if (cudaEventRecord(m.copied[s].get(), stream) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    cudaStreamSynchronize(stream);
-    HETERO_CUDA_RETURN_IF_ERROR(e);
-  }
+  // Whatever the launch did: the staging copy may be queued either way.
+  HETERO_RETURN_IF_ERROR(m.args.queued(s, stream));
   return st;
 }
 

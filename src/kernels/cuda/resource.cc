@@ -231,6 +231,33 @@ Result<Event> Event::create(bool timing) {
   return e;
 }
 
+Status ArgumentSlots::allocate(size_t bytes, std::string_view what, DeviceMemoryBudget* budget) {
+  for (int s = 0; s < 2; ++s) {
+    HETERO_RETURN_IF_ERROR(host_[s].allocate(bytes, what));
+    HETERO_RETURN_IF_ERROR(dev_[s].allocate(bytes, what, budget));
+    HETERO_ASSIGN_OR_RETURN(copied_[s], Event::create());
+    used_[s] = false;
+  }
+  return Status::ok();
+}
+
+Result<int> ArgumentSlots::next() {
+  const int s = slot_;
+  slot_ ^= 1;
+  if (used_[s]) HETERO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_[s].get()));
+  return s;
+}
+
+Status ArgumentSlots::queued(int slot, cudaStream_t stream) {
+  used_[slot] = true;
+  if (cudaEventRecord(copied_[slot].get(), stream) != cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    cudaStreamSynchronize(stream);
+    HETERO_CUDA_RETURN_IF_ERROR(e);
+  }
+  return Status::ok();
+}
+
 Event::~Event() {
   if (e_) cudaEventDestroy(e_);
 }

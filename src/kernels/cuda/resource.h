@@ -172,6 +172,29 @@ class Event {
   cudaEvent_t e_ = nullptr;
 };
 
+// Two page-locked host slots and their device copies for a kernel's per-launch arguments (the
+// grouped GEMMs' group lists), used in turn: a launch may be queued before the previous one ran,
+// and the third waits until the first's copy has run.
+class ArgumentSlots {
+ public:
+  Status allocate(size_t bytes, std::string_view what, DeviceMemoryBudget* budget = nullptr);
+  // The slot to fill next, once the copy queued from it two calls ago has run.
+  Result<int> next();
+  void* host(int slot) const { return host_[slot].get(); }
+  void* device(int slot) const { return dev_[slot].get(); }
+  // After the slot's copy and launch were enqueued on `stream`, or failed to be: its host side
+  // may be written again once the stream gets here (where that cannot be recorded, the stream
+  // is drained and the error returned).
+  Status queued(int slot, cudaStream_t stream);
+
+ private:
+  PinnedBuffer host_[2];
+  DeviceBuffer dev_[2];
+  Event copied_[2];
+  bool used_[2] = {false, false};
+  int slot_ = 0;
+};
+
 // A cuBLAS handle whose work goes to `stream`. Only code that creates one links cuBLAS.
 class BlasHandle {
  public:

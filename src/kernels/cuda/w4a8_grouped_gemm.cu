@@ -375,11 +375,7 @@ Status W4a8GroupedGemm::supports(int64_t n, int64_t k) {
 struct W4a8GroupedGemm::Impl {
   int64_t max_groups = 0;
   int tile_m = 0, tile_n = 0;  // 0: chosen per launch
-  PinnedBuffer host[2];
-  DeviceBuffer dev[2];
-  Event copied[2];  // the slot's launch is done: its host staging may be written again
-  bool used[2] = {false, false};
-  int slot = 0;
+  ArgumentSlots args;          // each launch's groups, then each group's first block
 };
 
 namespace {
@@ -399,13 +395,8 @@ Result<std::unique_ptr<W4a8GroupedGemm>> W4a8GroupedGemm::create(int64_t max_gro
                             std::to_string(max_groups));
   auto impl = std::make_unique<Impl>();
   impl->max_groups = max_groups;
-  for (int s = 0; s < 2; ++s) {
-    HETERO_RETURN_IF_ERROR(
-        impl->host[s].allocate(arg_bytes(max_groups), "the W4A8 GEMM's argument staging"));
-    HETERO_RETURN_IF_ERROR(
-        impl->dev[s].allocate(arg_bytes(max_groups), "the W4A8 GEMM's arguments", budget));
-    HETERO_ASSIGN_OR_RETURN(impl->copied[s], Event::create());
-  }
+  HETERO_RETURN_IF_ERROR(
+      impl->args.allocate(arg_bytes(max_groups), "the W4A8 GEMM's arguments", budget));
   HETERO_RETURN_IF_ERROR(each_tile([](auto tile) -> Status {
     using T = decltype(tile);
     HETERO_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(w4a8_grouped_kernel<T::kM, T::kN>,
@@ -454,10 +445,8 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
   // and 64x64 the slowest at 8K and 32K tokens (RESULTS §40.2).
   int bm = m.tile_m, bn = m.tile_n;
   if (bm == 0 || n % bm != 0) bm = n % 128 == 0 ? 128 : 64, bn = 128;
-  const int s = m.slot;
-  m.slot ^= 1;
-  if (m.used[s]) HETERO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(m.copied[s].get()));
-  auto* dg = m.host[s].get<DevGroup>();
+  HETERO_ASSIGN_OR_RETURN(const int s, m.args.next());
+  auto* dg = static_cast<DevGroup*>(m.args.host(s));
   auto* start = reinterpret_cast<int32_t*>(dg + m.max_groups);
   const int64_t m_tiles = n / bm;
   int64_t ctas = 0;
@@ -471,9 +460,9 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
   start[count] = static_cast<int32_t>(ctas);
   if (ctas > INT32_MAX / 2) return invalid_argument("the W4A8 grouped GEMM launch is too large");
   const Status st = [&]() -> Status {
-    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.dev[s].get(), dg, arg_bytes(m.max_groups),
+    HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.args.device(s), dg, arg_bytes(m.max_groups),
                                                 cudaMemcpyHostToDevice, stream));
-    const auto* ddg = m.dev[s].get<DevGroup>();
+    const auto* ddg = static_cast<const DevGroup*>(m.args.device(s));
     const Params prm{ddg,
                      reinterpret_cast<const int32_t*>(ddg + m.max_groups),
                      static_cast<int32_t>(count),
@@ -493,12 +482,7 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
     HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return Status::ok();
   }();
-  m.used[s] = true;
-  if (cudaEventRecord(m.copied[s].get(), stream) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    cudaStreamSynchronize(stream);
-    HETERO_CUDA_RETURN_IF_ERROR(e);
-  }
+  HETERO_RETURN_IF_ERROR(m.args.queued(s, stream));  // whatever the launch did
   return st;
 }
 
