@@ -195,6 +195,9 @@ TEST_F(W4a8GroupedGemmTest, RefusesWhatItCannotRun) {
   odd = w;
   odd.w0.k = 192;
   EXPECT_EQ((*gemm)->run(&ok, 1, odd, nullptr, nullptr).code(), Code::kInvalidArgument);
+  odd = w;
+  odd.w0.codes = b + 8;  // cp.async copies the codes 16 bytes at a time
+  EXPECT_EQ((*gemm)->run(&ok, 1, odd, nullptr, nullptr).code(), Code::kInvalidArgument);
   EXPECT_FALSE(cuda::W4a8GroupedGemm::supports(128, 16384).is_ok());
   cuda::W4a8Group bad = ok;
   bad.expert = 2;

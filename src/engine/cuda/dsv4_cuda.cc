@@ -324,8 +324,10 @@ Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions&
       return invalid_argument(
           "the w4a8 expert GEMM runs FP4 experts: it needs weight dtype checkpoint, with the "
           "experts not widened at load");
-    for (auto [n, k] : {std::pair{2 * c.moe_inter, c.hidden}, std::pair{c.hidden, c.moe_inter}})
-      HETERO_RETURN_IF_ERROR(cuda::W4a8GroupedGemm::supports(n, k));
+    for (auto [n, k] : {std::pair{2 * c.moe_inter, c.hidden}, std::pair{c.hidden, c.moe_inter}}) {
+      const Status shape = cuda::W4a8GroupedGemm::supports(n, k);
+      if (!shape.is_ok()) return invalid_argument(shape.message());
+    }
   }
   if (options.grouped_experts)
     return invalid_argument(

@@ -99,7 +99,8 @@ struct Dsv4CudaOptions {
   // (kernels/cuda/w4a8_grouped_gemm.h), never written out widened, so the engine holds no
   // widening scratch (one projection's experts in FP8: 4.3 GB at Flash shapes); the same FP8
   // operands and the same bits as the widened path's kernels gave in every test. Slower today:
-  // 0.62-0.69x the widened path's GEMMs at Flash shapes and 8,192 tokens (RESULTS §40), so
+  // 0.69x the widened path's GEMMs at Flash shapes and 8,192 tokens, 0.42x at 32,768 (RESULTS
+  // §40), so
   // kAuto never takes it. Not for bf16 weights.
   enum class ExpertGemm { kAuto, kGrouped, kPerExpert, kW4a8 };
   ExpertGemm expert_gemm = ExpertGemm::kAuto;
@@ -180,8 +181,8 @@ class Dsv4CudaEngine {
   // Waits for everything enqueued on the compute stream.
   Status synchronize();
   void* stream() const;  // the compute stream (cudaStream_t)
-  // How the routed experts' GEMMs run: "grouped FP8 (CUTLASS)", "per-expert FP8 (cuBLASLt, N
-  // streams)" or "bf16 (cuBLAS...)".
+  // How the routed experts' GEMMs run: "W4A8 (...)", "grouped FP8 (CUTLASS)", "per-expert FP8
+  // (cuBLASLt, N streams)" or "bf16 (cuBLAS...)".
   std::string expert_gemm_name() const;
   // How many routed-expert projections ran on the grouped FP8 kernel, and on the W4A8 one,
   // since the engine was made.

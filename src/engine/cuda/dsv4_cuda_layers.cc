@@ -188,8 +188,9 @@ Status fp8_linear(Impl& m, const uint16_t* x, int64_t rows, const cuda::Fp8Block
 // padded to 16, m.host_pad / m.pad, set by the caller), then one GEMM per expert with rows, in
 // expert order on its stream, so each expert's padding rows are overwritten by the next expert's
 // output (the last expert's land in the buffer's slack; a lane's last expert writes into the
-// lane's own buffer, and its real rows are copied into place). off: host and device copies of
-// the row offsets.
+// lane's own buffer, and its real rows are copied into place); or every active expert in one
+// launch of the grouped FP8 kernel; or, for FP4 experts under ExpertGemm::kW4a8, of the W4A8
+// kernel, which widens them itself. off: host and device copies of the row offsets.
 Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* dev_off,
                         const uint16_t* x, const DFp8& w8, const DFp4& w4, uint16_t* y,
                         const int32_t* rows_from = nullptr, int64_t per = 1) {

@@ -174,11 +174,11 @@ class Event {
 
 // Two page-locked host slots and their device copies for a kernel's per-launch arguments (the
 // grouped GEMMs' group lists), used in turn: a launch may be queued before the previous one ran,
-// and the third waits until the first's copy has run.
+// and the third waits until the stream has passed the first (its copy and its launch).
 class ArgumentSlots {
  public:
   Status allocate(size_t bytes, std::string_view what, DeviceMemoryBudget* budget = nullptr);
-  // The slot to fill next, once the copy queued from it two calls ago has run.
+  // The slot to fill next, once the stream has passed what was queued from it two calls ago.
   Result<int> next();
   void* host(int slot) const { return host_[slot].get(); }
   void* device(int slot) const { return dev_[slot].get(); }

@@ -159,10 +159,10 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* wide = smem;                         // [2][64][128], swizzled
+  uint8_t* wide = smem;                         // [2][BM][128], swizzled
   uint8_t* b_tile = wide + 2 * kWideBytes;      // [stages][BN][128], swizzled
-  uint8_t* raw = b_tile + kStages * BN * kBK;   // [stages][64][64]
-  uint8_t* raw_sc = raw + kStages * kRawBytes;  // [stages][64][4]
+  uint8_t* raw = b_tile + kStages * BN * kBK;   // [stages][BM][64]
+  uint8_t* raw_sc = raw + kStages * kRawBytes;  // [stages][BM][4]
   float* act_sc = reinterpret_cast<float*>(raw_sc + kStages * kRawScaleBytes);  // [stages][BN]
   float* scale = act_sc + kStages * BN;  // [2][BN]: activation scale x weight block's scale
   uint8_t* bmax = reinterpret_cast<uint8_t*>(scale + 2 * BN);  // [k / 128]
@@ -239,11 +239,11 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
       const uint32_t w[4] = {v.x, v.y, v.z, v.w};
       const int d = int(sc[g]) - mx + 6;
       uint32_t o[8];
-      const bool nonzero = widen_fp4_group(w, d, o);
+      const bool lost_bits = widen_fp4_group(w, d, o);
       const int c = 2 * (2 * h + g);
       *reinterpret_cast<uint4*>(dst + sw128(r, c)) = make_uint4(o[0], o[1], o[2], o[3]);
       *reinterpret_cast<uint4*>(dst + sw128(r, c + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
-      lost += nonzero && d < -8;
+      lost += lost_bits;
     }
     return lost;
   };
@@ -408,8 +408,9 @@ Result<std::unique_ptr<W4a8GroupedGemm>> W4a8GroupedGemm::create(int64_t max_gro
 }
 
 void W4a8GroupedGemm::set_tile(int weight_rows, int group_rows) {
-  const bool ok =
-      (weight_rows == 64 || weight_rows == 128) && (group_rows == 64 || group_rows == 128);
+  // The tiles the kernel is built for (each_tile).
+  const bool ok = (weight_rows == 64 && (group_rows == 64 || group_rows == 128)) ||
+                  (weight_rows == 128 && group_rows == 128);
   impl_->tile_m = ok ? weight_rows : 0;
   impl_->tile_n = ok ? group_rows : 0;
 }
@@ -424,12 +425,14 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
   const int64_t n = w.w0.n, k = w.w0.k;
   const Status shape = supports(n, k);
   if (!shape.is_ok()) return invalid_argument(shape.message());
-  if (!w.w0.codes || !w.w0.scale || !w.block_max)
+  auto aligned = [](const void* p, uintptr_t to = 16) {
+    return p && (reinterpret_cast<uintptr_t>(p) & (to - 1)) == 0;
+  };
+  // cp.async copies the codes 16 bytes and the exponents 4 bytes at a time.
+  if (!aligned(w.w0.codes) || !aligned(w.w0.scale, 4) || !w.block_max)
     return invalid_argument(
-        "the W4A8 grouped GEMM needs the experts' codes, scales and block "
-        "exponents");
-  auto aligned = [](const void* p) { return p && (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  int64_t rows_total = 0;
+        "the W4A8 grouped GEMM needs the experts' codes (16-byte aligned), exponents (4-byte "
+        "aligned) and block exponents");
   for (int64_t g = 0; g < count; ++g) {
     const W4a8Group& x = groups[g];
     if (x.rows <= 0 || x.rows > (int64_t{1} << 30) || x.expert < 0 || x.expert >= w.mats)
@@ -439,10 +442,10 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
     if (!aligned(x.act_q) || !aligned(x.act_scale) || !aligned(x.out))
       return invalid_argument("W4A8 grouped GEMM group " + std::to_string(g) +
                               ": operands must be 16-byte aligned");
-    rows_total += x.rows;
   }
   // 128x128 where n allows, else 64 weight rows: at Flash's expert shapes 128x128 was the fastest
-  // and 64x64 the slowest at 8K and 32K tokens (RESULTS §40.2).
+  // and 64x64 the slowest at 8K and 32K tokens (RESULTS §40.2). A set tile whose weight rows do
+  // not divide n gives way to this choice.
   int bm = m.tile_m, bn = m.tile_n;
   if (bm == 0 || n % bm != 0) bm = n % 128 == 0 ? 128 : 64, bn = 128;
   HETERO_ASSIGN_OR_RETURN(const int s, m.args.next());
@@ -472,13 +475,19 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
                      w.w0.scale,
                      w.block_max,
                      lossy_groups};
+    bool launched = false;
     HETERO_RETURN_IF_ERROR(each_tile([&](auto tile) -> Status {
       using T = decltype(tile);
-      if (T::kM == bm && T::kN == bn)
+      if (T::kM == bm && T::kN == bn) {
         w4a8_grouped_kernel<T::kM, T::kN>
             <<<static_cast<unsigned>(ctas), 2 * T::kM, Tile<T::kM, T::kN>::kSmem, stream>>>(prm);
+        launched = true;
+      }
       return Status::ok();
     }));
+    if (!launched)  // set_tile admits built tiles only
+      return internal_error("the W4A8 grouped GEMM has no " + std::to_string(bm) + "x" +
+                            std::to_string(bn) + " tile");
     HETERO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return Status::ok();
   }();

@@ -12,8 +12,8 @@
 // of k, promoted by (activation scale x weight scale) as fp8_grouped_gemm.h's kernel does. The
 // kernel is deterministic; output rows past a group's rows are not written.
 //
-// Tiles: 64 or 128 weight rows (the MMA's M: the operands are swapped, so the output's columns;
-// a warp group per 64) by 64 or 128 of a group's rows, 128 deep, four stages of cp.async.
+// Tiles: 64x64, 64x128 or 128x128, weight rows (the MMA's M: the operands are swapped, so the
+// output's columns; a warp group per 64) by a group's rows, 128 deep, four stages of cp.async.
 //
 // Bit-equal to the widened path (widen_fp4_experts_to_fp8, then cuBLASLt or the grouped FP8
 // kernel) in every test, but 0.42-0.69x its speed at DeepSeek-V4-Flash's shapes (RESULTS §40):
@@ -71,8 +71,9 @@ class W4a8GroupedGemm {
   // Whether run() takes matrices of this shape: n a multiple of 64, k a multiple of 128 and at
   // most 8192.
   static Status supports(int64_t n, int64_t k);
-  // The tile: weight rows 64 or 128 (n a multiple of it), group rows 64 or 128. Anything else
-  // (the default): 128x128 where n is a multiple of 128, else 64x128. For benches and tests.
+  // The tile, of those built: 64x64, 64x128 or 128x128 (weight rows x group rows). Anything
+  // else, or weight rows that do not divide n: 128x128 where n is a multiple of 128, else 64x128
+  // (the default). For benches and tests.
   void set_tile(int weight_rows, int group_rows);
 
   // Enqueues every group's GEMM on `stream` as one launch; returns once the arguments are
