@@ -14,7 +14,7 @@ APT_PACKAGES := cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev 
   libopenblas-dev libxxhash-dev libssl-dev zlib1g-dev libbrotli-dev clang-format python3-venv \
   clang libclang-rt-14-dev libomp-dev
 
-.PHONY: up test deps cudnn-frontend cutlass venv model tiny tiny-dsv4 prompts build unit pytest fuzz demo format format-check clean
+.PHONY: up test deps cudnn-frontend cutlass venv model tiny tiny-dsv4 prompts build unit pytest fuzz demo format format-check clean sass
 
 # The whole served stack on the default model: prefill host, decoder with seam, front door on
 # :8012 (Ctrl-C stops all three). Check it from another shell with ./build/hetero doctor.
@@ -111,6 +111,13 @@ pytest: build model tiny tiny-dsv4
 	HETERO_DSV4_MODEL=$(CURDIR)/models/dsv4-tiny \
 	HETERO_MODEL=$(CURDIR)/$(MODEL) HETERO_NO_SKIPS=1 PYTHONPATH=python $(VPY) -m pytest -q \
 	  -n $(JOBS) --dist loadgroup --no-loadscope-reorder tests/py
+
+# The W4A8 GEMM's main loop counted in its SASS for each tile (bench/sass_w4a8.sh): static
+# instruction counts, for kernel work on a machine without a GPU. nvdisasm comes from PyPI.
+NVDISASM_VERSION := 13.5.37
+sass: $(STAMPS)/venv
+	$(VPY) -m pip install -q --disable-pip-version-check nvidia-cuda-nvdisasm==$(NVDISASM_VERSION)
+	bash bench/sass_w4a8.sh
 
 # The libFuzzer targets (fuzz/), built with clang and ASan/UBSan in build-fuzz/, each run for
 # FUZZ_RUNS executions from its committed seed corpus (fuzz/corpus/<target>); a crash, a leak or

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "kernels/fp4_widen_bits.h"
+
 namespace hetero::cuda {
 
 __device__ __forceinline__ float e2m1(uint32_t nibble) {
@@ -20,43 +22,15 @@ __device__ __forceinline__ uint16_t e4m3x2(float a, float b) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 
-// PTX's prmt in its default mode: byte n of the result is byte (s >> 4n) & 7 of {y, x}, or that
-// byte's sign bit replicated where bit 3 of the selector nibble is set. (__byte_perm reads only
-// the low three bits of each nibble, so it cannot ask for the sign.)
-__device__ __forceinline__ uint32_t prmt_sign(uint32_t x, uint32_t s) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(r) : "r"(x), "r"(s));
-  return r;
-}
-
 // One 32-element FP4 group (w: its 16 bytes as words, element 2j in the low nibble of byte j) ->
 // out: its 32 e4m3 codes (byte i of the 32 = element i), each e2m1 value times 2^d, rounded to
 // nearest even (exact for d >= -8, checkpoint_formats.h). Returns whether the group lost bits:
-// d < -8 and a nonzero code.
+// d < -8 and a nonzero code. Where every value is an e4m3 normal (d >= -5: trained weights' groups
+// sit within a few powers of two of their block's largest), integer operations alone
+// (fp4_widen_bits.h); below, through float.
 __device__ __forceinline__ bool widen_fp4_group(const uint32_t (&w)[4], int d, uint32_t (&out)[8]) {
   if (d >= -5) {
-    // Every value is an e4m3 normal (or zero). An e2m1 magnitude code m (1..7) is
-    // 2^((m >> 1) - 1) * (1 + (m odd and m > 1) / 2), so its e4m3 code has the exponent field
-    // (m >> 1) + d + 6 and the e2m1 mantissa bit as its top mantissa bit: at d = 0 the codes
-    // 0x30 0x38 0x3c 0x40 0x44 0x48 0x4c, and 8d more for any d (no byte carries: d >= -5). The
-    // eight magnitude codes sit in a byte table (two words; magnitude 0 stays 0) and each nibble
-    // selects its byte with a byte permute, four at a time. A second permute of 0x80 bytes,
-    // selected by the whole nibble, gives 0xff where the sign bit is set (the permute's
-    // sign-replicate mode), whose bit 6 shifted up is the code's sign. Four instructions for four
-    // elements: the W4A8 GEMM widens in its main loop, where issue slots are what it runs short of.
-    const uint32_t step = static_cast<uint32_t>(8 * d);
-    const uint32_t lut_lo = 0x3c383000u + step * 0x01010100u;
-    const uint32_t lut_hi = 0x4c484440u + step * 0x01010101u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t mags = w[i] & 0x77777777u;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t mag = __byte_perm(lut_lo, lut_hi, mags >> (16 * h));
-        const uint32_t neg = prmt_sign(0x80808080u, w[i] >> (16 * h));
-        out[2 * i + h] = mag | ((neg << 1) & 0x80808080u);
-      }
-    }
+    widen_fp4_group_normal(w, d, out);
     return false;
   }
   bool nonzero = false;

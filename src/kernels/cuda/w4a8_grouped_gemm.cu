@@ -30,6 +30,7 @@ struct Tile {
   static constexpr int kSmem = 1024 /* alignment slack */ + 2 * kWideBytes +
                                kStages * (BN * kBK + kRawBytes + kRawScaleBytes + BN * 4) +
                                2 * BN * 4 + kMaxKBlocks;
+  static_assert(kSmem < 227 * 1024, "sm_90's shared memory a block");
 };
 
 struct DevGroup {  // W4a8Group as the kernel reads it
@@ -71,7 +72,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 }
 
 // A K-major operand tile in shared memory, rows of 128 bytes with the 128-byte swizzle (the
-// 16-byte chunk c of row r stored at chunk c ^ (r % 8)), 8-row groups 1024 bytes apart.
+// 16-byte chunk c of row r stored at chunk c ^ (r % 8)), 8-row groups 1024 bytes apart. The
+// address field is the shared address / 16 in 14 bits; shared memory is under 256 KiB, so the
+// descriptor of address + offset is this one plus offset / 16 (no carry into the bits above).
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | (uint64_t{1} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
@@ -157,8 +160,10 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
   constexpr int kRawScaleBytes = T::kRawScaleBytes, kWideBytes = T::kWideBytes;
   constexpr int kOutPitch = T::kOutPitch;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // Aligned to 1024 bytes (the 128-byte swizzle's period) by an offset into the shared array, not
+  // by rounding a generic pointer: the compiler then knows every pointer below is shared memory
+  // and emits 32-bit shared loads and stores instead of generic ones with 64-bit addresses.
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint8_t* wide = smem;                         // [2][BM][128], swizzled
   uint8_t* b_tile = wide + 2 * kWideBytes;      // [stages][BN][128], swizzled
   uint8_t* raw = b_tile + kStages * BN * kBK;   // [stages][BM][64]
@@ -195,71 +200,97 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
 
   // Stage kt % stages <- k tile kt: the activation rows (zeros past the group's padded rows),
   // the FP4 codes and exponents, the activation scales. Always one commit group per call.
+  // Each thread copies the same rows and 16-byte chunks in every stage, so the sources and shared
+  // offsets are set once, here, and a k tile only adds its column offset: a rolled copy loop with
+  // its 64-bit address arithmetic per chunk was most of the main loop's instructions (RESULTS §40).
+  constexpr int kActCopies = BN * 8 / kThreads;   // 16-byte chunks of activation rows a thread
+  constexpr int kActRowStep = kThreads / 8;       // rows between them: a multiple of 8, so one
+  constexpr int kCodeCopies = BM * 4 / kThreads;  // swizzle phase; 16-byte chunks of codes (2)
+  constexpr int kCodeRowStep = kThreads / 4;
+  static_assert(kActCopies * kThreads == BN * 8 && kActRowStep % 8 == 0, "act copy layout");
+  static_assert(kCodeCopies * kThreads == BM * 4, "code copy layout");
+  const int a_row = tid >> 3, a_chunk = tid & 7;
+  const uint32_t a_dst = smem_u32(b_tile) + sw128(a_row, a_chunk);  // + i * kActRowStep rows
+  const uint8_t* a_src[kActCopies];  // a row past the padded rows copies nothing (size 0) from
+  unsigned a_ok = 0;                 // the tile's first row, which exists; bit i: chunk i copies
+#pragma unroll
+  for (int i = 0; i < kActCopies; ++i) {
+    const int r = a_row + i * kActRowStep;
+    const bool ok = n0 + r < padded;
+    a_src[i] = aq + static_cast<size_t>(ok ? r : 0) * k + a_chunk * 16;
+    a_ok |= unsigned(ok) << i;
+  }
+  const uint32_t c_dst = smem_u32(raw) + tid * 16;  // row tid / 4 of 64 bytes, chunk tid % 4
+  const uint8_t* c_src[kCodeCopies];
+#pragma unroll
+  for (int i = 0; i < kCodeCopies; ++i)
+    c_src[i] =
+        codes + static_cast<size_t>((tid >> 2) + i * kCodeRowStep) * (k / 2) + (tid & 3) * 16;
+  const uint8_t* sc_src = gsc + static_cast<size_t>(tid) * (k / 32);
+  const bool as_ok = tid < BN / 4 && n0 + tid * 4 < padded;
+  const float* as_src = as + (as_ok ? tid * 4 : 0);
   auto load = [&](int kt) {
     const int s = kt % kStages;
     if (kt < kt_count) {
-      uint8_t* bs = b_tile + s * BN * kBK;
 #pragma unroll
-      for (int i = tid; i < BN * 8; i += kThreads) {
-        const int r = i >> 3, c = i & 7;
-        const bool ok = n0 + r < padded;
-        cp_async16(smem_u32(bs + sw128(r, c)),
-                   ok ? aq + static_cast<size_t>(r) * k + kt * kBK + c * 16 : G.act_q, ok);
-      }
+      for (int i = 0; i < kActCopies; ++i)
+        cp_async16(a_dst + s * (BN * kBK) + i * (kActRowStep * kBK), a_src[i] + kt * kBK,
+                   (a_ok >> i) & 1u);
 #pragma unroll
-      for (int i = tid; i < BM * 4; i += kThreads) {
-        const int r = i >> 2, c = i & 3;
-        cp_async16(smem_u32(raw + s * kRawBytes + r * 64 + c * 16),
-                   codes + static_cast<size_t>(r) * (k / 2) + kt * 64 + c * 16, true);
-      }
-      if (tid < BM)
-        cp_async4(smem_u32(raw_sc + s * kRawScaleBytes + tid * 4),
-                  gsc + static_cast<size_t>(tid) * (k / 32) + kt * 4);
-      if (tid < BN / 4) {
-        const bool ok = n0 + tid * 4 < padded;
-        cp_async16(smem_u32(act_sc + s * BN + tid * 4),
-                   ok ? as + static_cast<size_t>(kt) * padded + tid * 4 : G.act_scale, ok);
-      }
+      for (int i = 0; i < kCodeCopies; ++i)
+        cp_async16(c_dst + s * kRawBytes + i * (kCodeRowStep * 64), c_src[i] + kt * (kBK / 2),
+                   true);
+      if (tid < BM) cp_async4(smem_u32(raw_sc + s * kRawScaleBytes + tid * 4), sc_src + kt * 4);
+      if (tid < BN / 4)
+        cp_async16(smem_u32(act_sc + s * BN + tid * 4), as_src + static_cast<size_t>(kt) * padded,
+                   as_ok);
     }
     cp_async_commit();
   };
 
   // wide[buf] <- k tile kt widened: thread t takes row t / 2, its groups 2 (t % 2) and the next.
   // Returns the groups whose widening was not exact.
+  const int w_row = tid >> 1, w_half = tid & 1;
+  const uint8_t* w_codes = raw + w_row * 64 + w_half * 32;  // + the stage's offset
+  const uint8_t* w_exps = raw_sc + w_row * 4 + 2 * w_half;  // + the stage's offset
+  const int w_dst0 = sw128(w_row, 4 * w_half), w_dst1 = sw128(w_row, 4 * w_half + 1);
+  const int w_dst2 = sw128(w_row, 4 * w_half + 2), w_dst3 = sw128(w_row, 4 * w_half + 3);
   auto widen = [&](int kt, int buf) {
-    const int s = kt % kStages, r = tid >> 1, h = tid & 1;
-    const int mx = bmax[kt];
-    const uint8_t* sc = raw_sc + s * kRawScaleBytes + r * 4 + 2 * h;
+    const int s = kt % kStages, mx = bmax[kt];
     uint8_t* dst = wide + buf * kWideBytes;
+    const uint8_t* sc = w_exps + s * kRawScaleBytes;
     unsigned lost = 0;
 #pragma unroll
     for (int g = 0; g < 2; ++g) {
-      const uint4 v =
-          *reinterpret_cast<const uint4*>(raw + s * kRawBytes + r * 64 + (2 * h + g) * 16);
+      const uint4 v = *reinterpret_cast<const uint4*>(w_codes + s * kRawBytes + g * 16);
       const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-      const int d = int(sc[g]) - mx + 6;
       uint32_t o[8];
-      const bool lost_bits = widen_fp4_group(w, d, o);
-      const int c = 2 * (2 * h + g);
-      *reinterpret_cast<uint4*>(dst + sw128(r, c)) = make_uint4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<uint4*>(dst + sw128(r, c + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
-      lost += lost_bits;
+      lost += widen_fp4_group(w, int(sc[g]) - mx + 6, o);
+      *reinterpret_cast<uint4*>(dst + (g ? w_dst2 : w_dst0)) = make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(dst + (g ? w_dst3 : w_dst1)) = make_uint4(o[4], o[5], o[6], o[7]);
     }
     return lost;
   };
 
   // scale[kt % 2] <- k tile kt's promotion factors, one per column (group row), made once per
-  // block instead of once per thread and column.
+  // block instead of once per thread and column. The weight's is 2^(max - 133), built from its
+  // bits (exactly ldexpf(1, max - 133): a normal from 2^-126 up, a subnormal below).
   auto scales = [&](int kt) {
-    if (tid < BN)
-      scale[(kt & 1) * BN + tid] =
-          act_sc[(kt % kStages) * BN + tid] * ldexpf(1.f, int(bmax[kt]) - 133);
+    if (tid < BN) {
+      const int e = int(bmax[kt]) - 133;
+      const float w_scale = __int_as_float(e >= -126 ? (e + 127) << 23 : 1 << (e + 149));
+      scale[(kt & 1) * BN + tid] = act_sc[(kt % kStages) * BN + tid] * w_scale;
+    }
   };
 
   const int lane = tid & 31, warp = tid >> 5;
   float acc[BN / 2], tot[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) tot[i] = 0.f, acc[i] = 0.f;
+  // The operands' descriptors at buffer and stage 0; each warp group its own 64 weight rows of
+  // the tile. A buffer's or stage's offset / 16 adds to them (sw128_desc).
+  const uint64_t a_desc0 = sw128_desc(smem_u32(wide) + (warp / 4) * 64 * kBK);
+  const uint64_t b_desc0 = sw128_desc(smem_u32(b_tile));
   for (int s = 0; s < kStages - 1; ++s) load(s);
   cp_async_wait<kStages - 2>();
   __syncthreads();
@@ -270,14 +301,13 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
     fence_proxy_async();
     __syncthreads();
     load(kt + kStages - 1);  // into the stage k tile kt - 1 used, done with
-    // Each warp group its own 64 weight rows of the tile.
-    const uint32_t a_addr = smem_u32(wide + (kt & 1) * kWideBytes + (warp / 4) * 64 * kBK);
-    const uint32_t b_addr = smem_u32(b_tile + (kt % kStages) * BN * kBK);
+    const uint64_t a_desc = a_desc0 + (((kt & 1) * kWideBytes) >> 4);
+    const uint64_t b_desc = b_desc0 + (((kt % kStages) * BN * kBK) >> 4);
     fence_operands(acc);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBK / 32; ++kk)
-      wgmma_k32<BN>(acc, sw128_desc(a_addr + kk * 32), sw128_desc(b_addr + kk * 32), kk > 0);
+    for (int kk = 0; kk < kBK / 32; ++kk)  // k32 steps: 32 bytes into each 128-byte row
+      wgmma_k32<BN>(acc, a_desc + kk * (32 >> 4), b_desc + kk * (32 >> 4), kk > 0);
     wgmma_commit();
     if (kt + 1 < kt_count) {  // beside the tensor cores
       lost += widen(kt + 1, (kt + 1) & 1);
