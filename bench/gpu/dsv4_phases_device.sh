@@ -11,8 +11,9 @@
 # Env: REV (names the output), BASE (a directory holding the base binary), T (8192,32768,131072),
 # LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0), GEMMS (empty: the default routed-expert
 # kernel; "per-expert,grouped,w4a8": each, named $REV-<kernel>), BRIDGE (off; "off,on" also runs each T with
-# the bridge behind the forward: its cost and wire bytes), PHASES (1: --phases). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,
-# ncu.txt}.
+# the bridge behind the forward: its cost and wire bytes), PHASES (1: --phases), W4A8_BENCH (0; 1
+# first runs the routed-expert GEMMs alone, hetero_gpu_w4a8_bench at 8K and 32K tokens, carried
+# too: $OUT/w4a8-gemm.jsonl). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,ncu.txt}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT_DIR=${OUT:-out/dsv4-phases}
@@ -20,6 +21,7 @@ mkdir -p "$OUT_DIR"
 REV=${REV:-unknown}
 source bench/gpu/devkit_libs.sh
 bins=(build/hetero_gpu_tests build/hetero_gpu_dsv4_layer_bench)
+[[ ${W4A8_BENCH:-0} == 1 ]] && bins+=(build/hetero_gpu_w4a8_bench)
 [[ -n ${BASE:-} ]] && bins+=("$BASE/hetero_gpu_dsv4_layer_bench")
 devkit_libs /tmp/hetero-lib "${bins[@]}" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -27,6 +29,12 @@ rc=0
 if [[ ${GPU_TESTS:-1} == 1 ]]; then
   timeout 300 build/hetero_gpu_tests >"$OUT_DIR/gpu_tests.log" 2>&1 || rc=1
   grep -E "attn \]|index \]|^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests ran" "$OUT_DIR/gpu_tests.log"
+fi
+if [[ ${W4A8_BENCH:-0} == 1 ]]; then
+  timeout 240 build/hetero_gpu_w4a8_bench --tokens 8192,32768 --repeat 5 --rev "$REV" \
+    >"$OUT_DIR/w4a8-gemm.jsonl" 2>"$OUT_DIR/w4a8-gemm.txt" || rc=1
+  echo "== w4a8 GEMMs"
+  cat "$OUT_DIR/w4a8-gemm.txt"
 fi
 run_bench() {  # name binary_dir [more flags]
   timeout 200 "$2/hetero_gpu_dsv4_layer_bench" "${@:3}" --weights checkpoint --layers "${LAYERS:-8}" \
