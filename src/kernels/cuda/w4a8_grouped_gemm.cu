@@ -273,13 +273,16 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
   };
 
   // scale[kt % 2] <- k tile kt's promotion factors, one per column (group row), made once per
-  // block instead of once per thread and column. The weight's is 2^(max - 133), built from its
-  // bits (exactly ldexpf(1, max - 133): a normal from 2^-126 up, a subnormal below).
+  // block instead of once per thread and column, by the last BN threads: the first warp group
+  // copies the exponents and activation scales (load), so the two share the extra work. The
+  // weight's factor is 2^(max - 133), built from its bits (exactly ldexpf(1, max - 133): a normal
+  // from 2^-126 up, a subnormal below).
+  const int sc_col = tid - (kThreads - BN);
   auto scales = [&](int kt) {
-    if (tid < BN) {
+    if (sc_col >= 0) {
       const int e = int(bmax[kt]) - 133;
       const float w_scale = __int_as_float(e >= -126 ? (e + 127) << 23 : 1 << (e + 149));
-      scale[(kt & 1) * BN + tid] = act_sc[(kt % kStages) * BN + tid] * w_scale;
+      scale[(kt & 1) * BN + sc_col] = act_sc[(kt % kStages) * BN + sc_col] * w_scale;
     }
   };
 
