@@ -33,8 +33,13 @@ fi
 if [[ ${W4A8_BENCH:-0} == 1 ]]; then
   timeout 240 build/hetero_gpu_w4a8_bench --tokens 8192,32768 --repeat 5 --rev "$REV" \
     >"$OUT_DIR/w4a8-gemm.jsonl" 2>"$OUT_DIR/w4a8-gemm.txt" || rc=1
-  echo "== w4a8 GEMMs"
+  echo "== w4a8 GEMMs (ms, TFLOP/s, against the best widened path)"
   cat "$OUT_DIR/w4a8-gemm.txt"
+  python3 -c 'import json, sys
+for l in open(sys.argv[1]):
+    d = json.loads(l)
+    print(d["T"], d["gemm"], d["kernel"], d["ms_median"], d["tflops"], d["vs_widened_best"])' \
+    "$OUT_DIR/w4a8-gemm.jsonl"
 fi
 run_bench() {  # name binary_dir [more flags]
   timeout 200 "$2/hetero_gpu_dsv4_layer_bench" "${@:3}" --weights checkpoint --layers "${LAYERS:-8}" \
