@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
   for (int i = 0; i < kCodeCopies; ++i)
     c_src[i] =
         codes + static_cast<size_t>((tid >> 2) + i * kCodeRowStep) * (k / 2) + (tid & 3) * 16;
-  const uint8_t* sc_src = gsc + static_cast<size_t>(tid) * (k / 32);
+  const uint8_t* sc_src =
+      gsc + static_cast<size_t>(tid < BM ? tid : 0) * (k / 32);  // tid < BM copy
   const bool as_ok = tid < BN / 4 && n0 + tid * 4 < padded;
   const float* as_src = as + (as_ok ? tid * 4 : 0);
   auto load = [&](int kt) {
