@@ -254,8 +254,10 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
   const int w_row = tid >> 1, w_half = tid & 1;
   const uint8_t* w_codes = raw + w_row * 64 + w_half * 32;  // + the stage's offset
   const uint8_t* w_exps = raw_sc + w_row * 4 + 2 * w_half;  // + the stage's offset
-  const int w_dst0 = sw128(w_row, 4 * w_half), w_dst1 = sw128(w_row, 4 * w_half + 1);
-  const int w_dst2 = sw128(w_row, 4 * w_half + 2), w_dst3 = sw128(w_row, 4 * w_half + 3);
+  // The thread's four 16-byte chunks 4 h + i of its row: sw128(row, 4 h + i) is
+  // sw128(row, 4 h) ^ 16 i (the swizzle XORs chunk numbers, and i < 4 touches only their two
+  // low bits), so one offset and an XOR each.
+  const int w_dst = sw128(w_row, 4 * w_half);
   auto widen = [&](int kt, int buf) {
     const int s = kt % kStages, mx = bmax[kt];
     uint8_t* dst = wide + buf * kWideBytes;
@@ -267,8 +269,8 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
       const uint32_t w[4] = {v.x, v.y, v.z, v.w};
       uint32_t o[8];
       lost += widen_fp4_group(w, int(sc[g]) - mx + 6, o);
-      *reinterpret_cast<uint4*>(dst + (g ? w_dst2 : w_dst0)) = make_uint4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<uint4*>(dst + (g ? w_dst3 : w_dst1)) = make_uint4(o[4], o[5], o[6], o[7]);
+      *reinterpret_cast<uint4*>(dst + (w_dst ^ (32 * g))) = make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(dst + (w_dst ^ (32 * g + 16))) = make_uint4(o[4], o[5], o[6], o[7]);
     }
     return lost;
   };
