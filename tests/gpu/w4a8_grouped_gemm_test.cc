@@ -4,7 +4,8 @@
 // output against the float64 product of the widened operands with fp8_gemm_test's bound, and
 // against cuBLASLt's. Group exponents spread so that groups take the byte-permute widening, the
 // exact float one and the lossy one; the lossy counts must equal the widening kernel's. Rows from
-// 1 to 300 under both tile heights, n with a partial 128-row block.
+// 1 to 300 under both tile heights, n with a partial 128-row block, k from one k tile to 16 (the
+// pipeline's stages reused).
 #include "kernels/cuda/w4a8_grouped_gemm.h"
 
 #include <gtest/gtest.h>
@@ -64,6 +65,8 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
       {256, 512, {3, 0, 1, 16, 17, 0, 200, 130, 15, 300}},
       {192, 384, {64, 65, 63, 127, 128, 129}},  // n: a partial 128-row block
       {128, 128, {1, 40, 0, 256}},
+      // 16 k tiles: every cp.async stage and both widened buffers are reused several times.
+      {256, 2048, {5, 130, 0, 64, 200}},
   };
   for (const Case& cs : cases) {
     const int64_t n = cs.n, k = cs.k, E = static_cast<int64_t>(cs.rows.size());
