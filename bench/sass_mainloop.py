@@ -25,7 +25,7 @@ BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA\s+`?\(?(\.L_x_\d+)")
 
 # Kinds by opcode prefix, first match wins.
 KINDS = [
-    ("tensor", ("HGMMA", "QGMMA", "WARPGROUP")),
+    ("tensor", ("HGMMA", "QGMMA", "HMMA", "IMMA", "WARPGROUP")),
     ("copy-async", ("LDGSTS", "LDGDEPBAR", "DEPBAR")),
     ("shared", ("LDS", "STS", "LDSM")),
     ("generic-mem", ("LD.", "ST.", "LD ", "ST ")),
