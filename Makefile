@@ -112,12 +112,12 @@ pytest: build model tiny tiny-dsv4
 	HETERO_MODEL=$(CURDIR)/$(MODEL) HETERO_NO_SKIPS=1 PYTHONPATH=python $(VPY) -m pytest -q \
 	  -n $(JOBS) --dist loadgroup --no-loadscope-reorder tests/py
 
-# The W4A8 GEMM's main loop counted in its SASS for each tile (bench/sass_w4a8.sh): static
+# The main loops of the W4A8 GEMM and the sparse attention counted in their SASS (bench/sass_counts.sh): static
 # instruction counts, for kernel work on a machine without a GPU. nvdisasm comes from PyPI.
 NVDISASM_VERSION := 13.5.37
 sass: $(STAMPS)/venv
 	$(VPY) -m pip install -q --disable-pip-version-check nvidia-cuda-nvdisasm==$(NVDISASM_VERSION)
-	bash bench/sass_w4a8.sh
+	bash bench/sass_counts.sh
 
 # The libFuzzer targets (fuzz/), built with clang and ASan/UBSan in build-fuzz/, each run for
 # FUZZ_RUNS executions from its committed seed corpus (fuzz/corpus/<target>); a crash, a leak or

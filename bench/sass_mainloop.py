@@ -8,9 +8,10 @@ it takes every block but the excluded ones, which is what an issue-bound kernel 
   nvcc ... -arch=sm_90a -cubin -o k.cubin && nvdisasm -c k.cubin > k.sass
   python3 bench/sass_mainloop.py k.sass --kernel 'w4a8_grouped_kernelILi128ELi128E'
 
-The loop is the one whose body holds --marker (default: the tensor cores' GMMA); its body runs
-from the label a backward branch returns to, to that branch. `make sass` builds the W4A8 kernel's
-cubin and prints this for each of its tiles.
+The loop is the innermost one whose body holds --marker (default: the tensor cores' GMMA; --loop
+picks among several); its body runs from the label a backward branch returns to, to that branch.
+`make sass` (bench/sass_counts.sh) prints this for the W4A8 GEMM's tiles and DeepSeek-V4's
+attention.
 """
 import argparse
 import collections
@@ -68,12 +69,8 @@ def functions(lines):
     return out
 
 
-def main_loop(body, marker):
-    """The instructions of the innermost loop around the first `marker`, as blocks."""
-    index = {v: i for i, (t, v) in enumerate(body) if t == "label"}
-    mark = next((i for i, (t, v) in enumerate(body) if t == "insn" and marker in v), None)
-    if mark is None:
-        sys.exit(f"no instruction matching {marker!r}")
+def innermost_loop(body, index, mark):
+    """(head, back branch) of the innermost loop around instruction `mark`, or None."""
     best = None
     for j, (t, v) in enumerate(body):
         m = BRANCH.match(v) if t == "insn" else None
@@ -82,8 +79,21 @@ def main_loop(body, marker):
         head = index[m.group(2)]
         if head <= mark < j and (best is None or j - head < best[1] - best[0]):
             best = (head, j)
-    if best is None:
-        sys.exit(f"no loop around {marker!r}")
+    return best
+
+
+def main_loop(body, marker, nth=1):
+    """The instructions of the nth distinct innermost loop holding a `marker`, as blocks."""
+    index = {v: i for i, (t, v) in enumerate(body) if t == "label"}
+    loops = []
+    for i, (t, v) in enumerate(body):
+        if t == "insn" and marker in v:
+            loop = innermost_loop(body, index, i)
+            if loop and loop not in loops:
+                loops.append(loop)
+    if len(loops) < nth:
+        sys.exit(f"{len(loops)} loops hold {marker!r}, not {nth}")
+    best = loops[nth - 1]
     blocks, cur = [], None
     for t, v in body[best[0] : best[1] + 1]:
         if t == "label" or cur is None:
@@ -113,6 +123,8 @@ def main():
     ap.add_argument("sass", help="nvdisasm -c output")
     ap.add_argument("--kernel", required=True, help="substring of the mangled kernel name")
     ap.add_argument("--marker", default="GMMA", help="an instruction inside the loop")
+    ap.add_argument("--loop", type=int, default=1,
+                    help="which of the loops holding the marker, in code order (default 1)")
     ap.add_argument("--exclude", default="F2FP|STL|LDL",
                     help="leave out blocks with an instruction matching this regex (default: "
                          "the float conversions of the W4A8 widening's fallback path)")
@@ -123,11 +135,12 @@ def main():
     names = [n for n in funcs if a.kernel in n]
     if len(names) != 1:
         sys.exit(f"{len(names)} kernels match {a.kernel!r}: {names}")
-    blocks = main_loop(funcs[names[0]], a.marker)
+    blocks = main_loop(funcs[names[0]], a.marker, a.loop)
     rows, total = summarise(blocks, re.compile(a.exclude) if a.exclude else None)
     count = sum(total.values())
     if a.json:
-        print(json.dumps({"kernel": a.kernel, "loop_insns": count, "kinds": dict(total),
+        print(json.dumps({"kernel": a.kernel, "loop": a.loop, "loop_insns": count,
+                          "kinds": dict(total),
                           "blocks": len(rows),
                           "excluded_blocks": sum(r["excluded"] for r in rows)}))
         return

@@ -310,13 +310,16 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   // Pass 1: S = Q K^T, each score rounded to bf16 into Ss.
   for (int s = 0; s < stages - 1; ++s)
     issue_key_tile<D>(p, kidx, s, tiles, Ks + s * tile_elems, ldk);
-  for (int64_t t = 0; t < tiles; ++t) {
+  // Tile t's buffer is t % stages and tile t + stages - 1 goes into the one before it, counted
+  // rather than divided: a 64-bit remainder by the run-time stage count took about 30
+  // instructions a tile (bench/sass_mainloop.py).
+  for (int64_t t = 0, buf = 0; t < tiles; ++t, buf = buf + 1 == stages ? 0 : buf + 1) {
     cp_async_wait_stages(stages);
     __syncthreads();  // tile t is in; every warp is done with tile t - 1's buffer
-    issue_key_tile<D>(p, kidx, t + stages - 1, tiles, Ks + ((t + stages - 1) % stages) * tile_elems,
-                      ldk);
+    issue_key_tile<D>(p, kidx, t + stages - 1, tiles,
+                      Ks + (buf == 0 ? stages - 1 : buf - 1) * tile_elems, ldk);
     const uint16_t* kb =
-        Ks + (t % stages) * tile_elems + (half * 16 + (mi / 2) * 8 + mr) * ldk + (mi % 2) * 8;
+        Ks + buf * tile_elems + (half * 16 + (mi / 2) * 8 + mr) * ldk + (mi % 2) * 8;
     // Even and odd depth steps into separate accumulators: four independent chains per warp
     // keep the tensor cores fed (two chains of D / 16 dependent mma left them waiting).
     float acc[2][2][4] = {};
@@ -378,12 +381,12 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   // Pass 2: O = P V over this warp's 16 rows and D/2 columns.
   float o[D / 16][4] = {};
   const int64_t col0 = half * (D / 2);
-  for (int64_t t = 0; t < tiles; ++t) {
+  for (int64_t t = 0, buf = 0; t < tiles; ++t, buf = buf + 1 == stages ? 0 : buf + 1) {
     cp_async_wait_stages(stages);
     __syncthreads();  // tile t (and, at t = 0, every P row) is in
-    issue_key_tile<D>(p, kidx, t + stages - 1, tiles, Ks + ((t + stages - 1) % stages) * tile_elems,
-                      ldk);
-    const uint16_t* vt = Ks + (t % stages) * tile_elems;
+    issue_key_tile<D>(p, kidx, t + stages - 1, tiles,
+                      Ks + (buf == 0 ? stages - 1 : buf - 1) * tile_elems, ldk);
+    const uint16_t* vt = Ks + buf * tile_elems;  // buf: t % stages, as in pass 1
 #pragma unroll
     for (int ks = 0; ks < kWideKeys / 16; ++ks) {
       uint32_t a[4];
