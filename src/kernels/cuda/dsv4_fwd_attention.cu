@@ -234,6 +234,8 @@ __device__ inline void issue_key_tile(const SparseAttnParams& p, const int32_t* 
   if (t < tiles) {
     const int r = threadIdx.x / kWideRowThreads, c0 = (threadIdx.x % kWideRowThreads) * 8;
     const int32_t k = kidx[t * kWideKeys + r];
+    // A masked key copies nothing (zero fill) from a query row, which holds D elements too: the
+    // same address arithmetic either way, no select a copy.
     const uint16_t* src = k == kMaskedKey ? p.q
                           : k >= 0        ? p.pooled + int64_t(k) * D
                                           : p.lk + int64_t(-k - 2) * D;
@@ -242,7 +244,7 @@ __device__ inline void issue_key_tile(const SparseAttnParams& p, const int32_t* 
 #pragma unroll
     for (int j = 0; j < D / (8 * kWideRowThreads); ++j) {
       const int c = c0 + j * 8 * kWideRowThreads;
-      mma::cp_async16(row + c, bytes ? src + c : src, bytes);
+      mma::cp_async16(row + c, src + c, bytes);
     }
   }
   mma::cp_async_commit();
@@ -313,7 +315,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   // Tile t's buffer is t % stages and tile t + stages - 1 goes into the one before it, counted
   // rather than divided: a 64-bit remainder by the run-time stage count took about 30
   // instructions a tile (bench/sass_mainloop.py).
-  for (int64_t t = 0, buf = 0; t < tiles; ++t, buf = buf + 1 == stages ? 0 : buf + 1) {
+  int buf = 0;
+  for (int64_t t = 0; t < tiles; ++t, buf = buf + 1 == stages ? 0 : buf + 1) {
     cp_async_wait_stages(stages);
     __syncthreads();  // tile t is in; every warp is done with tile t - 1's buffer
     issue_key_tile<D>(p, kidx, t + stages - 1, tiles,
@@ -381,7 +384,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   // Pass 2: O = P V over this warp's 16 rows and D/2 columns.
   float o[D / 16][4] = {};
   const int64_t col0 = half * (D / 2);
-  for (int64_t t = 0, buf = 0; t < tiles; ++t, buf = buf + 1 == stages ? 0 : buf + 1) {
+  buf = 0;
+  for (int64_t t = 0; t < tiles; ++t, buf = buf + 1 == stages ? 0 : buf + 1) {
     cp_async_wait_stages(stages);
     __syncthreads();  // tile t (and, at t = 0, every P row) is in
     issue_key_tile<D>(p, kidx, t + stages - 1, tiles,
