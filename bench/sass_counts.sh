@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main loops of the kernels that bound DeepSeek-V4's prefill, counted in their SASS
-# (bench/sass_mainloop.py): the W4A8 grouped GEMM's (each tile it is built for) and the sparse
-# attention's two passes at Flash's head dim. Static instruction counts, for work on the kernels
-# on a machine without a GPU; not a speed (the speeds are bench/gpu/'s, on the device).
+# (bench/sass_mainloop.py): the W4A8 grouped GEMM's (each tile it is built for), the sparse
+# attention's two passes at Flash's head dim, and the indexer's row scoring. Static instruction
+# counts, for work on the kernels on a machine without a GPU; not a speed (the speeds are
+# bench/gpu/'s, on the device).
 #   make sass                         (installs nvdisasm from PyPI into .venv, then runs this)
 #   OUT=bench/results/x.jsonl bash bench/sass_counts.sh   also writes one JSON line per loop
 set -euo pipefail
@@ -45,3 +46,5 @@ done
 cubin attention src/kernels/cuda/dsv4_fwd_attention.cu sm_90
 count attention wide_attention_kernelILi512E HMMA 1 "sparse attention D 512, pass 1 (scores)" ''
 count attention wide_attention_kernelILi512E HMMA 2 "sparse attention D 512, pass 2 (P.V)" ''
+count attention index_select_kernel HMMA 1 "indexer, scoring a tile of 64 rows (all rows)" ''
+count attention index_select_kernel HMMA 2 "indexer, scoring a tile of 64 rows (HISA's kept blocks)" ''

@@ -477,13 +477,15 @@ __device__ __forceinline__ uint32_t key_index(uint64_t k) {
   return 0xffffffffu - uint32_t(k & 0xffffffffu);
 }
 
-// Descending bitonic sort of keys[0, n2) (n2 a power of two) by the whole block.
-__device__ void bitonic_desc(uint64_t* keys, int64_t n2) {
-  for (int64_t size = 2; size <= n2; size <<= 1)
-    for (int64_t stride = size >> 1; stride > 0; stride >>= 1) {
+// Descending bitonic sort of keys[0, n2) (n2 a power of two, at most kIdxMaxSort) by the whole
+// block. 32-bit indices: the compare-exchange loop runs n2 log2(n2)^2 / 2 times a query.
+__device__ void bitonic_desc(uint64_t* keys, int64_t n2_) {
+  const int n2 = static_cast<int>(n2_);
+  for (int size = 2; size <= n2; size <<= 1)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
       __syncthreads();
-      for (int64_t i = threadIdx.x; i < n2; i += blockDim.x) {
-        const int64_t j = i ^ stride;
+      for (int i = threadIdx.x; i < n2; i += blockDim.x) {
+        const int j = i ^ stride;
         if (j > i) {
           const bool desc = (i & size) == 0;
           const uint64_t a = keys[i], b = keys[j];
@@ -568,11 +570,15 @@ __device__ void score_rows_mma(int64_t n, int64_t n2, const RowOf& row_of, const
   const int64_t ntiles = (n + kIdxTile - 1) / kIdxTile;
   auto issue = [&](int64_t t) {
     uint16_t* dst = sc.tiles + (t % 2) * kIdxTile * kIdxLd;
-    for (int e = tid; e < kIdxTile * kIdxDim / 8; e += kIdxThreads) {
+    static_assert(kIdxTile * kIdxDim / 8 % kIdxThreads == 0, "whole 16-byte pieces a thread");
+#pragma unroll
+    for (int u = 0; u < kIdxTile * kIdxDim / 8 / kIdxThreads; ++u) {
+      const int e = tid + u * kIdxThreads;
       const int r = e / (kIdxDim / 8), c = (e % (kIdxDim / 8)) * 8;
       const int64_t j = t * kIdxTile + r;
-      const uint16_t* src = j < n ? row_of(j) : nullptr;
-      mma::cp_async16(dst + r * kIdxLd + c, src ? src + c : any, src ? 16 : 0);
+      // Past the n rows: nothing copied (zero fill) from `any`, which holds kIdxDim elements.
+      const uint16_t* src = j < n ? row_of(j) : any;
+      mma::cp_async16(dst + r * kIdxLd + c, src + c, j < n ? 16 : 0);
     }
     mma::cp_async_commit();
   };
@@ -676,8 +682,13 @@ __global__ void __launch_bounds__(kIdxThreads)
     // Stage two, the rows of the kept blocks (their order does not matter for the set).
     for (int64_t b = threadIdx.x; b < kb; b += blockDim.x) blocks[b] = key_index(keys[b]);
     __syncthreads();
-    const int64_t block = p.block;
-    auto pos_of = [&](int64_t c) { return int64_t(blocks[c / block]) * block + c % block; };
+    // Candidate c is row c % block of kept block c / block; c < kIdxMaxSort, so a 32-bit division
+    // (a 64-bit one by the run-time block size was a call a row).
+    const uint32_t block = static_cast<uint32_t>(p.block);
+    auto pos_of = [&](int64_t c) {
+      const uint32_t cc = static_cast<uint32_t>(c);
+      return int64_t(blocks[cc / block]) * block + cc % block;
+    };
     score_rows_mma(
         cand, pow2_at_least(cand), [&](int64_t c) { return p.pooled + pos_of(c) * kIdxDim; },
         [&](int64_t c, float s) {
