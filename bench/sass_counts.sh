@@ -34,8 +34,11 @@ count() {
   if [[ -n "${OUT:-}" ]]; then
     python3 bench/sass_mainloop.py "$dir/$1.sass" --kernel "$2" --marker "$3" --loop "$4" \
       --exclude "$6" --json |
-      python3 -c "import json, sys; d = json.load(sys.stdin); d.update(bench='sass_mainloop',
-rev='$rev', what='$5', registers=int('$regs'), nvcc='$nvcc_version'); print(json.dumps(d))" >> "$OUT"
+      WHAT="$5" REGS="$regs" REV="$rev" NVCC_VERSION="$nvcc_version" python3 -c "import json, os, sys
+d = json.load(sys.stdin)
+d.update(bench='sass_mainloop', rev=os.environ['REV'], what=os.environ['WHAT'],
+         registers=int(os.environ['REGS']), nvcc=os.environ['NVCC_VERSION'])
+print(json.dumps(d))" >> "$OUT"
   fi
 }
 cubin w4a8 src/kernels/cuda/w4a8_grouped_gemm.cu sm_90a
