@@ -536,11 +536,11 @@ __host__ __device__ inline int64_t index_sort_keys(int64_t rows, int64_t block, 
 }
 
 // Tensor-core scoring of bf16 rows: a block of 8 warps scores n rows (row_of(j): the row's 128
-// values, or null for a row scored as zeros) in tiles of 64 arriving by cp.async, two buffers
-// deep. Warp w holds heads 16 (w % 4) .. of the query as A fragments (qa) and scores rows
-// 32 (w / 4) .. of each tile; relu(dot) * wk per head, summed over its 16 heads across the
-// lanes, then over the four head groups in order. keys[j] = key_of(j, score) for j < n, 0 up to
-// n2 (the sort's padding).
+// values, never null; `any`: 128 readable values that rows past n copy zero bytes from) in tiles
+// of 64 arriving by cp.async, two buffers deep. Warp w holds heads 16 (w % 4) .. of the query as
+// A fragments (qa) and scores rows 32 (w / 4) .. of each tile; relu(dot) * wk per head, summed
+// over its 16 heads across the lanes, then over the four head groups in order. keys[j] =
+// key_of(j, score) for j < n, 0 up to n2 (the sort's padding).
 constexpr int kIdxTile = 64, kIdxLd = kIdxDim + 8;
 struct IdxScratch {
   uint16_t* tiles;  // [2][kIdxTile][kIdxLd]
