@@ -4,11 +4,12 @@
 // product in another order, so a score can round to its bf16 neighbour: compared by relative RMS
 // and by the share of outputs bit-equal to the reference. Shapes: DeepSeek-V4-Flash's (64 heads
 // of 512, window 128, ratio-4 layers' top-512 with rows the query may not see yet, ratio-128
-// layers' dense list past a thousand rows), the first positions (a partial window, every
+// layers' dense list past a thousand rows), a top-768 list (the wide kernel's key buffers two,
+// three and four deep across the cases), the first positions (a partial window, every
 // compressed row masked), and 72 heads of 192 (a second block of rows, mostly empty). A broken
 // fragment layout or tile schedule is off by a relative RMS near 1. And the indexer's selection
 // against a host reference that scores in the CPU engine's order: the same top-k sets, a
-// near-tie aside. Skips without a GPU.
+// near-tie aside, with and without HISA (blocks of 64, 8 and 48 rows). Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -139,6 +140,9 @@ TEST_F(Dsv4CudaAttention, BothKernelsMatchTheDecodersRoundingPoints) {
       {"flash ratio 4, top-512", 64, 512, 4000, 12, 128, 4, 1024, 512},
       {"flash ratio 128, dense", 64, 512, 130000, 6, 128, 128, 1100, 0},
       {"first positions", 64, 512, 0, 40, 128, 4, 64, 16},
+      // 896 keys a query: the wide kernel's buffers, three deep (two for the dense list above,
+      // four elsewhere).
+      {"ratio 4, top-768, three stages", 64, 512, 6000, 8, 128, 4, 1500, 768},
       {"72 heads of 192, window only", 72, 192, 50, 20, 128, 0, 0, 0},
   };
   uint32_t seed = 500;
@@ -242,6 +246,8 @@ TEST_F(Dsv4CudaAttention, TheIndexerKeepsTheReferenceSelection) {
       {"flash HISA 64/16, top-512", 64, 2048, 7900, 16, 512, 64, 16, false},
       {"flash without HISA, masked tail", 64, 700, 2700, 16, 512, 0, 0, false},
       {"16 heads, one token, HISA 8/4", 16, 256, 1500, 1, 16, 8, 4, true},
+      // A block size that is not a power of two, 12 rows past the last whole block.
+      {"HISA 48/8, top-256, masked tail", 64, 1500, 5990, 8, 256, 48, 8, false},
   };
   uint32_t seed = 900;
   for (const IndexCase& c : cases) {
