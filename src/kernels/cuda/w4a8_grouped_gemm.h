@@ -16,8 +16,8 @@
 // output's columns; a warp group per 64) by a group's rows, 128 deep, four stages of cp.async.
 //
 // Bit-equal to the widened path (widen_fp4_experts_to_fp8, then cuBLASLt or the grouped FP8
-// kernel) in every test, but 0.42-0.69x its speed at DeepSeek-V4-Flash's shapes as measured
-// before its main loop was made lean (RESULTS §40.2, §40.5): the engine runs it only where asked
+// kernel) in every test, but 0.91-0.94x its speed at DeepSeek-V4-Flash's shapes and 8K tokens,
+// 0.56-0.59x at 32K (RESULTS §42): the engine runs it only where asked
 // (Dsv4CudaOptions::ExpertGemm::kW4a8).
 #pragma once
 
