@@ -159,8 +159,8 @@ int main(int argc, char** argv) {
       report("widening alone", wide_only, best);
       report("widened + cuBLASLt per expert, 8 streams", wide_lt, best);
       if (grouped) report("widened + grouped (CUTLASS)", wide_grouped, best);
-      for (auto [tm, tn] :
-           {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 128}, std::pair{0, 0}}) {
+      for (auto [tm, tn] : {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 64},
+                            std::pair{128, 128}, std::pair{0, 0}}) {
         (*w4a8)->set_tile(tm, tn);
         const hb::Timing f = hb::time_ms(
             [&] {

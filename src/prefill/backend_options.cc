@@ -63,9 +63,10 @@ std::vector<OptionSpec> prefill_backend_specs() {
        "(grouped: every active expert in one launch, CUTLASS's Hopper kernel, refused where the "
        "build has none; per-expert: one cuBLASLt GEMM per expert over 8 streams; w4a8: "
        "checkpoint experts widened per chunk are widened inside one launch of our own kernel "
-       "instead, with no widening scratch (4.3 GB less at Flash shapes) but slower today; auto: "
-       "per chunk, grouped where the active experts average <= 384 rows and the build has it, "
-       "else per-expert; named in the log)",
+       "instead, with no widening scratch (4.3 GB less at Flash shapes); auto: per chunk, "
+       "checkpoint experts on w4a8 where the active experts average <= 256 rows, else widened; "
+       "then grouped where they average <= 384 rows and the build has it, else per-expert; named "
+       "in the log)",
        false,
        {"auto", "grouped", "per-expert", "w4a8"}},
       {"gemm",

@@ -127,7 +127,8 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       lt_out[e] = get<uint16_t>(dref, static_cast<size_t>(r * n));
     }
-    for (auto [tile_m, tile] : {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 128}}) {
+    for (auto [tile_m, tile] :
+         {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 64}, std::pair{128, 128}}) {
       (*gemm)->set_tile(tile_m, tile);  // n 192: 64 weight rows whatever is asked
       Dev dout((m + 16) * n * 2);
       ASSERT_EQ(cudaMemset(dout.p, 0xff, static_cast<size_t>((m + 16) * n) * 2), cudaSuccess);

@@ -11,6 +11,7 @@
 #include "common/bf16.h"
 #include "common/sysmem.h"
 #include "engine/cuda/dsv4_cuda_impl.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/dsv4_fwd_ops.h"
 
 namespace hetero {
@@ -30,6 +31,13 @@ Result<cuda::BlasHandle> blas_on(cudaStream_t stream) {
 
 // A ratio-r compressor's rows in a sequence of `tokens` tokens (every complete window).
 int64_t pooled_rows_for(int64_t tokens, int64_t ratio) { return ratio > 0 ? tokens / ratio : 0; }
+
+// Whether the W4A8 kernel takes the routed experts' two projections (w1|w3, w2).
+Status w4a8_shapes(const Dsv4Config& c) {
+  for (auto [n, k] : {std::pair{2 * c.moe_inter, c.hidden}, std::pair{c.hidden, c.moe_inter}})
+    HETERO_RETURN_IF_ERROR(cuda::W4a8GroupedGemm::supports(n, k));
+  return Status::ok();
+}
 
 }  // namespace
 
@@ -126,9 +134,15 @@ Status Dsv4CudaEngine::init() {
     HETERO_RETURN_IF_ERROR(
         m.alloc(m.scale_t, static_cast<size_t>(c.n_routed_experts * per) * 4, "expert scales"));
   }
-  // FP4 experts per chunk through the W4A8 kernel, where asked (check_options: per chunk only).
-  if (eg == ExpertGemm::kW4a8) {
+  // FP4 experts per chunk through the W4A8 kernel: every chunk where asked (check_options: per
+  // chunk only), under kAuto the chunks whose active experts average few rows, where the kernel
+  // supports the shapes and the device.
+  const bool fp4_per_chunk = m.ckpt && !options_.widen_experts_at_load;
+  if (eg == ExpertGemm::kW4a8 ||
+      (eg == ExpertGemm::kAuto && fp4_per_chunk && w4a8_shapes(c).is_ok() &&
+       cuda::w4a8_grouped_gemm_available(cuda::current_device()).is_ok())) {
     HETERO_ASSIGN_OR_RETURN(m.w4a8, cuda::W4a8GroupedGemm::create(c.n_routed_experts, &m.budget));
+    m.w4a8_max_rows = eg == ExpertGemm::kW4a8 ? INT64_MAX : Dsv4CudaOptions::kW4a8MaxMeanRows;
   }
   // The lanes serve the per-expert GEMMs only.
   if (options_.expert_streams > 1 && eg != ExpertGemm::kGrouped && eg != ExpertGemm::kW4a8) {
@@ -164,7 +178,7 @@ Status Dsv4CudaEngine::init() {
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemset(m.lossy.get(), 0, sizeof(unsigned long long)));
   }
   // The widening scratch, unless every chunk runs the W4A8 kernel.
-  if (m.ckpt && !options_.widen_experts_at_load && eg != ExpertGemm::kW4a8) {
+  if (fp4_per_chunk && m.w4a8_max_rows != INT64_MAX) {
     const size_t q = static_cast<size_t>(c.n_routed_experts * std::max(2 * I * H, H * I));
     const size_t sc =
         static_cast<size_t>(c.n_routed_experts *
@@ -324,10 +338,8 @@ Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions&
       return invalid_argument(
           "the w4a8 expert GEMM runs FP4 experts: it needs weight dtype checkpoint, with the "
           "experts not widened at load");
-    for (auto [n, k] : {std::pair{2 * c.moe_inter, c.hidden}, std::pair{c.hidden, c.moe_inter}}) {
-      const Status shape = cuda::W4a8GroupedGemm::supports(n, k);
-      if (!shape.is_ok()) return invalid_argument(shape.message());
-    }
+    const Status shape = w4a8_shapes(c);
+    if (!shape.is_ok()) return invalid_argument(shape.message());
   }
   if (options.grouped_experts)
     return invalid_argument(
@@ -370,15 +382,20 @@ int64_t Dsv4CudaEngine::w4a8_expert_launches() const { return impl_->w4a8_launch
 
 std::string Dsv4CudaEngine::expert_gemm_name() const {
   const Impl& m = *impl_;
-  if (m.w4a8) return "W4A8 (FP4 widened in the GEMM, one launch per projection)";
-  if (m.grouped_fp8 && m.grouped_max_rows == INT64_MAX)
-    return "grouped FP8 (CUTLASS, one launch per projection)";
+  const std::string w4a8 = "W4A8 (FP4 widened in the GEMM, one launch per projection)";
+  if (m.w4a8 && m.w4a8_max_rows == INT64_MAX) return w4a8;
   const std::string per = "per-expert FP8 (cuBLASLt, " +
                           std::to_string(std::max<size_t>(m.lanes.size(), 1)) + " stream(s))";
-  if (m.grouped_fp8)
-    return "grouped FP8 (CUTLASS) where a chunk's active experts average <= " +
-           std::to_string(m.grouped_max_rows) + " rows, else " + per;
-  if (m.fp8) return per;
+  std::string fp8 = per;
+  if (m.grouped_fp8 && m.grouped_max_rows == INT64_MAX)
+    fp8 = "grouped FP8 (CUTLASS, one launch per projection)";
+  else if (m.grouped_fp8)
+    fp8 = "grouped FP8 (CUTLASS) where a chunk's active experts average <= " +
+          std::to_string(m.grouped_max_rows) + " rows, else " + per;
+  if (m.w4a8)
+    return w4a8 + " where a chunk's active experts average <= " + std::to_string(m.w4a8_max_rows) +
+           " rows, else widened, then " + fp8;
+  if (m.fp8) return fp8;
   return m.grouped ? "bf16 (cuBLAS grouped)" : "bf16 (cuBLAS, one per expert)";
 }
 

@@ -98,13 +98,16 @@ struct Dsv4CudaOptions {
   // active experts' FP4 weights widened inside one grouped GEMM per projection
   // (kernels/cuda/w4a8_grouped_gemm.h), never written out widened, so the engine holds no
   // widening scratch (one projection's experts in FP8: 4.3 GB at Flash shapes); the same FP8
-  // operands and the same bits as the widened path's kernels gave in every test. Slower today:
-  // 0.69x the widened path's GEMMs at Flash shapes and 8,192 tokens, 0.42x at 32,768 (RESULTS
-  // §40), so
-  // kAuto never takes it. Not for bf16 weights.
+  // operands and the same bits as the widened path's kernels gave in every test. kAuto with FP4
+  // experts per chunk runs it for the chunks whose active experts average at most
+  // kW4a8MaxMeanRows rows and widens the rest (keeping the scratch): at Flash's shapes it was
+  // 1.01-1.03x the widened path's GEMMs at ~192 rows an expert (8K tokens) and 0.64x at ~768
+  // (32K; RESULTS §43); the bound of 256 sits just above the measured win, unmeasured itself.
+  // Not for bf16 weights.
   enum class ExpertGemm { kAuto, kGrouped, kPerExpert, kW4a8 };
   ExpertGemm expert_gemm = ExpertGemm::kAuto;
   static constexpr int64_t kGroupedMaxMeanRows = 384;
+  static constexpr int64_t kW4a8MaxMeanRows = 256;
   // The layers this engine holds and runs, [first_layer, end_layer) (end_layer -1: through the
   // last): a stage of a layer pipeline. Only the stage holding layer 0 holds the embedding and
   // takes prefill_chunk; a later stage runs prefill_stage from the previous stage's residual.

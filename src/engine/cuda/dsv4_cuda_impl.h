@@ -180,6 +180,7 @@ struct Dsv4CudaEngine::Impl {
   // FP4 experts per chunk through the W4A8 kernel (Dsv4CudaOptions::ExpertGemm::kW4a8), where
   // made.
   std::unique_ptr<cuda::W4a8GroupedGemm> w4a8;
+  int64_t w4a8_max_rows = 0;  // chunks whose active experts average at most this many rows
   int64_t w4a8_launches = 0;
   std::vector<cuda::W4a8Group> w4a8_groups;
   bool ckpt = false;  // WeightDtype::kCheckpoint: FP8 projections, FP4 experts widened per expert

@@ -202,7 +202,7 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
   for (int64_t e = 0; e < E; ++e) active += off[e + 1] > off[e];
   // The mean rows per active expert, rounded up, against the grouped kernel's limit.
   const int64_t mean_rows = active > 0 ? (off[E] + active - 1) / active : 0;
-  if (widen && m.w4a8) {
+  if (widen && m.w4a8 && mean_rows <= m.w4a8_max_rows) {
     // FP4 experts widened inside the GEMM: no widened copy, no scale transpose.
     ++m.w4a8_launches;
     cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,

@@ -15,14 +15,27 @@
 namespace hetero::cuda {
 namespace {
 
-constexpr int kBK = 128;    // k per stage: one promotion interval
-constexpr int kStages = 4;  // cp.async stages of raw operands
+constexpr int kBK = 128;  // k per stage: one promotion interval
+// cp.async stages of raw operands; the widened tiles are double-buffered, so the producer runs
+// one k tile ahead of the consumers. Three buffers and five stages (with the codes' rows swizzled
+// against bank conflicts) measured slower: 4.33 against 4.05 ms for the 128x128 tile at Flash's
+// w1|w3 and 8K tokens (RESULTS §43).
+constexpr int kStages = 4;
 constexpr int kMaxKBlocks = 64;
 // A block of BM weight rows (BM / 64 warp groups, one wgmma's M = 64 rows each) by BN rows of a
 // group.
 template <int BM, int BN>
 struct Tile {
-  static constexpr int kThreads = 2 * BM;
+  static constexpr int kConsumers = 2 * BM;  // a warp group per 64 weight rows
+  // Two producer warp groups: with one, the 128x128 tile took 4.45 ms for 8K tokens' w1|w3 at
+  // Flash's shapes, with two 4.05 (the producers' latency, not the tensor cores, set the pace).
+  static constexpr int kProducers = 256;
+  static constexpr int kThreads = kConsumers + kProducers;
+  // Past 384 threads the launch's registers (65,536 / threads) are too few for a consumer's two
+  // accumulators: the producers give some back (setmaxnreg), the consumers take them.
+  static constexpr bool kShiftRegs = kThreads > 384;
+  static constexpr int kProducerRegs = 88;
+  static constexpr int kConsumerRegs = (65536 - kProducers * kProducerRegs) / kConsumers / 8 * 8;
   static constexpr int kRawBytes = BM * kBK / 2;        // FP4 codes of a stage
   static constexpr int kRawScaleBytes = BM * kBK / 32;  // their group exponents
   static constexpr int kWideBytes = BM * kBK;           // the widened e4m3 tile
@@ -153,10 +166,34 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], uint64_t a, uint64
     wgmma_m64n128k32(d, a, b, acc);
 }
 
+// Named barriers (bar.sync / bar.arrive with a thread count; 0 is __syncthreads): the
+// producer's own, the consumers' epilogue, and per widened buffer b and consumer warp group c a
+// FULL (the producer arrives, the warp group waits) and an EMPTY (the other way round). One pair
+// per warp group, not per block, so that the two warp groups need not run in step: one's
+// promotion can overlap the other's wgmma.
+constexpr int kBarProducer = 1, kBarEpilogue = 2;
+__device__ __forceinline__ int bar_full(int b, int c) { return 3 + 2 * b + c; }
+__device__ __forceinline__ int bar_empty(int b, int c) { return 7 + 2 * b + c; }
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Warp-specialized: BM / 64 consumer warp groups (each 64 weight rows: wgmma and the promotion)
+// and one producer warp group last (the cp.async copies, the widening and the promotion factors),
+// handing widened tiles over through two buffers and named barriers. In one loop that did both
+// (all warps copying and widening around a block-wide barrier), two warps a scheduler left the
+// loop latency-bound on shared memory and the tensor cores idle through every widening and
+// promotion (RESULTS §42).
 template <int BM, int BN>
-__global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(const Params p) {
+__global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel(const Params p) {
   using T = Tile<BM, BN>;
-  constexpr int kThreads = T::kThreads, kRawBytes = T::kRawBytes;
+  constexpr int kThreads = T::kThreads, kConsumers = T::kConsumers, kRawBytes = T::kRawBytes;
+  constexpr int kProducers = T::kProducers;
+  constexpr int kGroupsOfConsumers = BM / 64;
+  constexpr int kPair = kProducers + 128;  // a FULL's or EMPTY's threads
   constexpr int kRawScaleBytes = T::kRawScaleBytes, kWideBytes = T::kWideBytes;
   constexpr int kOutPitch = T::kOutPitch;
   extern __shared__ uint8_t smem_raw[];
@@ -189,124 +226,161 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
   const int row_tiles = (rows + BN - 1) / BN, local = cta - p.cta_start[lo];
   const int nt = local % row_tiles, m0 = (local / row_tiles) * BM, n0 = nt * BN;
   const int n = p.n, k = p.k, kt_count = k / kBK;
-  const uint8_t* codes = p.codes + (static_cast<size_t>(G.expert) * n + m0) * (k / 2);
-  const uint8_t* gsc = p.scales + (static_cast<size_t>(G.expert) * n + m0) * (k / 32);
-  const uint8_t* bm =
-      p.block_max + (static_cast<size_t>(G.expert) * ((n + 127) / 128) + m0 / 128) * kt_count;
-  const uint8_t* aq = G.act_q + static_cast<size_t>(n0) * k;
-  const float* as = G.act_scale + n0;
   const int tid = static_cast<int>(threadIdx.x);
-  for (int i = tid; i < kt_count; i += kThreads) bmax[i] = bm[i];
-
-  // Stage kt % stages <- k tile kt: the activation rows (zeros past the group's padded rows),
-  // the FP4 codes and exponents, the activation scales. Always one commit group per call.
-  // Each thread copies the same rows and 16-byte chunks in every stage, so the sources and shared
-  // offsets are set once, here, and a k tile only adds its column offset: a rolled copy loop with
-  // its 64-bit address arithmetic per chunk was most of the main loop's instructions (RESULTS §40).
-  constexpr int kActCopies = BN * 8 / kThreads;   // 16-byte chunks of activation rows a thread
-  constexpr int kActRowStep = kThreads / 8;       // rows between them: a multiple of 8, so one
-  constexpr int kCodeCopies = BM * 4 / kThreads;  // swizzle phase; 16-byte chunks of codes (2)
-  constexpr int kCodeRowStep = kThreads / 4;
-  static_assert(kActCopies * kThreads == BN * 8 && kActRowStep % 8 == 0, "act copy layout");
-  static_assert(kCodeCopies * kThreads == BM * 4, "code copy layout");
-  const int a_row = tid >> 3, a_chunk = tid & 7;
-  const uint32_t a_dst = smem_u32(b_tile) + sw128(a_row, a_chunk);  // + i * kActRowStep rows
-  const uint8_t* a_src[kActCopies];  // a row past the padded rows copies nothing (size 0) from
-  unsigned a_ok = 0;                 // the tile's first row, which exists; bit i: chunk i copies
-#pragma unroll
-  for (int i = 0; i < kActCopies; ++i) {
-    const int r = a_row + i * kActRowStep;
-    const bool ok = n0 + r < padded;
-    a_src[i] = aq + static_cast<size_t>(ok ? r : 0) * k + a_chunk * 16;
-    a_ok |= unsigned(ok) << i;
+  {
+    const uint8_t* bm =
+        p.block_max + (static_cast<size_t>(G.expert) * ((n + 127) / 128) + m0 / 128) * kt_count;
+    for (int i = tid; i < kt_count; i += kThreads) bmax[i] = bm[i];
   }
-  const uint32_t c_dst = smem_u32(raw) + tid * 16;  // row tid / 4 of 64 bytes, chunk tid % 4
-  const uint8_t* c_src[kCodeCopies];
-#pragma unroll
-  for (int i = 0; i < kCodeCopies; ++i)
-    c_src[i] =
-        codes + static_cast<size_t>((tid >> 2) + i * kCodeRowStep) * (k / 2) + (tid & 3) * 16;
-  const uint8_t* sc_src =
-      gsc + static_cast<size_t>(tid < BM ? tid : 0) * (k / 32);  // tid < BM copy
-  const bool as_ok = tid < BN / 4 && n0 + tid * 4 < padded;
-  const float* as_src = as + (as_ok ? tid * 4 : 0);
-  auto load = [&](int kt) {
-    const int s = kt % kStages;
-    if (kt < kt_count) {
-#pragma unroll
-      for (int i = 0; i < kActCopies; ++i)
-        cp_async16(a_dst + s * (BN * kBK) + i * (kActRowStep * kBK), a_src[i] + kt * kBK,
-                   (a_ok >> i) & 1u);
-#pragma unroll
-      for (int i = 0; i < kCodeCopies; ++i)
-        cp_async16(c_dst + s * kRawBytes + i * (kCodeRowStep * 64), c_src[i] + kt * (kBK / 2),
-                   true);
-      if (tid < BM) cp_async4(smem_u32(raw_sc + s * kRawScaleBytes + tid * 4), sc_src + kt * 4);
-      if (tid < BN / 4)
-        cp_async16(smem_u32(act_sc + s * BN + tid * 4), as_src + static_cast<size_t>(kt) * padded,
-                   as_ok);
-    }
-    cp_async_commit();
-  };
+  __syncthreads();
 
-  // wide[buf] <- k tile kt widened: thread t takes row t / 2, its groups 2 (t % 2) and the next.
-  // Returns the groups whose widening was not exact.
-  const int w_row = tid >> 1, w_half = tid & 1;
-  const uint8_t* w_codes = raw + w_row * 64 + w_half * 32;  // + the stage's offset
-  const uint8_t* w_exps = raw_sc + w_row * 4 + 2 * w_half;  // + the stage's offset
-  // The thread's four 16-byte chunks 4 h + i of its row: sw128(row, 4 h + i) is
-  // sw128(row, 4 h) ^ 16 i (the swizzle XORs chunk numbers, and i < 4 touches only their two
-  // low bits), so one offset and an XOR each.
-  const int w_dst = sw128(w_row, 4 * w_half);
-  auto widen = [&](int kt, int buf) {
-    const int s = kt % kStages, mx = bmax[kt];
-    uint8_t* dst = wide + buf * kWideBytes;
-    const uint8_t* sc = w_exps + s * kRawScaleBytes;
+  if (tid >= kConsumers) {
+    // The producer. Per k tile kt: wait for its copies, widen it into wide[kt % 2] with its
+    // promotion factors into scale[kt % 2], hand it over (FULL), then wait until the consumers
+    // are done with k tile kt - 1 (EMPTY) and refill that tile's stage with k tile kt + stages - 1.
+    // So it widens one k tile ahead of the tensor cores, and a buffer it writes was released by
+    // the consumers the k tile before.
+    if constexpr (T::kShiftRegs)
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(T::kProducerRegs));
+    const int pt = tid - kConsumers;  // 0 .. kProducers - 1
+    const uint8_t* codes = p.codes + (static_cast<size_t>(G.expert) * n + m0) * (k / 2);
+    const uint8_t* gsc = p.scales + (static_cast<size_t>(G.expert) * n + m0) * (k / 32);
+    const uint8_t* aq = G.act_q + static_cast<size_t>(n0) * k;
+    const float* as = G.act_scale + n0;
+    // Each thread copies the same rows and 16-byte chunks in every stage, so the sources and
+    // shared offsets are set once, here, and a k tile only adds its column offset.
+    constexpr int kActCopies = BN * 8 / kProducers;   // 16-byte chunks of activation rows a
+    constexpr int kActRowStep = kProducers / 8;       // thread, rows apart: a multiple of 8, so
+    constexpr int kCodeCopies = BM * 4 / kProducers;  // one swizzle phase; 16-byte chunks of
+    constexpr int kCodeRowStep = kProducers / 4;      // codes
+    static_assert(kActCopies * kProducers == BN * 8 && kActRowStep % 8 == 0, "act copy layout");
+    static_assert(kCodeCopies * kProducers == BM * 4, "code copy layout");
+    const int a_row = pt >> 3, a_chunk = pt & 7;
+    const uint32_t a_dst = smem_u32(b_tile) + sw128(a_row, a_chunk);  // + i * kActRowStep rows
+    const uint8_t* a_src[kActCopies];  // a row past the padded rows copies nothing (size 0) from
+    unsigned a_ok = 0;                 // the tile's first row, which exists; bit i: chunk i copies
+#pragma unroll
+    for (int i = 0; i < kActCopies; ++i) {
+      const int r = a_row + i * kActRowStep;
+      const bool ok = n0 + r < padded;
+      a_src[i] = aq + static_cast<size_t>(ok ? r : 0) * k + a_chunk * 16;
+      a_ok |= unsigned(ok) << i;
+    }
+    const uint32_t c_dst = smem_u32(raw) + pt * 16;  // row pt / 4 of 64 bytes, chunk pt % 4
+    const uint8_t* c_src = codes + static_cast<size_t>(pt >> 2) * (k / 2) + (pt & 3) * 16;
+    const uint8_t* sc_src = gsc + static_cast<size_t>(pt < BM ? pt : 0) * (k / 32);  // pt < BM
+    const bool as_ok = pt < BN / 4 && n0 + pt * 4 < padded;
+    const float* as_src = as + (as_ok ? pt * 4 : 0);
+    auto load = [&](int kt) {  // one commit group per call, empty past the last k tile
+      const int s = kt % kStages;
+      if (kt < kt_count) {
+#pragma unroll
+        for (int i = 0; i < kActCopies; ++i)
+          cp_async16(a_dst + s * (BN * kBK) + i * (kActRowStep * kBK), a_src[i] + kt * kBK,
+                     (a_ok >> i) & 1u);
+#pragma unroll
+        for (int i = 0; i < kCodeCopies; ++i)
+          cp_async16(c_dst + s * kRawBytes + i * (kCodeRowStep * 64),
+                     c_src + static_cast<size_t>(i * kCodeRowStep) * (k / 2) + kt * (kBK / 2),
+                     true);
+        if (pt < BM) cp_async4(smem_u32(raw_sc + s * kRawScaleBytes + pt * 4), sc_src + kt * 4);
+        if (pt < BN / 4)
+          cp_async16(smem_u32(act_sc + s * BN + pt * 4), as_src + static_cast<size_t>(kt) * padded,
+                     as_ok);
+      }
+      cp_async_commit();
+    };
+    // Widening: kProducers / BM threads a row, each its groups g0 .. g0 + kGroups - 1 (of 4).
+    constexpr int kPerRow = kProducers / BM, kGroups = 4 / kPerRow;
+    static_assert(kGroups * kPerRow == 4, "widening layout");
+    const int w_row = pt / kPerRow, g0 = (pt % kPerRow) * kGroups;
+    const uint8_t* w_codes = raw + w_row * 64 + g0 * 16;  // + the stage's offset
+    // A group's two 16-byte chunks 2 g and 2 g + 1 of the row: sw128(row, c) is sw128(row, 0) ^
+    // 16 c (the swizzle XORs chunk numbers), so one offset and an XOR each.
+    const int w_dst = sw128(w_row, 0);
+    auto widen = [&](int kt) {  // returns the groups whose widening was not exact
+      const int s = kt % kStages, mx = bmax[kt];
+      uint8_t* dst = wide + (kt & 1) * kWideBytes;
+      // The row's four exponents in one load; this thread's are bytes g0 ...
+      const uint32_t exps =
+          *reinterpret_cast<const uint32_t*>(raw_sc + s * kRawScaleBytes + w_row * 4) >> (8 * g0);
+      uint32_t w[kGroups][4], o[kGroups][8];
+      int d[kGroups];
+      bool normal = true;
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        const uint4 v = *reinterpret_cast<const uint4*>(w_codes + s * kRawBytes + g * 16);
+        w[g][0] = v.x, w[g][1] = v.y, w[g][2] = v.z, w[g][3] = v.w;
+        d[g] = int((exps >> (8 * g)) & 0xffu) - mx + 6;
+        normal = normal && d[g] >= -5;
+      }
+      unsigned lost = 0;
+      // One branch for all of the thread's groups, so that the common path is one straight run
+      // the compiler can interleave (a branch per group kept each group's dependent chain apart,
+      // with one producer warp a scheduler to hide it).
+      if (normal) {
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) widen_fp4_group_normal(w[g], d[g], o[g]);
+      } else {
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) lost += widen_fp4_group(w[g], d[g], o[g]);
+      }
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        const int c = 2 * (g0 + g);
+        *reinterpret_cast<uint4*>(dst + (w_dst ^ (16 * c))) =
+            make_uint4(o[g][0], o[g][1], o[g][2], o[g][3]);
+        *reinterpret_cast<uint4*>(dst + (w_dst ^ (16 * c + 16))) =
+            make_uint4(o[g][4], o[g][5], o[g][6], o[g][7]);
+      }
+      return lost;
+    };
+    // scale[kt % 2] <- k tile kt's promotion factors, one per column (group row). The weight's
+    // factor is 2^(max - 133), built from its bits (exactly ldexpf(1, max - 133): a normal from
+    // 2^-126 up, a subnormal below).
+    auto scales = [&](int kt) {
+      if (pt < BN) {
+        const int e = int(bmax[kt]) - 133;
+        const float w_scale = __int_as_float(e >= -126 ? (e + 127) << 23 : 1 << (e + 149));
+        scale[(kt & 1) * BN + pt] = act_sc[(kt % kStages) * BN + pt] * w_scale;
+      }
+    };
+    for (int s = 0; s < kStages - 1; ++s) load(s);
     unsigned lost = 0;
+    for (int kt = 0; kt < kt_count; ++kt) {
+      cp_async_wait<kStages - 2>();        // k tile kt is here (this thread's copies)
+      bar_sync(kBarProducer, kProducers);  // and every producer thread's
+      lost += widen(kt);                   // wide[kt % 2] was released at k tile kt - 1's EMPTY
+      scales(kt);
+      fence_proxy_async();  // the widened tile and the copied rows, read next by the tensor cores
 #pragma unroll
-    for (int g = 0; g < 2; ++g) {
-      const uint4 v = *reinterpret_cast<const uint4*>(w_codes + s * kRawBytes + g * 16);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-      uint32_t o[8];
-      lost += widen_fp4_group(w, int(sc[g]) - mx + 6, o);
-      *reinterpret_cast<uint4*>(dst + (w_dst ^ (32 * g))) = make_uint4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<uint4*>(dst + (w_dst ^ (32 * g + 16))) = make_uint4(o[4], o[5], o[6], o[7]);
+      for (int c = 0; c < kGroupsOfConsumers; ++c) bar_arrive(bar_full(kt & 1, c), kPair);
+      if (kt + 1 < kt_count) {
+        if (kt > 0)  // k tile kt - 1 is done
+#pragma unroll
+          for (int c = 0; c < kGroupsOfConsumers; ++c) bar_sync(bar_empty((kt - 1) & 1, c), kPair);
+        load(kt + kStages - 1);  // into k tile kt - 1's stage
+      }
     }
-    return lost;
-  };
+    if (p.lossy && nt == 0 && lost) atomicAdd(p.lossy, static_cast<unsigned long long>(lost));
+    return;
+  }
 
-  // scale[kt % 2] <- k tile kt's promotion factors, one per column (group row), made once per
-  // block instead of once per thread and column, by the last BN threads: the first warp group
-  // copies the exponents and activation scales (load), so the two share the extra work. The
-  // weight's factor is 2^(max - 133), built from its bits (exactly ldexpf(1, max - 133): a normal
-  // from 2^-126 up, a subnormal below).
-  const int sc_col = tid - (kThreads - BN);
-  auto scales = [&](int kt) {
-    if (sc_col >= 0) {
-      const int e = int(bmax[kt]) - 133;
-      const float w_scale = __int_as_float(e >= -126 ? (e + 127) << 23 : 1 << (e + 149));
-      scale[(kt & 1) * BN + sc_col] = act_sc[(kt % kStages) * BN + sc_col] * w_scale;
-    }
-  };
-
-  const int lane = tid & 31, warp = tid >> 5;
+  // The consumers: per k tile, wait for it (FULL), four wgmma k32 steps on this warp group's 64
+  // weight rows, the promotion, and the release (EMPTY) the producer waits for before reusing the
+  // stage and the buffer (none after the last k tile but one: the producer stops waiting there).
+  if constexpr (T::kShiftRegs)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::kConsumerRegs));
+  const int lane = tid & 31, warp = tid >> 5, cg = warp / 4;
   float acc[BN / 2], tot[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) tot[i] = 0.f, acc[i] = 0.f;
   // The operands' descriptors at buffer and stage 0; each warp group its own 64 weight rows of
   // the tile. A buffer's or stage's offset / 16 adds to them (sw128_desc).
-  const uint64_t a_desc0 = sw128_desc(smem_u32(wide) + (warp / 4) * 64 * kBK);
+  const uint64_t a_desc0 = sw128_desc(smem_u32(wide) + cg * 64 * kBK);
   const uint64_t b_desc0 = sw128_desc(smem_u32(b_tile));
-  for (int s = 0; s < kStages - 1; ++s) load(s);
-  cp_async_wait<kStages - 2>();
-  __syncthreads();
-  unsigned lost = widen(0, 0);
-  scales(0);
   for (int kt = 0; kt < kt_count; ++kt) {
-    cp_async_wait<kStages - 3>();  // k tiles kt and kt + 1 are here
-    fence_proxy_async();
-    __syncthreads();
-    load(kt + kStages - 1);  // into the stage k tile kt - 1 used, done with
+    bar_sync(bar_full(kt & 1, cg), kPair);
     const uint64_t a_desc = a_desc0 + (((kt & 1) * kWideBytes) >> 4);
     const uint64_t b_desc = b_desc0 + (((kt % kStages) * BN * kBK) >> 4);
     fence_operands(acc);
@@ -315,10 +389,6 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
     for (int kk = 0; kk < kBK / 32; ++kk)  // k32 steps: 32 bytes into each 128-byte row
       wgmma_k32<BN>(acc, a_desc + kk * (32 >> 4), b_desc + kk * (32 >> 4), kk > 0);
     wgmma_commit();
-    if (kt + 1 < kt_count) {  // beside the tensor cores
-      lost += widen(kt + 1, (kt + 1) & 1);
-      scales(kt + 1);
-    }
     wgmma_wait_all();
     fence_operands(acc);
     // Promotion: acc holds rows 16 warp + lane / 4 (+ 8) of the tile, columns (group rows)
@@ -333,12 +403,13 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
       tot[4 * j + 2] = fmaf(acc[4 * j + 2], s2.x, tot[4 * j + 2]);
       tot[4 * j + 3] = fmaf(acc[4 * j + 3], s2.y, tot[4 * j + 3]);
     }
+    if (kt + 2 < kt_count) bar_arrive(bar_empty(kt & 1, cg), kPair);
   }
-  if (p.lossy && nt == 0 && lost) atomicAdd(p.lossy, static_cast<unsigned long long>(lost));
 
-  // Epilogue: the tile transposed through shared memory (the activation stages are free), then
-  // written a 16-byte chunk at a time, rows of the group only.
-  __syncthreads();
+  // Epilogue: the tile transposed through shared memory (the activation stages are free: the
+  // producer's last copies landed before the last k tile was handed over), then written a 16-byte
+  // chunk at a time, rows of the group only.
+  bar_sync(kBarEpilogue, kConsumers);
   uint16_t* stage = reinterpret_cast<uint16_t*>(b_tile);  // [BN][kOutPitch]
   const int r0 = 16 * warp + (lane >> 2);
 #pragma unroll
@@ -349,8 +420,8 @@ __global__ void __launch_bounds__(2 * BM, BM == 64 ? 2 : 1) w4a8_grouped_kernel(
     stage[c * kOutPitch + r0 + 8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 2]));
     stage[(c + 1) * kOutPitch + r0 + 8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 3]));
   }
-  __syncthreads();
-  for (int i = tid; i < BN * (BM / 8); i += kThreads) {
+  bar_sync(kBarEpilogue, kConsumers);
+  for (int i = tid; i < BN * (BM / 8); i += kConsumers) {
     const int c = i / (BM / 8), ch = i % (BM / 8);
     if (n0 + c < rows)
       *reinterpret_cast<uint4*>(G.out + static_cast<size_t>(n0 + c) * n + m0 + ch * 8) =
@@ -384,6 +455,7 @@ template <class F>
 Status each_tile(F&& f) {
   HETERO_RETURN_IF_ERROR(f(TileId<64, 64>{}));
   HETERO_RETURN_IF_ERROR(f(TileId<64, 128>{}));
+  HETERO_RETURN_IF_ERROR(f(TileId<128, 64>{}));
   return f(TileId<128, 128>{});
 }
 
@@ -445,8 +517,8 @@ Result<std::unique_ptr<W4a8GroupedGemm>> W4a8GroupedGemm::create(int64_t max_gro
 
 void W4a8GroupedGemm::set_tile(int weight_rows, int group_rows) {
   // The tiles the kernel is built for (each_tile).
-  const bool ok = (weight_rows == 64 && (group_rows == 64 || group_rows == 128)) ||
-                  (weight_rows == 128 && group_rows == 128);
+  const bool ok =
+      (weight_rows == 64 || weight_rows == 128) && (group_rows == 64 || group_rows == 128);
   impl_->tile_m = ok ? weight_rows : 0;
   impl_->tile_n = ok ? group_rows : 0;
 }
@@ -516,7 +588,8 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
       using T = decltype(tile);
       if (T::kM == bm && T::kN == bn) {
         w4a8_grouped_kernel<T::kM, T::kN>
-            <<<static_cast<unsigned>(ctas), 2 * T::kM, Tile<T::kM, T::kN>::kSmem, stream>>>(prm);
+            <<<static_cast<unsigned>(ctas), Tile<T::kM, T::kN>::kThreads, Tile<T::kM, T::kN>::kSmem,
+               stream>>>(prm);
         launched = true;
       }
       return Status::ok();

@@ -12,13 +12,18 @@
 // of k, promoted by (activation scale x weight scale) as fp8_grouped_gemm.h's kernel does. The
 // kernel is deterministic; output rows past a group's rows are not written.
 //
-// Tiles: 64x64, 64x128 or 128x128, weight rows (the MMA's M: the operands are swapped, so the
-// output's columns; a warp group per 64) by a group's rows, 128 deep, four stages of cp.async.
+// Tiles: 64 or 128 weight rows (the MMA's M: the operands are swapped, so the output's columns;
+// a consumer warp group per 64) by 64 or 128 of a group's rows, 128 deep. Warp-specialized: one
+// or two producer warp groups copy the operands (cp.async, five stages) and widen each k tile
+// into one of three swizzled buffers, with the promotion factors; the consumer warp groups run
+// wgmma on them and promote; named barriers hand each buffer over and back, one pair a consumer
+// warp group, so the two need not run in step.
 //
 // Bit-equal to the widened path (widen_fp4_experts_to_fp8, then cuBLASLt or the grouped FP8
-// kernel) in every test, but 0.91-0.94x its speed at DeepSeek-V4-Flash's shapes and 8K tokens,
-// 0.56-0.59x at 32K (RESULTS §42): the engine runs it only where asked
-// (Dsv4CudaOptions::ExpertGemm::kW4a8).
+// kernel) in every test. At DeepSeek-V4-Flash's shapes 1.01-1.03x the widened path's speed at 8K
+// tokens (~192 rows an expert), 0.64x at 32K (~768: each row tile re-widens its weight tile),
+// RESULTS §43: the engine's kAuto runs it for chunks of few rows an expert
+// (Dsv4CudaOptions::kW4a8MaxMeanRows), kW4a8 for every chunk.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -72,7 +77,7 @@ class W4a8GroupedGemm {
   // Whether run() takes matrices of this shape: n a multiple of 64, k a multiple of 128 and at
   // most 8192.
   static Status supports(int64_t n, int64_t k);
-  // The tile, of those built: 64x64, 64x128 or 128x128 (weight rows x group rows). Anything
+  // The tile, of those built: 64 or 128 weight rows by 64 or 128 group rows. Anything
   // else, or weight rows that do not divide n: 128x128 where n is a multiple of 128, else 64x128
   // (the default). For benches and tests.
   void set_tile(int weight_rows, int group_rows);
