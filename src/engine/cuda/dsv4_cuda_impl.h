@@ -177,8 +177,8 @@ struct Dsv4CudaEngine::Impl {
   int64_t grouped_launches = 0;  // since the engine was made
   cuda::DeviceBuffer scale_t;
   std::vector<cuda::Fp8GemmGroup> fp8_groups;
-  // FP4 experts per chunk through the W4A8 kernel (Dsv4CudaOptions::ExpertGemm::kW4a8), where
-  // made.
+  // FP4 experts per chunk through the W4A8 kernel (ExpertGemm::kW4a8: every chunk; kAuto: chunks
+  // of at most w4a8_max_rows rows an expert), where made.
   std::unique_ptr<cuda::W4a8GroupedGemm> w4a8;
   int64_t w4a8_max_rows = 0;  // chunks whose active experts average at most this many rows
   int64_t w4a8_launches = 0;

@@ -200,7 +200,7 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
   const int32_t* host_pad = m.host_pad.get<int32_t>();
   int64_t active = 0;
   for (int64_t e = 0; e < E; ++e) active += off[e + 1] > off[e];
-  // The mean rows per active expert, rounded up, against the grouped kernel's limit.
+  // The mean rows per active expert, rounded up, against the W4A8 and grouped kernels' limits.
   const int64_t mean_rows = active > 0 ? (off[E] + active - 1) / active : 0;
   if (widen && m.w4a8 && mean_rows <= m.w4a8_max_rows) {
     // FP4 experts widened inside the GEMM: no widened copy, no scale transpose.
