@@ -45,7 +45,7 @@ cubin w4a8 src/kernels/cuda/w4a8_grouped_gemm.cu sm_90a
 # Warp-specialized: the consumers' loop (wgmma, promotion) and the producer's (copies, widening),
 # each counted a warp per k tile. The producer's count takes the fast widening path only (its
 # float fallback's blocks are left out).
-for tile in 128x128 64x128 64x64; do
+for tile in 128x128 64x256 64x128 64x64; do
   count w4a8 "w4a8_grouped_kernelILi${tile%x*}ELi${tile#*x}E" GMMA 1 \
     "W4A8 GEMM, tile $tile, consumer" 'F2FP|STL|LDL'
   count w4a8 "w4a8_grouped_kernelILi${tile%x*}ELi${tile#*x}E" PRMT 1 \

@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
       report("widened + cuBLASLt per expert, 8 streams", wide_lt, best);
       if (grouped) report("widened + grouped (CUTLASS)", wide_grouped, best);
       for (auto [tm, tn] : {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 64},
-                            std::pair{128, 128}, std::pair{0, 0}}) {
+                            std::pair{128, 128}, std::pair{64, 256}, std::pair{0, 0}}) {
         (*w4a8)->set_tile(tm, tn);
         const hb::Timing f = hb::time_ms(
             [&] {

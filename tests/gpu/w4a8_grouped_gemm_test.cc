@@ -4,8 +4,8 @@
 // output against the float64 product of the widened operands with fp8_gemm_test's bound, and
 // against cuBLASLt's. Group exponents spread so that groups take the byte-permute widening, the
 // exact float one and the lossy one; the lossy counts must equal the widening kernel's. Rows from
-// 1 to 300 under both tile heights, n with a partial 128-row block, k from one k tile to 16 (the
-// pipeline's stages reused).
+// 1 to 300 under every tile (the 64x256 tile's second consumer warp group idle, partly busy and
+// busy), n with a partial 128-row block, k from one k tile to 16 (the pipeline's stages reused).
 #include "kernels/cuda/w4a8_grouped_gemm.h"
 
 #include <gtest/gtest.h>
@@ -127,8 +127,8 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       lt_out[e] = get<uint16_t>(dref, static_cast<size_t>(r * n));
     }
-    for (auto [tile_m, tile] :
-         {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 64}, std::pair{128, 128}}) {
+    for (auto [tile_m, tile] : {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 64},
+                                std::pair{128, 128}, std::pair{64, 256}}) {
       (*gemm)->set_tile(tile_m, tile);  // n 192: 64 weight rows whatever is asked
       Dev dout((m + 16) * n * 2);
       ASSERT_EQ(cudaMemset(dout.p, 0xff, static_cast<size_t>((m + 16) * n) * 2), cudaSuccess);

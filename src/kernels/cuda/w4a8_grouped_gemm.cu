@@ -22,11 +22,18 @@ constexpr int kBK = 128;  // k per stage: one promotion interval
 // w1|w3 and 8K tokens (RESULTS §43).
 constexpr int kStages = 4;
 constexpr int kMaxKBlocks = 64;
-// A block of BM weight rows (BM / 64 warp groups, one wgmma's M = 64 rows each) by BN rows of a
-// group.
+// A block of BM weight rows by BN rows of a group. Each consumer warp group takes 64 weight rows
+// (one wgmma's M) by up to 128 of the group's rows (its N): BM / 64 of them along the weight rows
+// and, past 128 group rows, BN / 128 along those. The 64x256 tile's two consumer warp groups so
+// share one widened weight tile: the producers widen 64 weight rows a k tile for as many MMAs as
+// the 128x128 tile's 128 rows feed, and an expert of up to 256 rows widens its weights once.
 template <int BM, int BN>
 struct Tile {
-  static constexpr int kConsumers = 2 * BM;  // a warp group per 64 weight rows
+  static constexpr int kWgM = BM / 64;                  // consumer warp groups along weight rows
+  static constexpr int kWgN = BN > 128 ? BN / 128 : 1;  // and along the group's rows
+  static constexpr int kWN = BN / kWgN;                 // a consumer warp group's group rows
+  static constexpr int kConsumerGroups = kWgM * kWgN;
+  static constexpr int kConsumers = 128 * kConsumerGroups;
   // Two producer warp groups: with one, the 128x128 tile took 4.45 ms for 8K tokens' w1|w3 at
   // Flash's shapes, with two 4.05 (the producers' latency, not the tensor cores, set the pace).
   static constexpr int kProducers = 256;
@@ -43,6 +50,10 @@ struct Tile {
   static constexpr int kSmem = 1024 /* alignment slack */ + 2 * kWideBytes +
                                kStages * (BN * kBK + kRawBytes + kRawScaleBytes + BN * 4) +
                                2 * BN * 4 + kMaxKBlocks;
+  static_assert(kWN == 64 || kWN == 128, "a consumer warp group's wgmma N");
+  // The named barriers below: a FULL and an EMPTY per buffer and consumer warp group, ids 3-10.
+  static_assert(kConsumerGroups <= 2, "named barriers for two consumer warp groups");
+  static_assert(BN <= kProducers && BM <= kProducers, "a producer thread per column and row");
   static_assert(kSmem < 227 * 1024, "sm_90's shared memory a block");
 };
 
@@ -158,9 +169,9 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uin
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
-template <int BN>
-__device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], uint64_t a, uint64_t b, int acc) {
-  if constexpr (BN == 64)
+template <int N>
+__device__ __forceinline__ void wgmma_k32(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
+  if constexpr (N == 64)
     wgmma_m64n64k32(d, a, b, acc);
   else
     wgmma_m64n128k32(d, a, b, acc);
@@ -181,8 +192,9 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Warp-specialized: BM / 64 consumer warp groups (each 64 weight rows: wgmma and the promotion)
-// and one producer warp group last (the cp.async copies, the widening and the promotion factors),
+// Warp-specialized: the consumer warp groups (each 64 weight rows by kWN group rows: wgmma and the
+// promotion) and two producer warp groups last (the cp.async copies, the widening and the
+// promotion factors),
 // handing widened tiles over through two buffers and named barriers. In one loop that did both
 // (all warps copying and widening around a block-wide barrier), two warps a scheduler left the
 // loop latency-bound on shared memory and the tensor cores idle through every widening and
@@ -192,7 +204,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel
   using T = Tile<BM, BN>;
   constexpr int kThreads = T::kThreads, kConsumers = T::kConsumers, kRawBytes = T::kRawBytes;
   constexpr int kProducers = T::kProducers;
-  constexpr int kGroupsOfConsumers = BM / 64;
+  constexpr int kConsumerGroups = T::kConsumerGroups, kWgM = T::kWgM, kWN = T::kWN;
   constexpr int kPair = kProducers + 128;  // a FULL's or EMPTY's threads
   constexpr int kRawScaleBytes = T::kRawScaleBytes, kWideBytes = T::kWideBytes;
   constexpr int kOutPitch = T::kOutPitch;
@@ -354,11 +366,11 @@ __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel
       scales(kt);
       fence_proxy_async();  // the widened tile and the copied rows, read next by the tensor cores
 #pragma unroll
-      for (int c = 0; c < kGroupsOfConsumers; ++c) bar_arrive(bar_full(kt & 1, c), kPair);
+      for (int c = 0; c < kConsumerGroups; ++c) bar_arrive(bar_full(kt & 1, c), kPair);
       if (kt + 1 < kt_count) {
         if (kt > 0)  // k tile kt - 1 is done
 #pragma unroll
-          for (int c = 0; c < kGroupsOfConsumers; ++c) bar_sync(bar_empty((kt - 1) & 1, c), kPair);
+          for (int c = 0; c < kConsumerGroups; ++c) bar_sync(bar_empty((kt - 1) & 1, c), kPair);
         load(kt + kStages - 1);  // into k tile kt - 1's stage
       }
     }
@@ -372,36 +384,50 @@ __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel
   if constexpr (T::kShiftRegs)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::kConsumerRegs));
   const int lane = tid & 31, warp = tid >> 5, cg = warp / 4;
-  float acc[BN / 2], tot[BN / 2];
+  // This warp group's 64 weight rows and kWN group rows; a zero known at compile time keeps the
+  // descriptors' arithmetic in uniform registers (142 instructions a loop trip against 167 at
+  // 128x128, `make sass`).
+  const int wm = T::kWgN == 1 ? cg : 0, wn = T::kWgN == 1 ? 0 : cg;
+  static_assert(T::kWgN == 1 || kWgM == 1, "warp groups along one of the two");
+  float acc[kWN / 2], tot[kWN / 2];
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) tot[i] = 0.f, acc[i] = 0.f;
-  // The operands' descriptors at buffer and stage 0; each warp group its own 64 weight rows of
-  // the tile. A buffer's or stage's offset / 16 adds to them (sw128_desc).
-  const uint64_t a_desc0 = sw128_desc(smem_u32(wide) + cg * 64 * kBK);
-  const uint64_t b_desc0 = sw128_desc(smem_u32(b_tile));
+  for (int i = 0; i < kWN / 2; ++i) tot[i] = 0.f, acc[i] = 0.f;
+  // A warp group whose group rows all lie past the group's (an expert's last row tile of 256
+  // with at most 128 rows) skips its wgmma and promotion, leaving the tensor cores to the other;
+  // it still takes part in every handover. (Without a second warp group along the group's rows
+  // the tile has rows, and the branch is left out at compile time.)
+  const bool busy = T::kWgN == 1 || n0 + wn * kWN < rows;
+  // The operands' descriptors at buffer and stage 0; each warp group its own 64 weight rows and
+  // kWN group rows of the tile (row offsets of 64 x 128 bytes: whole swizzle periods). A
+  // buffer's or stage's offset / 16 adds to them (sw128_desc).
+  const uint64_t a_desc0 = sw128_desc(smem_u32(wide) + wm * 64 * kBK);
+  const uint64_t b_desc0 = sw128_desc(smem_u32(b_tile) + wn * kWN * kBK);
   for (int kt = 0; kt < kt_count; ++kt) {
     bar_sync(bar_full(kt & 1, cg), kPair);
     const uint64_t a_desc = a_desc0 + (((kt & 1) * kWideBytes) >> 4);
     const uint64_t b_desc = b_desc0 + (((kt % kStages) * BN * kBK) >> 4);
-    fence_operands(acc);
-    wgmma_fence();
+    if (busy) {
+      fence_operands(acc);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBK / 32; ++kk)  // k32 steps: 32 bytes into each 128-byte row
-      wgmma_k32<BN>(acc, a_desc + kk * (32 >> 4), b_desc + kk * (32 >> 4), kk > 0);
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_operands(acc);
-    // Promotion: acc holds rows 16 warp + lane / 4 (+ 8) of the tile, columns (group rows)
-    // 8 j + 2 (lane % 4) (+ 1); each column's factor is its activation scale times the weight
-    // block's (the product fp8_grouped_gemm.h's kernel forms, in the same order).
-    const float2* f = reinterpret_cast<const float2*>(scale + (kt & 1) * BN);
+      for (int kk = 0; kk < kBK / 32; ++kk)  // k32 steps: 32 bytes into each 128-byte row
+        wgmma_k32<kWN>(acc, a_desc + kk * (32 >> 4), b_desc + kk * (32 >> 4), kk > 0);
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_operands(acc);
+      // Promotion: acc holds weight rows 16 (warp % 4) + lane / 4 (+ 8) of the warp group's 64,
+      // group rows 8 j + 2 (lane % 4) (+ 1) of its kWN; each group row's factor is its activation
+      // scale times the weight block's (the product fp8_grouped_gemm.h's kernel forms, in the
+      // same order).
+      const float2* f = reinterpret_cast<const float2*>(scale + (kt & 1) * BN + wn * kWN);
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const float2 s2 = f[4 * j + (lane & 3)];
-      tot[4 * j] = fmaf(acc[4 * j], s2.x, tot[4 * j]);
-      tot[4 * j + 1] = fmaf(acc[4 * j + 1], s2.y, tot[4 * j + 1]);
-      tot[4 * j + 2] = fmaf(acc[4 * j + 2], s2.x, tot[4 * j + 2]);
-      tot[4 * j + 3] = fmaf(acc[4 * j + 3], s2.y, tot[4 * j + 3]);
+      for (int j = 0; j < kWN / 8; ++j) {
+        const float2 s2 = f[4 * j + (lane & 3)];
+        tot[4 * j] = fmaf(acc[4 * j], s2.x, tot[4 * j]);
+        tot[4 * j + 1] = fmaf(acc[4 * j + 1], s2.y, tot[4 * j + 1]);
+        tot[4 * j + 2] = fmaf(acc[4 * j + 2], s2.x, tot[4 * j + 2]);
+        tot[4 * j + 3] = fmaf(acc[4 * j + 3], s2.y, tot[4 * j + 3]);
+      }
     }
     if (kt + 2 < kt_count) bar_arrive(bar_empty(kt & 1, cg), kPair);
   }
@@ -411,10 +437,13 @@ __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel
   // chunk at a time, rows of the group only.
   bar_sync(kBarEpilogue, kConsumers);
   uint16_t* stage = reinterpret_cast<uint16_t*>(b_tile);  // [BN][kOutPitch]
-  const int r0 = 16 * warp + (lane >> 2);
+  // Weight row wm 64 + 16 (warp % 4) + lane / 4, which is 16 warp + lane / 4 where the warp
+  // groups lie along the weight rows (written so: the other form cost the 128x128 loop 11
+  // instructions a trip, the compiler keeping fewer addresses across it).
+  const int r0 = (T::kWgN == 1 ? 16 * warp : 16 * (warp % 4)) + (lane >> 2);
 #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int c = j * 8 + 2 * (lane & 3);
+  for (int j = 0; j < kWN / 8; ++j) {
+    const int c = wn * kWN + j * 8 + 2 * (lane & 3);
     stage[c * kOutPitch + r0] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j]));
     stage[(c + 1) * kOutPitch + r0] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 1]));
     stage[c * kOutPitch + r0 + 8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 2]));
@@ -456,7 +485,8 @@ Status each_tile(F&& f) {
   HETERO_RETURN_IF_ERROR(f(TileId<64, 64>{}));
   HETERO_RETURN_IF_ERROR(f(TileId<64, 128>{}));
   HETERO_RETURN_IF_ERROR(f(TileId<128, 64>{}));
-  return f(TileId<128, 128>{});
+  HETERO_RETURN_IF_ERROR(f(TileId<128, 128>{}));
+  return f(TileId<64, 256>{});
 }
 
 }  // namespace
@@ -518,7 +548,8 @@ Result<std::unique_ptr<W4a8GroupedGemm>> W4a8GroupedGemm::create(int64_t max_gro
 void W4a8GroupedGemm::set_tile(int weight_rows, int group_rows) {
   // The tiles the kernel is built for (each_tile).
   const bool ok =
-      (weight_rows == 64 || weight_rows == 128) && (group_rows == 64 || group_rows == 128);
+      ((weight_rows == 64 || weight_rows == 128) && (group_rows == 64 || group_rows == 128)) ||
+      (weight_rows == 64 && group_rows == 256);
   impl_->tile_m = ok ? weight_rows : 0;
   impl_->tile_n = ok ? group_rows : 0;
 }

@@ -12,12 +12,14 @@
 // of k, promoted by (activation scale x weight scale) as fp8_grouped_gemm.h's kernel does. The
 // kernel is deterministic; output rows past a group's rows are not written.
 //
-// Tiles: 64 or 128 weight rows (the MMA's M: the operands are swapped, so the output's columns;
-// a consumer warp group per 64) by 64 or 128 of a group's rows, 128 deep. Warp-specialized: one
-// or two producer warp groups copy the operands (cp.async, five stages) and widen each k tile
-// into one of three swizzled buffers, with the promotion factors; the consumer warp groups run
-// wgmma on them and promote; named barriers hand each buffer over and back, one pair a consumer
-// warp group, so the two need not run in step.
+// Tiles: 64 or 128 weight rows (the MMA's M: the operands are swapped, so the output's columns)
+// by 64 or 128 of a group's rows, or 64 by 256, 128 deep; a consumer warp group per 64 weight
+// rows and 128 group rows. Warp-specialized: two producer warp groups copy the operands
+// (cp.async, four stages) and widen each k tile into one of two swizzled buffers, with the
+// promotion factors; the consumer warp groups run wgmma on them and promote; named barriers hand
+// each buffer over and back, one pair a consumer warp group, so the two need not run in step.
+// The 64x256 tile's two consumer warp groups share one widened weight tile, so an expert of up
+// to 256 rows has its weights widened once, where 128-row tiles widen them once per 128 rows.
 //
 // Bit-equal to the widened path (widen_fp4_experts_to_fp8, then cuBLASLt or the grouped FP8
 // kernel) in every test. At DeepSeek-V4-Flash's shapes 1.01-1.03x the widened path's speed at 8K
@@ -77,9 +79,9 @@ class W4a8GroupedGemm {
   // Whether run() takes matrices of this shape: n a multiple of 64, k a multiple of 128 and at
   // most 8192.
   static Status supports(int64_t n, int64_t k);
-  // The tile, of those built: 64 or 128 weight rows by 64 or 128 group rows. Anything
-  // else, or weight rows that do not divide n: 128x128 where n is a multiple of 128, else 64x128
-  // (the default). For benches and tests.
+  // The tile, of those built: 64 or 128 weight rows by 64 or 128 group rows, or 64 by 256.
+  // Anything else, or weight rows that do not divide n: 128x128 where n is a multiple of 128,
+  // else 64x128 (the default). For benches and tests.
   void set_tile(int weight_rows, int group_rows);
 
   // Enqueues every group's GEMM on `stream` as one launch; returns once the arguments are
