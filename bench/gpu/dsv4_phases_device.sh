@@ -12,8 +12,10 @@
 # LAYERS (8), CHUNK (32768), REPEATS (2), WIDEN (0), GEMMS (empty: the default routed-expert
 # kernel; "per-expert,grouped,w4a8": each, named $REV-<kernel>), BRIDGE (off; "off,on" also runs each T with
 # the bridge behind the forward: its cost and wire bytes), PHASES (1: --phases), W4A8_BENCH (0; 1
-# first runs the routed-expert GEMMs alone, hetero_gpu_w4a8_bench at 8K and 32K tokens, carried
-# too: $OUT/w4a8-gemm.jsonl). Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,ncu.txt}.
+# first runs the routed-expert GEMMs alone, hetero_gpu_w4a8_bench at $W4A8_TOKENS tokens, default
+# 8192,32768, carried too: $OUT/w4a8-gemm.jsonl), W4A8_TILES (empty; e.g. "128x128,64x256": each
+# GEMMS kernel that runs W4A8 (auto, w4a8) once per W4A8 kernel tile, named $REV-<kernel>-<tile>).
+# Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,ncu.txt}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT_DIR=${OUT:-out/dsv4-phases}
@@ -31,7 +33,7 @@ if [[ ${GPU_TESTS:-1} == 1 ]]; then
   grep -E "attn \]|index \]|^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests ran" "$OUT_DIR/gpu_tests.log"
 fi
 if [[ ${W4A8_BENCH:-0} == 1 ]]; then
-  timeout 240 build/hetero_gpu_w4a8_bench --tokens 8192,32768 --repeat 5 --rev "$REV" \
+  timeout 240 build/hetero_gpu_w4a8_bench --tokens "${W4A8_TOKENS:-8192,32768}" --repeat 5 --rev "$REV" \
     >"$OUT_DIR/w4a8-gemm.jsonl" 2>"$OUT_DIR/w4a8-gemm.txt" || rc=1
   echo "== w4a8 GEMMs (ms, TFLOP/s, against the best widened path)"
   cat "$OUT_DIR/w4a8-gemm.txt"
@@ -52,7 +54,13 @@ run_bench() {  # name binary_dir [more flags]
 [[ -n ${BASE:-} ]] && run_bench base "$BASE"
 if [[ -n ${GEMMS:-} ]]; then  # each routed-expert kernel in turn, in this run: $REV-<kernel>
   for g in ${GEMMS//,/ }; do
-    run_bench "$REV-$g" build --expert-gemm "$g"
+    if [[ -n ${W4A8_TILES:-} && ($g == w4a8 || $g == auto) ]]; then
+      for tile in ${W4A8_TILES//,/ }; do
+        run_bench "$REV-$g-$tile" build --expert-gemm "$g" --w4a8-tile "$tile"
+      done
+    else
+      run_bench "$REV-$g" build --expert-gemm "$g"
+    fi
     # w4a8 runs FP4 experts: never widened at load
     [[ ${WIDEN:-0} == 1 && $g != w4a8 ]] &&
       run_bench "$REV-$g-at-load" build --expert-gemm "$g" --widen-experts at-load

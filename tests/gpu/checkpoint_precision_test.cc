@@ -463,19 +463,24 @@ TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
   using ExpertGemm = Dsv4CudaOptions::ExpertGemm;
   const bool grouped_built = cuda::fp8_grouped_gemm_available().is_ok();
   // Per chunk widened, then cuBLASLt or the grouped kernel where built; the W4A8 kernel,
-  // widening inside the GEMM, against the grouped kernel at load (the same operands and sums).
+  // widening inside the GEMM (its own tile choice, and the 64x256 tile), against the grouped
+  // kernel at load (the same operands and sums).
   const ExpertGemm fp8_grouped = grouped_built ? ExpertGemm::kGrouped : ExpertGemm::kPerExpert;
-  for (auto [streamed, kernel, loaded_kernel] :
-       {std::tuple{false, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert},
-        std::tuple{true, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert},
-        std::tuple{false, fp8_grouped, fp8_grouped}, std::tuple{true, fp8_grouped, fp8_grouped},
-        std::tuple{false, ExpertGemm::kW4a8, fp8_grouped},
-        std::tuple{true, ExpertGemm::kW4a8, fp8_grouped}}) {
+  for (auto [streamed, kernel, loaded_kernel, tile_n] :
+       {std::tuple{false, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert, 0},
+        std::tuple{true, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert, 0},
+        std::tuple{false, fp8_grouped, fp8_grouped, 0},
+        std::tuple{true, fp8_grouped, fp8_grouped, 0},
+        std::tuple{false, ExpertGemm::kW4a8, fp8_grouped, 0},
+        std::tuple{true, ExpertGemm::kW4a8, fp8_grouped, 0},
+        std::tuple{false, ExpertGemm::kW4a8, fp8_grouped, 256}}) {
     auto make = [&, streamed = streamed](Dsv4CudaOptions so, ExpertGemm k) {
       so.expert_gemm = k;
       return streamed ? Dsv4CudaEngine::load(dir.path, so) : Dsv4CudaEngine::random(c, 9, so);
     };
-    auto per_chunk = make(o, kernel);
+    Dsv4CudaOptions tiled = o;
+    if (tile_n > 0) tiled.w4a8_tile_m = 64, tiled.w4a8_tile_n = tile_n;
+    auto per_chunk = make(tiled, kernel);
     auto at_load = make(wide, loaded_kernel);
     ASSERT_TRUE(per_chunk.is_ok()) << per_chunk.status().to_string();
     ASSERT_TRUE(at_load.is_ok()) << at_load.status().to_string();
@@ -517,6 +522,11 @@ TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
   EXPECT_TRUE(Dsv4CudaEngine::check_options(c, bad).is_ok());
   bad.weight_dtype = cuda::WeightDtype::kFp8;
   EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
+  bad.weight_dtype = cuda::WeightDtype::kCheckpoint;
+  bad.w4a8_tile_m = 128, bad.w4a8_tile_n = 256;  // a tile the W4A8 kernel is not built for
+  EXPECT_EQ(Dsv4CudaEngine::check_options(c, bad).code(), Code::kInvalidArgument);
+  bad.w4a8_tile_m = 64;
+  EXPECT_TRUE(Dsv4CudaEngine::check_options(c, bad).is_ok());
 }
 
 }  // namespace

@@ -143,6 +143,7 @@ Status Dsv4CudaEngine::init() {
        cuda::w4a8_grouped_gemm_available(cuda::current_device()).is_ok())) {
     HETERO_ASSIGN_OR_RETURN(m.w4a8, cuda::W4a8GroupedGemm::create(c.n_routed_experts, &m.budget));
     m.w4a8_max_rows = eg == ExpertGemm::kW4a8 ? INT64_MAX : Dsv4CudaOptions::kW4a8MaxMeanRows;
+    if (options_.w4a8_tile_m > 0) m.w4a8->set_tile(options_.w4a8_tile_m, options_.w4a8_tile_n);
   }
   // The lanes serve the per-expert GEMMs only.
   if (options_.expert_streams > 1 && eg != ExpertGemm::kGrouped && eg != ExpertGemm::kW4a8) {
@@ -341,6 +342,10 @@ Status Dsv4CudaEngine::check_options(const Dsv4Config& c, const Dsv4CudaOptions&
     const Status shape = w4a8_shapes(c);
     if (!shape.is_ok()) return invalid_argument(shape.message());
   }
+  if ((options.w4a8_tile_m != 0 || options.w4a8_tile_n != 0) &&
+      !cuda::W4a8GroupedGemm::has_tile(options.w4a8_tile_m, options.w4a8_tile_n))
+    return invalid_argument("the W4A8 kernel has no " + std::to_string(options.w4a8_tile_m) + "x" +
+                            std::to_string(options.w4a8_tile_n) + " tile");
   if (options.grouped_experts)
     return invalid_argument(
         "fp8 and checkpoint-precision experts run FP8 GEMMs (expert_gemm); grouped_experts is "
@@ -382,7 +387,12 @@ int64_t Dsv4CudaEngine::w4a8_expert_launches() const { return impl_->w4a8_launch
 
 std::string Dsv4CudaEngine::expert_gemm_name() const {
   const Impl& m = *impl_;
-  const std::string w4a8 = "W4A8 (FP4 widened in the GEMM, one launch per projection)";
+  const std::string w4a8 =
+      "W4A8 (FP4 widened in the GEMM, one launch per projection" +
+      (options_.w4a8_tile_m > 0 ? ", tile " + std::to_string(options_.w4a8_tile_m) + "x" +
+                                      std::to_string(options_.w4a8_tile_n)
+                                : std::string()) +
+      ")";
   if (m.w4a8 && m.w4a8_max_rows == INT64_MAX) return w4a8;
   const std::string per = "per-expert FP8 (cuBLASLt, " +
                           std::to_string(std::max<size_t>(m.lanes.size(), 1)) + " stream(s))";

@@ -108,6 +108,10 @@ struct Dsv4CudaOptions {
   ExpertGemm expert_gemm = ExpertGemm::kAuto;
   static constexpr int64_t kGroupedMaxMeanRows = 384;
   static constexpr int64_t kW4a8MaxMeanRows = 256;
+  // The W4A8 kernel's tile, weight rows by group rows (W4a8GroupedGemm::set_tile: 128x128,
+  // 64x256, ...), for benches comparing tiles in the forward; 0 x 0: the kernel's choice per
+  // launch. check_options refuses a tile the kernel is not built for.
+  int w4a8_tile_m = 0, w4a8_tile_n = 0;
   // The layers this engine holds and runs, [first_layer, end_layer) (end_layer -1: through the
   // last): a stage of a layer pipeline. Only the stage holding layer 0 holds the embedding and
   // takes prefill_chunk; a later stage runs prefill_stage from the previous stage's residual.

@@ -545,11 +545,18 @@ Result<std::unique_ptr<W4a8GroupedGemm>> W4a8GroupedGemm::create(int64_t max_gro
   return std::unique_ptr<W4a8GroupedGemm>(new W4a8GroupedGemm(std::move(impl)));
 }
 
+bool W4a8GroupedGemm::has_tile(int weight_rows, int group_rows) {
+  bool built = false;
+  (void)each_tile([&](auto tile) -> Status {
+    using T = decltype(tile);
+    built = built || (T::kM == weight_rows && T::kN == group_rows);
+    return Status::ok();
+  });
+  return built;
+}
+
 void W4a8GroupedGemm::set_tile(int weight_rows, int group_rows) {
-  // The tiles the kernel is built for (each_tile).
-  const bool ok =
-      ((weight_rows == 64 || weight_rows == 128) && (group_rows == 64 || group_rows == 128)) ||
-      (weight_rows == 64 && group_rows == 256);
+  const bool ok = has_tile(weight_rows, group_rows);
   impl_->tile_m = ok ? weight_rows : 0;
   impl_->tile_n = ok ? group_rows : 0;
 }

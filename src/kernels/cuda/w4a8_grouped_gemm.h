@@ -83,6 +83,8 @@ class W4a8GroupedGemm {
   // Anything else, or weight rows that do not divide n: 128x128 where n is a multiple of 128,
   // else 64x128 (the default). For benches and tests.
   void set_tile(int weight_rows, int group_rows);
+  // Whether the kernel is built for this tile (set_tile takes it).
+  static bool has_tile(int weight_rows, int group_rows);
 
   // Enqueues every group's GEMM on `stream` as one launch; returns once the arguments are
   // copied into a staging slot (two alternate; the third call waits for the first's launch).
