@@ -3,7 +3,8 @@
 //  - the cuBLASLt GEMM against a float64 GEMM of the same dequantized operands (tight: float32
 //    accumulation and the bf16 output's rounding), and against cuBLAS's bf16 GEMM of the
 //    unquantized operands (loose: e4m3 rounds each operand by up to 2^-4 relative);
-//  - that the tight bound catches a scale grid stored in the wrong order.
+//  - that the tight bound catches a scale grid stored in the wrong order;
+//  - the routed experts' SwiGLU quantized in the same pass against the two passes it replaces.
 // Block magnitudes vary over 2^-4..2^4 so that a scale applied to the wrong block is visible.
 #include "kernels/cuda/fp8_gemm.h"
 
@@ -11,15 +12,18 @@
 #include <cublas_v2.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/bf16.h"
 #include "cuda_test_base.h"
 #include "fp8_test_util.h"
+#include "kernels/cuda/dsv4_fwd_ops.h"
 
 namespace hetero {
 namespace {
@@ -101,6 +105,51 @@ TEST_F(Fp8Test, SegmentedActivationQuantizerPacksEachSegmentAsAlone) {
     EXPECT_EQ(0, std::memcmp(s.data() + pad[e] * groups, want.scale.data(), want.scale.size() * 4))
         << "segment " << e;
   }
+}
+
+// The routed experts' w2 input made and quantized in one pass (swiglu_quantize_fp8_segments):
+// the same bytes and scales as swiglu's act quantized by quantize_act_fp8_segments, with and
+// without the clamp and with and without tight scales, nothing else written (both sets of
+// buffers start with the same filler, so a byte only one pass writes shows).
+TEST_F(Fp8Test, SwigluQuantizedInOnePassMatchesTheTwoPasses) {
+  const int64_t inter = 384, groups = fp8_blocks(inter);
+  const std::vector<int32_t> rows = {3, 0, 16, 17, 0, 1, 40};
+  std::vector<int32_t> off = {0}, pad = {0};
+  for (int32_t r : rows) {
+    off.push_back(off.back() + r);
+    pad.push_back(pad.back() + static_cast<int32_t>(fp8_act_rows(r)));
+  }
+  const int64_t m = off.back(), total = pad.back(), E = static_cast<int64_t>(rows.size());
+  // Gate and up per 128-column group scaled by 2^-4..2^4: the clamp at 2.5 cuts many of them.
+  const std::vector<uint16_t> gu = blocky_bf16(m, 2 * inter, 1, 21);
+  Dev dgu(gu.size() * 2), dact(m * inter * 2), doff(off.size() * 4), dpad(pad.size() * 4),
+      dq1(total * inter), ds1(total * groups * 4), dq2(total * inter), ds2(total * groups * 4);
+  put(dgu, gu), put(doff, off), put(dpad, pad);
+  for (float limit : {0.f, 2.5f})
+    for (bool tight : {false, true}) {
+      for (const Dev* d : {&dq1, &dq2}) cudaMemset(d->p, 0xAB, total * inter);
+      for (const Dev* d : {&ds1, &ds2}) cudaMemset(d->p, 0xCD, total * groups * 4);
+      cuda::swiglu(dgu.as<uint16_t>(), m, inter, limit, dact.as<uint16_t>(), nullptr);
+      cuda::quantize_act_fp8_segments(dact.as<uint16_t>(), doff.as<int32_t>(), dpad.as<int32_t>(),
+                                      E, total, inter, dq1.as<uint8_t>(), ds1.as<float>(), nullptr,
+                                      nullptr, 1, tight);
+      cuda::swiglu_quantize_fp8_segments(dgu.as<uint16_t>(), inter, limit, doff.as<int32_t>(),
+                                         dpad.as<int32_t>(), E, total, dq2.as<uint8_t>(),
+                                         ds2.as<float>(), nullptr, tight);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::string what =
+          "limit " + std::to_string(limit) + (tight ? ", tight scales" : ", padded scales");
+      const auto q1 = get<uint8_t>(dq1, static_cast<size_t>(total * inter));
+      const auto q2 = get<uint8_t>(dq2, static_cast<size_t>(total * inter));
+      EXPECT_EQ(0, std::memcmp(q1.data(), q2.data(), q1.size())) << what;
+      const auto s1 = get<float>(ds1, static_cast<size_t>(total * groups));
+      const auto s2 = get<float>(ds2, static_cast<size_t>(total * groups));
+      EXPECT_EQ(0, std::memcmp(s1.data(), s2.data(), s1.size() * 4)) << what;
+      // Not a test of zeros against zeros: most codes are written and nonzero.
+      EXPECT_GT(std::count_if(q2.begin(), q2.end(), [](uint8_t b) { return b != 0 && b != 0xAB; }),
+                static_cast<std::ptrdiff_t>(q2.size() / 2))
+          << what;
+    }
 }
 
 // out [rows, n] (bf16 bits) of the FP8 GEMM on device operands quantized on the device.

@@ -711,7 +711,7 @@ Status Dsv4CudaEngine::size_scratch(int64_t n) {
               {&m.xe, m.fp8 ? 0 : N * K * H * 2},  // FP8 experts read x's rows in place
               {&m.ye, (N * K + P) * H * 2},
               {&m.gu, (N * K + P) * 2 * I * 2},
-              {&m.act, N * K * I * 2},
+              {&m.act, m.fp8 ? 0 : N * K * I * 2},  // FP8 experts make w2's input quantized
               {&m.sgu, S > 0 ? (N + P) * 2 * S * 2 : 0},
               {&m.sact, S > 0 ? N * S * 2 : 0},
               {&m.sh, S > 0 ? (N + P) * H * 2 : 0}};

@@ -184,6 +184,31 @@ Status fp8_linear(Impl& m, const uint16_t* x, int64_t rows, const cuda::Fp8Block
   return m.fp8_gemm->run(m.act_q.get<uint8_t>(), f32(m.act_scale), rows, w, y, m.stream.get());
 }
 
+// An FP8 expert GEMM's input rows, before quantization: x's rows (with rows_from, row j is x's
+// row rows_from[j] / per: the rows gathered from the tokens as they are quantized), or SwiGLU of
+// gu's rows (swiglu_gu: the w2 input, made and quantized in one pass, never written as bf16).
+struct ExpertRows {
+  const uint16_t* x = nullptr;
+  const int32_t* rows_from = nullptr;
+  int64_t per = 1;
+  const uint16_t* swiglu_gu = nullptr;
+  float swiglu_limit = 0;
+};
+
+// Every expert's rows of `in` quantized in one pass into m.act_q / m.act_scale, segment e at its
+// padded offset m.pad[e] (quantize_act_fp8_segments).
+void quantize_expert_rows(Impl& m, const ExpertRows& in, int64_t E, const int32_t* dev_off,
+                          int64_t total_rows, int64_t k, bool tight_scales) {
+  if (in.swiglu_gu)
+    cuda::swiglu_quantize_fp8_segments(in.swiglu_gu, k, in.swiglu_limit, dev_off,
+                                       m.pad.get<int32_t>(), E, total_rows, m.act_q.get<uint8_t>(),
+                                       f32(m.act_scale), m.stream.get(), tight_scales);
+  else
+    cuda::quantize_act_fp8_segments(in.x, dev_off, m.pad.get<int32_t>(), E, total_rows, k,
+                                    m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get(),
+                                    in.rows_from, in.per, tight_scales);
+}
+
 // expert_gemms with FP8 weights: every expert's rows quantized in one pass (each expert's rows
 // padded to 16, m.host_pad / m.pad, set by the caller), then one GEMM per expert with rows, in
 // expert order on its stream, so each expert's padding rows are overwritten by the next expert's
@@ -192,8 +217,7 @@ Status fp8_linear(Impl& m, const uint16_t* x, int64_t rows, const cuda::Fp8Block
 // launch of the grouped FP8 kernel; or, for FP4 experts under ExpertGemm::kW4a8, of the W4A8
 // kernel, which widens them itself. off: host and device copies of the row offsets.
 Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* dev_off,
-                        const uint16_t* x, const DFp8& w8, const DFp4& w4, uint16_t* y,
-                        const int32_t* rows_from = nullptr, int64_t per = 1) {
+                        const ExpertRows& in, const DFp8& w8, const DFp4& w4, uint16_t* y) {
   const bool widen = w4.mats > 0;  // FP4 experts widened here (else FP8, resident)
   const int64_t wn = widen ? w4.n : w8.n, wk = widen ? w4.k : w8.k;
   const int64_t groups = cuda::fp8_blocks(wk);
@@ -205,9 +229,7 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
   if (widen && m.w4a8 && mean_rows <= m.w4a8_max_rows) {
     // FP4 experts widened inside the GEMM: no widened copy, no scale transpose.
     ++m.w4a8_launches;
-    cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
-                                    m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get(),
-                                    rows_from, per);
+    quantize_expert_rows(m, in, E, dev_off, host_pad[E], wk, /*tight_scales=*/false);
     m.w4a8_groups.clear();
     for (int64_t e = 0; e < E; ++e) {
       const int64_t rows = off[e + 1] - off[e], p = host_pad[e];
@@ -220,9 +242,7 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
   }
   const bool grouped = m.grouped_fp8 && active > 0 && mean_rows <= m.grouped_max_rows;
   if (grouped) ++m.grouped_launches;
-  cuda::quantize_act_fp8_segments(x, dev_off, m.pad.get<int32_t>(), E, host_pad[E], wk,
-                                  m.act_q.get<uint8_t>(), f32(m.act_scale), m.stream.get(),
-                                  rows_from, per, /*tight_scales=*/grouped);
+  quantize_expert_rows(m, in, E, dev_off, host_pad[E], wk, /*tight_scales=*/grouped);
   if (widen)  // every active expert's FP4 weight widened at once, ahead of the GEMMs
     cuda::widen_fp4_experts_to_fp8(w4.at(0), m.active.get<int32_t>(), m.active_count,
                                    m.wide_q.get<uint8_t>(), f32(m.wide_scale),
@@ -494,17 +514,19 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
       HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
           m.active.get(), active, sizeof(int32_t) * m.active_count, cudaMemcpyHostToDevice, st));
     }
-    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, dev_off, x, L.w13_8, L.w13_4, bf(m.gu),
-                                            m.perm.get<int32_t>(), K));
+    ExpertRows tokens;
+    tokens.x = x, tokens.rows_from = m.perm.get<int32_t>(), tokens.per = K;
+    HETERO_RETURN_IF_ERROR(
+        expert_gemms_fp8(m, E, off, dev_off, tokens, L.w13_8, L.w13_4, bf(m.gu)));
+    // w2's input: SwiGLU of gu made and quantized in one pass.
+    ExpertRows act;
+    act.swiglu_gu = bf(m.gu), act.swiglu_limit = static_cast<float>(c.swiglu_limit);
+    HETERO_RETURN_IF_ERROR(expert_gemms_fp8(m, E, off, dev_off, act, L.w2_8, L.w2_4, bf(m.ye)));
   } else {
     HETERO_RETURN_IF_ERROR(expert_gemms(m, E, off, bf(m.xe), H, bf(L.w13), 2 * I, bf(m.gu)));
-  }
-  cuda::swiglu(bf(m.gu), n * K, I, static_cast<float>(c.swiglu_limit), bf(m.act), st);
-  if (m.fp8)
-    HETERO_RETURN_IF_ERROR(
-        expert_gemms_fp8(m, E, off, dev_off, bf(m.act), L.w2_8, L.w2_4, bf(m.ye)));
-  else
+    cuda::swiglu(bf(m.gu), n * K, I, static_cast<float>(c.swiglu_limit), bf(m.act), st);
     HETERO_RETURN_IF_ERROR(expert_gemms(m, E, off, bf(m.act), I, bf(L.w2), H, bf(m.ye)));
+  }
   HETERO_RETURN_IF_ERROR(m.timer.mark(st, "moe combine"));
   cuda::moe_combine(bf(m.ye), m.slot_row.get<int32_t>(), f32(m.weights), S > 0 ? bf(m.sh) : nullptr,
                     n, K, H, bf(m.y), st);

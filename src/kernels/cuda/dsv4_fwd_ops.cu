@@ -7,6 +7,7 @@
 
 #include "kernels/cuda/dsv4_fwd_common.cuh"
 #include "kernels/cuda/dsv4_fwd_ops.h"
+#include "kernels/cuda/fp8_act_quant.cuh"
 #include "kernels/cuda/mlx_math.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
 
@@ -418,6 +419,21 @@ __global__ void swiglu_kernel(const uint16_t* gu, int64_t m, int64_t inter, floa
   }
 }
 
+// fp8_act's Source: act's row `row` from column `col`, as swiglu_kernel writes it (each value
+// rounded to bf16), from gu's gate and up halves.
+struct SwigluRows {
+  const uint16_t* gu;
+  int64_t inter;
+  float limit;
+  __device__ __forceinline__ void load(int64_t row, int64_t col, float (&v)[8]) const {
+    float g[8], u[8];
+    fp8_act::load_bf16x8(gu + row * 2 * inter + col, g);
+    fp8_act::load_bf16x8(gu + row * 2 * inter + inter + col, u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = rb(swiglu_one(g[e], u[e], limit));
+  }
+};
+
 // One warp per token; E <= 32 * kRouteMaxPerLane.
 constexpr int kRouteMaxPerLane = 16, kRouteMaxK = 16;
 __global__ void route_kernel(RouterParams p, const uint16_t* logits, const int32_t* ids, int64_t n,
@@ -701,6 +717,14 @@ void swiglu(const uint16_t* gu, int64_t m, int64_t inter, float limit, uint16_t*
     swiglu_kernel<8><<<blocks_for(m * inter / 8, 256), 256, 0, stream>>>(gu, m, inter, limit, act);
   else
     swiglu_kernel<1><<<blocks_for(m * inter, 256), 256, 0, stream>>>(gu, m, inter, limit, act);
+}
+
+void swiglu_quantize_fp8_segments(const uint16_t* gu, int64_t inter, float limit,
+                                  const int32_t* off, const int32_t* pad, int64_t segments,
+                                  int64_t total_rows, uint8_t* q, float* scale, cudaStream_t stream,
+                                  bool tight_scales) {
+  fp8_act::quantize_segments(SwigluRows{gu, inter, limit}, off, pad, segments, total_rows, inter, q,
+                             scale, stream, nullptr, 1, tight_scales);
 }
 
 void moe_route(const RouterParams& p, const uint16_t* logits, const int32_t* ids, int64_t n,

@@ -76,6 +76,14 @@ void broadcast_rows(const uint16_t* bias, int64_t n, int64_t cols, uint16_t* out
 void swiglu(const uint16_t* gu, int64_t m, int64_t inter, float limit, uint16_t* act,
             cudaStream_t stream);
 
+// swiglu's act, never written, quantized as quantize_act_fp8_segments (fp8_gemm.h) quantizes act
+// with k = inter: the same bytes and scales in one pass (the routed experts' w2 input: at 8K
+// tokens of DeepSeek-V4-Flash ~400 MB a layer less to write and read). inter % 16 == 0.
+void swiglu_quantize_fp8_segments(const uint16_t* gu, int64_t inter, float limit,
+                                  const int32_t* off, const int32_t* pad, int64_t segments,
+                                  int64_t total_rows, uint8_t* q, float* scale, cudaStream_t stream,
+                                  bool tight_scales = false);
+
 // MoE router: logits [n][E] bf16 -> inds [n][K], weights [n][K] (f32, normalised and scaled).
 struct RouterParams {
   int64_t experts, top_k;

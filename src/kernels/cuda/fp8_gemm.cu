@@ -3,24 +3,17 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "kernels/cuda/fp8_act_quant.cuh"
 #include "kernels/cuda/fp8_block.cuh"
 #include "kernels/cuda/fp8_gemm.h"
 
 namespace hetero::cuda {
 namespace {
 
+using fp8_act::block_scale;
+using fp8_act::e4m3x2;
+
 __device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
-
-// Round to nearest even, saturating to ±448: what cvt.rn.satfinite.e4m3x2 does. Low byte = a.
-__device__ __forceinline__ uint16_t e4m3x2(float a, float b) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-}
-
-// x / (amax / 448): the division as DeepSeek's quantizers write it (not a reciprocal multiply),
-// so the bytes match a host reference exactly.
-__device__ __forceinline__ float block_scale(float amax) {
-  return amax > 0.f ? amax / kE4m3Max : 1.f;
-}
 
 constexpr int kWeightThreads = 256;
 
@@ -50,34 +43,7 @@ __global__ void quantize_weight_kernel(const uint16_t* __restrict__ w, int64_t n
   }
 }
 
-constexpr int kActThreads = 256;
-
-// One lane's share of a (row, 128-column group): eight columns (16 bytes) of src (null: a padding
-// row, zeros), the group's amax across its half-warp, the e4m3 bytes to dst and (lane 0) the
-// scale. `in`: the unit exists and the lane's columns are inside k. Every lane of the warp must
-// call it (the shuffles).
-__device__ __forceinline__ void quantize_unit(const uint16_t* __restrict__ src, bool in, int sub,
-                                              uint8_t* __restrict__ dst, float* scale_at,
-                                              bool unit_exists) {
-  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (in && src) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src);
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-    for (int i = 0; i < 4; ++i) v[2 * i] = bf(w[i] & 0xffff), v[2 * i + 1] = bf(w[i] >> 16);
-  }
-  float amax = 0.f;
-  for (float f : v) amax = fmaxf(amax, fabsf(f));
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float s = block_scale(amax);
-  if (in) {
-    uint32_t packed[2];
-    for (int i = 0; i < 2; ++i)
-      packed[i] = e4m3x2(v[4 * i] / s, v[4 * i + 1] / s) |
-                  (uint32_t(e4m3x2(v[4 * i + 2] / s, v[4 * i + 3] / s)) << 16);
-    *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
-  }
-  if (sub == 0 && unit_exists) *scale_at = s;
-}
+constexpr int kActThreads = fp8_act::kThreads;
 
 // One half-warp per (row, 128-column group), eight columns (16 bytes) per lane: wide loads keep
 // this memory-bound pass near bandwidth. Rows in [m, rows) are padding.
@@ -90,40 +56,10 @@ __global__ void quantize_act_kernel(const uint16_t* __restrict__ x, int64_t m, i
   const int64_t col = g * kFp8Block + sub * 8;
   // k % 16 == 0: a lane's eight columns are all in or all out. No early return: both halves of
   // the warp take part in the shuffles.
-  const bool exists = unit < rows * groups;
-  quantize_unit(row < m ? x + row * k + col : nullptr, exists && col < k, sub, q + row * k + col,
-                scale + g * rows + row, exists);
-}
-
-// The same per segment of rows (quantize_act_fp8_segments): unit p of the packed padded rows
-// belongs to the segment e with pad[e] <= p < pad[e + 1].
-__global__ void quantize_act_segments_kernel(const uint16_t* __restrict__ x,
-                                             const int32_t* __restrict__ off,
-                                             const int32_t* __restrict__ pad, int64_t segments,
-                                             int64_t total, int64_t k, int64_t groups,
-                                             const int32_t* __restrict__ rows_from, int64_t per,
-                                             bool tight, uint8_t* __restrict__ q,
-                                             float* __restrict__ scale) {
-  const int64_t unit = (static_cast<int64_t>(blockIdx.x) * kActThreads + threadIdx.x) / 16;
-  const int sub = threadIdx.x % 16;
-  const bool exists = unit < total * groups;
-  const int64_t p = exists ? unit / groups : 0, g = unit % groups;
-  int64_t lo = 0, hi = segments;  // the last e with pad[e] <= p (empty segments are skipped)
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (pad[mid] <= p)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  const int64_t e = lo, i = p - pad[e], rows = pad[e + 1] - pad[e];
-  const int64_t col = g * kFp8Block + sub * 8;
-  const int64_t at = off[e] + i, real = off[e + 1] - off[e];
-  const uint16_t* src = i < real ? x + (rows_from ? rows_from[at] / per : at) * k + col : nullptr;
-  // Tight: the segment's scales strided by its real rows, the padding rows' scales not written.
-  quantize_unit(src, exists && col < k, sub, q + p * k + col,
-                scale + pad[e] * groups + g * (tight ? real : rows) + i,
-                exists && (!tight || i < real));
+  const bool exists = unit < rows * groups, in = exists && col < k;
+  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (in && row < m) fp8_act::load_bf16x8(x + row * k + col, v);
+  fp8_act::quantize_values(v, in, sub, q + row * k + col, scale + g * rows + row, exists);
 }
 
 }  // namespace
@@ -150,11 +86,8 @@ void quantize_act_fp8_segments(const uint16_t* x, const int32_t* off, const int3
                                int64_t segments, int64_t total_rows, int64_t k, uint8_t* q,
                                float* scale, cudaStream_t stream, const int32_t* rows_from,
                                int64_t per, bool tight_scales) {
-  const int64_t groups = fp8_blocks(k), units = total_rows * groups;
-  if (units == 0 || segments == 0) return;
-  const int64_t blocks = (units * 16 + kActThreads - 1) / kActThreads;
-  quantize_act_segments_kernel<<<static_cast<unsigned>(blocks), kActThreads, 0, stream>>>(
-      x, off, pad, segments, total_rows, k, groups, rows_from, per, tight_scales, q, scale);
+  fp8_act::quantize_segments(fp8_act::Bf16Rows{x, k}, off, pad, segments, total_rows, k, q, scale,
+                             stream, rows_from, per, tight_scales);
 }
 
 }  // namespace hetero::cuda
