@@ -4,7 +4,7 @@
 // output against the float64 product of the widened operands with fp8_gemm_test's bound, and
 // against cuBLASLt's. Group exponents spread so that groups take the byte-permute widening, the
 // exact float one and the lossy one; the lossy counts must equal the widening kernel's. Rows from
-// 1 to 300 under every tile (the 64x256 tile's second consumer warp group idle, partly busy and
+// 1 to 513 under every tile (the 64x256 tile's second consumer warp group idle, partly busy and
 // busy), n with a partial 128-row block, k from one k tile to 16 (the pipeline's stages reused).
 #include "kernels/cuda/w4a8_grouped_gemm.h"
 
@@ -65,6 +65,9 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
       {256, 512, {3, 0, 1, 16, 17, 0, 200, 130, 15, 300}},
       {192, 384, {64, 65, 63, 127, 128, 129}},  // n: a partial 128-row block
       {128, 128, {1, 40, 0, 256}},
+      // Two k tiles; groups over two and three 256-row tiles (the 64x256 tile's second consumer
+      // warp group partly busy, idle and busy past the first tile).
+      {128, 256, {129, 256, 257, 513}},
       // 16 k tiles: every cp.async stage and both widened buffers are reused several times.
       {256, 2048, {5, 130, 0, 64, 200}},
   };
@@ -84,7 +87,8 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
     Dev dx(x.size() * 2), doff(off.size() * 4), dpad(pad.size() * 4), dq(total * k),
         ds(total * groups * 4), dc(w4.codes.size()), dsc(w4.scales.size()),
         dbm(cuda::Fp4Experts::block_max_bytes(E, n, k)), dact(active.size() * 4), dwq(E * per_q),
-        dws(E * per_s * 4), dlw(8), dlf(8), dref(fp8_act_rows(300) * n * 2);
+        dws(E * per_s * 4), dlw(8), dlf(8),
+        dref(fp8_act_rows(*std::max_element(cs.rows.begin(), cs.rows.end())) * n * 2);
     put(dx, x), put(doff, off), put(dpad, pad), put(dc, w4.codes), put(dsc, w4.scales);
     put(dact, active);
     ASSERT_EQ(cudaMemset(dlw.p, 0, 8), cudaSuccess);
