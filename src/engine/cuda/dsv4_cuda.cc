@@ -110,6 +110,7 @@ Status Dsv4CudaEngine::init() {
   Impl& m = *impl_;
   const size_t E = static_cast<size_t>(c.n_routed_experts);
   HETERO_ASSIGN_OR_RETURN(m.stream, cuda::Stream::create());
+  HETERO_ASSIGN_OR_RETURN(m.counts_ready, cuda::Event::create());
   HETERO_ASSIGN_OR_RETURN(m.blas, blas_on(m.stream.get()));
   HETERO_RETURN_IF_ERROR(m.host_offsets.allocate(sizeof(int32_t) * (E + 1), "expert row offsets"));
   HETERO_RETURN_IF_ERROR(m.host_ptrs.allocate(sizeof(void*) * 6 * E, "grouped GEMM pointers"));

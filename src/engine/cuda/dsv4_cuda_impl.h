@@ -207,6 +207,10 @@ struct Dsv4CudaEngine::Impl {
   };
   std::vector<Lane> lanes;
   cuda::Event fork;
+  // Recorded after the MoE's row counts are copied to the host: the host waits for it, not for
+  // the stream, so the shared expert queued behind it keeps the GPU busy while the host sets up
+  // the routed experts' launches.
+  cuda::Event counts_ready;
 
   explicit Impl(int64_t budget_bytes) : budget(budget_bytes) {}
   ~Impl();

@@ -477,7 +477,9 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
   HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.host_offsets.get(), m.offsets.get(),
                                               sizeof(int32_t) * (E + 1), cudaMemcpyDeviceToHost,
                                               st));
-  // The shared expert does not depend on the routing: enqueue it before waiting.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(m.counts_ready.get(), st));
+  // The shared expert does not depend on the routing: enqueue it before waiting, so that it
+  // runs while the host sets up the routed experts.
   if (S > 0) {
     HETERO_RETURN_IF_ERROR(m.timer.mark(st, "moe shared expert"));
     if (m.fp8)
@@ -490,7 +492,9 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
     else
       HETERO_RETURN_IF_ERROR(gemm(b, bf(m.sact), n, S, bf(L.sh_w2), H, bf(m.sh)));
   }
-  HETERO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+  // Everything before the counts is done, the previous layer's host-to-device copies of the
+  // pinned host_pad and host_active among it; the shared expert may still run.
+  HETERO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(m.counts_ready.get()));
   HETERO_RETURN_IF_ERROR(m.timer.mark(st, "moe routed experts"));
   const int32_t* off = m.host_offsets.get<int32_t>();
   const int32_t* dev_off = m.offsets.get<int32_t>();
@@ -502,7 +506,7 @@ Status moe(Impl& m, const Dsv4Config& c, int64_t l, int64_t n) {
       total += cuda::fp8_act_rows(off[e + 1] - off[e]);
     }
     host_pad[E] = static_cast<int32_t>(total);
-    // The previous layer's copy of host_pad is done: the stream was waited for above.
+    // The previous layer's copy of host_pad is done: counts_ready, waited for above, follows it.
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.pad.get(), host_pad, sizeof(int32_t) * (E + 1),
                                                 cudaMemcpyHostToDevice, st));
     if (L.w13_4.mats > 0) {  // the experts with rows, whose FP4 weights get widened (host_active:
