@@ -42,14 +42,16 @@ print(json.dumps(d))" >> "$OUT"
   fi
 }
 cubin w4a8 src/kernels/cuda/w4a8_grouped_gemm.cu sm_90a
-# Warp-specialized: the consumers' loop (wgmma, promotion) and the producer's (copies, widening),
-# each counted a warp per k tile. The producer's count takes the fast widening path only (its
-# float fallback's blocks are left out).
+# Warp-specialized: the consumers' loop (wgmma, promotion) and the producers' (copies, widening),
+# each counted a warp per k tile. The producers' count takes the fast widening path only (its
+# float fallback's blocks are left out) and leaves out the blocks that set a new tile's copies up
+# (their global loads: once a tile). The first loop holding a PRMT is the consumers' loop over
+# tiles (the epilogue's), the second the producers' loop.
 for tile in 128x128 64x256 64x128 64x64; do
   count w4a8 "w4a8_grouped_kernelILi${tile%x*}ELi${tile#*x}E" GMMA 1 \
     "W4A8 GEMM, tile $tile, consumer" 'F2FP|STL|LDL'
-  count w4a8 "w4a8_grouped_kernelILi${tile%x*}ELi${tile#*x}E" PRMT 1 \
-    "W4A8 GEMM, tile $tile, producer" 'F2FP|STL|LDL'
+  count w4a8 "w4a8_grouped_kernelILi${tile%x*}ELi${tile#*x}E" PRMT 2 \
+    "W4A8 GEMM, tile $tile, producer" 'F2FP|STL|LDL|LDG(?!STS)'
 done
 cubin attention src/kernels/cuda/dsv4_fwd_attention.cu sm_90
 count attention wide_attention_kernelILi512E HMMA 1 "sparse attention D 512, pass 1 (scores)" ''

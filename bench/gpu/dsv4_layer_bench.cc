@@ -261,6 +261,11 @@ int main(int argc, char** argv) {
       const size_t x = t.find('x');
       opts.w4a8_tile_m = std::atoi(t.substr(0, x).c_str());
       opts.w4a8_tile_n = x == std::string::npos ? 0 : std::atoi(t.substr(x + 1).c_str());
+    } else if (a == "--w4a8-persistent") {  // a block a multiprocessor, taking tiles in turn
+      int sms = 0;
+      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess)
+        return std::fprintf(stderr, "no CUDA device\n"), 2;
+      opts.w4a8_max_blocks = sms;
     } else if (a == "--widen-experts") {
       const std::string w = next();
       if (w != "at-load" && w != "per-chunk")
@@ -281,7 +286,7 @@ int main(int argc, char** argv) {
           "usage: %s [--t 8192,32768,131072] [--chunk 8192] [--layers 4] [--warmup 1] "
           "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8|checkpoint] "
           "[--widen-experts per-chunk|at-load] [--expert-gemm auto|grouped|per-expert|w4a8] "
-          "[--w4a8-tile 128x128|64x256|...] "
+          "[--w4a8-tile 128x128|64x256|...] [--w4a8-persistent] "
           "[--bridge off,on] [--program-device N] [--phases] "
           "[--refcheck] [--checkpoint] "
           "[--rev GIT_REV]\n",

@@ -13,8 +13,9 @@
 # kernel; "per-expert,grouped,w4a8": each, named $REV-<kernel>), BRIDGE (off; "off,on" also runs each T with
 # the bridge behind the forward: its cost and wire bytes), PHASES (1: --phases), W4A8_BENCH (0; 1
 # first runs the routed-expert GEMMs alone, hetero_gpu_w4a8_bench at $W4A8_TOKENS tokens, default
-# 8192,32768, carried too: $OUT/w4a8-gemm.jsonl), W4A8_TILES (empty; e.g. "128x128,64x256": each
-# GEMMS kernel that runs W4A8 (auto, w4a8) once per W4A8 kernel tile, named $REV-<kernel>-<tile>).
+# 8192,32768, carried too: $OUT/w4a8-gemm.jsonl), W4A8_TILES (empty; e.g. "128x128,64x256:p": each
+# GEMMS kernel that runs W4A8 (auto, w4a8) once per W4A8 kernel tile, ":p" persistent, a block a
+# multiprocessor; named $REV-<kernel>-<tile>).
 # Writes $OUT/{gpu_tests.log,layer-*.jsonl,layer-*.txt,ncu.txt}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,7 +57,8 @@ if [[ -n ${GEMMS:-} ]]; then  # each routed-expert kernel in turn, in this run: 
   for g in ${GEMMS//,/ }; do
     if [[ -n ${W4A8_TILES:-} && ($g == w4a8 || $g == auto) ]]; then
       for tile in ${W4A8_TILES//,/ }; do
-        run_bench "$REV-$g-$tile" build --expert-gemm "$g" --w4a8-tile "$tile"
+        run_bench "$REV-$g-${tile/:/-}" build --expert-gemm "$g" --w4a8-tile "${tile%:p}" \
+          $([[ $tile == *:p ]] && echo --w4a8-persistent)
       done
     else
       run_bench "$REV-$g" build --expert-gemm "$g"

@@ -61,6 +61,8 @@ int main(int argc, char** argv) {
                 I = hb::kFlashInter;
   auto w4a8 = hc::W4a8GroupedGemm::create(E);
   CHECK(w4a8.status());
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::unique_ptr<hc::Fp8GroupedGemm> grouped;
   if (have_cutlass) {
     auto g = hc::Fp8GroupedGemm::create(E);
@@ -159,17 +161,24 @@ int main(int argc, char** argv) {
       report("widening alone", wide_only, best);
       report("widened + cuBLASLt per expert, 8 streams", wide_lt, best);
       if (grouped) report("widened + grouped (CUTLASS)", wide_grouped, best);
-      for (auto [tm, tn] : {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 64},
-                            std::pair{128, 128}, std::pair{64, 256}, std::pair{0, 0}}) {
+      // Each tile with a block a tile, the two largest also persistent (a block a
+      // multiprocessor, each taking every sms-th tile).
+      for (auto [tm, tn, blocks] :
+           {std::tuple{64, 64, 0}, std::tuple{64, 128, 0}, std::tuple{128, 64, 0},
+            std::tuple{128, 128, 0}, std::tuple{64, 256, 0}, std::tuple{128, 128, sms},
+            std::tuple{64, 256, sms}, std::tuple{0, 0, 0}}) {
         (*w4a8)->set_tile(tm, tn);
+        (*w4a8)->set_max_blocks(blocks);
         const hb::Timing f = hb::time_ms(
             [&] {
               CHECK((*w4a8)->run(g4.data(), static_cast<int64_t>(g4.size()), experts, lossy,
                                  nullptr));
             },
             repeat);
-        const std::string name = tm ? "W4A8, tiles " + std::to_string(tm) + "x" + std::to_string(tn)
-                                    : std::string("W4A8, tile chosen per launch");
+        const std::string name =
+            (tm ? "W4A8, tiles " + std::to_string(tm) + "x" + std::to_string(tn)
+                : std::string("W4A8, tile chosen per launch")) +
+            (blocks ? ", persistent (" + std::to_string(blocks) + " blocks)" : std::string());
         report(name.c_str(), f, best);
       }
       CHECK_CUDA(cudaDeviceSynchronize());

@@ -463,23 +463,25 @@ TEST_F(CheckpointPrecisionTest, ExpertsWidenedAtLoadGiveTheSameBits) {
   using ExpertGemm = Dsv4CudaOptions::ExpertGemm;
   const bool grouped_built = cuda::fp8_grouped_gemm_available().is_ok();
   // Per chunk widened, then cuBLASLt or the grouped kernel where built; the W4A8 kernel,
-  // widening inside the GEMM (its own tile choice, and the 64x256 tile), against the grouped
-  // kernel at load (the same operands and sums).
+  // widening inside the GEMM (its own tile choice, the 64x256 tile, and two blocks taking the
+  // tiles in turn), against the grouped kernel at load (the same operands and sums).
   const ExpertGemm fp8_grouped = grouped_built ? ExpertGemm::kGrouped : ExpertGemm::kPerExpert;
-  for (auto [streamed, kernel, loaded_kernel, tile_n] :
-       {std::tuple{false, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert, 0},
-        std::tuple{true, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert, 0},
-        std::tuple{false, fp8_grouped, fp8_grouped, 0},
-        std::tuple{true, fp8_grouped, fp8_grouped, 0},
-        std::tuple{false, ExpertGemm::kW4a8, fp8_grouped, 0},
-        std::tuple{true, ExpertGemm::kW4a8, fp8_grouped, 0},
-        std::tuple{false, ExpertGemm::kW4a8, fp8_grouped, 256}}) {
+  for (auto [streamed, kernel, loaded_kernel, tile_n, blocks] :
+       {std::tuple{false, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert, 0, 0},
+        std::tuple{true, ExpertGemm::kPerExpert, ExpertGemm::kPerExpert, 0, 0},
+        std::tuple{false, fp8_grouped, fp8_grouped, 0, 0},
+        std::tuple{true, fp8_grouped, fp8_grouped, 0, 0},
+        std::tuple{false, ExpertGemm::kW4a8, fp8_grouped, 0, 0},
+        std::tuple{true, ExpertGemm::kW4a8, fp8_grouped, 0, 0},
+        std::tuple{false, ExpertGemm::kW4a8, fp8_grouped, 256, 0},
+        std::tuple{false, ExpertGemm::kW4a8, fp8_grouped, 0, 2}}) {
     auto make = [&, streamed = streamed](Dsv4CudaOptions so, ExpertGemm k) {
       so.expert_gemm = k;
       return streamed ? Dsv4CudaEngine::load(dir.path, so) : Dsv4CudaEngine::random(c, 9, so);
     };
     Dsv4CudaOptions tiled = o;
     if (tile_n > 0) tiled.w4a8_tile_m = 64, tiled.w4a8_tile_n = tile_n;
+    tiled.w4a8_max_blocks = blocks;
     auto per_chunk = make(tiled, kernel);
     auto at_load = make(wide, loaded_kernel);
     ASSERT_TRUE(per_chunk.is_ok()) << per_chunk.status().to_string();

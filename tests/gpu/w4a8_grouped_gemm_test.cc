@@ -5,7 +5,8 @@
 // against cuBLASLt's. Group exponents spread so that groups take the byte-permute widening, the
 // exact float one and the lossy one; the lossy counts must equal the widening kernel's. Rows from
 // 1 to 513 under every tile (the 64x256 tile's second consumer warp group idle, partly busy and
-// busy), n with a partial 128-row block, k from one k tile to 16 (the pipeline's stages reused).
+// busy), a block a tile and a few blocks taking every tile in turn, n with a partial 128-row
+// block, k from one k tile to 16 (the pipeline's stages reused).
 #include "kernels/cuda/w4a8_grouped_gemm.h"
 
 #include <gtest/gtest.h>
@@ -13,7 +14,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "cuda_test_base.h"
@@ -131,9 +134,19 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       lt_out[e] = get<uint16_t>(dref, static_cast<size_t>(r * n));
     }
-    for (auto [tile_m, tile] : {std::pair{64, 64}, std::pair{64, 128}, std::pair{128, 64},
-                                std::pair{128, 128}, std::pair{64, 256}}) {
+    // Every tile, with a block a tile and with one or three blocks taking every tile in turn (the
+    // pipeline running on across tiles, groups and, at one k tile, several tiles ahead), and
+    // with more blocks allowed than there are tiles; each against the same tile's block-a-tile
+    // bits too.
+    std::map<std::pair<int, int>, std::vector<uint16_t>> one_each;
+    for (auto [tile_m, tile, blocks] :
+         {std::tuple{64, 64, 0}, std::tuple{64, 128, 0}, std::tuple{128, 64, 0},
+          std::tuple{128, 128, 0}, std::tuple{64, 256, 0}, std::tuple{128, 128, 1},
+          std::tuple{128, 128, 3}, std::tuple{64, 256, 1}, std::tuple{64, 256, 3},
+          std::tuple{64, 64, 3}, std::tuple{128, 64, 2}, std::tuple{64, 128, 1},
+          std::tuple{128, 128, 100000}}) {
       (*gemm)->set_tile(tile_m, tile);  // n 192: 64 weight rows whatever is asked
+      (*gemm)->set_max_blocks(blocks);
       Dev dout((m + 16) * n * 2);
       ASSERT_EQ(cudaMemset(dout.p, 0xff, static_cast<size_t>((m + 16) * n) * 2), cudaSuccess);
       ASSERT_EQ(cudaMemset(dlf.p, 0, 8), cudaSuccess);
@@ -147,6 +160,13 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
       ASSERT_TRUE(st.is_ok()) << st.to_string();
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto out = get<uint16_t>(dout, static_cast<size_t>((m + 16) * n));
+      const std::pair<int, int> key{tile_m, tile};
+      if (blocks == 0)
+        one_each[key] = out;
+      else
+        EXPECT_TRUE(out == one_each[key])
+            << "n " << n << " k " << k << " tile " << tile_m << "x" << tile << ": " << blocks
+            << " blocks gave other bits than a block a tile";
       EXPECT_EQ(get<unsigned long long>(dlf, 1)[0], lossy_widen)
           << "the lossy groups, counted as the widening kernel counts them";
       EXPECT_TRUE(std::all_of(out.begin() + m * n, out.end(), [](uint16_t v) {
@@ -156,8 +176,9 @@ TEST_F(W4a8GroupedGemmTest, MatchesTheWidenedPathAndFloat64) {
         expect_expert_agrees(out.data() + off[e] * n, ref[e].data(), mag[e].data(),
                              lt_out[e].data(), cs.rows[e] * n,
                              "w4a8 n " + std::to_string(n) + " k " + std::to_string(k) + " tile " +
-                                 std::to_string(tile_m) + "x" + std::to_string(tile) + " expert " +
-                                 std::to_string(e) + " rows " + std::to_string(cs.rows[e]));
+                                 std::to_string(tile_m) + "x" + std::to_string(tile) + " blocks " +
+                                 std::to_string(blocks) + " expert " + std::to_string(e) +
+                                 " rows " + std::to_string(cs.rows[e]));
     }
     std::printf("[ w4a8 n %lld k %lld ] lossy groups %llu\n", static_cast<long long>(n),
                 static_cast<long long>(k), lossy_widen);

@@ -145,6 +145,7 @@ Status Dsv4CudaEngine::init() {
     HETERO_ASSIGN_OR_RETURN(m.w4a8, cuda::W4a8GroupedGemm::create(c.n_routed_experts, &m.budget));
     m.w4a8_max_rows = eg == ExpertGemm::kW4a8 ? INT64_MAX : Dsv4CudaOptions::kW4a8MaxMeanRows;
     if (options_.w4a8_tile_m > 0) m.w4a8->set_tile(options_.w4a8_tile_m, options_.w4a8_tile_n);
+    m.w4a8->set_max_blocks(options_.w4a8_max_blocks);
   }
   // The lanes serve the per-expert GEMMs only.
   if (options_.expert_streams > 1 && eg != ExpertGemm::kGrouped && eg != ExpertGemm::kW4a8) {
@@ -393,6 +394,9 @@ std::string Dsv4CudaEngine::expert_gemm_name() const {
       (options_.w4a8_tile_m > 0 ? ", tile " + std::to_string(options_.w4a8_tile_m) + "x" +
                                       std::to_string(options_.w4a8_tile_n)
                                 : std::string()) +
+      (options_.w4a8_max_blocks > 0
+           ? ", at most " + std::to_string(options_.w4a8_max_blocks) + " blocks"
+           : std::string()) +
       ")";
   if (m.w4a8 && m.w4a8_max_rows == INT64_MAX) return w4a8;
   const std::string per = "per-expert FP8 (cuBLASLt, " +

@@ -112,6 +112,10 @@ struct Dsv4CudaOptions {
   // 64x256, ...), for benches comparing tiles in the forward; 0 x 0: the kernel's choice per
   // launch. check_options refuses a tile the kernel is not built for.
   int w4a8_tile_m = 0, w4a8_tile_n = 0;
+  // At most this many blocks a W4A8 launch, each taking tiles in turn
+  // (W4a8GroupedGemm::set_max_blocks; e.g. the multiprocessor count), for benches; 0: a block a
+  // tile.
+  int64_t w4a8_max_blocks = 0;
   // The layers this engine holds and runs, [first_layer, end_layer) (end_layer -1: through the
   // last): a stage of a layer pipeline. Only the stage holding layer 0 holds the embedding and
   // takes prefill_chunk; a later stage runs prefill_stage from the previous stage's residual.

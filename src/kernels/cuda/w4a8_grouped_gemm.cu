@@ -22,6 +22,10 @@ constexpr int kBK = 128;  // k per stage: one promotion interval
 // w1|w3 and 8K tokens (RESULTS §43).
 constexpr int kStages = 4;
 constexpr int kMaxKBlocks = 64;
+// Tiles whose block exponents a block holds at once: the copies run up to kStages - 1 items (so
+// tiles) ahead of the widening.
+constexpr int kTileRing = kStages;
+static_assert(kTileRing >= kStages, "a ring slot is rewritten kTileRing tiles on");
 // A block of BM weight rows by BN rows of a group. Each consumer warp group takes 64 weight rows
 // (one wgmma's M) by up to 128 of the group's rows (its N): BM / 64 of them along the weight rows
 // and, past 128 group rows, BN / 128 along those. The 64x256 tile's two consumer warp groups so
@@ -49,9 +53,10 @@ struct Tile {
   static constexpr int kOutPitch = BM + 8;              // epilogue staging row, in bf16
   static constexpr int kSmem = 1024 /* alignment slack */ + 2 * kWideBytes +
                                kStages * (BN * kBK + kRawBytes + kRawScaleBytes + BN * 4) +
-                               2 * BN * 4 + kMaxKBlocks;
+                               2 * BN * 4 + BN * kOutPitch * 2 + kTileRing * (kMaxKBlocks + 1);
   static_assert(kWN == 64 || kWN == 128, "a consumer warp group's wgmma N");
-  // The named barriers below: a FULL and an EMPTY per buffer and consumer warp group, ids 3-10.
+  // The named barriers below: a FULL and an EMPTY per buffer and consumer warp group, ids 3-10,
+  // an epilogue's per consumer warp group, 11-12.
   static_assert(kConsumerGroups <= 2, "named barriers for two consumer warp groups");
   static_assert(BN <= kProducers && BM <= kProducers, "a producer thread per column and row");
   static_assert(kSmem < 227 * 1024, "sm_90's shared memory a block");
@@ -66,8 +71,9 @@ struct DevGroup {  // W4a8Group as the kernel reads it
 
 struct Params {
   const DevGroup* groups;
-  const int32_t* cta_start;  // [count + 1]: each group's first block
+  const int32_t* cta_start;  // [count + 1]: each group's first tile
   int32_t count, n, k;
+  int32_t tiles;  // cta_start[count]
   const uint8_t* codes;
   const uint8_t* scales;
   const uint8_t* block_max;
@@ -178,13 +184,14 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[N / 2], uint64_t a, uint64_
 }
 
 // Named barriers (bar.sync / bar.arrive with a thread count; 0 is __syncthreads): the
-// producer's own, the consumers' epilogue, and per widened buffer b and consumer warp group c a
-// FULL (the producer arrives, the warp group waits) and an EMPTY (the other way round). One pair
-// per warp group, not per block, so that the two warp groups need not run in step: one's
-// promotion can overlap the other's wgmma.
-constexpr int kBarProducer = 1, kBarEpilogue = 2;
+// producers' own, and per widened buffer b and consumer warp group c a FULL (the producers
+// arrive, the warp group waits) and an EMPTY (the other way round), and per consumer warp group
+// its epilogue's. One pair per warp group, not per block, so that the two warp groups need not
+// run in step: one's promotion can overlap the other's wgmma, one's epilogue the other's loop.
+constexpr int kBarProducer = 1;
 __device__ __forceinline__ int bar_full(int b, int c) { return 3 + 2 * b + c; }
 __device__ __forceinline__ int bar_empty(int b, int c) { return 7 + 2 * b + c; }
+__device__ __forceinline__ int bar_epilogue(int c) { return 11 + c; }
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -192,17 +199,47 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Which tile a launch's tile number is: the group by binary search over the groups' first tiles,
+// then the weight rows (slower) and the group's rows (faster: a group's row tiles of one weight
+// tile run side by side and share it through L2).
+struct TileAt {
+  int group, nt, m0, n0;
+};
+template <int BM, int BN>
+__device__ __forceinline__ TileAt tile_at(const Params& p, int tile) {
+  int lo = 0, hi = p.count;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (__ldg(p.cta_start + mid) <= tile)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  const int rows = __ldg(&p.groups[lo].rows);
+  const int row_tiles = (rows + BN - 1) / BN, local = tile - __ldg(p.cta_start + lo);
+  const int nt = local % row_tiles;
+  return {lo, nt, (local / row_tiles) * BM, nt * BN};
+}
+
 // Warp-specialized: the consumer warp groups (each 64 weight rows by kWN group rows: wgmma and the
 // promotion) and two producer warp groups last (the cp.async copies, the widening and the
-// promotion factors),
-// handing widened tiles over through two buffers and named barriers. In one loop that did both
-// (all warps copying and widening around a block-wide barrier), two warps a scheduler left the
-// loop latency-bound on shared memory and the tensor cores idle through every widening and
-// promotion (RESULTS §42).
+// promotion factors), handing widened tiles over through two buffers and named barriers. In one
+// loop that did both (all warps copying and widening around a block-wide barrier), two warps a
+// scheduler left the loop latency-bound on shared memory and the tensor cores idle through every
+// widening and promotion (RESULTS §42).
+//
+// A block takes tiles blockIdx.x, + gridDim.x, ... (one where the launch has a block a tile;
+// persistent where it has fewer). Its tiles' k tiles make one sequence of items, numbered across
+// tiles: the stages, the widened buffers and the barriers' phases follow the item, so the
+// producers copy and widen the next tile's first k tiles while the consumers finish this one's
+// (no pipeline to fill again, no launch a tile). The bookkeeping costs the producers' loop 18-28
+// instructions a k tile (`make sass`). A second instantiation without it (a block a tile only)
+// was leaner for the 64-row tiles, but ptxas spilled the 128x128 one's producers into local
+// memory inside the loop.
 template <int BM, int BN>
 __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel(const Params p) {
   using T = Tile<BM, BN>;
-  constexpr int kThreads = T::kThreads, kConsumers = T::kConsumers, kRawBytes = T::kRawBytes;
+  constexpr int kConsumers = T::kConsumers, kRawBytes = T::kRawBytes;
   constexpr int kProducers = T::kProducers;
   constexpr int kConsumerGroups = T::kConsumerGroups, kWgM = T::kWgM, kWN = T::kWN;
   constexpr int kPair = kProducers + 128;  // a FULL's or EMPTY's threads
@@ -219,48 +256,33 @@ __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel
   uint8_t* raw_sc = raw + kStages * kRawBytes;  // [stages][BM][4]
   float* act_sc = reinterpret_cast<float*>(raw_sc + kStages * kRawScaleBytes);  // [stages][BN]
   float* scale = act_sc + kStages * BN;  // [2][BN]: activation scale x weight block's scale
-  uint8_t* bmax = reinterpret_cast<uint8_t*>(scale + 2 * BN);  // [k / 128]
+  // The epilogue's [BN][kOutPitch] bf16: its own, so that the producers go on copying the next
+  // tile's rows into the stages meanwhile.
+  uint16_t* out_stage = reinterpret_cast<uint16_t*>(scale + 2 * BN);
+  // [kTileRing][kMaxKBlocks + 1]: a tile's block exponents (and whether it is its weight tile's
+  // first row tile), written as the copies enter the tile, read by the widening.
+  uint8_t* ring = reinterpret_cast<uint8_t*>(out_stage + BN * kOutPitch);
 
-  // This block's tile: the group by binary search over the groups' first blocks, then the weight
-  // rows (slower) and the group's rows (faster: a group's row tiles of one weight tile run side
-  // by side and share it through L2).
-  const int cta = static_cast<int>(blockIdx.x);
-  int lo = 0, hi = p.count;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (p.cta_start[mid] <= cta)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  const DevGroup G = p.groups[lo];
-  const int rows = G.rows, padded = (rows + 15) / 16 * 16;
-  const int row_tiles = (rows + BN - 1) / BN, local = cta - p.cta_start[lo];
-  const int nt = local % row_tiles, m0 = (local / row_tiles) * BM, n0 = nt * BN;
-  const int n = p.n, k = p.k, kt_count = k / kBK;
   const int tid = static_cast<int>(threadIdx.x);
-  {
-    const uint8_t* bm =
-        p.block_max + (static_cast<size_t>(G.expert) * ((n + 127) / 128) + m0 / 128) * kt_count;
-    for (int i = tid; i < kt_count; i += kThreads) bmax[i] = bm[i];
-  }
-  __syncthreads();
+  const int n = p.n, k = p.k, kt_count = k / kBK;
+  const int my_tiles = (p.tiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                       static_cast<int>(gridDim.x);
+  const int items = my_tiles * kt_count;
+  auto tile_of = [&](int j) {
+    return tile_at<BM, BN>(p, static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x));
+  };
 
   if (tid >= kConsumers) {
-    // The producer. Per k tile kt: wait for its copies, widen it into wide[kt % 2] with its
-    // promotion factors into scale[kt % 2], hand it over (FULL), then wait until the consumers
-    // are done with k tile kt - 1 (EMPTY) and refill that tile's stage with k tile kt + stages - 1.
-    // So it widens one k tile ahead of the tensor cores, and a buffer it writes was released by
-    // the consumers the k tile before.
+    // The producers. Per item it: wait for its copies, widen it into wide[it % 2] with its
+    // promotion factors into scale[it % 2], hand it over (FULL), then wait until the consumers
+    // are done with item it - 1 (EMPTY) and refill that item's stage with item it + stages - 1.
+    // So they widen one k tile ahead of the tensor cores, and a buffer they write was released by
+    // the consumers the item before.
     if constexpr (T::kShiftRegs)
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(T::kProducerRegs));
     const int pt = tid - kConsumers;  // 0 .. kProducers - 1
-    const uint8_t* codes = p.codes + (static_cast<size_t>(G.expert) * n + m0) * (k / 2);
-    const uint8_t* gsc = p.scales + (static_cast<size_t>(G.expert) * n + m0) * (k / 32);
-    const uint8_t* aq = G.act_q + static_cast<size_t>(n0) * k;
-    const float* as = G.act_scale + n0;
-    // Each thread copies the same rows and 16-byte chunks in every stage, so the sources and
-    // shared offsets are set once, here, and a k tile only adds its column offset.
+    // Each thread copies the same rows and 16-byte chunks of every stage, so the sources and
+    // shared offsets are set once a tile (enter), and a k tile only adds its column offset.
     constexpr int kActCopies = BN * 8 / kProducers;   // 16-byte chunks of activation rows a
     constexpr int kActRowStep = kProducers / 8;       // thread, rows apart: a multiple of 8, so
     constexpr int kCodeCopies = BM * 4 / kProducers;  // one swizzle phase; 16-byte chunks of
@@ -269,23 +291,49 @@ __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel
     static_assert(kCodeCopies * kProducers == BM * 4, "code copy layout");
     const int a_row = pt >> 3, a_chunk = pt & 7;
     const uint32_t a_dst = smem_u32(b_tile) + sw128(a_row, a_chunk);  // + i * kActRowStep rows
+    const uint32_t c_dst = smem_u32(raw) + pt * 16;  // row pt / 4 of 64 bytes, chunk pt % 4
     const uint8_t* a_src[kActCopies];  // a row past the padded rows copies nothing (size 0) from
     unsigned a_ok = 0;                 // the tile's first row, which exists; bit i: chunk i copies
+    const uint8_t *c_src = nullptr, *sc_src = nullptr;
+    const float* as_src = nullptr;
+    int padded = 0;
+    bool as_ok = false;
+    // The copies enter tile j: its sources, and its block exponents into the ring (read by the
+    // widening at least one producer barrier later; the slot's previous tile, kTileRing back,
+    // was widened by every producer before: each tile has at least one item, and the copies run
+    // kStages - 1 items ahead).
+    auto enter = [&](int j) {
+      const TileAt t = tile_of(j);
+      const DevGroup G = p.groups[t.group];
+      padded = (G.rows + 15) / 16 * 16;
+      const size_t wrow = static_cast<size_t>(G.expert) * n + t.m0;
+      const uint8_t* aq = G.act_q + static_cast<size_t>(t.n0) * k;
+      a_ok = 0;
 #pragma unroll
-    for (int i = 0; i < kActCopies; ++i) {
-      const int r = a_row + i * kActRowStep;
-      const bool ok = n0 + r < padded;
-      a_src[i] = aq + static_cast<size_t>(ok ? r : 0) * k + a_chunk * 16;
-      a_ok |= unsigned(ok) << i;
-    }
-    const uint32_t c_dst = smem_u32(raw) + pt * 16;  // row pt / 4 of 64 bytes, chunk pt % 4
-    const uint8_t* c_src = codes + static_cast<size_t>(pt >> 2) * (k / 2) + (pt & 3) * 16;
-    const uint8_t* sc_src = gsc + static_cast<size_t>(pt < BM ? pt : 0) * (k / 32);  // pt < BM
-    const bool as_ok = pt < BN / 4 && n0 + pt * 4 < padded;
-    const float* as_src = as + (as_ok ? pt * 4 : 0);
-    auto load = [&](int kt) {  // one commit group per call, empty past the last k tile
-      const int s = kt % kStages;
-      if (kt < kt_count) {
+      for (int i = 0; i < kActCopies; ++i) {
+        const int r = a_row + i * kActRowStep;
+        const bool ok = t.n0 + r < padded;
+        a_src[i] = aq + static_cast<size_t>(ok ? r : 0) * k + a_chunk * 16;
+        a_ok |= unsigned(ok) << i;
+      }
+      c_src = p.codes + wrow * (k / 2) + static_cast<size_t>(pt >> 2) * (k / 2) + (pt & 3) * 16;
+      sc_src = p.scales + (wrow + (pt < BM ? pt : 0)) * (k / 32);  // pt < BM
+      as_ok = pt < BN / 4 && t.n0 + pt * 4 < padded;
+      as_src = G.act_scale + t.n0 + (as_ok ? pt * 4 : 0);
+      uint8_t* slot = ring + (j % kTileRing) * (kMaxKBlocks + 1);
+      if (pt < kt_count)
+        slot[pt] = p.block_max[(static_cast<size_t>(G.expert) * ((n + 127) / 128) + t.m0 / 128) *
+                                   kt_count +
+                               pt];
+      if (pt == kProducers - 1) slot[kMaxKBlocks] = t.nt == 0;
+    };
+    int load_j = 0, load_kt = 0;  // the tile and k tile the next copies are for
+    enter(0);
+    auto load = [&](int it) {  // item `it`; one commit group per call, empty past the last item
+      const int s = it % kStages;
+      if (it < items) {
+        if (load_kt == kt_count) enter(++load_j), load_kt = 0;
+        const int kt = load_kt++;
 #pragma unroll
         for (int i = 0; i < kActCopies; ++i)
           cp_async16(a_dst + s * (BN * kBK) + i * (kActRowStep * kBK), a_src[i] + kt * kBK,
@@ -310,9 +358,9 @@ __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel
     // A group's two 16-byte chunks 2 g and 2 g + 1 of the row: sw128(row, c) is sw128(row, 0) ^
     // 16 c (the swizzle XORs chunk numbers), so one offset and an XOR each.
     const int w_dst = sw128(w_row, 0);
-    auto widen = [&](int kt) {  // returns the groups whose widening was not exact
-      const int s = kt % kStages, mx = bmax[kt];
-      uint8_t* dst = wide + (kt & 1) * kWideBytes;
+    auto widen = [&](int it, int mx) {  // returns the groups whose widening was not exact
+      const int s = it % kStages;
+      uint8_t* dst = wide + (it & 1) * kWideBytes;
       // The row's four exponents in one load; this thread's are bytes g0 ...
       const uint32_t exps =
           *reinterpret_cast<const uint32_t*>(raw_sc + s * kRawScaleBytes + w_row * 4) >> (8 * g0);
@@ -347,40 +395,50 @@ __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel
       }
       return lost;
     };
-    // scale[kt % 2] <- k tile kt's promotion factors, one per column (group row). The weight's
+    // scale[it % 2] <- item it's promotion factors, one per column (group row). The weight's
     // factor is 2^(max - 133), built from its bits (exactly ldexpf(1, max - 133): a normal from
     // 2^-126 up, a subnormal below).
-    auto scales = [&](int kt) {
+    auto scales = [&](int it, int mx) {
       if (pt < BN) {
-        const int e = int(bmax[kt]) - 133;
+        const int e = mx - 133;
         const float w_scale = __int_as_float(e >= -126 ? (e + 127) << 23 : 1 << (e + 149));
-        scale[(kt & 1) * BN + pt] = act_sc[(kt % kStages) * BN + pt] * w_scale;
+        scale[(it & 1) * BN + pt] = act_sc[(it % kStages) * BN + pt] * w_scale;
       }
     };
     for (int s = 0; s < kStages - 1; ++s) load(s);
     unsigned lost = 0;
-    for (int kt = 0; kt < kt_count; ++kt) {
-      cp_async_wait<kStages - 2>();        // k tile kt is here (this thread's copies)
-      bar_sync(kBarProducer, kProducers);  // and every producer thread's
-      lost += widen(kt);                   // wide[kt % 2] was released at k tile kt - 1's EMPTY
-      scales(kt);
-      fence_proxy_async();  // the widened tile and the copied rows, read next by the tensor cores
+    int it = 0;
+    for (int j = 0; j < my_tiles; ++j) {
+      const uint8_t* slot = ring + (j % kTileRing) * (kMaxKBlocks + 1);
+      unsigned tile_lost = 0;
+      for (int kt = 0; kt < kt_count; ++kt, ++it) {
+        cp_async_wait<kStages - 2>();        // item it is here (this thread's copies)
+        bar_sync(kBarProducer, kProducers);  // and every producer thread's (and the ring's entry)
+        const int mx = slot[kt];
+        tile_lost += widen(it, mx);  // wide[it % 2] was released at item it - 1's EMPTY
+        scales(it, mx);
+        fence_proxy_async();  // the widened tile and the copied rows, read next by the tensor cores
 #pragma unroll
-      for (int c = 0; c < kConsumerGroups; ++c) bar_arrive(bar_full(kt & 1, c), kPair);
-      if (kt + 1 < kt_count) {
-        if (kt > 0)  // k tile kt - 1 is done
+        for (int c = 0; c < kConsumerGroups; ++c) bar_arrive(bar_full(it & 1, c), kPair);
+        if (it + 1 < items) {
+          if (it > 0)  // item it - 1 is done
 #pragma unroll
-          for (int c = 0; c < kConsumerGroups; ++c) bar_sync(bar_empty((kt - 1) & 1, c), kPair);
-        load(kt + kStages - 1);  // into k tile kt - 1's stage
+            for (int c = 0; c < kConsumerGroups; ++c) bar_sync(bar_empty((it - 1) & 1, c), kPair);
+          load(it + kStages - 1);  // into item it - 1's stage
+        }
       }
+      // The tile's lossy groups, once per expert and weight tile. (The slot is not rewritten
+      // before this thread reaches the next item's producer barrier.)
+      if (slot[kMaxKBlocks]) lost += tile_lost;
     }
-    if (p.lossy && nt == 0 && lost) atomicAdd(p.lossy, static_cast<unsigned long long>(lost));
+    if (p.lossy && lost) atomicAdd(p.lossy, static_cast<unsigned long long>(lost));
     return;
   }
 
-  // The consumers: per k tile, wait for it (FULL), four wgmma k32 steps on this warp group's 64
+  // The consumers: per item, wait for it (FULL), four wgmma k32 steps on this warp group's 64
   // weight rows, the promotion, and the release (EMPTY) the producer waits for before reusing the
-  // stage and the buffer (none after the last k tile but one: the producer stops waiting there).
+  // stage and the buffer (none after the last item but one: the producer stops waiting there);
+  // after a tile's last k tile, the epilogue.
   if constexpr (T::kShiftRegs)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::kConsumerRegs));
   const int lane = tid & 31, warp = tid >> 5, cg = warp / 4;
@@ -390,71 +448,79 @@ __global__ void __launch_bounds__(Tile<BM, BN>::kThreads, 1) w4a8_grouped_kernel
   const int wm = T::kWgN == 1 ? cg : 0, wn = T::kWgN == 1 ? 0 : cg;
   static_assert(T::kWgN == 1 || kWgM == 1, "warp groups along one of the two");
   float acc[kWN / 2], tot[kWN / 2];
-#pragma unroll
-  for (int i = 0; i < kWN / 2; ++i) tot[i] = 0.f, acc[i] = 0.f;
-  // A warp group whose group rows all lie past the group's (an expert's last row tile of 256
-  // with at most 128 rows) skips its wgmma and promotion, leaving the tensor cores to the other;
-  // it still takes part in every handover. (Without a second warp group along the group's rows
-  // the tile has rows, and the branch is left out at compile time.)
-  const bool busy = T::kWgN == 1 || n0 + wn * kWN < rows;
   // The operands' descriptors at buffer and stage 0; each warp group its own 64 weight rows and
   // kWN group rows of the tile (row offsets of 64 x 128 bytes: whole swizzle periods). A
   // buffer's or stage's offset / 16 adds to them (sw128_desc).
   const uint64_t a_desc0 = sw128_desc(smem_u32(wide) + wm * 64 * kBK);
   const uint64_t b_desc0 = sw128_desc(smem_u32(b_tile) + wn * kWN * kBK);
-  for (int kt = 0; kt < kt_count; ++kt) {
-    bar_sync(bar_full(kt & 1, cg), kPair);
-    const uint64_t a_desc = a_desc0 + (((kt & 1) * kWideBytes) >> 4);
-    const uint64_t b_desc = b_desc0 + (((kt % kStages) * BN * kBK) >> 4);
-    if (busy) {
-      fence_operands(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 32; ++kk)  // k32 steps: 32 bytes into each 128-byte row
-        wgmma_k32<kWN>(acc, a_desc + kk * (32 >> 4), b_desc + kk * (32 >> 4), kk > 0);
-      wgmma_commit();
-      wgmma_wait_all();
-      fence_operands(acc);
-      // Promotion: acc holds weight rows 16 (warp % 4) + lane / 4 (+ 8) of the warp group's 64,
-      // group rows 8 j + 2 (lane % 4) (+ 1) of its kWN; each group row's factor is its activation
-      // scale times the weight block's (the product fp8_grouped_gemm.h's kernel forms, in the
-      // same order).
-      const float2* f = reinterpret_cast<const float2*>(scale + (kt & 1) * BN + wn * kWN);
-#pragma unroll
-      for (int j = 0; j < kWN / 8; ++j) {
-        const float2 s2 = f[4 * j + (lane & 3)];
-        tot[4 * j] = fmaf(acc[4 * j], s2.x, tot[4 * j]);
-        tot[4 * j + 1] = fmaf(acc[4 * j + 1], s2.y, tot[4 * j + 1]);
-        tot[4 * j + 2] = fmaf(acc[4 * j + 2], s2.x, tot[4 * j + 2]);
-        tot[4 * j + 3] = fmaf(acc[4 * j + 3], s2.y, tot[4 * j + 3]);
-      }
-    }
-    if (kt + 2 < kt_count) bar_arrive(bar_empty(kt & 1, cg), kPair);
-  }
-
-  // Epilogue: the tile transposed through shared memory (the activation stages are free: the
-  // producer's last copies landed before the last k tile was handed over), then written a 16-byte
-  // chunk at a time, rows of the group only.
-  bar_sync(kBarEpilogue, kConsumers);
-  uint16_t* stage = reinterpret_cast<uint16_t*>(b_tile);  // [BN][kOutPitch]
   // Weight row wm 64 + 16 (warp % 4) + lane / 4, which is 16 warp + lane / 4 where the warp
   // groups lie along the weight rows (written so: the other form cost the 128x128 loop 11
   // instructions a trip, the compiler keeping fewer addresses across it).
   const int r0 = (T::kWgN == 1 ? 16 * warp : 16 * (warp % 4)) + (lane >> 2);
+  int it = 0;
+  for (int j = 0; j < my_tiles; ++j) {
+    const TileAt t = tile_of(j);
+    const int rows = p.groups[t.group].rows;
 #pragma unroll
-  for (int j = 0; j < kWN / 8; ++j) {
-    const int c = wn * kWN + j * 8 + 2 * (lane & 3);
-    stage[c * kOutPitch + r0] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j]));
-    stage[(c + 1) * kOutPitch + r0] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 1]));
-    stage[c * kOutPitch + r0 + 8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 2]));
-    stage[(c + 1) * kOutPitch + r0 + 8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * j + 3]));
-  }
-  bar_sync(kBarEpilogue, kConsumers);
-  for (int i = tid; i < BN * (BM / 8); i += kConsumers) {
-    const int c = i / (BM / 8), ch = i % (BM / 8);
-    if (n0 + c < rows)
-      *reinterpret_cast<uint4*>(G.out + static_cast<size_t>(n0 + c) * n + m0 + ch * 8) =
-          *reinterpret_cast<const uint4*>(stage + c * kOutPitch + ch * 8);
+    for (int i = 0; i < kWN / 2; ++i) tot[i] = 0.f, acc[i] = 0.f;
+    // A warp group whose group rows all lie past the group's (an expert's last row tile of 256
+    // with at most 128 rows) skips its wgmma and promotion, leaving the tensor cores to the
+    // other; it still takes part in every handover. (Without a second warp group along the
+    // group's rows the tile has rows, and the branch is left out at compile time.)
+    const bool busy = T::kWgN == 1 || t.n0 + wn * kWN < rows;
+    for (int kt = 0; kt < kt_count; ++kt, ++it) {
+      bar_sync(bar_full(it & 1, cg), kPair);
+      const uint64_t a_desc = a_desc0 + (((it & 1) * kWideBytes) >> 4);
+      const uint64_t b_desc = b_desc0 + (((it % kStages) * BN * kBK) >> 4);
+      if (busy) {
+        fence_operands(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 32; ++kk)  // k32 steps: 32 bytes into each 128-byte row
+          wgmma_k32<kWN>(acc, a_desc + kk * (32 >> 4), b_desc + kk * (32 >> 4), kk > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_operands(acc);
+        // Promotion: acc holds weight rows 16 (warp % 4) + lane / 4 (+ 8) of the warp group's
+        // 64, group rows 8 j + 2 (lane % 4) (+ 1) of its kWN; each group row's factor is its
+        // activation scale times the weight block's (the product fp8_grouped_gemm.h's kernel
+        // forms, in the same order).
+        const float2* f = reinterpret_cast<const float2*>(scale + (it & 1) * BN + wn * kWN);
+#pragma unroll
+        for (int q = 0; q < kWN / 8; ++q) {
+          const float2 s2 = f[4 * q + (lane & 3)];
+          tot[4 * q] = fmaf(acc[4 * q], s2.x, tot[4 * q]);
+          tot[4 * q + 1] = fmaf(acc[4 * q + 1], s2.y, tot[4 * q + 1]);
+          tot[4 * q + 2] = fmaf(acc[4 * q + 2], s2.x, tot[4 * q + 2]);
+          tot[4 * q + 3] = fmaf(acc[4 * q + 3], s2.y, tot[4 * q + 3]);
+        }
+      }
+      if (it + 2 < items) bar_arrive(bar_empty(it & 1, cg), kPair);
+    }
+
+    // Epilogue: this warp group's part of the tile, transposed through its own rows of
+    // out_stage (its weight rows, or its group rows), then written a 16-byte chunk at a time,
+    // rows of the group only. Only the warp group waits for itself: the other may be a k tile
+    // into the next tile.
+    const int me = tid & 127;
+    bar_sync(bar_epilogue(cg), 128);  // its last tile's chunks are read out
+#pragma unroll
+    for (int q = 0; q < kWN / 8; ++q) {
+      const int c = wn * kWN + q * 8 + 2 * (lane & 3);
+      uint16_t* o = out_stage + c * kOutPitch + r0;
+      o[0] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * q]));
+      o[kOutPitch] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * q + 1]));
+      o[8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * q + 2]));
+      o[kOutPitch + 8] = __bfloat16_as_ushort(__float2bfloat16_rn(tot[4 * q + 3]));
+    }
+    bar_sync(bar_epilogue(cg), 128);
+    uint16_t* out = p.groups[t.group].out;
+    for (int i = me; i < kWN * 8; i += 128) {
+      const int c = wn * kWN + i / 8, ch = wm * 8 + i % 8;
+      if (t.n0 + c < rows)
+        *reinterpret_cast<uint4*>(out + static_cast<size_t>(t.n0 + c) * n + t.m0 + ch * 8) =
+            *reinterpret_cast<const uint4*>(out_stage + c * kOutPitch + ch * 8);
+    }
   }
 }
 
@@ -513,7 +579,8 @@ Status W4a8GroupedGemm::supports(int64_t n, int64_t k) {
 struct W4a8GroupedGemm::Impl {
   int64_t max_groups = 0;
   int tile_m = 0, tile_n = 0;  // 0: chosen per launch
-  ArgumentSlots args;          // each launch's groups, then each group's first block
+  int64_t max_blocks = 0;      // 0: a block per tile
+  ArgumentSlots args;          // each launch's groups, then each group's first tile
 };
 
 namespace {
@@ -553,6 +620,10 @@ bool W4a8GroupedGemm::has_tile(int weight_rows, int group_rows) {
     return Status::ok();
   });
   return built;
+}
+
+void W4a8GroupedGemm::set_max_blocks(int64_t blocks) {
+  impl_->max_blocks = std::max<int64_t>(blocks, 0);
 }
 
 void W4a8GroupedGemm::set_tile(int weight_rows, int group_rows) {
@@ -598,16 +669,20 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
   auto* dg = static_cast<DevGroup*>(m.args.host(s));
   auto* start = reinterpret_cast<int32_t*>(dg + m.max_groups);
   const int64_t m_tiles = n / bm;
-  int64_t ctas = 0;
+  int64_t tiles = 0;
   for (int64_t g = 0; g < count; ++g) {
     const W4a8Group& x = groups[g];
     dg[g] = {x.act_q, x.act_scale, x.out, static_cast<int32_t>(x.rows),
              static_cast<int32_t>(x.expert)};
-    start[g] = static_cast<int32_t>(ctas);
-    ctas += m_tiles * ((x.rows + bn - 1) / bn);
+    start[g] = static_cast<int32_t>(tiles);
+    tiles += m_tiles * ((x.rows + bn - 1) / bn);
   }
-  start[count] = static_cast<int32_t>(ctas);
-  if (ctas > INT32_MAX / 2) return invalid_argument("the W4A8 grouped GEMM launch is too large");
+  start[count] = static_cast<int32_t>(tiles);
+  if (tiles > INT32_MAX / 2) return invalid_argument("the W4A8 grouped GEMM launch is too large");
+  // A block a tile, or at most max_blocks, each taking every blocks-th tile.
+  const int64_t blocks = m.max_blocks > 0 ? std::min(tiles, m.max_blocks) : tiles;
+  if ((tiles + blocks - 1) / blocks * (k / 128) > INT32_MAX)  // a block's items, counted in int
+    return invalid_argument("the W4A8 grouped GEMM launch has too many tiles for its blocks");
   const Status st = [&]() -> Status {
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.args.device(s), dg, arg_bytes(m.max_groups),
                                                 cudaMemcpyHostToDevice, stream));
@@ -617,6 +692,7 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
                      static_cast<int32_t>(count),
                      static_cast<int32_t>(n),
                      static_cast<int32_t>(k),
+                     static_cast<int32_t>(tiles),
                      w.w0.codes,
                      w.w0.scale,
                      w.block_max,
@@ -626,8 +702,8 @@ Status W4a8GroupedGemm::run(const W4a8Group* groups, int64_t count, const Fp4Exp
       using T = decltype(tile);
       if (T::kM == bm && T::kN == bn) {
         w4a8_grouped_kernel<T::kM, T::kN>
-            <<<static_cast<unsigned>(ctas), Tile<T::kM, T::kN>::kThreads, Tile<T::kM, T::kN>::kSmem,
-               stream>>>(prm);
+            <<<static_cast<unsigned>(blocks), Tile<T::kM, T::kN>::kThreads,
+               Tile<T::kM, T::kN>::kSmem, stream>>>(prm);
         launched = true;
       }
       return Status::ok();

@@ -20,6 +20,8 @@
 // each buffer over and back, one pair a consumer warp group, so the two need not run in step.
 // The 64x256 tile's two consumer warp groups share one widened weight tile, so an expert of up
 // to 256 rows has its weights widened once, where 128-row tiles widen them once per 128 rows.
+// A launch has a block a tile, or (set_max_blocks) fewer blocks each taking tiles in turn, its
+// copies and widening running on into the next tile while the consumers finish one.
 //
 // Bit-equal to the widened path (widen_fp4_experts_to_fp8, then cuBLASLt or the grouped FP8
 // kernel) in every test. At DeepSeek-V4-Flash's shapes 1.01-1.03x the widened path's speed at 8K
@@ -83,6 +85,10 @@ class W4a8GroupedGemm {
   // Anything else, or weight rows that do not divide n: 128x128 where n is a multiple of 128,
   // else 64x128 (the default). For benches and tests.
   void set_tile(int weight_rows, int group_rows);
+  // At most `blocks` blocks a launch, each taking every blocks-th tile, its pipeline running on
+  // from one tile into the next (persistent: e.g. a block per multiprocessor, one fitting each);
+  // 0, the default: a block per tile. The same bits either way. For benches and tests.
+  void set_max_blocks(int64_t blocks);
   // Whether the kernel is built for this tile (set_tile takes it).
   static bool has_tile(int weight_rows, int group_rows);
 
