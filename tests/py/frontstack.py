@@ -19,6 +19,8 @@ import pytest
 requests = pytest.importorskip("requests")
 openai = pytest.importorskip("openai")
 
+from seam_server import wait_cached  # noqa: E402,F401 (the tests import it from here too)
+
 ROOT = Path(__file__).resolve().parents[2]
 HETERO = Path(os.environ.get("HETERO_BIN", ROOT / "build" / "hetero"))
 TINY = Path(os.environ.get("HETERO_TEST_MODEL", ROOT / "models" / "tiny-llama"))
@@ -222,19 +224,6 @@ class Decoder:
         self.clear()
         assert self.cached(ids) == 0
         return reply
-
-
-def wait_cached(cached: Callable[[List[int]], int], ids: List[int]) -> None:
-    """Waits for the decoder's last prompt-cache insert of a request whose prompt was ids;
-    cached: the decoder's count of cached tokens for some ids (Stack.cached, Decoder.cached)."""
-    # mlx-lm stores prompt + completion in its prompt cache after the reply has gone out (and
-    # the prompt's segments before it). An entry at least as long as the prompt is the last one:
-    # ids plus one probe token then reuse all of ids (two probes, in case one is the first
-    # generated token).
-    deadline = time.monotonic() + 60
-    while max(cached(ids + [0]), cached(ids + [1])) < len(ids):
-        assert time.monotonic() < deadline, "the decoder never cached the request"
-        time.sleep(0.02)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 import requests
@@ -102,3 +102,16 @@ def info(server):
     r = requests.get(server["url"] + "/hetero/info", headers=auth(server), timeout=10)
     assert r.status_code == 200
     return r.json()
+
+
+def wait_cached(cached: Callable[[List[int]], int], ids: List[int]) -> None:
+    """Waits for the decoder's last prompt-cache insert of a request whose prompt was ids;
+    cached: the decoder's count of cached tokens for some ids (Stack.cached, Decoder.cached)."""
+    # mlx-lm stores prompt + completion in its prompt cache after the reply has gone out (and
+    # the prompt's segments before it). An entry at least as long as the prompt is the last one:
+    # ids plus one probe token then reuse all of ids (two probes, in case one is the first
+    # generated token).
+    deadline = time.monotonic() + 60
+    while max(cached(ids + [0]), cached(ids + [1])) < len(ids):
+        assert time.monotonic() < deadline, "the decoder never cached the request"
+        time.sleep(0.02)

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from seam_server import auth, info, ok, post, seam_server
+from seam_server import auth, info, ok, post, seam_server, wait_cached
 
 mx = pytest.importorskip("mlx.core")
 requests = pytest.importorskip("requests")
@@ -279,6 +279,9 @@ def _bad_cases(server):
 def test_bad_inputs_get_json_errors_and_change_nothing(server):
     ids = ok(server, "/hetero/tokenize", {"prompt": PROMPT})["ids"]
     complete(server, {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    # The completion's own entry goes in after its reply: the baseline waits for it (under load
+    # it once came between the baseline and the first bad request).
+    wait_cached(lambda i: ok(server, "/hetero/cached_prefix", {"ids": i})["cached_tokens"], ids)
     cached = ok(server, "/hetero/cached_prefix", {"ids": ids})
     stats = info(server)["prompt_cache"]
     assert cached["cached_tokens"] > 0
