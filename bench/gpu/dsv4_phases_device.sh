@@ -3,9 +3,14 @@
 # checkpoint's precision (FP8 projections, FP4 experts; random weights drawn on the device), and
 # against a base binary in the same run. Every GPU test first (GPU_TESTS=1), then the layer bench
 # with --phases for build/ and for $BASE (another build's hetero_gpu_dsv4_layer_bench, carried:
-# e.g. out/base/ built at the revision before a change), with WIDEN=1 build/ again with the
+# e.g. out/base/ built at the revision before a change; a comma-separated list runs each, named
+# base-<directory name> after the first, "base"), with WIDEN=1 build/ again with the
 # experts widened to FP8 at load (--widen-experts at-load; named $REV-at-load), then (NCU=1) one kernel-time summary of
-# a 3-layer, 8,192-token prefill under Nsight Compute (one metric: each kernel's duration).
+# a 3-layer, 8,192-token prefill under Nsight Compute (one metric: each kernel's duration), then
+# (DETAIL) Nsight Compute's detailed sections (warp states, scheduler, memory, source counters)
+# for the kernels named: DETAIL="index:index_select:1,segments:segments_kernel:2" profiles the
+# first launch of index_select and the first two of segments_kernel (regular expressions) into
+# $OUT/ncu-index.txt and $OUT/ncu-segments.txt.
 #
 # Carry: .devkit/lib, build/hetero_gpu_tests, build/hetero_gpu_dsv4_layer_bench[, the base's].
 # Env: REV (names the output), BASE (a directory holding the base binary), T (8192,32768,131072),
@@ -25,7 +30,7 @@ REV=${REV:-unknown}
 source bench/gpu/devkit_libs.sh
 bins=(build/hetero_gpu_tests build/hetero_gpu_dsv4_layer_bench)
 [[ ${W4A8_BENCH:-0} == 1 ]] && bins+=(build/hetero_gpu_w4a8_bench)
-[[ -n ${BASE:-} ]] && bins+=("$BASE/hetero_gpu_dsv4_layer_bench")
+for b in ${BASE//,/ }; do bins+=("$b/hetero_gpu_dsv4_layer_bench"); done
 devkit_libs /tmp/hetero-lib "${bins[@]}" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 rc=0
@@ -52,7 +57,11 @@ run_bench() {  # name binary_dir [more flags]
   echo "== $1"
   grep -E "phase|^ +[0-9]+ " "$OUT_DIR/layer-$1.txt"
 }
-[[ -n ${BASE:-} ]] && run_bench base "$BASE"
+first=1
+for b in ${BASE//,/ }; do
+  run_bench "base$([[ $first == 1 ]] || echo "-${b##*/}")" "$b"
+  first=0
+done
 if [[ -n ${GEMMS:-} ]]; then  # each routed-expert kernel in turn, in this run: $REV-<kernel>
   for g in ${GEMMS//,/ }; do
     if [[ -n ${W4A8_TILES:-} && ($g == w4a8 || $g == auto) ]]; then
@@ -77,4 +86,13 @@ if [[ ${NCU:-0} == 1 ]]; then
     --repeats 1 --warmup 0 --bridge off >"$OUT_DIR/ncu.txt" 2>&1
   echo "ncu rc=$?"
 fi
+for d in ${DETAIL//,/ }; do  # name:regex:count
+  IFS=: read -r name regex count <<<"$d"
+  timeout 120 ncu --clock-control none --kernel-name regex:"$regex" --launch-count "$count" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+    build/hetero_gpu_dsv4_layer_bench --weights checkpoint --layers 3 --t 8192 --chunk 8192 \
+    --repeats 1 --warmup 0 --bridge off >"$OUT_DIR/ncu-$name.txt" 2>&1
+  echo "ncu $name rc=$?"
+done
 exit $rc

@@ -537,13 +537,14 @@ __host__ __device__ inline int64_t index_sort_keys(int64_t rows, int64_t block, 
 
 // Tensor-core scoring of bf16 rows: a block of 8 warps scores n rows (row_of(j): the row's 128
 // values, never null; `any`: 128 readable values that rows past n copy zero bytes from) in tiles
-// of 64 arriving by cp.async, two buffers deep. Warp w holds heads 16 (w % 4) .. of the query as
-// A fragments (qa) and scores rows 32 (w / 4) .. of each tile; relu(dot) * wk per head, summed
-// over its 16 heads across the lanes, then over the four head groups in order. keys[j] =
-// key_of(j, score) for j < n, 0 up to n2 (the sort's padding).
-constexpr int kIdxTile = 64, kIdxLd = kIdxDim + 8;
+// of 64 arriving by cp.async, kIdxStages buffers deep (a tile's copy is an L2 round trip, longer
+// than a tile's 32 mma a warp, so two buffers left the block waiting on each copy). Warp w holds
+// heads 16 (w % 4) .. of the query as A fragments (qa) and scores rows 32 (w / 4) .. of each tile;
+// relu(dot) * wk per head, summed over its 16 heads across the lanes, then over the four head
+// groups in order. keys[j] = key_of(j, score) for j < n, 0 up to n2 (the sort's padding).
+constexpr int kIdxTile = 64, kIdxLd = kIdxDim + 8, kIdxStages = 4;
 struct IdxScratch {
-  uint16_t* tiles;  // [2][kIdxTile][kIdxLd]
+  uint16_t* tiles;  // [kIdxStages][kIdxTile][kIdxLd]
   float* part;      // [4][kIdxTile]
 };
 // Shared memory: qT [128][64] f32, wk [64], the sort's keys (a power of two), HISA's kept blocks,
@@ -557,7 +558,7 @@ __host__ __device__ inline IdxSmem idx_smem(const IndexSelectParams& p) {
   s.blocks_off = s.keys_off + size_t(pow2_at_least(index_sort_keys(p.rows, p.block, p.keep))) * 8;
   const int64_t nb = p.block > 0 ? p.rows / p.block : 0;
   s.tiles_off = s.blocks_off + (size_t(p.keep < nb ? p.keep : nb) * 4 + 15) / 16 * 16;
-  s.part_off = s.tiles_off + size_t(2 * kIdxTile * kIdxLd) * 2;
+  s.part_off = s.tiles_off + size_t(kIdxStages * kIdxTile * kIdxLd) * 2;
   s.bytes = s.part_off + size_t(4 * kIdxTile) * 4;
   return s;
 }
@@ -568,8 +569,11 @@ __device__ void score_rows_mma(int64_t n, int64_t n2, const RowOf& row_of, const
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, ht = warp % 4, half = warp / 4;
   const int mi = lane / 8, mr = lane % 8, g = lane / 4, c2 = (lane % 4) * 2;
   const int64_t ntiles = (n + kIdxTile - 1) / kIdxTile;
+  // Every call commits a group, empty past the last tile, so that waiting for all but the
+  // newest kIdxStages - 2 groups always means tile t is in.
   auto issue = [&](int64_t t) {
-    uint16_t* dst = sc.tiles + (t % 2) * kIdxTile * kIdxLd;
+    if (t >= ntiles) return mma::cp_async_commit();
+    uint16_t* dst = sc.tiles + (t % kIdxStages) * kIdxTile * kIdxLd;
     static_assert(kIdxTile * kIdxDim / 8 % kIdxThreads == 0, "whole 16-byte pieces a thread");
 #pragma unroll
     for (int u = 0; u < kIdxTile * kIdxDim / 8 / kIdxThreads; ++u) {
@@ -582,12 +586,12 @@ __device__ void score_rows_mma(int64_t n, int64_t n2, const RowOf& row_of, const
     }
     mma::cp_async_commit();
   };
-  if (ntiles > 0) issue(0);
+  for (int64_t t = 0; t < kIdxStages - 1; ++t) issue(t);
   for (int64_t t = 0; t < ntiles; ++t) {
-    mma::cp_async_wait_all();
-    __syncthreads();  // tile t is in; tile t - 1's buffer and partial sums are read
-    if (t + 1 < ntiles) issue(t + 1);
-    const uint16_t* kb = sc.tiles + (t % 2) * kIdxTile * kIdxLd +
+    mma::cp_async_wait<kIdxStages - 2>();
+    __syncthreads();            // tile t is in; tile t - 1's buffer and partial sums are read
+    issue(t + kIdxStages - 1);  // into tile t - 1's buffer
+    const uint16_t* kb = sc.tiles + (t % kIdxStages) * kIdxTile * kIdxLd +
                          (half * 32 + (mi / 2) * 8 + mr) * kIdxLd + (mi % 2) * 8;
     float acc[4][4] = {};
 #pragma unroll
@@ -622,6 +626,7 @@ __device__ void score_rows_mma(int64_t n, int64_t n2, const RowOf& row_of, const
       }
     }
   }
+  mma::cp_async_wait_all();  // the empty groups, before the buffers are reused
   for (int64_t j = ntiles * kIdxTile + tid; j < n2; j += kIdxThreads) keys[j] = 0;
   __syncthreads();
 }
@@ -638,9 +643,16 @@ __global__ void __launch_bounds__(kIdxThreads)
                       reinterpret_cast<float*>(smem + L.part_off)};
   const int64_t i = blockIdx.x;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = kIdxThreads / 32;
-  for (int64_t e = threadIdx.x; e < kIdxDim * kIdxMaxHeads; e += blockDim.x) {
-    const int64_t d = e / kIdxMaxHeads, h = e % kIdxMaxHeads;
-    qT[e] = h < p.heads ? b2f(p.q[(i * p.heads + h) * kIdxDim + d]) : 0.0f;
+  // qT[d][h]: eight of a head's values a thread, a warp's lanes on consecutive heads (16 bytes a
+  // lane from global, conflict-free stores; a value a thread read 2 bytes of each 32-byte sector).
+  for (int e = threadIdx.x; e < kIdxMaxHeads * (kIdxDim / 8); e += blockDim.x) {
+    const int h = e % kIdxMaxHeads, d0 = (e / kIdxMaxHeads) * 8;
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (h < p.heads) {
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(p.q + (i * p.heads + h) * kIdxDim + d0), v);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) qT[(d0 + j) * kIdxMaxHeads + h] = v[j];
   }
   for (int64_t h = threadIdx.x; h < kIdxMaxHeads; h += blockDim.x)
     wk[h] = h < p.heads ? b2f(p.w[i * p.heads + h]) * p.wscale * p.scale : 0.0f;

@@ -291,12 +291,6 @@ __global__ void hc_params_kernel(HcParams p, int64_t n, float* mix_out, int64_t 
 // The collapse and the expand: one thread per 8 columns of a token (16-byte loads and stores),
 // its mix coefficients in registers (K = hc_mult a template argument); each element's arithmetic
 // in the CPU engine's order.
-__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int e = 0; e < 4; ++e)
-    f[2 * e] = b2f(uint16_t(w[e] & 0xffffu)), f[2 * e + 1] = b2f(uint16_t(w[e] >> 16));
-}
 __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   uint32_t w[4];
 #pragma unroll
@@ -316,7 +310,7 @@ __global__ void hc_collapse_kernel(HcParams p, const uint16_t* h, int64_t n, con
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     float v[8];
-    unpack8(*reinterpret_cast<const uint4*>(h + (t * K + k) * H + d0), v);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(h + (t * K + k) * H + d0), v);
     const float w = pre[k];
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, v[e]));
@@ -336,8 +330,8 @@ __global__ void hc_expand_kernel(HcParams p, const float* mix_out, int64_t strid
   float res[K][8], yv[8];
 #pragma unroll
   for (int j = 0; j < K; ++j)
-    unpack8(*reinterpret_cast<const uint4*>(h + (t * K + j) * H + d0), res[j]);
-  unpack8(*reinterpret_cast<const uint4*>(y + t * H + d0), yv);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(h + (t * K + j) * H + d0), res[j]);
+  unpack_bf16x8(*reinterpret_cast<const uint4*>(y + t * H + d0), yv);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     float out[8];
@@ -409,8 +403,8 @@ __global__ void swiglu_kernel(const uint16_t* gu, int64_t m, int64_t inter, floa
   const uint16_t* g = gu + row * 2 * inter + j;
   if constexpr (V == 8) {
     float gv[8], uv[8], y[8];
-    unpack8(*reinterpret_cast<const uint4*>(g), gv);
-    unpack8(*reinterpret_cast<const uint4*>(g + inter), uv);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(g), gv);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(g + inter), uv);
 #pragma unroll
     for (int e = 0; e < 8; ++e) y[e] = swiglu_one(gv[e], uv[e], limit);
     *reinterpret_cast<uint4*>(act + id) = pack8(y);
@@ -427,8 +421,8 @@ struct SwigluRows {
   float limit;
   __device__ __forceinline__ void load(int64_t row, int64_t col, float (&v)[8]) const {
     float g[8], u[8];
-    fp8_act::load_bf16x8(gu + row * 2 * inter + col, g);
-    fp8_act::load_bf16x8(gu + row * 2 * inter + inter + col, u);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(gu + row * 2 * inter + col), g);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(gu + row * 2 * inter + inter + col), u);
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = rb(swiglu_one(g[e], u[e], limit));
   }
@@ -569,7 +563,7 @@ __global__ void combine_kernel(const uint16_t* ye, const int32_t* slot_row, cons
   float acc[8] = {};
   for (int64_t k = 0; k < K; ++k) {
     float v[8];
-    unpack8(*reinterpret_cast<const uint4*>(ye + int64_t(slot_row[t * K + k]) * H + d), v);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(ye + int64_t(slot_row[t * K + k]) * H + d), v);
     const float w = rb(weights[t * K + k]);
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], rb(__fmul_rn(v[e], w)));
@@ -579,7 +573,7 @@ __global__ void combine_kernel(const uint16_t* ye, const int32_t* slot_row, cons
   for (int e = 0; e < 8; ++e) y[e] = rb(acc[e]);
   if (shared) {
     float sh[8];
-    unpack8(*reinterpret_cast<const uint4*>(shared + id), sh);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(shared + id), sh);
 #pragma unroll
     for (int e = 0; e < 8; ++e) y[e] = __fadd_rn(y[e], sh[e]);
   }

@@ -9,7 +9,9 @@
 
 #include <cstdint>
 
+#include "common/status.h"
 #include "kernels/cuda/fp8_gemm.h"
+#include "kernels/cuda/mlx_math.cuh"
 
 namespace hetero::cuda::fp8_act {
 
@@ -47,68 +49,86 @@ __device__ __forceinline__ void quantize_values(const float (&v)[8], bool in, in
   if (sub == 0 && unit_exists) *scale_at = s;
 }
 
-// Eight bf16 values from 16 bytes at p, as floats.
-__device__ __forceinline__ void load_bf16x8(const uint16_t* __restrict__ p, float (&v)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  for (int i = 0; i < 4; ++i)
-    v[2 * i] = __uint_as_float(w[i] << 16), v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-}
-
 // A Source's values: a bf16 matrix's rows. Every Source has load(row, col, v): the eight values
 // of the input's row `row` from column `col` (col a multiple of 8, inside the row).
 struct Bf16Rows {
   const uint16_t* x;
   int64_t k;
   __device__ __forceinline__ void load(int64_t row, int64_t col, float (&v)[8]) const {
-    load_bf16x8(x + row * k + col, v);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(x + row * k + col), v);
   }
 };
 
-// quantize_act_fp8_segments (fp8_gemm.h) with the values from src: unit p of the packed padded
-// rows belongs to the segment e with pad[e] <= p < pad[e + 1]; a half-warp per (row, 128-column
-// group), eight columns (16 bytes) a lane, so that the pass stays near bandwidth.
+// quantize_act_fp8_segments (fp8_gemm.h) with the values from src: row p of the packed padded
+// rows belongs to the segment e with pad[e] <= p < pad[e + 1]. A warp per row: the segment, the
+// source row and the scales' place are found once a row, not once per 128 columns, and the row's
+// 128-column groups go two at a time (a half-warp a group, eight columns a lane), kUnroll pairs
+// loaded before any is quantized. A warp per (row, group), with the search and three 64-bit
+// divisions a lane, was bound by issuing that integer work at 3x the pass's bandwidth time (the
+// kernel times in RESULTS §45).
+constexpr int kUnroll = 4;
+
 template <class Source>
 __global__ void segments_kernel(Source src, const int32_t* __restrict__ off,
-                                const int32_t* __restrict__ pad, int64_t segments, int64_t total,
-                                int64_t k, int64_t groups, const int32_t* __restrict__ rows_from,
-                                int64_t per, bool tight, uint8_t* __restrict__ q,
+                                const int32_t* __restrict__ pad, int32_t segments, int32_t total,
+                                int64_t k, int32_t groups, const int32_t* __restrict__ rows_from,
+                                int32_t per, bool tight, uint8_t* __restrict__ q,
                                 float* __restrict__ scale) {
-  const int64_t unit = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 16;
-  const int sub = threadIdx.x % 16;
-  const bool exists = unit < total * groups;
-  const int64_t p = exists ? unit / groups : 0, g = unit % groups;
-  int64_t lo = 0, hi = segments;  // the last e with pad[e] <= p (empty segments are skipped)
+  const int32_t p =
+      static_cast<int32_t>(blockIdx.x) * (kThreads / 32) + static_cast<int32_t>(threadIdx.x / 32);
+  if (p >= total) return;  // the whole warp: the shuffles below need every lane
+  const int half = (threadIdx.x / 16) % 2, sub = threadIdx.x % 16;
+  int32_t lo = 0, hi = segments;  // the last e with pad[e] <= p (empty segments are skipped)
   while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
+    const int32_t mid = (lo + hi) / 2;
     if (pad[mid] <= p)
       lo = mid;
     else
       hi = mid;
   }
-  const int64_t e = lo, i = p - pad[e], rows = pad[e + 1] - pad[e];
-  const int64_t col = g * kFp8Block + sub * 8;
-  const int64_t at = off[e] + i, real = off[e + 1] - off[e];
-  // k % 16 == 0: a lane's eight columns are all in or all out. No early return: both halves of
-  // the warp take part in the shuffles.
-  const bool in = exists && col < k;
-  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (in && i < real) src.load(rows_from ? rows_from[at] / per : at, col, v);
+  const int32_t e = lo, i = p - pad[e], rows = pad[e + 1] - pad[e];
+  const int32_t at = off[e] + i, real = off[e + 1] - off[e];
+  const bool real_row = i < real;
+  const int64_t from = real_row ? (rows_from ? rows_from[at] / per : at) : 0;
   // Tight: the segment's scales strided by its real rows, the padding rows' scales not written.
-  quantize_values(v, in, sub, q + p * k + col,
-                  scale + pad[e] * groups + g * (tight ? real : rows) + i,
-                  exists && (!tight || i < real));
+  float* const scale_row = scale + static_cast<int64_t>(pad[e]) * groups + i;
+  const int64_t stride = tight ? real : rows;
+  const bool write_scale = !tight || real_row;
+  uint8_t* const q_row = q + static_cast<int64_t>(p) * k;
+  for (int32_t g0 = 0; g0 < groups; g0 += 2 * kUnroll) {
+    float v[kUnroll][8];
+    bool in[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int32_t g = g0 + 2 * u + half;
+      const int64_t col = static_cast<int64_t>(g) * kFp8Block + sub * 8;
+      // k % 16 == 0: a lane's eight columns are all in or all out.
+      in[u] = g < groups && col < k;
+#pragma unroll
+      for (float& x : v[u]) x = 0.f;
+      if (in[u] && real_row) src.load(from, col, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int32_t g = g0 + 2 * u + half;
+      quantize_values(v[u], in[u], sub, q_row + static_cast<int64_t>(g) * kFp8Block + sub * 8,
+                      scale_row + g * stride, g < groups && write_scale);
+    }
+  }
 }
 
 template <class Source>
 void quantize_segments(Source src, const int32_t* off, const int32_t* pad, int64_t segments,
                        int64_t total_rows, int64_t k, uint8_t* q, float* scale, cudaStream_t stream,
                        const int32_t* rows_from, int64_t per, bool tight_scales) {
-  const int64_t groups = fp8_blocks(k), units = total_rows * groups;
-  if (units == 0 || segments == 0) return;
-  const int64_t blocks = (units * 16 + kThreads - 1) / kThreads;
+  if (total_rows == 0 || segments == 0 || k == 0) return;
+  // Rows, segments, a row's groups and the row indices are int32 on the device.
+  HETERO_CHECK(total_rows <= INT32_MAX && segments < INT32_MAX && per > 0 && per <= INT32_MAX);
+  const int64_t blocks = (total_rows + kThreads / 32 - 1) / (kThreads / 32);
   segments_kernel<Source><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      src, off, pad, segments, total_rows, k, groups, rows_from, per, tight_scales, q, scale);
+      src, off, pad, static_cast<int32_t>(segments), static_cast<int32_t>(total_rows), k,
+      static_cast<int32_t>(fp8_blocks(k)), rows_from, static_cast<int32_t>(per), tight_scales, q,
+      scale);
 }
 
 }  // namespace hetero::cuda::fp8_act

@@ -58,7 +58,7 @@ __global__ void quantize_act_kernel(const uint16_t* __restrict__ x, int64_t m, i
   // the warp take part in the shuffles.
   const bool exists = unit < rows * groups, in = exists && col < k;
   float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (in && row < m) fp8_act::load_bf16x8(x + row * k + col, v);
+  if (in && row < m) unpack_bf16x8(*reinterpret_cast<const uint4*>(x + row * k + col), v);
   fp8_act::quantize_values(v, in, sub, q + row * k + col, scale + g * rows + row, exists);
 }
 

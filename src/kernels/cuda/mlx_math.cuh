@@ -18,6 +18,14 @@ __device__ __forceinline__ uint16_t f2b(float f) {
   return uint16_t(bits >> 16);
 }
 
+// Eight bf16 values (16 bytes, the low half of each word first) as floats.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&f)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    f[2 * e] = __uint_as_float(w[e] << 16), f[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
+}
+
 // Round to the nearest bf16 value, kept in f32.
 __device__ __forceinline__ float rb(float f) { return b2f(f2b(f)); }
 

@@ -21,7 +21,10 @@
 // The 64x256 tile's two consumer warp groups share one widened weight tile, so an expert of up
 // to 256 rows has its weights widened once, where 128-row tiles widen them once per 128 rows.
 // A launch has a block a tile, or (set_max_blocks) fewer blocks each taking tiles in turn, its
-// copies and widening running on into the next tile while the consumers finish one.
+// copies and widening running on into the next tile while the consumers finish one. Neither
+// the 64x256 tile nor the persistent launch beat 128x128 a block a tile in the forward (RESULTS
+// §45.1: uneven routing leaves 64x256 tiles half empty; persistence gained nothing), so nothing
+// chooses them; they stay for benches and tests.
 //
 // Bit-equal to the widened path (widen_fp4_experts_to_fp8, then cuBLASLt or the grouped FP8
 // kernel) in every test. At DeepSeek-V4-Flash's shapes 1.01-1.03x the widened path's speed at 8K
