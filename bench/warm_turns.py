@@ -154,6 +154,9 @@ def main() -> int:
                    help="the bridged pass only (where the decoder is too slow for both); "
                         "answers are then not compared")
     args = p.parse_args()
+    # A run started in the background ignores SIGINT, so SIGTERM (kill <pid>) stops it the same
+    # way: the pass in progress ends, its servers are stopped, and the last saved turn stays.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     model = Path(args.model).resolve()
     if args.context:
