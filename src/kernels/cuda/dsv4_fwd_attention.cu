@@ -478,19 +478,19 @@ __device__ __forceinline__ uint32_t key_index(uint64_t k) {
 }
 
 // Descending bitonic sort of keys[0, n2) (n2 a power of two, at most kIdxMaxSort) by the whole
-// block. 32-bit indices: the compare-exchange loop runs n2 log2(n2)^2 / 2 times a query.
+// block. 32-bit indices; a thread per compare-exchange pair (i, i + stride), i the p-th index
+// whose stride bit is clear, so every thread has work in every step, where a thread per index
+// left half of them idle.
 __device__ void bitonic_desc(uint64_t* keys, int64_t n2_) {
   const int n2 = static_cast<int>(n2_);
   for (int size = 2; size <= n2; size <<= 1)
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       __syncthreads();
-      for (int i = threadIdx.x; i < n2; i += blockDim.x) {
-        const int j = i ^ stride;
-        if (j > i) {
-          const bool desc = (i & size) == 0;
-          const uint64_t a = keys[i], b = keys[j];
-          if (desc ? a < b : a > b) keys[i] = b, keys[j] = a;
-        }
+      for (int p = threadIdx.x; p < n2 / 2; p += blockDim.x) {
+        const int i = ((p & ~(stride - 1)) << 1) | (p & (stride - 1)), j = i + stride;
+        const bool desc = (i & size) == 0;
+        const uint64_t a = keys[i], b = keys[j];
+        if (desc ? a < b : a > b) keys[i] = b, keys[j] = a;
       }
     }
   __syncthreads();
