@@ -6,7 +6,8 @@ target_sources(hetero_engine_cuda PRIVATE src/engine/cuda/dsv4_cuda.cc
                                           src/engine/cuda/dsv4_pipeline.cc
                                           src/kernels/cuda/checkpoint_formats.cu
                                           src/kernels/cuda/dsv4_fwd_ops.cu
-                                          src/kernels/cuda/dsv4_fwd_attention.cu)
+                                          src/kernels/cuda/dsv4_fwd_attention.cu
+                                          src/kernels/cuda/dsv4_fwd_index.cu)
 target_sources(hetero_gpu_tests PRIVATE tests/gpu/dsv4_cuda_test.cc
                                         tests/gpu/dsv4_attention_test.cc
                                         tests/gpu/checkpoint_precision_test.cc
