@@ -88,9 +88,8 @@ Status compress(Impl& mi, DPool& pool, const DComp& cm, const CompressScratch& s
                             st);
   else
     cuda::dsv4_pool_simple(rkv, rgate, f32(cm.ape), windows, r, pool.head_dim, out, st);
-  cuda::fast_rms_norm(out, windows, pool.head_dim, bf(cm.norm), s.eps, out, st);
-  cuda::rope_pairs_only(out, windows, 1, pool.head_dim, base / r, s.freqs, s.rope_pairs,
-                        static_cast<int>(r), false, st);
+  cuda::fast_rms_norm_rope(out, windows, 1, pool.head_dim, bf(cm.norm), s.eps, out, base / r,
+                           s.freqs, s.rope_pairs, static_cast<int>(r), st);
   pool.rows += windows;
   return Status::ok();
 }
@@ -343,11 +342,11 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
   HETERO_RETURN_IF_ERROR(proj(m, x, n, H, L.wq_a, L.wq_a_8, QL, bf(m.qr)));
   cuda::fast_rms_norm(bf(m.qr), n, QL, bf(L.q_norm), eps, bf(m.qr), st);
   HETERO_RETURN_IF_ERROR(proj(m, bf(m.qr), n, QL, L.wq_b, L.wq_b_8, Hh * hd, bf(m.q)));
-  cuda::fast_rms_norm(bf(m.q), n * Hh, hd, nullptr, eps, bf(m.q), st);
-  cuda::rope_pairs_only(bf(m.q), n, Hh, hd, pos0, freqs, m.rope_pairs, 1, false, st);
+  cuda::fast_rms_norm_rope(bf(m.q), n, Hh, hd, nullptr, eps, bf(m.q), pos0, freqs, m.rope_pairs, 1,
+                           st);
   HETERO_RETURN_IF_ERROR(proj(m, x, n, H, L.wkv, L.wkv_8, hd, bf(m.kv)));
-  cuda::fast_rms_norm(bf(m.kv), n, hd, bf(L.kv_norm), eps, bf(m.kv), st);
-  cuda::rope_pairs_only(bf(m.kv), n, 1, hd, pos0, freqs, m.rope_pairs, 1, false, st);
+  cuda::fast_rms_norm_rope(bf(m.kv), n, 1, hd, bf(L.kv_norm), eps, bf(m.kv), pos0, freqs,
+                           m.rope_pairs, 1, st);
   if (L.ratio > 0) {
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.comp.wkv), L.comp.out_dim, bf(m.ckv)));
     HETERO_RETURN_IF_ERROR(gemm(b, x, n, H, bf(L.comp.wgate), L.comp.out_dim, bf(m.cgate)));

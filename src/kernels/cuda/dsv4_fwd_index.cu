@@ -16,7 +16,6 @@ namespace {
 
 using namespace dsv4_fwd;
 
-
 constexpr int kIdxDim = 128, kIdxThreads = 256, kIdxMaxSort = 8192;
 
 __device__ __forceinline__ uint64_t order_key(float score, uint32_t idx) {
@@ -198,9 +197,9 @@ __host__ __device__ inline int64_t index_sort_keys(int64_t rows, int64_t block, 
 // Tensor-core scoring of bf16 rows: a block of 8 warps scores n rows (row_of(j): the row's 128
 // values, never null; `any`: 128 readable values that rows past n copy zero bytes from) in tiles
 // of 64 arriving by cp.async, kIdxStages buffers deep (a tile's copy is an L2 round trip, longer
-// than a tile's 32 mma a warp; the other blocks on the multiprocessor issue meanwhile). Warp w holds
-// heads 16 (w % 4) .. of the query as A fragments (qa) and scores rows 32 (w / 4) .. of each tile;
-// relu(dot) * wk per head, summed over its 16 heads across the lanes, then over the four head
+// than a tile's 32 mma a warp; the other blocks on the multiprocessor issue meanwhile). Warp w
+// holds heads 16 (w % 4) .. of the query as A fragments (qa) and scores rows 32 (w / 4) .. of each
+// tile; relu(dot) * wk per head, summed over its 16 heads across the lanes, then over the four head
 // groups in order. keys[j] = key_of(j, score) for j < n, 0 up to n2 (the sort's padding).
 // Two buffers: the block's shared memory (61 KB at Flash's shapes) then lets three blocks share a
 // multiprocessor, where four buffers (96 KB) allowed two (and a block alone waited on its copies);
@@ -210,8 +209,8 @@ struct IdxScratch {
   uint16_t* tiles;  // [kIdxStages][kIdxTile][kIdxLd]
   float* part;      // [4][kIdxTile]
 };
-// Shared memory: qT [64][kQtLd] bf16, wk [64] f32, the sort's keys (a power of two), HISA's kept blocks,
-// the row tiles, the partial sums.
+// Shared memory: qT [64][kQtLd] bf16, wk [64] f32, the sort's keys (a power of two), HISA's kept
+// blocks, the row tiles, the partial sums.
 struct IdxSmem {
   size_t keys_off, blocks_off, tiles_off, part_off, bytes;
 };
@@ -348,8 +347,8 @@ __global__ void __launch_bounds__(kIdxThreads, kIdxBlocksPerSm)
       for (int r = 0; r < 4; ++r) {
         const int64_t j = j0 + r;
         if (lane == r && j < n2)
-          keys[j] = j < nb ? order_key(masked && !(j * p.block < vis) ? -1e30f : s[r], uint32_t(j))
-                           : 0;
+          keys[j] =
+              j < nb ? order_key(masked && !(j * p.block < vis) ? -1e30f : s[r], uint32_t(j)) : 0;
       }
     }
     sort_desc(keys, n2);

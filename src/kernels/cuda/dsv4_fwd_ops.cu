@@ -1,6 +1,7 @@
-// Fast CUDA ops of the DeepSeek-V4 prefill forward: weights drawn on the device, norms,
+// Fast CUDA ops of the DeepSeek-V4 prefill forward: weights drawn on the device,
 // hyper-connections and the MoE's routing, grouping and combination. See dsv4_fwd_ops.h; the
-// attention and the indexer are in dsv4_fwd_attention.cu.
+// norms and rope are in dsv4_fwd_norm.cu, the attention in dsv4_fwd_attention.cu, the indexer in
+// dsv4_fwd_index.cu.
 #include <algorithm>
 #include <cfloat>
 #include <string>
@@ -43,27 +44,6 @@ __global__ void fill_i32_kernel(int32_t* x, int64_t n, int32_t modulo, uint64_t 
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     x[i] = static_cast<int32_t>(mix64(seed + static_cast<uint64_t>(i)) % uint64_t(modulo));
-}
-
-// One warp per row.
-__global__ void rms_norm_kernel(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w,
-                                float eps, uint16_t* out) {
-  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= m) return;
-  const uint16_t* xr = x + row * d;
-  float s = 0.0f;
-  for (int64_t j = lane; j < d; j += 32) {
-    const float v = b2f(xr[j]);
-    s += v * v;
-  }
-  s = warp_sum(s);
-  const float r = 1.0f / sqrtf(s / float(d) + eps);
-  uint16_t* o = out + row * d;
-  for (int64_t j = lane; j < d; j += 32) {
-    const float y = rb(b2f(xr[j]) * r);
-    o[j] = w ? f2b(y * b2f(w[j])) : f2b(y);
-  }
 }
 
 __global__ void embed_kernel(const uint16_t* embed, const int32_t* ids, int64_t hc, int64_t hidden,
@@ -346,33 +326,6 @@ __global__ void hc_expand_kernel(HcParams p, const float* mix_out, int64_t strid
   }
 }
 
-// One block per row t: the rope pairs' cos and sin into shared memory (as dsv4_rope_kernel
-// computes them), then every (head, rope pair) of the row, a pair a 32-bit word.
-__global__ void rope_pairs_kernel(uint16_t* x, int64_t heads, int64_t head_dim, int64_t pos0,
-                                  const float* freqs, int64_t rope_pairs, int freq_scale,
-                                  bool inverse) {
-  extern __shared__ float trig[];  // [rope_pairs] cos, then [rope_pairs] sin, bf16-rounded
-  float* cs = trig;
-  float* sn = trig + rope_pairs;
-  const int64_t t = blockIdx.x;
-  const float pos = __fadd_rn(float(t), float(pos0));
-  for (int64_t p = threadIdx.x; p < rope_pairs; p += blockDim.x)
-    mlx_rope_trig(pos, freqs[p], freq_scale, inverse, &cs[p], &sn[p]);
-  __syncthreads();
-  const int64_t half = head_dim / 2, nope = half - rope_pairs;
-  uint32_t* xt = reinterpret_cast<uint32_t*>(x + t * heads * head_dim);
-  for (int64_t id = threadIdx.x; id < heads * rope_pairs; id += blockDim.x) {
-    const int64_t h = id / rope_pairs, p = id % rope_pairs;
-    uint32_t* pair = xt + h * half + nope + p;
-    const uint32_t v = *pair;
-    const float x1 = b2f(uint16_t(v & 0xffffu)), x2 = b2f(uint16_t(v >> 16));
-    const float c = cs[p], s = sn[p];
-    const uint16_t y1 = f2b(__fsub_rn(rb(__fmul_rn(x1, c)), rb(__fmul_rn(x2, s))));
-    const uint16_t y2 = f2b(__fadd_rn(rb(__fmul_rn(x1, s)), rb(__fmul_rn(x2, c))));
-    *pair = uint32_t(y1) | (uint32_t(y2) << 16);
-  }
-}
-
 __global__ void broadcast_rows_kernel(const uint16_t* bias, int64_t n, int64_t cols,
                                       uint16_t* out) {
   const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -611,11 +564,6 @@ Status check_forward_shapes(int64_t hidden, int64_t hc, int64_t experts, int64_t
   return Status::ok();
 }
 
-void fast_rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
-                   uint16_t* out, cudaStream_t stream) {
-  if (m > 0) rms_norm_kernel<<<blocks_for(m, 8), 256, 0, stream>>>(x, m, d, w, eps, out);
-}
-
 void embed_rows(const uint16_t* embed, const int32_t* ids, int64_t n, int64_t hc, int64_t hidden,
                 uint16_t* h, cudaStream_t stream) {
   HETERO_CHECK(hidden % 8 == 0);
@@ -686,16 +634,6 @@ void hc_expand(const HcParams& p, const float* mix_out, const uint16_t* y, int64
       hc_expand_kernel<4><<<blocks, 256, 0, stream>>>(p, mix_out, stride, y, n, h);
       break;
   }
-}
-
-void rope_pairs_only(uint16_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t pos0,
-                     const float* freqs, int64_t rope_pairs, int freq_scale, bool inverse,
-                     cudaStream_t stream) {
-  HETERO_CHECK(head_dim % 2 == 0 && rope_pairs <= head_dim / 2);
-  if (rows <= 0 || heads <= 0 || rope_pairs <= 0) return;
-  const size_t smem = size_t(2 * rope_pairs) * sizeof(float);
-  rope_pairs_kernel<<<unsigned(rows), 256, smem, stream>>>(x, heads, head_dim, pos0, freqs,
-                                                           rope_pairs, freq_scale, inverse);
 }
 
 void broadcast_rows(const uint16_t* bias, int64_t n, int64_t cols, uint16_t* out,

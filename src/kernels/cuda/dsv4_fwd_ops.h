@@ -35,6 +35,13 @@ void fill_random_i32(int32_t* x, int64_t n, int32_t modulo, uint64_t seed, cudaS
 // x [m, d]; in place allowed.
 void fast_rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
                    uint16_t* out, cudaStream_t stream);
+// fast_rms_norm over tokens * heads rows of d, then rope_pairs_only over them (heads a token,
+// positions from pos0, not inverse): one pass where d is a multiple of 256, else the two kernels.
+// The same values either way, up to the order of the norm's sum of squares.
+void fast_rms_norm_rope(const uint16_t* x, int64_t tokens, int64_t heads, int64_t d,
+                        const uint16_t* w, float eps, uint16_t* out, int64_t pos0,
+                        const float* freqs, int64_t rope_pairs, int freq_scale,
+                        cudaStream_t stream);
 
 // dsv4_rope (kernels/cuda/dsv4_ops.h) over the rope pairs only, each pair one 32-bit access: the
 // forward's q, kv and output carry 256 pairs a head of which 32 rotate, and the exact op rotates

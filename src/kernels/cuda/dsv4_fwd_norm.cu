@@ -1,0 +1,204 @@
+// The DeepSeek-V4 forward's RMS norms and its rope over the rope pairs, and the two in one pass
+// where a norm's output is roped next (q, kv, the compressed rows). See dsv4_fwd_ops.h.
+#include <cstdint>
+
+#include "kernels/cuda/dsv4_fwd_common.cuh"
+#include "kernels/cuda/dsv4_fwd_ops.h"
+#include "kernels/cuda/mlx_math.cuh"
+
+namespace hetero::cuda {
+namespace {
+
+using namespace dsv4_fwd;
+
+// One warp per row, any d: 2-byte accesses. The fallback of norm_rope_kernel.
+__global__ void rms_norm_kernel(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w,
+                                float eps, uint16_t* out) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= m) return;
+  const uint16_t* xr = x + row * d;
+  float s = 0.0f;
+  for (int64_t j = lane; j < d; j += 32) {
+    const float v = b2f(xr[j]);
+    s += v * v;
+  }
+  s = warp_sum(s);
+  const float r = 1.0f / sqrtf(s / float(d) + eps);
+  uint16_t* o = out + row * d;
+  for (int64_t j = lane; j < d; j += 32) {
+    const float y = rb(b2f(xr[j]) * r);
+    o[j] = w ? f2b(y * b2f(w[j])) : f2b(y);
+  }
+}
+
+// One rope pair (x1, x2) as rope_pairs_kernel rotates it, by (c, s) from mlx_rope_trig.
+__device__ __forceinline__ uint32_t rope_pair(uint32_t v, float c, float s) {
+  const float x1 = b2f(uint16_t(v & 0xffffu)), x2 = b2f(uint16_t(v >> 16));
+  const uint16_t y1 = f2b(__fsub_rn(rb(__fmul_rn(x1, c)), rb(__fmul_rn(x2, s))));
+  const uint16_t y2 = f2b(__fadd_rn(rb(__fmul_rn(x1, s)), rb(__fmul_rn(x2, c))));
+  return uint32_t(y1) | (uint32_t(y2) << 16);
+}
+
+// One block per row t: the rope pairs' cos and sin into shared memory (as dsv4_rope_kernel
+// computes them), then every (head, rope pair) of the row, a pair a 32-bit word.
+__global__ void rope_pairs_kernel(uint16_t* x, int64_t heads, int64_t head_dim, int64_t pos0,
+                                  const float* freqs, int64_t rope_pairs, int freq_scale,
+                                  bool inverse) {
+  extern __shared__ float trig[];  // [rope_pairs] cos, then [rope_pairs] sin, bf16-rounded
+  float* cs = trig;
+  float* sn = trig + rope_pairs;
+  const int64_t t = blockIdx.x;
+  const float pos = __fadd_rn(float(t), float(pos0));
+  for (int64_t p = threadIdx.x; p < rope_pairs; p += blockDim.x)
+    mlx_rope_trig(pos, freqs[p], freq_scale, inverse, &cs[p], &sn[p]);
+  __syncthreads();
+  const int64_t half = head_dim / 2, nope = half - rope_pairs;
+  uint32_t* xt = reinterpret_cast<uint32_t*>(x + t * heads * head_dim);
+  for (int64_t id = threadIdx.x; id < heads * rope_pairs; id += blockDim.x) {
+    const int64_t h = id / rope_pairs, p = id % rope_pairs;
+    uint32_t* pair = xt + h * half + nope + p;
+    *pair = rope_pair(*pair, cs[p], sn[p]);
+  }
+}
+
+struct NormRope {
+  const uint16_t* x;
+  uint16_t* out;
+  int64_t m, heads, d;  // m rows, `heads` of them a token
+  const uint16_t* w;    // [d] or null
+  float eps;
+  int64_t pos0;
+  const float* freqs;  // [rope_pairs]; rope_pairs 0: the norm alone
+  int64_t rope_pairs;
+  int freq_scale;
+};
+constexpr int kNormRows = 8, kNormMaxPairs = 64;
+
+// The norm, then the rope of the last rope_pairs pairs, in one pass: a warp a row of d = 256 C
+// (lane l holds columns 8 (l + 32 c) .. + 7, 16-byte accesses; the row stays in registers, so it
+// is read once, where rms_norm_kernel read it twice 2 bytes a lane). The same rounding points as
+// rms_norm_kernel then rope_pairs_kernel; the sum of squares is ordered by this layout (the fast
+// forward's norms promise no order). The block's rows span at most kNormRows tokens, whose cos
+// and sin it computes once into shared memory.
+template <int C>
+__global__ void __launch_bounds__(32 * kNormRows) norm_rope_kernel(NormRope p) {
+  __shared__ float2 trig[kNormRows][kNormMaxPairs];
+  const int lane = threadIdx.x % 32;
+  const int64_t row0 = int64_t(blockIdx.x) * kNormRows, row = row0 + threadIdx.x / 32;
+  const int64_t t0 = row0 / p.heads;
+  if (p.rope_pairs > 0) {
+    const int64_t last = (row0 + kNormRows < p.m ? row0 + kNormRows : p.m) - 1;
+    const int64_t entries = (last / p.heads - t0 + 1) * p.rope_pairs;
+    for (int64_t e = threadIdx.x; e < entries; e += blockDim.x) {
+      const int64_t tt = e / p.rope_pairs, pp = e % p.rope_pairs;
+      float c, s;
+      mlx_rope_trig(__fadd_rn(float(t0 + tt), float(p.pos0)), p.freqs[pp], p.freq_scale, false,
+                    &c, &s);
+      trig[tt][pp] = make_float2(c, s);
+    }
+    __syncthreads();
+  }
+  if (row >= p.m) return;
+  const uint4* xr = reinterpret_cast<const uint4*>(p.x + row * p.d);
+  uint4 v[C];
+#pragma unroll
+  for (int c = 0; c < C; ++c) v[c] = xr[lane + 32 * c];
+  float s = 0.0f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const uint32_t u[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float a = __uint_as_float(u[k] << 16), b = __uint_as_float(u[k] & 0xffff0000u);
+      s += a * a;
+      s += b * b;
+    }
+  }
+  s = warp_sum(s);
+  const float r = 1.0f / sqrtf(s / float(p.d) + p.eps);
+  const int64_t first_rope_pair = p.d / 2 - p.rope_pairs;  // pairs (2j, 2j + 1) of the row
+  const float2* tr = trig[row / p.heads - t0];
+  uint4* o = reinterpret_cast<uint4*>(p.out + row * p.d);
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int col = 8 * (lane + 32 * c);
+    uint32_t u[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
+    uint32_t wv[4] = {0u, 0u, 0u, 0u};
+    if (p.w) {
+      const uint4 w4 = *reinterpret_cast<const uint4*>(p.w + col);
+      wv[0] = w4.x, wv[1] = w4.y, wv[2] = w4.z, wv[3] = w4.w;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float ya = rb(__uint_as_float(u[k] << 16) * r);
+      const float yb = rb(__uint_as_float(u[k] & 0xffff0000u) * r);
+      const uint16_t oa = p.w ? f2b(ya * __uint_as_float(wv[k] << 16)) : f2b(ya);
+      const uint16_t ob = p.w ? f2b(yb * __uint_as_float(wv[k] & 0xffff0000u)) : f2b(yb);
+      u[k] = uint32_t(oa) | (uint32_t(ob) << 16);
+      const int64_t pair = col / 2 + k;
+      if (pair >= first_rope_pair) {
+        const float2 cs = tr[pair - first_rope_pair];
+        u[k] = rope_pair(u[k], cs.x, cs.y);
+      }
+    }
+    o[lane + 32 * c] = make_uint4(u[0], u[1], u[2], u[3]);
+  }
+}
+
+template <int C>
+void launch_norm_rope(const NormRope& p, cudaStream_t stream) {
+  norm_rope_kernel<C><<<blocks_for(p.m, kNormRows), 32 * kNormRows, 0, stream>>>(p);
+}
+
+}  // namespace
+
+void fast_rms_norm(const uint16_t* x, int64_t m, int64_t d, const uint16_t* w, float eps,
+                   uint16_t* out, cudaStream_t stream) {
+  fast_rms_norm_rope(x, m, 1, d, w, eps, out, 0, nullptr, 0, 1, stream);
+}
+
+void fast_rms_norm_rope(const uint16_t* x, int64_t tokens, int64_t heads, int64_t d,
+                        const uint16_t* w, float eps, uint16_t* out, int64_t pos0,
+                        const float* freqs, int64_t rope_pairs, int freq_scale,
+                        cudaStream_t stream) {
+  HETERO_CHECK(d % 2 == 0 && rope_pairs <= d / 2);
+  const int64_t m = tokens * heads;
+  if (m <= 0) return;
+  const NormRope p{x, out, m, heads, d, w, eps, pos0, freqs, rope_pairs, freq_scale};
+  const bool one_pass = d % 256 == 0 && rope_pairs <= kNormMaxPairs &&
+                        (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) |
+                         reinterpret_cast<uintptr_t>(w)) %
+                                16 ==
+                            0;
+  if (one_pass) {
+    switch (d / 256) {
+      case 1:
+        return launch_norm_rope<1>(p, stream);
+      case 2:
+        return launch_norm_rope<2>(p, stream);
+      case 4:
+        return launch_norm_rope<4>(p, stream);
+      case 8:
+        return launch_norm_rope<8>(p, stream);
+      case 16:
+        return launch_norm_rope<16>(p, stream);
+      default:
+        break;
+    }
+  }
+  rms_norm_kernel<<<blocks_for(m, 8), 256, 0, stream>>>(x, m, d, w, eps, out);
+  rope_pairs_only(out, tokens, heads, d, pos0, freqs, rope_pairs, freq_scale, false, stream);
+}
+
+void rope_pairs_only(uint16_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t pos0,
+                     const float* freqs, int64_t rope_pairs, int freq_scale, bool inverse,
+                     cudaStream_t stream) {
+  HETERO_CHECK(head_dim % 2 == 0 && rope_pairs <= head_dim / 2);
+  if (rows <= 0 || heads <= 0 || rope_pairs <= 0) return;
+  const size_t smem = size_t(2 * rope_pairs) * sizeof(float);
+  rope_pairs_kernel<<<unsigned(rows), 256, smem, stream>>>(x, heads, head_dim, pos0, freqs,
+                                                           rope_pairs, freq_scale, inverse);
+}
+
+}  // namespace hetero::cuda

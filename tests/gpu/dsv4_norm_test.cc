@@ -1,0 +1,94 @@
+// The DeepSeek-V4 forward's RMS norm with the rope of its last pairs in one pass
+// (fast_rms_norm_rope) against the two kernels it replaces run one after the other: the norm's
+// output then rope_pairs_only over it, bit-identical; and the norm against a host reference
+// (r from a double sum of squares): its values within one bf16 step where the float sum rounds r
+// to a neighbour, nearly all equal. Shapes: q (64 heads of 512), kv (one head of 512, rows not a
+// multiple of a block's 8), heads of 256 that straddle a block's tokens with a compressor's
+// frequency scale, a hidden row of 4096 without rope, and a head_dim of 384 (the two-kernel
+// fallback); in place and not. Skips without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cuda_test_base.h"
+#include "kernels/cuda/dsv4_fwd_ops.h"
+
+namespace hetero {
+namespace {
+
+class Dsv4CudaNorm : public CudaDeviceTest {};
+
+struct NormCase {
+  std::string name;
+  int64_t tokens, heads, d;
+  bool weight;
+  int64_t rope_pairs, pos0;
+  int freq_scale;
+};
+
+TEST_F(Dsv4CudaNorm, OnePassEqualsTheNormThenTheRope) {
+  const NormCase cases[] = {
+      {"q", 37, 64, 512, false, 32, 1000, 1},
+      {"kv", 45, 1, 512, true, 32, 7, 1},
+      {"straddling heads, ratio 4", 21, 3, 256, true, 16, 5, 4},
+      {"hidden, no rope", 13, 2, 4096, true, 0, 0, 1},
+      {"head_dim 384 (two kernels)", 9, 2, 384, true, 32, 3, 1},
+  };
+  const float eps = 1e-6f;
+  uint32_t seed = 11;
+  for (const NormCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t m = c.tokens * c.heads, n = m * c.d;
+    const std::vector<uint16_t> x = random_bf16(size_t(n), 2.0f, seed++);
+    std::vector<uint16_t> w = random_bf16(size_t(c.d), 1.0f, seed++);
+    std::vector<float> freqs;
+    for (int64_t p = 0; p < c.rope_pairs; ++p)
+      freqs.push_back(std::pow(10000.0f, float(p) / float(c.rope_pairs)));
+    freqs.push_back(1.0f);  // never empty
+    DeviceArray<uint16_t> dx(x), dw(w), fused(x), two(x), in_place(x);
+    DeviceArray<float> df(freqs);
+    const uint16_t* wp = c.weight ? dw.get() : nullptr;
+    cuda::fast_rms_norm_rope(dx.get(), c.tokens, c.heads, c.d, wp, eps, fused.get(), c.pos0,
+                             df.get(), c.rope_pairs, c.freq_scale, nullptr);
+    cuda::fast_rms_norm(dx.get(), m, c.d, wp, eps, two.get(), nullptr);
+    const std::vector<uint16_t> norm_only = two.to_host();
+    cuda::rope_pairs_only(two.get(), c.tokens, c.heads, c.d, c.pos0, df.get(), c.rope_pairs,
+                          c.freq_scale, false, nullptr);
+    cuda::fast_rms_norm_rope(in_place.get(), c.tokens, c.heads, c.d, wp, eps, in_place.get(),
+                             c.pos0, df.get(), c.rope_pairs, c.freq_scale, nullptr);
+    const std::vector<uint16_t> a = fused.to_host(), b = two.to_host(), ip = in_place.to_host();
+    EXPECT_EQ(a, b) << "the one pass differs from the norm then the rope";
+    EXPECT_EQ(a, ip) << "in place differs";
+    if (c.rope_pairs > 0) {
+      EXPECT_NE(a, norm_only) << "the rope changed nothing";
+    }
+
+    // The norm against the host: r from a double sum; y = bf16(x r), out = bf16(y w).
+    int64_t equal = 0, off_by_more = 0;
+    for (int64_t row = 0; row < m; ++row) {
+      double ss = 0;
+      for (int64_t j = 0; j < c.d; ++j) {
+        const double v = bf16_to_f32(x[size_t(row * c.d + j)]);
+        ss += v * v;
+      }
+      const float r = 1.0f / std::sqrt(float(ss / double(c.d)) + eps);
+      for (int64_t j = 0; j < c.d; ++j) {
+        const size_t i = size_t(row * c.d + j);
+        const float y = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * r));
+        const uint16_t want = f32_to_bf16(c.weight ? y * bf16_to_f32(w[size_t(j)]) : y);
+        const int diff = std::abs(int(norm_only[i]) - int(want));
+        equal += diff == 0;
+        off_by_more += diff > 1;
+      }
+    }
+    EXPECT_EQ(off_by_more, 0);
+    EXPECT_GE(double(equal), 0.99 * double(n)) << equal << " of " << n << " equal";
+  }
+}
+
+}  // namespace
+}  // namespace hetero
