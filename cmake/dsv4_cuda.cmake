@@ -11,7 +11,7 @@ target_sources(hetero_engine_cuda PRIVATE src/engine/cuda/dsv4_cuda.cc
                                           src/kernels/cuda/dsv4_fwd_norm.cu)
 target_sources(hetero_gpu_tests PRIVATE tests/gpu/dsv4_cuda_test.cc
                                         tests/gpu/dsv4_attention_test.cc
-                                        tests/gpu/dsv4_norm_test.cc
+                                        tests/gpu/dsv4_fwd_ops_test.cc
                                         tests/gpu/checkpoint_precision_test.cc
                                         tests/gpu/dsv4_pipeline_test.cc
                                         tests/gpu/dsv4_served_gpu_test.cc)

@@ -93,8 +93,8 @@ __global__ void __launch_bounds__(32 * kNormRows) norm_rope_kernel(NormRope p) {
     for (int64_t e = threadIdx.x; e < entries; e += blockDim.x) {
       const int64_t tt = e / p.rope_pairs, pp = e % p.rope_pairs;
       float c, s;
-      mlx_rope_trig(__fadd_rn(float(t0 + tt), float(p.pos0)), p.freqs[pp], p.freq_scale, false,
-                    &c, &s);
+      mlx_rope_trig(__fadd_rn(float(t0 + tt), float(p.pos0)), p.freqs[pp], p.freq_scale, false, &c,
+                    &s);
       trig[tt][pp] = make_float2(c, s);
     }
     __syncthreads();

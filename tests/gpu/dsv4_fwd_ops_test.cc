@@ -1,26 +1,31 @@
-// The DeepSeek-V4 forward's RMS norm with the rope of its last pairs in one pass
-// (fast_rms_norm_rope) against the two kernels it replaces run one after the other: the norm's
-// output then rope_pairs_only over it, bit-identical; and the norm against a host reference
-// (r from a double sum of squares): its values within one bf16 step where the float sum rounds r
-// to a neighbour, nearly all equal. Shapes: q (64 heads of 512), kv (one head of 512, rows not a
-// multiple of a block's 8), heads of 256 that straddle a block's tokens with a compressor's
-// frequency scale, a hidden row of 4096 without rope, and a head_dim of 384 (the two-kernel
-// fallback); in place and not. Skips without a GPU.
+// Small ops of the DeepSeek-V4 fast forward against what they replace or a host reference.
+// The RMS norm with the rope of its last pairs in one pass (fast_rms_norm_rope) against the two
+// kernels run one after the other (the norm's output, then rope_pairs_only over it):
+// bit-identical; and the norm against a host reference (r from a double sum of squares): within
+// one bf16 step where the float sum rounds r to a neighbour, nearly all equal. Shapes: q (64
+// heads of 512), kv (one head of 512, rows not a multiple of a block's 8), heads of 256 that
+// straddle a block's tokens with a compressor's frequency scale, a hidden row of 4096 without
+// rope, and a head_dim of 384 (the two-kernel fallback); in place and not. The MoE's stable
+// grouping by expert (moe_group) against a host counting sort, with experts nobody picked and
+// slot counts not a multiple of a pass. Skips without a GPU.
+#include "kernels/cuda/dsv4_fwd_ops.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "cuda_test_base.h"
-#include "kernels/cuda/dsv4_fwd_ops.h"
 
 namespace hetero {
 namespace {
 
-class Dsv4CudaNorm : public CudaDeviceTest {};
+class Dsv4CudaFwdOps : public CudaDeviceTest {};
 
 struct NormCase {
   std::string name;
@@ -30,7 +35,7 @@ struct NormCase {
   int freq_scale;
 };
 
-TEST_F(Dsv4CudaNorm, OnePassEqualsTheNormThenTheRope) {
+TEST_F(Dsv4CudaFwdOps, NormAndRopeInOnePassEqualTheTwoKernels) {
   const NormCase cases[] = {
       {"q", 37, 64, 512, false, 32, 1000, 1},
       {"kv", 45, 1, 512, true, 32, 7, 1},
@@ -87,6 +92,46 @@ TEST_F(Dsv4CudaNorm, OnePassEqualsTheNormThenTheRope) {
     }
     EXPECT_EQ(off_by_more, 0);
     EXPECT_GE(double(equal), 0.99 * double(n)) << equal << " of " << n << " equal";
+  }
+}
+
+TEST_F(Dsv4CudaFwdOps, GroupingByExpertIsStable) {
+  struct Case {
+    int64_t n, top_k, experts;
+  };
+  uint32_t seed = 5;
+  for (const Case c : {Case{8192, 6, 256}, Case{1, 6, 256}, Case{333, 6, 64}, Case{1000, 2, 7}}) {
+    SCOPED_TRACE(std::to_string(c.n) + " tokens, top-" + std::to_string(c.top_k) + " of " +
+                 std::to_string(c.experts));
+    const int64_t slots = c.n * c.top_k;
+    std::mt19937 rng(seed++);
+    // Skewed: the first half of the experts are picked four times as often; the last is never.
+    std::uniform_int_distribution<int32_t> pick(0, int32_t(c.experts * 5 / 2) - 1);
+    std::vector<int32_t> inds(static_cast<size_t>(slots));
+    for (auto& v : inds) {
+      const int32_t r = pick(rng);
+      v = std::min<int32_t>(
+          r < 2 * c.experts ? r / 4 : r - int32_t(2 * c.experts) + int32_t(c.experts / 2),
+          int32_t(c.experts) - 2);
+    }
+    std::vector<int32_t> want_off(size_t(c.experts + 1), 0), want_perm, want_row(inds.size());
+    for (int32_t e = 0; e < c.experts; ++e) {
+      want_off[size_t(e)] = static_cast<int32_t>(want_perm.size());
+      for (int64_t s = 0; s < slots; ++s)
+        if (inds[size_t(s)] == e) {
+          want_row[size_t(s)] = static_cast<int32_t>(want_perm.size());
+          want_perm.push_back(static_cast<int32_t>(s));
+        }
+    }
+    want_off[size_t(c.experts)] = static_cast<int32_t>(slots);
+    DeviceArray<int32_t> di(inds), counts(std::vector<int32_t>(size_t(c.experts))),
+        off(std::vector<int32_t>(size_t(c.experts + 1))), perm(std::vector<int32_t>(inds.size())),
+        row(std::vector<int32_t>(inds.size()));
+    cuda::moe_group(di.get(), slots, c.top_k, c.experts, nullptr, 0, counts.get(), off.get(),
+                    perm.get(), row.get(), nullptr, nullptr);
+    EXPECT_EQ(off.to_host(), want_off);
+    EXPECT_EQ(perm.to_host(), want_perm);
+    EXPECT_EQ(row.to_host(), want_row);
   }
 }
 
