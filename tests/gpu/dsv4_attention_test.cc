@@ -7,9 +7,11 @@
 // layers' dense list past a thousand rows), a top-768 list (the wide kernel's key buffers two,
 // three and four deep across the cases), the first positions (a partial window, every
 // compressed row masked), and 72 heads of 192 (a second block of rows, mostly empty). A broken
-// fragment layout or tile schedule is off by a relative RMS near 1. And the indexer's selection
-// against a host reference that scores in the CPU engine's order: the same top-k sets, a
-// near-tie aside, with and without HISA (blocks of 64, 8 and 48 rows). Skips without a GPU.
+// fragment layout or tile schedule is off by a relative RMS near 1. The output's rope pairs
+// rotated back inside the attention against rope_pairs_only after it: bit-identical. And the
+// indexer's selection against a host reference that scores in the CPU engine's order: the same
+// top-k sets, a near-tie aside, with and without HISA (blocks of 64, 8 and 48 rows; 32 to 8,192
+// keys sorted, in registers and in shared memory). Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -116,7 +118,8 @@ std::vector<uint16_t> reference(const AttnCase& c, const AttnInputs& in) {
   return out;
 }
 
-std::vector<uint16_t> run_kernel(const AttnCase& c, const AttnInputs& in, bool online_only) {
+std::vector<uint16_t> run_kernel(const AttnCase& c, const AttnInputs& in, bool online_only,
+                                 const float* derope_freqs = nullptr, int64_t derope_pairs = 0) {
   DeviceArray<uint16_t> q(in.q), lk(in.lk), pooled(in.pooled);
   DeviceArray<uint32_t> topk(c.k > 0 ? in.topk : std::vector<uint32_t>(1));
   DeviceArray<float> sinks(in.sinks);
@@ -131,8 +134,28 @@ std::vector<uint16_t> run_kernel(const AttnCase& c, const AttnInputs& in, bool o
   p.topk = c.k > 0 ? topk.get() : nullptr, p.k = c.k;
   p.sinks = sinks.get(), p.scale = in.scale;
   p.online_only = online_only;
+  p.derope_freqs = derope_freqs, p.derope_pairs = derope_pairs;
   cuda::sparse_attention(p, nullptr);
   return out.to_host();
+}
+
+// The output's rope pairs rotated back inside the attention (the two-pass kernel's epilogue; the
+// online kernel then rope_pairs_only) equal the attention then rope_pairs_only, bit for bit.
+TEST_F(Dsv4CudaAttention, TheOutputIsDeropedAsTheRopeKernelDoesIt) {
+  const AttnCase c{"flash ratio 4, top-512", 64, 512, 4000, 12, 128, 4, 1024, 512};
+  const AttnInputs in = make_inputs(c, 77);
+  std::vector<float> freqs;
+  for (int p = 0; p < 32; ++p) freqs.push_back(std::pow(10000.0f, float(p) / 32.0f));
+  DeviceArray<float> df(freqs);
+  for (bool online : {false, true}) {
+    const std::vector<uint16_t> plain = run_kernel(c, in, online);
+    DeviceArray<uint16_t> want(plain);
+    cuda::rope_pairs_only(want.get(), c.m, c.heads, c.head_dim, c.off, df.get(), 32, 1, true,
+                          nullptr);
+    const std::vector<uint16_t> got = run_kernel(c, in, online, df.get(), 32);
+    EXPECT_EQ(got, want.to_host()) << (online ? "online" : "wide");
+    EXPECT_NE(got, plain) << "nothing rotated";
+  }
 }
 
 TEST_F(Dsv4CudaAttention, BothKernelsMatchTheDecodersRoundingPoints) {
@@ -245,6 +268,9 @@ TEST_F(Dsv4CudaAttention, TheIndexerKeepsTheReferenceSelection) {
   const IndexCase cases[] = {
       {"flash HISA 64/16, top-512", 64, 2048, 7900, 16, 512, 64, 16, false},
       {"flash without HISA, masked tail", 64, 700, 2700, 16, 512, 0, 0, false},
+      // 2,048 and 8,192 keys to sort: eight a thread in registers; in shared memory.
+      {"without HISA, 2,000 rows, masked tail", 64, 2000, 7000, 8, 512, 0, 0, false},
+      {"without HISA, 5,000 rows", 64, 5000, 21000, 4, 512, 0, 0, false},
       {"16 heads, one token, HISA 8/4", 16, 256, 1500, 1, 16, 8, 4, true},
       // A block size that is not a power of two, 12 rows past the last whole block.
       {"HISA 48/8, top-256, masked tail", 64, 1500, 5990, 8, 256, 48, 8, false},

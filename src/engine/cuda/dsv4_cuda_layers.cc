@@ -429,12 +429,12 @@ Status attention(Impl& m, const Dsv4Config& c, int64_t l, int64_t n, int64_t pos
     ap.k = c.index_topk;
     ap.sinks = f32(L.sinks), ap.scale = scale_b;
     ap.online_only = m.online_only;
+    ap.derope_freqs = freqs, ap.derope_pairs = m.rope_pairs;  // the output's rope dims back
     cuda::sparse_attention(ap, st);
   }
 
   HETERO_RETURN_IF_ERROR(m.timer.mark(st, "attn output projections"));
-  // De-rotate the output's rope dims, then the grouped low-rank output (one batched GEMM).
-  cuda::rope_pairs_only(bf(m.attn), n, Hh, hd, pos0, freqs, m.rope_pairs, 1, true, st);
+  // The grouped low-rank output (one batched GEMM) of the de-roped attention output.
   const int64_t G = c.o_groups, feat = Hh * hd / G, R = c.o_lora_rank;
   const float alpha = 1.0f, beta0 = 0.0f;
   HETERO_CUDA_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(

@@ -194,8 +194,9 @@ constexpr int32_t kMaskedKey = -1;           // kidx: -1 masked, >= 0 pooled row
 struct WideSmem {
   int64_t ldk, lds;  // row pitches (elements): 16-byte rows fall in distinct banks for ldmatrix
   int stages;
-  size_t s_off, k_off, l_off, bytes;
+  size_t s_off, k_off, l_off, trig_off, bytes;
 };
+constexpr int kWideMaxDeropePairs = 64;  // the epilogue's de-rope: cos and sin of these many pairs
 __host__ __device__ inline WideSmem wide_smem(int64_t D, int64_t nk_max, int stages) {
   WideSmem s;
   s.ldk = D + 8;
@@ -205,7 +206,8 @@ __host__ __device__ inline WideSmem wide_smem(int64_t D, int64_t nk_max, int sta
   s.s_off = size_t(stages * kWideKeys * s.ldk) * 2;
   s.k_off = s.s_off + size_t(kWideRows * s.lds) * 2;
   s.l_off = s.k_off + size_t(s.lds) * 4;
-  s.bytes = s.l_off + size_t(kWideRows) * 4;
+  s.trig_off = s.l_off + size_t(kWideRows) * 4;
+  s.bytes = s.trig_off + size_t(kWideMaxDeropePairs) * 8;
   return s;
 }
 static_assert(2 * kWideKeys == kWideRows, "the staged query rows fill two key tiles");
@@ -259,6 +261,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   uint16_t* Ss = reinterpret_cast<uint16_t*>(smem + L.s_off);
   int32_t* kidx = reinterpret_cast<int32_t*>(smem + L.k_off);
   float* inv_l = reinterpret_cast<float*>(smem + L.l_off);
+  float2* trig = reinterpret_cast<float2*>(smem + L.trig_off);
   const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * kWideRows;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int rt = warp % 4, half = warp / 4;
@@ -268,6 +271,12 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   const int64_t tiles = (kl.nk + kWideKeys - 1) / kWideKeys;
   const int64_t ldk = L.ldk, lds = L.lds, tile_elems = kWideKeys * ldk;
 
+  // The de-rope's cos and sin at this query's position (read in the epilogue, many barriers on).
+  if (tid < p.derope_pairs) {
+    float c, s;
+    mlx_rope_trig(__fadd_rn(float(i), float(p.off)), p.derope_freqs[tid], 1, true, &c, &s);
+    trig[tid] = make_float2(c, s);
+  }
   // Where each key's row lies (the tiles' padding masked).
   for (int64_t j = tid; j < tiles * kWideKeys; j += kWideThreads) {
     int32_t k = kMaskedKey;
@@ -415,10 +424,17 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     if (h >= p.heads) continue;
     const float inv = inv_l[r];
     uint16_t* out = p.out + (i * p.heads + h) * D + col0 + c2;
+    // Pair (col0 + c2 + 8 nt) / 2 of the head; the last derope_pairs of D / 2 rotate back.
+    const int64_t first = D / 2 - p.derope_pairs - (col0 + c2) / 2;
 #pragma unroll
-    for (int nt = 0; nt < D / 16; ++nt)
-      *reinterpret_cast<uint32_t*>(out + nt * 8) =
-          mma::pack_bf2(o[nt][2 * half_row] * inv, o[nt][2 * half_row + 1] * inv);
+    for (int nt = 0; nt < D / 16; ++nt) {
+      uint32_t v = mma::pack_bf2(o[nt][2 * half_row] * inv, o[nt][2 * half_row + 1] * inv);
+      if (4 * nt >= first) {
+        const float2 cs = trig[4 * nt - first];
+        v = rope_pair(v, cs.x, cs.y);
+      }
+      *reinterpret_cast<uint32_t*>(out + nt * 8) = v;
+    }
   }
 }
 
@@ -483,7 +499,9 @@ void sparse_attention(const SparseAttnParams& p, cudaStream_t stream) {
   const int64_t last = p.off + p.m - 1;
   int64_t nk_max = std::min<int64_t>(p.window, last + 1);
   if (p.ratio > 0) nk_max += p.topk ? p.k : std::min<int64_t>(p.pooled_rows, (last + 1) / p.ratio);
-  if (!p.online_only && wide_attention(p, nk_max, stream)) return;
+  HETERO_CHECK(p.derope_pairs <= p.head_dim / 2);
+  if (!p.online_only && p.derope_pairs <= kWideMaxDeropePairs && wide_attention(p, nk_max, stream))
+    return;
   static bool configured = false;  // long key lists: the online-softmax kernel
   if (!configured) {
     cudaFuncSetAttribute(online_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -494,6 +512,8 @@ void sparse_attention(const SparseAttnParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.m),
                   static_cast<unsigned>((p.heads + kAttnHeads - 1) / kAttnHeads));
   online_attention_kernel<<<grid, kAttnThreads, L.bytes, stream>>>(p);
+  rope_pairs_only(p.out, p.m, p.heads, p.head_dim, p.off, p.derope_freqs, p.derope_pairs, 1, true,
+                  stream);
 }
 
 }  // namespace hetero::cuda

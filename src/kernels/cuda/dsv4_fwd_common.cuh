@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/status.h"
+#include "kernels/cuda/mlx_math.cuh"
 
 namespace hetero::cuda::dsv4_fwd {
 
@@ -26,6 +27,15 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// One rope pair (x1, x2), the low and high halves of v, rotated by (c, s) from mlx_rope_trig
+// with the decoder's rounding points: each product to bf16, then their difference and sum.
+__device__ __forceinline__ uint32_t rope_pair(uint32_t v, float c, float s) {
+  const float x1 = b2f(uint16_t(v & 0xffffu)), x2 = b2f(uint16_t(v >> 16));
+  const uint16_t y1 = f2b(__fsub_rn(rb(__fmul_rn(x1, c)), rb(__fmul_rn(x2, s))));
+  const uint16_t y2 = f2b(__fadd_rn(rb(__fmul_rn(x1, s)), rb(__fmul_rn(x2, c))));
+  return uint32_t(y1) | (uint32_t(y2) << 16);
 }
 
 }  // namespace hetero::cuda::dsv4_fwd

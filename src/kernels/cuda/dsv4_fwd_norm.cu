@@ -32,14 +32,6 @@ __global__ void rms_norm_kernel(const uint16_t* x, int64_t m, int64_t d, const u
   }
 }
 
-// One rope pair (x1, x2) as rope_pairs_kernel rotates it, by (c, s) from mlx_rope_trig.
-__device__ __forceinline__ uint32_t rope_pair(uint32_t v, float c, float s) {
-  const float x1 = b2f(uint16_t(v & 0xffffu)), x2 = b2f(uint16_t(v >> 16));
-  const uint16_t y1 = f2b(__fsub_rn(rb(__fmul_rn(x1, c)), rb(__fmul_rn(x2, s))));
-  const uint16_t y2 = f2b(__fadd_rn(rb(__fmul_rn(x1, s)), rb(__fmul_rn(x2, c))));
-  return uint32_t(y1) | (uint32_t(y2) << 16);
-}
-
 // One block per row t: the rope pairs' cos and sin into shared memory (as dsv4_rope_kernel
 // computes them), then every (head, rope pair) of the row, a pair a 32-bit word.
 __global__ void rope_pairs_kernel(uint16_t* x, int64_t heads, int64_t head_dim, int64_t pos0,

@@ -135,6 +135,10 @@ struct SparseAttnParams {
   // Use the online-softmax kernel even where the two-pass kernel's scores fit in shared memory
   // (it otherwise runs only for longer key lists): lets the tests reach it.
   bool online_only = false;
+  // The output's last derope_pairs pairs a head rotated back (rope_pairs_only, inverse, at
+  // position off + i): in the two-pass kernel's epilogue, else by rope_pairs_only after it.
+  const float* derope_freqs = nullptr;
+  int64_t derope_pairs = 0;
 };
 void sparse_attention(const SparseAttnParams& p, cudaStream_t stream);
 
