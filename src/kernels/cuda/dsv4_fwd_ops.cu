@@ -70,12 +70,14 @@ __host__ __device__ inline int64_t hc_partial_offset(int64_t hc) {
 // skinny GEMM [tokens, hc*hidden] x [hc*hidden, (2 + K) K] whose float32 fn would lose bits as a
 // bf16 operand, so each fn value goes in as two bf16 terms, hi = bf16(fn) and lo = bf16(fn - hi)
 // (what is left is below 2^-16 of fn), each product exact in the float32 accumulator. h is bf16
-// already. 128 tokens per block, 16 per warp; columns in chunks of 32: h by cp.async two chunks
-// deep, fn's hi and lo terms staged through registers; the sum of squares from the A fragments.
+// already. 128 tokens per block, 16 per warp; columns in chunks of 32: h by cp.async three
+// chunks deep (two left each block waiting on its copies: DRAM at 39% under Nsight Compute), fn's
+// hi and lo terms staged through registers; the sum of squares from the A fragments.
 // The CUDA-core form this replaced (one thread per token, 24 sums in registers) ran at an eighth
 // of the memory bandwidth, two thirds of the hyper-connections' time (Nsight Compute, 8K tokens).
 // hc_params_kernel adds the splits in order.
-constexpr int kHcMixTok = 128, kHcMixCols = 32, kHcMixLd = kHcMixCols + 8, kHcMixRows = 32;
+constexpr int kHcMixTok = 128, kHcMixCols = 32, kHcMixLd = kHcMixCols + 8, kHcMixRows = 32,
+              kHcMixStages = 3;
 static_assert(kHcMaxMix <= kHcMixRows, "the fn tile holds every mix");
 
 __device__ __forceinline__ uint32_t hi_lo_bf16(float f, uint16_t* lo) {
@@ -89,7 +91,7 @@ __global__ void __launch_bounds__(256)
     hc_mix_kernel(HcParams p, const uint16_t* h, int64_t n, float* mix_out, int64_t stride,
                   int64_t splits) {
   constexpr int kMix = (2 + K) * K;
-  __shared__ __align__(16) uint16_t hs[2][kHcMixTok][kHcMixLd];
+  __shared__ __align__(16) uint16_t hs[kHcMixStages][kHcMixTok][kHcMixLd];
   __shared__ __align__(16) uint16_t fs[2][2][kHcMixRows][kHcMixLd];  // [buffer][hi, lo][mix][col]
   const int64_t W = p.hc * p.hidden, cols = W / splits;
   const int64_t t0 = int64_t(blockIdx.x) * kHcMixTok, c0 = int64_t(blockIdx.y) * cols;
@@ -133,22 +135,23 @@ __global__ void __launch_bounds__(256)
   };
   float acc[kHcMixRows / 8][4] = {};
   float sq[2] = {0.f, 0.f};  // rows g and g + 8 of this warp, this lane's columns
-  issue_h(0, 0);
+  // Every trip commits one group (empty past the last chunk), so that all but the newest
+  // kHcMixStages - 1 groups landed means chunk ch's h is in.
+  for (int s = 0; s < kHcMixStages - 1; ++s) s < chunks ? issue_h(s, s) : mma::cp_async_commit();
   load_fn(0);
   store_fn(0);
   for (int ch = 0; ch < chunks; ++ch) {
-    const int buf = ch % 2;
+    const int buf = ch % 2, hb = ch % kHcMixStages;
     const bool more = ch + 1 < chunks;
-    if (more) issue_h(ch + 1, buf ^ 1), load_fn(ch + 1);
-    if (more)
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    else
-      mma::cp_async_wait_all();
+    const int next = ch + kHcMixStages - 1;  // into the buffer chunk ch - 1 was read from
+    next < chunks ? issue_h(next, next % kHcMixStages) : mma::cp_async_commit();
+    if (more) load_fn(ch + 1);
+    mma::cp_async_wait<kHcMixStages - 1>();
     __syncthreads();  // chunk ch's h and fn are in
 #pragma unroll
     for (int ks = 0; ks < kHcMixCols / 16; ++ks) {
       uint32_t a[4];
-      mma::ldsm_x4(a, &hs[buf][warp * 16 + (mi % 2) * 8 + mr][ks * 16 + (mi / 2) * 8]);
+      mma::ldsm_x4(a, &hs[hb][warp * 16 + (mi % 2) * 8 + mr][ks * 16 + (mi / 2) * 8]);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float x = __uint_as_float(a[q] << 16), y = __uint_as_float(a[q] & 0xffff0000u);
@@ -165,8 +168,9 @@ __global__ void __launch_bounds__(256)
         }
     }
     if (more) store_fn(buf ^ 1);  // its last readers passed the barrier above
-    __syncthreads();              // every warp is done with buffer `buf`
+    __syncthreads();              // every warp is done with buffers `buf` and `hb`
   }
+  mma::cp_async_wait_all();  // the empty groups
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 1);
