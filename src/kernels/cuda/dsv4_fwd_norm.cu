@@ -72,18 +72,28 @@ constexpr int kNormRows = 8, kNormMaxPairs = 64;
 // is read once, where rms_norm_kernel read it twice 2 bytes a lane). The same rounding points as
 // rms_norm_kernel then rope_pairs_kernel; the sum of squares is ordered by this layout (the fast
 // forward's norms promise no order). The block's rows span at most kNormRows tokens, whose cos
-// and sin it computes once into shared memory.
+// and sin it computes once into shared memory while the rows load; row and token indices in
+// 32-bit arithmetic (m < 2^31, checked by the launcher): 64-bit divisions here made the kernel
+// slower than the two it replaced.
 template <int C>
 __global__ void __launch_bounds__(32 * kNormRows) norm_rope_kernel(NormRope p) {
   __shared__ float2 trig[kNormRows][kNormMaxPairs];
   const int lane = threadIdx.x % 32;
-  const int64_t row0 = int64_t(blockIdx.x) * kNormRows, row = row0 + threadIdx.x / 32;
-  const int64_t t0 = row0 / p.heads;
-  if (p.rope_pairs > 0) {
-    const int64_t last = (row0 + kNormRows < p.m ? row0 + kNormRows : p.m) - 1;
-    const int64_t entries = (last / p.heads - t0 + 1) * p.rope_pairs;
-    for (int64_t e = threadIdx.x; e < entries; e += blockDim.x) {
-      const int64_t tt = e / p.rope_pairs, pp = e % p.rope_pairs;
+  const uint32_t m = uint32_t(p.m), heads = uint32_t(p.heads), pairs = uint32_t(p.rope_pairs);
+  const uint32_t row0 = blockIdx.x * kNormRows, row = row0 + threadIdx.x / 32;
+  const bool live = row < m;
+  uint4 v[C];
+  if (live) {
+    const uint4* xr = reinterpret_cast<const uint4*>(p.x + int64_t(row) * p.d);
+#pragma unroll
+    for (int c = 0; c < C; ++c) v[c] = xr[lane + 32 * c];
+  }
+  const uint32_t t0 = row0 / heads;
+  if (pairs > 0) {
+    const uint32_t last = (row0 + kNormRows < m ? row0 + kNormRows : m) - 1;
+    const uint32_t entries = (last / heads - t0 + 1) * pairs;
+    for (uint32_t e = threadIdx.x; e < entries; e += blockDim.x) {
+      const uint32_t tt = e / pairs, pp = e - tt * pairs;
       float c, s;
       mlx_rope_trig(__fadd_rn(float(t0 + tt), float(p.pos0)), p.freqs[pp], p.freq_scale, false, &c,
                     &s);
@@ -91,11 +101,7 @@ __global__ void __launch_bounds__(32 * kNormRows) norm_rope_kernel(NormRope p) {
     }
     __syncthreads();
   }
-  if (row >= p.m) return;
-  const uint4* xr = reinterpret_cast<const uint4*>(p.x + row * p.d);
-  uint4 v[C];
-#pragma unroll
-  for (int c = 0; c < C; ++c) v[c] = xr[lane + 32 * c];
+  if (!live) return;
   float s = 0.0f;
 #pragma unroll
   for (int c = 0; c < C; ++c) {
@@ -109,9 +115,9 @@ __global__ void __launch_bounds__(32 * kNormRows) norm_rope_kernel(NormRope p) {
   }
   s = warp_sum(s);
   const float r = 1.0f / sqrtf(s / float(p.d) + p.eps);
-  const int64_t first_rope_pair = p.d / 2 - p.rope_pairs;  // pairs (2j, 2j + 1) of the row
-  const float2* tr = trig[row / p.heads - t0];
-  uint4* o = reinterpret_cast<uint4*>(p.out + row * p.d);
+  const int first_rope_pair = int(p.d / 2 - p.rope_pairs);  // pairs (2j, 2j + 1) of the row
+  const float2* tr = trig[row / heads - t0];
+  uint4* o = reinterpret_cast<uint4*>(p.out + int64_t(row) * p.d);
 #pragma unroll
   for (int c = 0; c < C; ++c) {
     const int col = 8 * (lane + 32 * c);
@@ -128,7 +134,7 @@ __global__ void __launch_bounds__(32 * kNormRows) norm_rope_kernel(NormRope p) {
       const uint16_t oa = p.w ? f2b(ya * __uint_as_float(wv[k] << 16)) : f2b(ya);
       const uint16_t ob = p.w ? f2b(yb * __uint_as_float(wv[k] & 0xffff0000u)) : f2b(yb);
       u[k] = uint32_t(oa) | (uint32_t(ob) << 16);
-      const int64_t pair = col / 2 + k;
+      const int pair = col / 2 + k;
       if (pair >= first_rope_pair) {
         const float2 cs = tr[pair - first_rope_pair];
         u[k] = rope_pair(u[k], cs.x, cs.y);
@@ -158,7 +164,7 @@ void fast_rms_norm_rope(const uint16_t* x, int64_t tokens, int64_t heads, int64_
   const int64_t m = tokens * heads;
   if (m <= 0) return;
   const NormRope p{x, out, m, heads, d, w, eps, pos0, freqs, rope_pairs, freq_scale};
-  const bool one_pass = d % 256 == 0 && rope_pairs <= kNormMaxPairs &&
+  const bool one_pass = d % 256 == 0 && rope_pairs <= kNormMaxPairs && m < (int64_t(1) << 31) &&
                         (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) |
                          reinterpret_cast<uintptr_t>(w)) %
                                 16 ==
