@@ -86,7 +86,7 @@ if [[ ${NCU:-0} == 1 ]]; then
     --repeats 1 --warmup 0 --bridge off >"$OUT_DIR/ncu.txt" 2>&1
   echo "ncu rc=$?"
 fi
-for d in ${DETAIL//,/ }; do  # name:regex:count
+for d in ${DETAIL:+${DETAIL//,/ }}; do  # name:regex:count
   IFS=: read -r name regex count <<<"$d"
   timeout 120 ncu --clock-control none --kernel-name regex:"$regex" --launch-count "$count" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
