@@ -163,6 +163,9 @@ def test_partial_no_longer_than_the_decoders_own_prefix_is_not_mounted(tiny) -> 
     v = verdict_of(r.headers)
     assert v["verdict"].startswith("declined: ") and f"already holds {own}" in v["verdict"], v
     assert v["confirmed"] and v["reused"] == own == cached_tokens(r.json()), v
+    # The decoder stores this request's entry after its reply: a clear before that store would
+    # leave it behind (the first request below then finds 203 rows, not its own 66).
+    wait_cached(tiny.cached, ids)
     tiny.clear()
 
     with_tails = tiny.front(tiny.prefill("corrupt:1").port, **{"partial-min-fraction": 0.05})
