@@ -38,6 +38,7 @@ struct NormCase {
 TEST_F(Dsv4CudaFwdOps, NormAndRopeInOnePassEqualTheTwoKernels) {
   const NormCase cases[] = {
       {"q", 37, 64, 512, false, 32, 1000, 1},
+      {"q, 128 heads of 256, half a token a block", 5, 128, 256, true, 32, 70000, 1},
       {"kv", 45, 1, 512, true, 32, 7, 1},
       {"straddling heads, ratio 4", 21, 3, 256, true, 16, 5, 4},
       {"hidden, no rope", 13, 2, 4096, true, 0, 0, 1},

@@ -27,21 +27,27 @@ __device__ __forceinline__ uint32_t key_index(uint64_t k) {
   return 0xffffffffu - uint32_t(k & 0xffffffffu);
 }
 
+// One step (size, stride) of a descending bitonic sort of keys[0, n) in shared memory, by the
+// whole block: a thread per compare-exchange pair (i, i + stride), i the p-th index whose stride
+// bit is clear, so every thread has work in every step. The caller puts the barriers around it.
+__device__ __forceinline__ void bitonic_step_smem(uint64_t* keys, int n, int size, int stride) {
+  for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
+    const int i = ((p & ~(stride - 1)) << 1) | (p & (stride - 1)), j = i + stride;
+    const bool desc = (i & size) == 0;
+    const uint64_t a = keys[i], b = keys[j];
+    if (desc ? a < b : a > b) keys[i] = b, keys[j] = a;
+  }
+}
+
 // Descending bitonic sort of keys[0, n2) (n2 a power of two, at most kIdxMaxSort) by the whole
-// block, in shared memory. 32-bit indices; a thread per compare-exchange pair (i, i + stride), i
-// the p-th index whose stride bit is clear, so every thread has work in every step. The sort for
-// more keys than sort_desc holds in registers.
+// block, in shared memory, 32-bit indices: the sort for more keys than sort_desc holds in
+// registers.
 __device__ void bitonic_desc(uint64_t* keys, int64_t n2_) {
   const int n2 = static_cast<int>(n2_);
   for (int size = 2; size <= n2; size <<= 1)
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       __syncthreads();
-      for (int p = threadIdx.x; p < n2 / 2; p += blockDim.x) {
-        const int i = ((p & ~(stride - 1)) << 1) | (p & (stride - 1)), j = i + stride;
-        const bool desc = (i & size) == 0;
-        const uint64_t a = keys[i], b = keys[j];
-        if (desc ? a < b : a > b) keys[i] = b, keys[j] = a;
-      }
+      bitonic_step_smem(keys, n2, size, stride);
     }
   __syncthreads();
 }
@@ -75,12 +81,7 @@ __device__ void bitonic_desc_regs(uint64_t* keys, int n2) {
         for (int r = 0; r < E; ++r) keys[base + r] = v[r];
       for (; stride >= span; stride >>= 1) {
         __syncthreads();
-        for (int p = tid; p < n / 2; p += blockDim.x) {
-          const int i = ((p & ~(stride - 1)) << 1) | (p & (stride - 1)), j = i + stride;
-          const bool desc = (i & size) == 0;
-          const uint64_t a = keys[i], b = keys[j];
-          if (desc ? a < b : a > b) keys[i] = b, keys[j] = a;
-        }
+        bitonic_step_smem(keys, n, size, stride);
       }
       __syncthreads();
 #pragma unroll

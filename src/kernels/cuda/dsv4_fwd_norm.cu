@@ -5,6 +5,7 @@
 #include "kernels/cuda/dsv4_fwd_common.cuh"
 #include "kernels/cuda/dsv4_fwd_ops.h"
 #include "kernels/cuda/mlx_math.cuh"
+#include "kernels/cuda/mma_sm80.cuh"
 
 namespace hetero::cuda {
 namespace {
@@ -65,32 +66,36 @@ struct NormRope {
   int64_t rope_pairs;
   int freq_scale;
 };
-constexpr int kNormRows = 8, kNormMaxPairs = 64;
+constexpr int kNormWarps = 8, kNormMaxPairs = 64;
 
-// The norm, then the rope of the last rope_pairs pairs, in one pass: a warp a row of d = 256 C
-// (lane l holds columns 8 (l + 32 c) .. + 7, 16-byte accesses; the row stays in registers, so it
-// is read once, where rms_norm_kernel read it twice 2 bytes a lane). The same rounding points as
-// rms_norm_kernel then rope_pairs_kernel; the sum of squares is ordered by this layout (the fast
-// forward's norms promise no order). The block's rows span at most kNormRows tokens, whose cos
-// and sin it computes once into shared memory while the rows load; row and token indices in
-// 32-bit arithmetic (m < 2^31, checked by the launcher): 64-bit divisions here made the kernel
+// The norm, then the rope of the last rope_pairs pairs, in one pass: a warp R rows of d = 256 C
+// (lane l holds columns 8 (l + 32 c) .. + 7 of each, 16-byte accesses; the rows stay in
+// registers, so each is read once, where rms_norm_kernel read it twice 2 bytes a lane). The same
+// rounding points as rms_norm_kernel then rope_pairs_kernel; the sum of squares is ordered by this
+// layout (the fast forward's norms promise no order), and a NaN comes out as the conversion
+// instruction's canonical one, not with its payload. The block's 8 R rows span at most
+// kNormWarps tokens (R > 1 only where a token has a multiple of 8 R heads: then one token), whose
+// cos and sin it computes once into shared memory while the rows load: R = 8 makes q's 64 heads a
+// block, so its cos and sin are made once a token, not once every 8 heads. Row and token indices
+// in 32-bit arithmetic (m < 2^31, checked by the launcher): 64-bit divisions here made the kernel
 // slower than the two it replaced.
-template <int C>
-__global__ void __launch_bounds__(32 * kNormRows) norm_rope_kernel(NormRope p) {
-  __shared__ float2 trig[kNormRows][kNormMaxPairs];
+template <int C, int R>
+__global__ void __launch_bounds__(32 * kNormWarps) norm_rope_kernel(NormRope p) {
+  __shared__ float2 trig[kNormWarps][kNormMaxPairs];
   const int lane = threadIdx.x % 32;
   const uint32_t m = uint32_t(p.m), heads = uint32_t(p.heads), pairs = uint32_t(p.rope_pairs);
-  const uint32_t row0 = blockIdx.x * kNormRows, row = row0 + threadIdx.x / 32;
-  const bool live = row < m;
-  uint4 v[C];
-  if (live) {
-    const uint4* xr = reinterpret_cast<const uint4*>(p.x + int64_t(row) * p.d);
+  const uint32_t row0 = blockIdx.x * (kNormWarps * R), first = row0 + (threadIdx.x / 32) * R;
+  uint4 v[R][C];
 #pragma unroll
-    for (int c = 0; c < C; ++c) v[c] = xr[lane + 32 * c];
-  }
+  for (int rr = 0; rr < R; ++rr)
+    if (first + rr < m) {
+      const uint4* xr = reinterpret_cast<const uint4*>(p.x + int64_t(first + rr) * p.d);
+#pragma unroll
+      for (int c = 0; c < C; ++c) v[rr][c] = xr[lane + 32 * c];
+    }
   const uint32_t t0 = row0 / heads;
   if (pairs > 0) {
-    const uint32_t last = (row0 + kNormRows < m ? row0 + kNormRows : m) - 1;
+    const uint32_t last = (row0 + kNormWarps * R < m ? row0 + kNormWarps * R : m) - 1;
     const uint32_t entries = (last / heads - t0 + 1) * pairs;
     for (uint32_t e = threadIdx.x; e < entries; e += blockDim.x) {
       const uint32_t tt = e / pairs, pp = e - tt * pairs;
@@ -101,52 +106,65 @@ __global__ void __launch_bounds__(32 * kNormRows) norm_rope_kernel(NormRope p) {
     }
     __syncthreads();
   }
-  if (!live) return;
-  float s = 0.0f;
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
-    const uint32_t u[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float a = __uint_as_float(u[k] << 16), b = __uint_as_float(u[k] & 0xffff0000u);
-      s += a * a;
-      s += b * b;
-    }
-  }
-  s = warp_sum(s);
-  const float r = 1.0f / sqrtf(s / float(p.d) + p.eps);
   const int first_rope_pair = int(p.d / 2 - p.rope_pairs);  // pairs (2j, 2j + 1) of the row
-  const float2* tr = trig[row / heads - t0];
-  uint4* o = reinterpret_cast<uint4*>(p.out + int64_t(row) * p.d);
 #pragma unroll
-  for (int c = 0; c < C; ++c) {
-    const int col = 8 * (lane + 32 * c);
-    uint32_t u[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
-    uint32_t wv[4] = {0u, 0u, 0u, 0u};
-    if (p.w) {
-      const uint4 w4 = *reinterpret_cast<const uint4*>(p.w + col);
-      wv[0] = w4.x, wv[1] = w4.y, wv[2] = w4.z, wv[3] = w4.w;
-    }
+  for (int rr = 0; rr < R; ++rr) {
+    const uint32_t row = first + rr;
+    if (row >= m) return;
+    float s = 0.0f;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float ya = rb(__uint_as_float(u[k] << 16) * r);
-      const float yb = rb(__uint_as_float(u[k] & 0xffff0000u) * r);
-      const uint16_t oa = p.w ? f2b(ya * __uint_as_float(wv[k] << 16)) : f2b(ya);
-      const uint16_t ob = p.w ? f2b(yb * __uint_as_float(wv[k] & 0xffff0000u)) : f2b(yb);
-      u[k] = uint32_t(oa) | (uint32_t(ob) << 16);
-      const int pair = col / 2 + k;
-      if (pair >= first_rope_pair) {
-        const float2 cs = tr[pair - first_rope_pair];
-        u[k] = rope_pair(u[k], cs.x, cs.y);
+    for (int c = 0; c < C; ++c) {
+      const uint32_t u[4] = {v[rr][c].x, v[rr][c].y, v[rr][c].z, v[rr][c].w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float a = __uint_as_float(u[k] << 16), b = __uint_as_float(u[k] & 0xffff0000u);
+        s += a * a;
+        s += b * b;
       }
     }
-    o[lane + 32 * c] = make_uint4(u[0], u[1], u[2], u[3]);
+    s = warp_sum(s);
+    const float r = 1.0f / sqrtf(s / float(p.d) + p.eps);
+    const float2* tr = trig[row / heads - t0];
+    uint4* o = reinterpret_cast<uint4*>(p.out + int64_t(row) * p.d);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int col = 8 * (lane + 32 * c);
+      uint32_t u[4] = {v[rr][c].x, v[rr][c].y, v[rr][c].z, v[rr][c].w};
+      uint32_t wv[4] = {0u, 0u, 0u, 0u};
+      if (p.w) {
+        const uint4 w4 = *reinterpret_cast<const uint4*>(p.w + col);
+        wv[0] = w4.x, wv[1] = w4.y, wv[2] = w4.z, wv[3] = w4.w;
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        // Both halves rounded by one conversion instruction (f2b's bits for every finite value).
+        u[k] =
+            mma::pack_bf2(__uint_as_float(u[k] << 16) * r, __uint_as_float(u[k] & 0xffff0000u) * r);
+        if (p.w)
+          u[k] = mma::pack_bf2(
+              __uint_as_float(u[k] << 16) * __uint_as_float(wv[k] << 16),
+              __uint_as_float(u[k] & 0xffff0000u) * __uint_as_float(wv[k] & 0xffff0000u));
+        const int pair = col / 2 + k;
+        if (pair >= first_rope_pair) {
+          const float2 cs = tr[pair - first_rope_pair];
+          u[k] = rope_pair(u[k], cs.x, cs.y);
+        }
+      }
+      o[lane + 32 * c] = make_uint4(u[0], u[1], u[2], u[3]);
+    }
   }
 }
 
+// A block of 8 warps a token where a token's heads fill it (q: 64 heads), else a row a warp.
 template <int C>
 void launch_norm_rope(const NormRope& p, cudaStream_t stream) {
-  norm_rope_kernel<C><<<blocks_for(p.m, kNormRows), 32 * kNormRows, 0, stream>>>(p);
+  constexpr int kTokenRows = 8;  // rows a warp in the block-a-token form
+  if constexpr (C <= 2) {        // (more columns a lane would not hold 8 rows in registers)
+    if (p.rope_pairs > 0 && p.heads % (kNormWarps * kTokenRows) == 0)
+      return norm_rope_kernel<C, kTokenRows>
+          <<<blocks_for(p.m, kNormWarps * kTokenRows), 32 * kNormWarps, 0, stream>>>(p);
+  }
+  norm_rope_kernel<C, 1><<<blocks_for(p.m, kNormWarps), 32 * kNormWarps, 0, stream>>>(p);
 }
 
 }  // namespace

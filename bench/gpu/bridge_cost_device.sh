@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# On the GPU machine (two GPUs of one host for the second placement): what the bridge costs the
+# forward with its cache program on the forward's GPU and on a GPU of its own (--program-device),
+# for DeepSeek-V4 at Flash's layer shapes in the checkpoint's precision and for the llama 1B
+# shapes (bf16 cache, cuDNN attention). Each placement is one bench invocation that times the
+# forward alone ("off") and with the tap, the exact program and the framing behind it ("on") at
+# every T, so each cost is a ratio within one invocation. Every GPU test first (GPU_TESTS=1): on
+# two GPUs the suite's two-GPU tests run too.
+#
+# Carry: .devkit/lib, build/hetero_gpu_tests, build/hetero_gpu_dsv4_layer_bench,
+# build/hetero_gpu_llama_prefill_bench.
+# Env: REV (names the output), T (8192,32768,131072), LAYERS (DeepSeek-V4 layers; default 16
+# where a GPU holds ≥ 120 GiB, else 10), CHUNK (32768), REPEATS (3), PLACEMENTS (-1,1: the
+# engine's GPU, then GPU 1; a placement the machine lacks is reported and skipped), LLAMA (1).
+# Writes $OUT/{gpu_tests.log,dsv4-p*.{jsonl,txt},llama-p*.{jsonl,txt}}.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT_DIR=${OUT:-out/bridge-cost}
+mkdir -p "$OUT_DIR"
+REV=${REV:-unknown}
+source bench/gpu/devkit_libs.sh
+devkit_libs /tmp/hetero-lib build/hetero_gpu_tests build/hetero_gpu_dsv4_layer_bench \
+  build/hetero_gpu_llama_prefill_bench || exit 1
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -4
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+layers=${LAYERS:-$((mib >= 122880 ? 16 : 10))}
+rc=0
+if [[ ${GPU_TESTS:-1} == 1 ]]; then
+  timeout 360 build/hetero_gpu_tests >"$OUT_DIR/gpu_tests.log" 2>&1 || rc=1
+  grep -E "^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests ran" "$OUT_DIR/gpu_tests.log"
+fi
+for p in $(echo "${PLACEMENTS:--1,1}" | tr ',' ' '); do
+  if ((p >= gpus)); then
+    echo "== placement $p: this machine has $gpus GPU(s); skipped"
+    continue
+  fi
+  flag=$([[ $p == -1 ]] || echo "--program-device $p")
+  name=p${p/-1/engine}
+  timeout 280 build/hetero_gpu_dsv4_layer_bench --weights checkpoint --layers "$layers" \
+    --t "${T:-8192,32768,131072}" --chunk "${CHUNK:-32768}" --repeats "${REPEATS:-3}" --warmup 1 \
+    --bridge off,on $flag --rev "$REV" >"$OUT_DIR/dsv4-$name.jsonl" 2>"$OUT_DIR/dsv4-$name.txt" ||
+    rc=1
+  echo "== DeepSeek-V4, $layers layers, program on ${name#p}"
+  grep -E "^ +[0-9]+ |bridge|GB" "$OUT_DIR/dsv4-$name.txt" | tail -12
+  if [[ ${LLAMA:-1} == 1 ]]; then
+    timeout 200 build/hetero_gpu_llama_prefill_bench --tokens "${T:-8192,32768,131072}" \
+      --modes off,on --kv bf16 --attention cudnn --repeat "${REPEATS:-3}" $flag --rev "$REV" \
+      >"$OUT_DIR/llama-$name.jsonl" 2>"$OUT_DIR/llama-$name.txt" || rc=1
+    echo "== llama 1B, program on ${name#p}"
+    tail -8 "$OUT_DIR/llama-$name.txt"
+  fi
+done
+exit $rc
