@@ -42,6 +42,8 @@ TEST_F(Dsv4CudaFwdOps, NormAndRopeInOnePassEqualTheTwoKernels) {
       {"kv", 45, 1, 512, true, 32, 7, 1},
       {"straddling heads, ratio 4", 21, 3, 256, true, 16, 5, 4},
       {"hidden, no rope", 13, 2, 4096, true, 0, 0, 1},
+      {"2,048 columns, two warps a row, a block's rows not all real", 7, 1, 2048, false, 0, 0, 1},
+      {"2,048 columns with a rope", 3, 2, 2048, true, 32, 9, 1},
       {"head_dim 384 (two kernels)", 9, 2, 384, true, 32, 3, 1},
   };
   const float eps = 1e-6f;

@@ -70,32 +70,38 @@ constexpr int kNormWarps = 8, kNormMaxPairs = 64;
 
 // The norm, then the rope of the last rope_pairs pairs, in one pass: a warp R rows of d = 256 C
 // (lane l holds columns 8 (l + 32 c) .. + 7 of each, 16-byte accesses; the rows stay in
-// registers, so each is read once, where rms_norm_kernel read it twice 2 bytes a lane). The same
-// rounding points as rms_norm_kernel then rope_pairs_kernel; the sum of squares is ordered by this
-// layout (the fast forward's norms promise no order), and a NaN comes out as the conversion
-// instruction's canonical one, not with its payload. The block's 8 R rows span at most
-// kNormWarps tokens (R > 1 only where a token has a multiple of 8 R heads: then one token), whose
-// cos and sin it computes once into shared memory while the rows load: R = 8 makes q's 64 heads a
-// block, so its cos and sin are made once a token, not once every 8 heads. Row and token indices
-// in 32-bit arithmetic (m < 2^31, checked by the launcher): 64-bit divisions here made the kernel
-// slower than the two it replaced.
-template <int C, int R>
+// registers, so each is read once, where rms_norm_kernel read it twice 2 bytes a lane), or, with
+// S = 2, two warps a row, each holding half its pieces (wide rows: a whole 4,096-column row a
+// warp held 91 registers a thread, too few warps a multiprocessor to keep enough loads in
+// flight). The same rounding points as rms_norm_kernel then rope_pairs_kernel; the sum of
+// squares is ordered by this layout (the fast forward's norms promise no order), and a NaN comes
+// out as the conversion instruction's canonical one, not with its payload. The block's rows span
+// at most kNormWarps tokens (R > 1 only where a token has a multiple of 8 R heads: then one
+// token), whose cos and sin it computes once into shared memory while the rows load: R = 8 makes
+// q's 64 heads a block, so its cos and sin are made once a token, not once every 8 heads. Row and
+// token indices in 32-bit arithmetic (m < 2^31, checked by the launcher): 64-bit divisions here
+// made the kernel slower than the two it replaced.
+template <int C, int R, int S>
 __global__ void __launch_bounds__(32 * kNormWarps) norm_rope_kernel(NormRope p) {
+  static_assert(S == 1 || R == 1, "a row split over warps is a block's only row a warp");
+  constexpr int P = C / S;  // 16-byte pieces a lane
   __shared__ float2 trig[kNormWarps][kNormMaxPairs];
-  const int lane = threadIdx.x % 32;
+  __shared__ float part[kNormWarps];  // S > 1: each warp's share of its row's sum of squares
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, piece0 = (warp % S) * P;
   const uint32_t m = uint32_t(p.m), heads = uint32_t(p.heads), pairs = uint32_t(p.rope_pairs);
-  const uint32_t row0 = blockIdx.x * (kNormWarps * R), first = row0 + (threadIdx.x / 32) * R;
-  uint4 v[R][C];
+  constexpr uint32_t kRows = kNormWarps / S * R;  // the block's
+  const uint32_t row0 = blockIdx.x * kRows, first = row0 + (warp / S) * R;
+  uint4 v[R][P];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr)
     if (first + rr < m) {
       const uint4* xr = reinterpret_cast<const uint4*>(p.x + int64_t(first + rr) * p.d);
 #pragma unroll
-      for (int c = 0; c < C; ++c) v[rr][c] = xr[lane + 32 * c];
+      for (int c = 0; c < P; ++c) v[rr][c] = xr[lane + 32 * (piece0 + c)];
     }
   const uint32_t t0 = row0 / heads;
   if (pairs > 0) {
-    const uint32_t last = (row0 + kNormWarps * R < m ? row0 + kNormWarps * R : m) - 1;
+    const uint32_t last = (row0 + kRows < m ? row0 + kRows : m) - 1;
     const uint32_t entries = (last / heads - t0 + 1) * pairs;
     for (uint32_t e = threadIdx.x; e < entries; e += blockDim.x) {
       const uint32_t tt = e / pairs, pp = e - tt * pairs;
@@ -110,10 +116,9 @@ __global__ void __launch_bounds__(32 * kNormWarps) norm_rope_kernel(NormRope p) 
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
     const uint32_t row = first + rr;
-    if (row >= m) return;
     float s = 0.0f;
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
+    for (int c = 0; c < P; ++c) {
       const uint32_t u[4] = {v[rr][c].x, v[rr][c].y, v[rr][c].z, v[rr][c].w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -123,12 +128,20 @@ __global__ void __launch_bounds__(32 * kNormWarps) norm_rope_kernel(NormRope p) 
       }
     }
     s = warp_sum(s);
+    if constexpr (S > 1) {  // every warp reaches the barrier, its row real or not
+      if (lane == 0) part[warp] = s;
+      __syncthreads();
+      s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < S; ++j) s += part[warp / S * S + j];
+    }
+    if (row >= m) return;
     const float r = 1.0f / sqrtf(s / float(p.d) + p.eps);
     const float2* tr = trig[row / heads - t0];
     uint4* o = reinterpret_cast<uint4*>(p.out + int64_t(row) * p.d);
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int col = 8 * (lane + 32 * c);
+    for (int c = 0; c < P; ++c) {
+      const int col = 8 * (lane + 32 * (piece0 + c));
       uint32_t u[4] = {v[rr][c].x, v[rr][c].y, v[rr][c].z, v[rr][c].w};
       uint32_t wv[4] = {0u, 0u, 0u, 0u};
       if (p.w) {
@@ -150,21 +163,25 @@ __global__ void __launch_bounds__(32 * kNormWarps) norm_rope_kernel(NormRope p) 
           u[k] = rope_pair(u[k], cs.x, cs.y);
         }
       }
-      o[lane + 32 * c] = make_uint4(u[0], u[1], u[2], u[3]);
+      o[lane + 32 * (piece0 + c)] = make_uint4(u[0], u[1], u[2], u[3]);
     }
   }
 }
 
-// A block of 8 warps a token where a token's heads fill it (q: 64 heads), else a row a warp.
+// A block of 8 warps a token where a token's heads fill it (q: 64 heads); rows of 2,048 columns
+// and more two warps a row; else a row a warp.
 template <int C>
 void launch_norm_rope(const NormRope& p, cudaStream_t stream) {
   constexpr int kTokenRows = 8;  // rows a warp in the block-a-token form
   if constexpr (C <= 2) {        // (more columns a lane would not hold 8 rows in registers)
     if (p.rope_pairs > 0 && p.heads % (kNormWarps * kTokenRows) == 0)
-      return norm_rope_kernel<C, kTokenRows>
+      return norm_rope_kernel<C, kTokenRows, 1>
           <<<blocks_for(p.m, kNormWarps * kTokenRows), 32 * kNormWarps, 0, stream>>>(p);
   }
-  norm_rope_kernel<C, 1><<<blocks_for(p.m, kNormWarps), 32 * kNormWarps, 0, stream>>>(p);
+  if constexpr (C >= 8)
+    norm_rope_kernel<C, 1, 2><<<blocks_for(p.m, kNormWarps / 2), 32 * kNormWarps, 0, stream>>>(p);
+  else
+    norm_rope_kernel<C, 1, 1><<<blocks_for(p.m, kNormWarps), 32 * kNormWarps, 0, stream>>>(p);
 }
 
 }  // namespace
