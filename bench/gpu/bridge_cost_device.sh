@@ -11,16 +11,20 @@
 # build/hetero_gpu_llama_prefill_bench.
 # Env: REV (names the output), T (8192,32768,131072), LAYERS (DeepSeek-V4 layers; default 16
 # where a GPU holds ≥ 120 GiB, else 10), CHUNK (32768), REPEATS (3), PLACEMENTS (-1,1: the
-# engine's GPU, then GPU 1; a placement the machine lacks is reported and skipped), LLAMA (1).
-# Writes $OUT/{gpu_tests.log,dsv4-p*.{jsonl,txt},llama-p*.{jsonl,txt}}.
+# engine's GPU, then GPU 1; a placement the machine lacks is reported and skipped), LLAMA (1),
+# BIN (build: the benches' directory; another build's, carried, measures that build: NAME then
+# tells the outputs apart).
+# Writes $OUT/{gpu_tests.log,dsv4-$NAME-p*.{jsonl,txt},llama-$NAME-p*.{jsonl,txt}}.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT_DIR=${OUT:-out/bridge-cost}
 mkdir -p "$OUT_DIR"
 REV=${REV:-unknown}
 source bench/gpu/devkit_libs.sh
-devkit_libs /tmp/hetero-lib build/hetero_gpu_tests build/hetero_gpu_dsv4_layer_bench \
-  build/hetero_gpu_llama_prefill_bench || exit 1
+BIN=${BIN:-build}
+NAME=${NAME:-$REV}
+devkit_libs /tmp/hetero-lib build/hetero_gpu_tests "$BIN/hetero_gpu_dsv4_layer_bench" \
+  "$BIN/hetero_gpu_llama_prefill_bench" || exit 1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -4
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
@@ -37,18 +41,18 @@ for p in $(echo "${PLACEMENTS:--1,1}" | tr ',' ' '); do
     continue
   fi
   flag=$([[ $p == -1 ]] || echo "--program-device $p")
-  name=p${p/-1/engine}
-  timeout 280 build/hetero_gpu_dsv4_layer_bench --weights checkpoint --layers "$layers" \
+  name=$NAME-p${p/-1/engine}
+  timeout 280 "$BIN/hetero_gpu_dsv4_layer_bench" --weights checkpoint --layers "$layers" \
     --t "${T:-8192,32768,131072}" --chunk "${CHUNK:-32768}" --repeats "${REPEATS:-3}" --warmup 1 \
     --bridge off,on $flag --rev "$REV" >"$OUT_DIR/dsv4-$name.jsonl" 2>"$OUT_DIR/dsv4-$name.txt" ||
     rc=1
-  echo "== DeepSeek-V4, $layers layers, program on ${name#p}"
+  echo "== $NAME: DeepSeek-V4, $layers layers, program on ${name##*-p}"
   grep -E "^ +[0-9]+ |bridge|GB" "$OUT_DIR/dsv4-$name.txt" | tail -12
   if [[ ${LLAMA:-1} == 1 ]]; then
-    timeout 200 build/hetero_gpu_llama_prefill_bench --tokens "${T:-8192,32768,131072}" \
+    timeout 200 "$BIN/hetero_gpu_llama_prefill_bench" --tokens "${T:-8192,32768,131072}" \
       --modes off,on --kv bf16 --attention cudnn --repeat "${REPEATS:-3}" $flag --rev "$REV" \
       >"$OUT_DIR/llama-$name.jsonl" 2>"$OUT_DIR/llama-$name.txt" || rc=1
-    echo "== llama 1B, program on ${name#p}"
+    echo "== $NAME: llama 1B, program on ${name##*-p}"
     tail -8 "$OUT_DIR/llama-$name.txt"
   fi
 done

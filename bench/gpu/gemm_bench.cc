@@ -151,9 +151,12 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&p, 0));
   cublasHandle_t h;
   cublasCreate(&h);
-  // (M, K, N): a 2048-token chunk through SmolLM2-135M's projections, a ~1B llama's, and a square.
+  // (M, K, N): a 2048-token chunk through SmolLM2-135M's projections, a ~1B llama's, a square,
+  // and an 8192-token chunk through a DeepSeek-V4-Flash ratio-4 layer's compressors (the cache
+  // program's kv and gate projections: 1,024 columns for the pooled rows, 256 for the indexer's).
   const int shapes[][3] = {{2048, 576, 576},   {2048, 576, 1536},  {2048, 1536, 576},
-                           {2048, 2048, 8192}, {2048, 8192, 2048}, {4096, 4096, 4096}};
+                           {2048, 2048, 8192}, {2048, 8192, 2048}, {4096, 4096, 4096},
+                           {8192, 4096, 1024}, {8192, 4096, 256}};
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (auto& s : shapes) {

@@ -5,21 +5,19 @@
 #include <cstring>
 
 #include "kernels/cuda/mlx_math.cuh"
+#include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/ops.h"
 
 namespace hetero::cuda {
 namespace {
 
-// C += A @ B with every C element's sum in ascending k, one rounding per multiply and per add:
-// the CPU op's order. Register-blocked: a 128 x 128 tile of C per block of 256 threads, 8 x 8
-// elements per thread, k in steps of 16 through shared memory. The tail of k is not padded (an
-// added 0 * b could turn -0 into +0, or inf into NaN): the last step runs only the valid k.
-//
-// Where every product a*b is exact in float32 (the caller's flag, exact_products_flag), the
-// multiply-add runs as one FMA: fma(a, b, s) rounds a*b + s once, which is round(round(a*b) + s)
-// when round(a*b) == a*b, so the sums are the same bits at half the instructions.
+// The ordered GEMM's tiles (gemm_ordered_kernel below).
 constexpr int kBm = 128, kBn = 128, kBk = 16, kTm = 8, kTn = 8;
 constexpr int kPadA = 4;  // A's transposed tile rows, padded: fewer bank conflicts on its stores
+// The column of C a thread's accumulator j holds, within the block's tile.
+__device__ __forceinline__ int tile_col(int tx, int j) {
+  return (j / 4) * (kBn / 2) + tx * 4 + j % 4;
+}
 
 template <bool kFma>
 __device__ __forceinline__ float mac(float s, float a, float b) {
@@ -37,8 +35,9 @@ __device__ __forceinline__ void gemm_step(const float (&as)[kBk][kBm + kPadA],
       float av[kTm], bv[kTn];
       *reinterpret_cast<float4*>(&av[0]) = *reinterpret_cast<const float4*>(&as[kk][ty * kTm]);
       *reinterpret_cast<float4*>(&av[4]) = *reinterpret_cast<const float4*>(&as[kk][ty * kTm + 4]);
-      *reinterpret_cast<float4*>(&bv[0]) = *reinterpret_cast<const float4*>(&bs[kk][tx * kTn]);
-      *reinterpret_cast<float4*>(&bv[4]) = *reinterpret_cast<const float4*>(&bs[kk][tx * kTn + 4]);
+      *reinterpret_cast<float4*>(&bv[0]) = *reinterpret_cast<const float4*>(&bs[kk][tx * 4]);
+      *reinterpret_cast<float4*>(&bv[4]) =
+          *reinterpret_cast<const float4*>(&bs[kk][kBn / 2 + tx * 4]);
 #pragma unroll
       for (int i = 0; i < kTm; ++i)
 #pragma unroll
@@ -50,22 +49,21 @@ __device__ __forceinline__ void gemm_step(const float (&as)[kBk][kBm + kPadA],
       for (int i = 0; i < kTm; ++i)
 #pragma unroll
         for (int j = 0; j < kTn; ++j)
-          acc[i][j] = mac<kFma>(acc[i][j], as[kk][ty * kTm + i], bs[kk][tx * kTn + j]);
+          acc[i][j] = mac<kFma>(acc[i][j], as[kk][ty * kTm + i], bs[kk][tile_col(tx, j)]);
     }
   }
 }
 
-// The next k tile into registers: A 128 rows x 16 k and B 16 k x 128 columns, two float4 of
-// each per thread (vector loads where the tile is whole and aligned; zeros outside the matrix,
-// which the k loop never reads and the store never writes).
-__device__ __forceinline__ void load_tile(const float* __restrict__ a, int64_t m, int64_t k,
-                                          const float* __restrict__ b, int64_t n, int64_t m0,
-                                          int64_t n0, int64_t k0, bool vec_a, bool vec_b, int tid,
-                                          float4 (&ra)[2], float4 (&rb)[2]) {
+// The next k tile's A (128 rows x 16 k) into registers, two float4 a thread (vector loads where
+// the tile is whole and aligned; zeros outside the matrix, which the k loop never reads and the
+// store never writes).
+__device__ __forceinline__ void load_a_tile(const float* __restrict__ a, int64_t m, int64_t k,
+                                            int64_t m0, int64_t k0, bool vec_a, int tid,
+                                            float4 (&ra)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int f = tid + h * 256;
-    const int r = f >> 2, kq = (f & 3) * 4;  // A: row, first k of its quad
+    const int r = f >> 2, kq = (f & 3) * 4;  // row, first k of its quad
     const int64_t gr = m0 + r, gk = k0 + kq;
     if (vec_a) {
       ra[h] = gr < m ? *reinterpret_cast<const float4*>(a + gr * k + gk) : make_float4(0, 0, 0, 0);
@@ -75,42 +73,58 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ a, int64_t m
       for (int u = 0; u < 4; ++u) v[u] = (gr < m && gk + u < k) ? a[gr * k + gk + u] : 0.0f;
       ra[h] = make_float4(v[0], v[1], v[2], v[3]);
     }
-    const int kk = f >> 5, nq = (f & 31) * 4;  // B: k row, first column of its quad
-    const int64_t gk2 = k0 + kk, gc = n0 + nq;
-    if (vec_b && gk2 < k && gc + 3 < n) {
-      rb[h] = *reinterpret_cast<const float4*>(b + gk2 * n + gc);
-    } else {
-      float v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = (gk2 < k && gc + u < n) ? b[gk2 * n + gc + u] : 0.0f;
-      rb[h] = make_float4(v[0], v[1], v[2], v[3]);
-    }
   }
 }
 
-__device__ __forceinline__ void store_tile(const float4 (&ra)[2], const float4 (&rb)[2], int tid,
-                                           float (&as)[kBk][kBm + kPadA], float (&bs)[kBk][kBn]) {
+// The next k tile's B (16 k x 128 columns) straight into shared memory: cp.async where B's rows
+// are whole 16-byte pieces (zero fill outside the matrix), else plain loads and stores. Either
+// way it needs no registers across the tile's multiply, which the A tile's staging does.
+__device__ __forceinline__ void load_b_tile(const float* __restrict__ b, int64_t n, int64_t k,
+                                            int64_t n0, int64_t k0, bool vec_b, int tid,
+                                            float (&bs)[kBk][kBn]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = tid + h * 256;
+    const int kk = f >> 5, nq = (f & 31) * 4;  // k row, first column of its quad
+    const int64_t gk = k0 + kk, gc = n0 + nq;
+    if (vec_b) {  // n % 4 == 0: a quad is wholly inside or wholly outside
+      const bool in = gk < k && gc < n;
+      mma::cp_async16(&bs[kk][nq], in ? b + gk * n + gc : b, in ? 16 : 0);
+    } else {
+      float v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = (gk < k && gc + u < n) ? b[gk * n + gc + u] : 0.0f;
+      *reinterpret_cast<float4*>(&bs[kk][nq]) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+  }
+  mma::cp_async_commit();
+}
+
+__device__ __forceinline__ void store_a_tile(const float4 (&ra)[2], int tid,
+                                             float (&as)[kBk][kBm + kPadA]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int f = tid + h * 256;
     const int r = f >> 2, kq = (f & 3) * 4;
     as[kq + 0][r] = ra[h].x, as[kq + 1][r] = ra[h].y, as[kq + 2][r] = ra[h].z,
             as[kq + 3][r] = ra[h].w;
-    const int kk = f >> 5, nq = (f & 31) * 4;
-    *reinterpret_cast<float4*>(&bs[kk][nq]) = rb[h];
   }
 }
 
 // C += A @ B with every C element's sum in ascending k, one rounding per multiply and per add:
 // the CPU op's order. Register-blocked: a 128 x 128 tile of C per block of 256 threads, 8 x 8
-// elements per thread, k in steps of 16 through shared memory, double-buffered (the next tile is
-// loaded into registers while this one is multiplied). The tail of k is not padded (an added
-// 0 * b could turn -0 into +0, or inf into NaN): the last step runs only the valid k.
+// elements per thread (rows 8 ty .. + 7; columns 4 tx .. + 3 and 64 + 4 tx .. + 3, so a warp's
+// 16-byte reads of a B row are 16 consecutive pieces, free of bank conflicts), k in steps of 16
+// through shared memory, double-buffered (the next A tile is loaded into registers and the next
+// B tile copied asynchronously while this one is multiplied). 128 registers a thread, two blocks
+// a multiprocessor: at one (168 registers) the barrier every 16 k left the FMA pipes idle. The
+// tail of k is not padded (an added 0 * b could turn -0 into +0, or inf into NaN): the last step
+// runs only the valid k.
 //
 // Where every product a*b is exact in float32 (the caller's flag, exact_products_flag), the
 // multiply-add runs as one FMA: fma(a, b, s) rounds a*b + s once, which is round(round(a*b) + s)
 // when round(a*b) == a*b, so the sums are the same bits at half the instructions.
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 2)
     gemm_ordered_kernel(const float* __restrict__ a, int64_t m, int64_t k,
                         const float* __restrict__ b, int64_t n, float* __restrict__ c,
                         const int* __restrict__ fma_ok) {
@@ -126,25 +140,30 @@ __global__ void __launch_bounds__(256)
   for (int i = 0; i < kTm; ++i)
 #pragma unroll
     for (int j = 0; j < kTn; ++j) {
-      const int64_t r = m0 + ty * kTm + i, col = n0 + tx * kTn + j;
+      const int64_t r = m0 + ty * kTm + i, col = n0 + tile_col(tx, j);
       acc[i][j] = (r < m && col < n) ? c[r * n + col] : 0.0f;
     }
-  float4 ra[2], rb[2];
-  load_tile(a, m, k, b, n, m0, n0, 0, a_aligned && kBk <= k, vec_b, tid, ra, rb);
-  store_tile(ra, rb, tid, as[0], bs[0]);
+  float4 ra[2];
+  load_a_tile(a, m, k, m0, 0, a_aligned && kBk <= k, tid, ra);
+  load_b_tile(b, n, k, n0, 0, vec_b, tid, bs[0]);
+  store_a_tile(ra, tid, as[0]);
+  mma::cp_async_wait_all();
   __syncthreads();
   int cur = 0;
   for (int64_t k0 = 0; k0 < k; k0 += kBk) {
     const int64_t next = k0 + kBk;
-    if (next < k)
-      load_tile(a, m, k, b, n, m0, n0, next, a_aligned && next + kBk <= k, vec_b, tid, ra, rb);
+    // The other buffers were last read before the previous barrier.
+    if (next < k) {
+      load_a_tile(a, m, k, m0, next, a_aligned && next + kBk <= k, tid, ra);
+      load_b_tile(b, n, k, n0, next, vec_b, tid, bs[cur ^ 1]);
+    }
     const int lim = (k - k0 < kBk) ? int(k - k0) : kBk;
     if (fma)
       gemm_step<true>(as[cur], bs[cur], lim, tx, ty, acc);
     else
       gemm_step<false>(as[cur], bs[cur], lim, tx, ty, acc);
-    // The other buffer was last read before the previous barrier.
-    if (next < k) store_tile(ra, rb, tid, as[cur ^ 1], bs[cur ^ 1]);
+    if (next < k) store_a_tile(ra, tid, as[cur ^ 1]);
+    mma::cp_async_wait_all();
     __syncthreads();
     cur ^= 1;
   }
@@ -152,7 +171,7 @@ __global__ void __launch_bounds__(256)
   for (int i = 0; i < kTm; ++i)
 #pragma unroll
     for (int j = 0; j < kTn; ++j) {
-      const int64_t r = m0 + ty * kTm + i, col = n0 + tx * kTn + j;
+      const int64_t r = m0 + ty * kTm + i, col = n0 + tile_col(tx, j);
       if (r < m && col < n) c[r * n + col] = acc[i][j];
     }
 }
