@@ -117,11 +117,12 @@ __device__ __forceinline__ void store_a_tile(const float4 (&ra)[2], int tid,
 // 16-byte reads of a B row are 16 consecutive pieces, free of bank conflicts), k in steps of 16
 // through shared memory, double-buffered (the next A tile is loaded into registers and the next
 // B tile copied asynchronously while this one is multiplied). kBlocksPerSm 2 caps it at 128
-// registers a thread, two blocks a multiprocessor, for grids that fill them (+8-12% alone on an
-// H100 at 8K x 4K x 1K and 2K x 2K x 8K); a grid of fewer blocks than twice the multiprocessors
-// runs the 1 form (168 registers, more loads in flight a warp), which was 14% faster there on
-// 8K x 4K x 256 (RESULTS §47). The tail of k is not padded (an added 0 * b could turn -0 into +0,
-// or inf into NaN): the last step runs only the valid k.
+// registers a thread, two blocks a multiprocessor, for grids of more blocks than multiprocessors
+// (+8-12% alone on an H100 at 8K x 4K x 1K and 2K x 2K x 8K); a grid that one block a
+// multiprocessor holds runs the 1 form (183 registers, more loads in flight a warp): in the 2
+// form it shared half the multiprocessors two blocks each, 30% slower on 8K x 4K x 256 (RESULTS
+// §47). The tail of k is not padded (an added 0 * b could turn -0 into +0, or inf into NaN): the
+// last step runs only the valid k.
 //
 // Where every product a*b is exact in float32 (the caller's flag, exact_products_flag), the
 // multiply-add runs as one FMA: fma(a, b, s) rounds a*b + s once, which is round(round(a*b) + s)
@@ -388,7 +389,7 @@ void gemm_ordered(const float* a, int64_t m, int64_t k, const float* b, int64_t 
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     sms = 0;  // (the launch below reports a lost device)
-  if (int64_t(grid.x) * grid.y >= 2 * int64_t(sms))
+  if (int64_t(grid.x) * grid.y > int64_t(sms))
     gemm_ordered_kernel<2><<<grid, 256, 0, stream>>>(a, m, k, b, n, c, fma_ok);
   else
     gemm_ordered_kernel<1><<<grid, 256, 0, stream>>>(a, m, k, b, n, c, fma_ok);
