@@ -121,7 +121,7 @@ __device__ __forceinline__ void store_a_tile(const float4 (&ra)[2], int tid,
 // (+8-12% alone on an H100 at 8K x 4K x 1K and 2K x 2K x 8K); a grid that one block a
 // multiprocessor holds runs the 1 form (183 registers, more loads in flight a warp): in the 2
 // form it shared half the multiprocessors two blocks each, 30% slower on 8K x 4K x 256 (RESULTS
-// §47). The tail of k is not padded (an added 0 * b could turn -0 into +0, or inf into NaN): the
+// §47.1). The tail of k is not padded (an added 0 * b could turn -0 into +0, or inf into NaN): the
 // last step runs only the valid k.
 //
 // Where every product a*b is exact in float32 (the caller's flag, exact_products_flag), the
