@@ -1,13 +1,15 @@
-// What one segment costs on the host, either end of the wire: encode (frame + checksum) on the
-// prefill host, parse + verify + decode on the receiver. Default: one 8192-token segment of a
-// 1B llama (16 layers x K and V x [8, 8192, 64] bf16 = 268 MB), the unit the GPU prefill emits
-// per chunk. The receiver is fed --piece bytes at a time, as a socket hands them over (0: the
-// whole frame at once), and decodes as the prefill client does (arrays viewing the frame).
-// Median and spread of --repeat runs; one JSON line on stdout, with the encode's parts apart:
-// a fresh frame-sized buffer, a copy into a warm one, the checksum alone.
+// What one segment costs on the host, either end of the wire: encode (frame + checksums) on the
+// prefill host, parse + verify + decode on the receiver, untagged and tagged (with the stack's
+// secret: frame_tag.h). Default: one 8192-token segment of a 1B llama (16 layers x K and V x
+// [8, 8192, 64] bf16 = 268 MB), the unit the GPU prefill emits per chunk. The receiver is fed
+// --piece bytes at a time, as a socket hands them over (0: the whole frame at once), and decodes
+// as the prefill client does (arrays viewing the frame). Median and spread of --repeat runs; one
+// JSON line on stdout. "encode" writes into fresh memory; "encode_warm" and "encode_tagged" into
+// a buffer given back by the frame before, as the prefill host does (its pages already in).
+// Framing and verifying work on a frame's pieces with frame_threads() threads.
 //
 // usage: hetero_wire_bench [--layers 16] [--kv-heads 8] [--head-dim 64] [--tokens 8192]
-//                          [--piece 65536] [--repeat 5] [--rev REV]
+//                          [--piece 65536] [--repeat 5] [--threads N] [--rev REV]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -41,6 +43,8 @@ int main(int argc, char** argv) {
       piece = std::atoll(v);
     else if (k == "--rev")
       rev = v;
+    else if (k == "--threads" && std::atoi(v) >= 1)
+      set_frame_threads(std::atoi(v));
     else
       return std::fprintf(stderr, "unknown option %s\n", k.c_str()), 2;
   }
@@ -56,63 +60,67 @@ int main(int argc, char** argv) {
   auto ms = [](Clock::time_point a, Clock::time_point b) {
     return std::chrono::duration<double, std::milli>(b - a).count();
   };
-  std::vector<double> enc, dec;
-  size_t bytes = 0;
-  for (int r = 0; r < repeat + 1; ++r) {  // run 0 warms up
+  // One run: frame the segment, then feed it to a parser and decode it; the frame's buffer goes
+  // back to `pool` (null: dropped).
+  struct Run {
+    double encode_ms, receive_ms;
+    size_t bytes;
+  };
+  auto run = [&](FrameBufferPool* pool, const FrameTagger* tags) -> Result<Run> {
     const auto t0 = Clock::now();
-    const std::string frame = encode_segment(s);
+    std::string frame = encode_segment(s, pool, tags);
+    if (tags) tags->seal(0, &frame);
     const auto t1 = Clock::now();
-    FrameParser parser(int64_t{1} << 40);
+    FrameParser parser(int64_t{1} << 40, tags);
     const size_t step = piece > 0 ? static_cast<size_t>(piece) : frame.size();
     for (size_t at = 0; at < frame.size(); at += step)
       parser.feed(frame.data() + at, std::min(step, frame.size() - at));
     auto f = parser.next();
-    if (!f.is_ok() || !f->has_value()) return std::fprintf(stderr, "parse failed\n"), 1;
+    if (!f.is_ok()) return f.status();
+    if (!f->has_value()) return internal_error("parse: no frame");
     auto d = decode_segment(std::move(**f));
-    if (!d.is_ok()) return std::fprintf(stderr, "%s\n", d.status().to_string().c_str()), 1;
+    if (!d.is_ok()) return d.status();
     const auto t2 = Clock::now();
-    if (r == 0) continue;
-    enc.push_back(ms(t0, t1)), dec.push_back(ms(t1, t2)), bytes = frame.size();
-  }
-  // Where an encode's time goes: a fresh buffer of the frame's size (allocated, its pages
-  // faulted in and zeroed), a copy into a buffer already faulted in, and the checksum alone;
-  // beside them, the frame's tag (frame_tag.h), which a host with the stack's secret adds.
-  std::vector<double> fresh, copy, hash, tag;
+    const size_t bytes = frame.size();
+    if (pool) pool->give(std::move(frame));
+    return Run{ms(t0, t1), ms(t1, t2), bytes};
+  };
   const FrameTagger tagger("bench secret", new_stream_nonce());
-  {
-    const std::string frame = encode_segment(s);
-    std::string warm(frame.size(), '\0');
-    for (int r = 0; r < repeat + 1; ++r) {
-      const auto t0 = Clock::now();
-      std::string buf(frame.size(), '\0');
-      const auto t1 = Clock::now();
-      std::memcpy(warm.data(), frame.data(), frame.size());
-      const auto t2 = Clock::now();
-      volatile uint64_t sum = checksum64(frame.data(), frame.size());
-      (void)sum;
-      const auto t3 = Clock::now();
-      volatile uint8_t first = tagger.tag(1, frame.data(), frame.size())[0];
-      (void)first;
-      const auto t4 = Clock::now();
+  FrameBufferPool pool;
+  struct Series {
+    const char* name;
+    FrameBufferPool* pool;
+    const FrameTagger* tags;
+    std::vector<double> enc, dec;
+    size_t bytes = 0;
+  };
+  std::vector<Series> series = {{"", nullptr, nullptr, {}, {}},
+                                {"_warm", &pool, nullptr, {}, {}},
+                                {"_tagged", &pool, &tagger, {}, {}}};
+  for (Series& x : series)
+    for (int r = 0; r < repeat + 1; ++r) {  // run 0 warms up
+      auto got = run(x.pool, x.tags);
+      if (!got.is_ok()) return std::fprintf(stderr, "%s\n", got.status().to_string().c_str()), 1;
       if (r == 0) continue;
-      fresh.push_back(ms(t0, t1)), copy.push_back(ms(t1, t2)), hash.push_back(ms(t2, t3));
-      tag.push_back(ms(t3, t4));
+      x.enc.push_back(got->encode_ms), x.dec.push_back(got->receive_ms), x.bytes = got->bytes;
     }
-  }
-  for (auto* v : {&enc, &dec, &fresh, &copy, &hash, &tag}) std::sort(v->begin(), v->end());
   std::printf(
-      "{\"bench\":\"wire_segment\",\"rev\":\"%s\",\"layers\":%lld,\"kv_heads\":%lld,"
-      "\"head_dim\":%lld,\"tokens\":%lld,\"bytes\":%zu,\"piece\":%lld,\"repeat\":%d,"
-      "\"encode_ms_median\":%.1f,"
-      "\"encode_ms_min\":%.1f,\"encode_ms_max\":%.1f,\"receive_ms_median\":%.1f,"
-      "\"receive_ms_min\":%.1f,\"receive_ms_max\":%.1f,\"encode_gb_s\":%.2f,"
-      "\"receive_gb_s\":%.2f,\"fresh_buffer_ms\":%.1f,\"copy_ms\":%.1f,\"checksum_ms\":%.1f,"
-      "\"tag_ms\":%.1f}\n",
-      rev.c_str(), static_cast<long long>(layers), static_cast<long long>(kv_heads),
-      static_cast<long long>(head_dim), static_cast<long long>(tokens), bytes,
-      static_cast<long long>(piece), repeat, enc[enc.size() / 2], enc.front(), enc.back(),
-      dec[dec.size() / 2], dec.front(), dec.back(), bytes / enc[enc.size() / 2] / 1e6,
-      bytes / dec[dec.size() / 2] / 1e6, fresh[fresh.size() / 2], copy[copy.size() / 2],
-      hash[hash.size() / 2], tag[tag.size() / 2]);
+      "{\"bench\":\"wire_segment\",\"rev\":\"%s\",\"wire\":%d,\"threads\":%d,\"layers\":%lld,"
+      "\"kv_heads\":%lld,\"head_dim\":%lld,\"tokens\":%lld,\"bytes\":%zu,\"piece\":%lld,"
+      "\"repeat\":%d",
+      rev.c_str(), kWireVersion, frame_threads(), static_cast<long long>(layers),
+      static_cast<long long>(kv_heads), static_cast<long long>(head_dim),
+      static_cast<long long>(tokens), series[0].bytes, static_cast<long long>(piece), repeat);
+  for (Series& x : series) {
+    for (auto* v : {&x.enc, &x.dec}) std::sort(v->begin(), v->end());
+    const double e = x.enc[x.enc.size() / 2], d = x.dec[x.dec.size() / 2];
+    std::printf(
+        ",\"encode%s_ms_median\":%.1f,\"encode%s_ms_min\":%.1f,\"encode%s_ms_max\":%.1f,"
+        "\"receive%s_ms_median\":%.1f,\"receive%s_ms_min\":%.1f,\"receive%s_ms_max\":%.1f,"
+        "\"encode%s_gb_s\":%.2f,\"receive%s_gb_s\":%.2f",
+        x.name, e, x.name, x.enc.front(), x.name, x.enc.back(), x.name, d, x.name, x.dec.front(),
+        x.name, x.dec.back(), x.name, x.bytes / e / 1e6, x.name, x.bytes / d / 1e6);
+  }
+  std::printf("}\n");
   return 0;
 }

@@ -51,15 +51,16 @@ int main(int argc, char** argv) {
   put(root / "wire", "llama-ended-early", std::string(1, '\x3c') + broken);
   put(root / "wire", "dsv4-manifest-only",
       std::string(1, '\x01') + encode_manifest({"fp", T, 0, 0, false, "refused", "fast"}));
-  // The whole stream as a host holding the secret sends it: each frame, then its tag.
+  // The whole stream as a host holding the secret sends it: each frame, then its salt and tag
+  // (the salts are random: the seed differs each time it is made).
   const FrameTagger tagger(fuzz::kSecret, fuzz::kNonce);
   std::string tagged;
   uint64_t index = 0;
-  for (const std::string& f :
-       {encode_segment(llama_segment(0, 0, 16)), encode_segment(llama_segment(1, 16, T - 16)),
-        encode_manifest({"fp", T, T, 2, true, "", "exact"})}) {
-    const FrameTag t = tagger.tag(index++, f.data(), f.size());
-    tagged += f + std::string(reinterpret_cast<const char*>(t.data()), t.size());
+  for (std::string f : {encode_segment(llama_segment(0, 0, 16), nullptr, &tagger),
+                        encode_segment(llama_segment(1, 16, T - 16), nullptr, &tagger),
+                        encode_manifest({"fp", T, T, 2, true, "", "exact"}, &tagger)}) {
+    tagger.seal(index++, &f);
+    tagged += f;
   }
   put(root / "wire", "llama-whole-tagged-8", std::string(1, '\x1e') + tagged);
 

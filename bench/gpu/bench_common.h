@@ -46,9 +46,10 @@ inline BridgeProducer::FrameSink counting_sink(double* bytes, FrameBufferPool* b
   };
 }
 
-// A sink that sends as the prefill host does with the stack's secret: frames go through a queue
-// of 4 to a sender thread, which tags each (frame_tag.h), counts its bytes and the tag's into
-// *bytes, and gives the buffer back. finish() waits for the last frame.
+// A sink that sends as the prefill host does with the stack's secret: the producer frames with
+// tagger() (each frame's pieces MACed as it is written), then frames go through a queue of 4 to
+// a sender thread, which seals each with its place in the stream (frame_tag.h), counts its bytes
+// into *bytes, and gives the buffer back. finish() waits for the last frame.
 class TaggingSender {
  public:
   TaggingSender(double* bytes, FrameBufferPool* buffers)
@@ -56,13 +57,14 @@ class TaggingSender {
     thread_ = std::thread([this, bytes, buffers] {
       uint64_t i = 0;
       while (auto f = frames_.pop()) {
-        const FrameTag t = tagger_.tag(i++, f->data(), f->size());
-        *bytes += static_cast<double>(f->size() + t.size());
+        tagger_.seal(i++, &*f);
+        *bytes += static_cast<double>(f->size());
         buffers->give(std::move(*f));
       }
     });
   }
   ~TaggingSender() { finish(); }
+  const FrameTagger* tagger() const { return &tagger_; }
   BridgeProducer::FrameSink sink() {
     return [this](std::string f) { return frames_.push(std::move(f)); };
   }

@@ -6,8 +6,9 @@
 // device memory the capture holds. Two more modes split that cost: "tap" (the capture and the
 // producer with a program that does nothing) and "program" (the program's work on the device and
 // its copies to the host, but segments sent without their arrays: no encoding). "tagged" is
-// "on" with each frame tagged as the prefill host tags it with the stack's secret (Poly1305, on
-// a sender thread behind a queue of 4, as the service's HTTP thread does).
+// "on" with each frame tagged as the prefill host tags it with the stack's secret (its pieces'
+// MACs as it is framed, then sealed on a sender thread behind a queue of 4, as the service's
+// HTTP thread does: frame_tag.h).
 //
 // One run = reset, then T tokens in --chunk sized chunks, timed from the first enqueue until the
 // engine's stream is idle and (on) the producer's manifest is out. Median and spread of --repeat
@@ -442,7 +443,7 @@ int main(int argc, char** argv) {
         if (on)
           producer = std::make_unique<BridgeProducer>(
               run_program, sender ? sender->sink() : bench::counting_sink(&bytes, &frame_buffers),
-              4, &capture, &frame_buffers);
+              4, &capture, &frame_buffers, sender ? sender->tagger() : nullptr);
         const AttentionInputTap tap = on ? producer->tap() : AttentionInputTap();
         cudaDeviceSynchronize();
         const double s0 = bench::now_s();

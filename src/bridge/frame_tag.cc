@@ -8,16 +8,19 @@
 
 #include <cerrno>
 #include <cstring>
-#include <memory>
+#include <utility>
 
 namespace hetero {
 namespace {
 
-constexpr char kLabel[] = "hetero frame tags v1";
+constexpr char kLabel[] = "hetero frame tags v2";
+constexpr char kPieceLabel[] = "piece";
+constexpr char kFrameLabel[] = "frame";
 
-std::array<uint8_t, 32> hmac_sha256(const uint8_t* key, size_t key_len, const void* data,
-                                    size_t n) {
-  std::array<uint8_t, 32> out{};
+using Key = std::array<uint8_t, 32>;
+
+Key hmac_sha256(const uint8_t* key, size_t key_len, const void* data, size_t n) {
+  Key out{};
   unsigned int len = 0;
   HETERO_CHECK(HMAC(EVP_sha256(), key, static_cast<int>(key_len),
                     static_cast<const unsigned char*>(data), n, out.data(), &len) != nullptr &&
@@ -25,14 +28,56 @@ std::array<uint8_t, 32> hmac_sha256(const uint8_t* key, size_t key_len, const vo
   return out;
 }
 
-// OpenSSL's Poly1305, fetched once (thread-safe static); a context per call.
+// OpenSSL's Poly1305, fetched once (thread-safe static); a context per MAC.
 EVP_MAC* poly1305() {
   static EVP_MAC* mac = EVP_MAC_fetch(nullptr, "POLY1305", nullptr);
   HETERO_CHECK(mac != nullptr);
   return mac;
 }
 
+void* new_poly1305(Key key) {
+  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(poly1305());
+  HETERO_CHECK(ctx && EVP_MAC_init(ctx, key.data(), key.size(), nullptr) == 1);
+  OPENSSL_cleanse(key.data(), key.size());
+  return ctx;
+}
+
+void put_u64(uint8_t* out, uint64_t v) {
+  for (int b = 0; b < 8; ++b) out[b] = static_cast<uint8_t>(v >> (8 * b));
+}
+
+void fill_random(uint8_t* bytes, size_t n) {
+  for (size_t got = 0; got < n;) {
+    const ssize_t r = getrandom(bytes + got, n - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    HETERO_CHECK(r > 0);  // the kernel's generator does not fail once the system is up
+    got += static_cast<size_t>(r);
+  }
+}
+
 }  // namespace
+
+PieceMac::PieceMac(PieceMac&& o) noexcept : ctx_(std::exchange(o.ctx_, nullptr)) {}
+PieceMac& PieceMac::operator=(PieceMac&& o) noexcept {
+  std::swap(ctx_, o.ctx_);
+  return *this;
+}
+PieceMac::~PieceMac() { EVP_MAC_CTX_free(static_cast<EVP_MAC_CTX*>(ctx_)); }
+
+void PieceMac::update(const void* data, size_t n) {
+  HETERO_CHECK(ctx_ && EVP_MAC_update(static_cast<EVP_MAC_CTX*>(ctx_),
+                                      static_cast<const unsigned char*>(data), n) == 1);
+}
+
+FrameTag PieceMac::final() {
+  FrameTag out{};
+  size_t len = 0;
+  HETERO_CHECK(ctx_ &&
+               EVP_MAC_final(static_cast<EVP_MAC_CTX*>(ctx_), out.data(), &len, out.size()) == 1 &&
+               len == out.size());
+  EVP_MAC_CTX_free(static_cast<EVP_MAC_CTX*>(std::exchange(ctx_, nullptr)));
+  return out;
+}
 
 FrameTagger::FrameTagger(std::string_view secret, std::string_view nonce) {
   std::string msg(kLabel, sizeof kLabel);  // the label with its NUL: label and nonce stay apart
@@ -41,34 +86,65 @@ FrameTagger::FrameTagger(std::string_view secret, std::string_view nonce) {
                             msg.data(), msg.size());
 }
 
-FrameTag FrameTagger::tag(uint64_t index, const char* data, size_t n) const {
-  uint8_t le[8];
-  for (int b = 0; b < 8; ++b) le[b] = static_cast<uint8_t>(index >> (8 * b));
-  std::array<uint8_t, 32> key = hmac_sha256(stream_key_.data(), stream_key_.size(), le, 8);
-  std::unique_ptr<EVP_MAC_CTX, decltype(&EVP_MAC_CTX_free)> ctx(EVP_MAC_CTX_new(poly1305()),
-                                                                &EVP_MAC_CTX_free);
-  FrameTag out{};
-  size_t len = 0;
-  HETERO_CHECK(ctx && EVP_MAC_init(ctx.get(), key.data(), key.size(), nullptr) == 1 &&
-               EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(data), n) == 1 &&
-               EVP_MAC_final(ctx.get(), out.data(), &len, out.size()) == 1 && len == out.size());
-  OPENSSL_cleanse(key.data(), key.size());
-  return out;
+FrameSalt FrameTagger::new_salt() {
+  FrameSalt s;
+  fill_random(s.data(), s.size());
+  return s;
 }
 
-bool FrameTagger::verify(uint64_t index, const char* data, size_t n, const uint8_t* tag) const {
-  const FrameTag want = this->tag(index, data, n);
-  return CRYPTO_memcmp(want.data(), tag, want.size()) == 0;
+PieceMac FrameTagger::piece(const FrameSalt& salt, uint64_t j) const {
+  uint8_t msg[sizeof kPieceLabel + kFrameSaltBytes + 8];
+  std::memcpy(msg, kPieceLabel, sizeof kPieceLabel);
+  std::memcpy(msg + sizeof kPieceLabel, salt.data(), salt.size());
+  put_u64(msg + sizeof kPieceLabel + kFrameSaltBytes, j);
+  PieceMac m;
+  m.ctx_ = new_poly1305(hmac_sha256(stream_key_.data(), stream_key_.size(), msg, sizeof msg));
+  return m;
+}
+
+FrameTag FrameTagger::digest(const FrameSalt& salt, const char* prefix16, uint64_t checksum,
+                             const std::vector<FrameTag>& pieces) const {
+  uint8_t msg[sizeof kFrameLabel + kFrameSaltBytes];
+  std::memcpy(msg, kFrameLabel, sizeof kFrameLabel);
+  std::memcpy(msg + sizeof kFrameLabel, salt.data(), salt.size());
+  PieceMac m;
+  m.ctx_ = new_poly1305(hmac_sha256(stream_key_.data(), stream_key_.size(), msg, sizeof msg));
+  m.update(prefix16, 16);
+  uint8_t sum[8];
+  put_u64(sum, checksum);
+  m.update(sum, 8);
+  if (!pieces.empty()) m.update(pieces.data(), pieces.size() * kFrameTagBytes);
+  return m.final();
+}
+
+FrameTag FrameTagger::tag(uint64_t index, const FrameSalt& salt, const FrameTag& digest) const {
+  uint8_t le[8];
+  put_u64(le, index);
+  PieceMac m;
+  m.ctx_ = new_poly1305(hmac_sha256(stream_key_.data(), stream_key_.size(), le, 8));
+  m.update(salt.data(), salt.size());
+  m.update(digest.data(), digest.size());
+  return m.final();
+}
+
+void FrameTagger::seal(uint64_t index, std::string* frame) const {
+  HETERO_CHECK(frame->size() >= kFrameSealBytes);
+  uint8_t* end = reinterpret_cast<uint8_t*>(frame->data() + frame->size());
+  FrameSalt salt;
+  FrameTag d;
+  std::memcpy(salt.data(), end - kFrameSealBytes, kFrameSaltBytes);
+  std::memcpy(d.data(), end - kFrameTagBytes, kFrameTagBytes);
+  const FrameTag t = tag(index, salt, d);
+  std::memcpy(end - kFrameTagBytes, t.data(), t.size());
+}
+
+bool FrameTagger::same(const FrameTag& a, const uint8_t* b) {
+  return CRYPTO_memcmp(a.data(), b, a.size()) == 0;
 }
 
 std::string new_stream_nonce() {
   uint8_t bytes[16];
-  for (size_t got = 0; got < sizeof bytes;) {
-    const ssize_t n = getrandom(bytes + got, sizeof bytes - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    HETERO_CHECK(n > 0);  // the kernel's generator does not fail once the system is up
-    got += static_cast<size_t>(n);
-  }
+  fill_random(bytes, sizeof bytes);
   static constexpr char kHex[] = "0123456789abcdef";
   std::string hex;
   for (uint8_t b : bytes) hex += {kHex[b >> 4], kHex[b & 15]};

@@ -1,41 +1,78 @@
 // Frames authenticated end to end between a prefill host and the decode side that share the
-// stack's secret (docs/design/wire.md, "Frame tags"). The xxh64 checksum inside a frame catches
+// stack's secret (docs/design/wire.md, "Frame tags"). The checksum inside a frame catches
 // corruption, not forgery: anyone can compute it. A tag can only be made with the secret.
 //
 // The decode side sends a fresh random stream_nonce with each request. Both ends derive
-//   stream key  K   = HMAC-SHA256(secret, "hetero frame tags v1" | nonce)
-//   frame key   k_i = HMAC-SHA256(K, u64le(i))        for the stream's i-th frame (0, 1, ...)
-//   tag         t_i = Poly1305(k_i, the frame's bytes, magic to checksum)
-// and the host writes t_i (16 bytes) right after frame i. A one-time key per frame is what
-// Poly1305 needs; the nonce binds the frames to this request (no replay of an old stream), the
-// index to their place in it (no reordering). Poly1305 runs at several GB/s, so tagging costs a
-// fraction of the checksum pass it follows.
+//   stream key  K          = HMAC-SHA256(secret, "hetero frame tags v2" | 0 | nonce)
+// and a frame is tagged in two steps, so that the long part runs where and when the frame is
+// written (in parallel over its pieces, as its bytes land) and only a short one when it is sent:
+//   framing: a random 16-byte salt; for each 1 MiB piece j of header | payload
+//              p_j = Poly1305(HMAC(K, "piece" | 0 | salt | u64le(j)), piece j)
+//            D   = Poly1305(HMAC(K, "frame" | 0 | salt), prefix | u64le(checksum) | p_0 | p_1 ...)
+//   sending: the stream's i-th frame (0, 1, ...) gets
+//            t_i = Poly1305(HMAC(K, u64le(i)), salt | D)
+// and salt | t_i (32 bytes) follow the frame. Every Poly1305 key is used once: the salt makes
+// the framing keys the frame's own, i the sending key the frame's place in the stream. D is
+// never sent; t_i hides it (Poly1305's added key half). The nonce binds the frames to this
+// request (no replay of an old stream), i to their order (no reordering or dropping).
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 
 namespace hetero {
 
 inline constexpr size_t kFrameTagBytes = 16;
+inline constexpr size_t kFrameSaltBytes = 16;
+// What follows a tagged frame on the wire: its salt, then its tag.
+inline constexpr size_t kFrameSealBytes = kFrameSaltBytes + kFrameTagBytes;
 // The prefill host's answer header when its frames carry tags, and its value.
 inline constexpr char kFrameTagsHeader[] = "X-Hetero-Frame-Tags";
-inline constexpr char kFrameTagsScheme[] = "poly1305-v1";
+inline constexpr char kFrameTagsScheme[] = "poly1305-pieces-v2";
 
 using FrameTag = std::array<uint8_t, kFrameTagBytes>;
+using FrameSalt = std::array<uint8_t, kFrameSaltBytes>;
+
+// One piece's Poly1305, fed as its bytes arrive. Move-only.
+class PieceMac {
+ public:
+  PieceMac() = default;
+  PieceMac(PieceMac&&) noexcept;
+  PieceMac& operator=(PieceMac&&) noexcept;
+  ~PieceMac();
+  bool started() const { return ctx_ != nullptr; }
+  void update(const void* data, size_t n);
+  FrameTag final();
+
+ private:
+  friend class FrameTagger;
+  void* ctx_ = nullptr;  // EVP_MAC_CTX
+};
 
 class FrameTagger {
  public:
   // secret: the stack's shared secret (not empty); nonce: the request's stream_nonce.
   FrameTagger(std::string_view secret, std::string_view nonce);
-  FrameTag tag(uint64_t index, const char* data, size_t n) const;
+
+  // Framing: a fresh salt, a piece's MAC, and the frame's digest D.
+  static FrameSalt new_salt();
+  PieceMac piece(const FrameSalt& salt, uint64_t j) const;
+  FrameTag digest(const FrameSalt& salt, const char* prefix16, uint64_t checksum,
+                  const std::vector<FrameTag>& pieces) const;
+  // Sending: the stream's index-th frame's tag.
+  FrameTag tag(uint64_t index, const FrameSalt& salt, const FrameTag& digest) const;
+  // A framed frame, whose last 16 bytes hold its digest D, becomes the index-th frame of the
+  // stream: D is overwritten by t_index.
+  void seal(uint64_t index, std::string* frame) const;
   // Compared in time independent of where they differ.
-  bool verify(uint64_t index, const char* data, size_t n, const uint8_t* tag) const;
+  static bool same(const FrameTag& a, const uint8_t* b);
 
  private:
   std::array<uint8_t, 32> stream_key_{};

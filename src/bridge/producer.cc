@@ -30,10 +30,12 @@ Status LlamaSegmentProgram::run(int64_t layer, int64_t pos0, int64_t n, const ui
 }
 
 BridgeProducer::BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs,
-                               CaptureStore* capture, FrameBufferPool* buffers)
+                               CaptureStore* capture, FrameBufferPool* buffers,
+                               const FrameTagger* tags)
     : program_(program),
       capture_(capture),
       buffers_(buffers),
+      tags_(tags),
       sink_(std::move(sink)),
       queue_(max_queued_inputs),
       // A layer's arrays at a time, up to two segments' worth: the memory they hold is the
@@ -195,11 +197,11 @@ void BridgeProducer::encode() {
       switch (item->kind) {
         case EncodeItem::Kind::kWhole:
           st = program_->segment_ready(s.pos0, s.n_tokens);
-          if (st.is_ok()) deliver(encode_segment(s, buffers_), s.pos0, s.n_tokens);
+          if (st.is_ok()) deliver(encode_segment(s, buffers_, tags_), s.pos0, s.n_tokens);
           break;
         case EncodeItem::Kind::kOpen:
           open.emplace(std::piecewise_construct, std::forward_as_tuple(s.pos0),
-                       std::forward_as_tuple(s, std::move(item->specs), buffers_));
+                       std::forward_as_tuple(s, std::move(item->specs), buffers_, tags_));
           break;
         case EncodeItem::Kind::kLayer: {
           auto it = open.find(s.pos0);
@@ -258,7 +260,7 @@ Manifest BridgeProducer::finish(int64_t requested_tokens, const Status& engine_s
   else if (covered_ != requested_tokens)
     m.reason = sealed.empty() ? "rows sent do not cover the request" : sealed;
   if (!cancelled_ || !program_status_.is_ok() || !capture_status_.is_ok())
-    sink_(encode_manifest(m));
+    sink_(encode_manifest(m, tags_));
   return m;
 }
 

@@ -136,9 +136,12 @@ class BridgeProducer {
   // capture: for a GPU program (device_stream() non-null), where the tap's device rows wait
   // (must outlive the producer); null for a host program, which gets copies in host memory.
   // buffers: where segment frames are written (the sink's owner gives them back once sent, so
-  // the next frames reuse their memory); null: fresh memory for every frame.
+  // the next frames reuse their memory); null: fresh memory for every frame. tags: the stream's
+  // tagger where the stream is tagged (frames leave framed for FrameTagger::seal; must outlive
+  // the producer), else null.
   BridgeProducer(SegmentProgram* program, FrameSink sink, size_t max_queued_inputs = 4,
-                 CaptureStore* capture = nullptr, FrameBufferPool* buffers = nullptr);
+                 CaptureStore* capture = nullptr, FrameBufferPool* buffers = nullptr,
+                 const FrameTagger* tags = nullptr);
   ~BridgeProducer();
 
   // A tail (PrefillRequest::start), before the first tap event: only rows from `start` are
@@ -188,6 +191,7 @@ class BridgeProducer {
   SegmentProgram* program_;
   CaptureStore* capture_;
   FrameBufferPool* buffers_;
+  const FrameTagger* tags_;
   FrameSink sink_;
   BoundedQueue<Work> queue_;
   BoundedQueue<EncodeItem> segments_;  // worker -> encoder

@@ -1,8 +1,13 @@
 // Wire encoding and parsing: see wire.h and docs/design/wire.md.
 #include "bridge/wire.h"
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cstring>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -15,8 +20,20 @@ using nlohmann::json;
 
 namespace {
 
-constexpr char kMagic[4] = {'H', 'S', 'G', '1'};
+constexpr char kMagic[4] = {'H', 'S', 'G', '2'};
+constexpr char kMagicV1[4] = {'H', 'S', 'G', '1'};
 constexpr size_t kPrefixBytes = 4 + 4 + 8;
+// Within a piece, bytes are copied and checksummed this many at a time, while they are still in
+// cache (on the cpp-kernels machine 256 KB framed a 268 MB segment in 34 ms, 1 or 4 MB in 37).
+constexpr size_t kBlockBytes = size_t{1} << 18;
+static_assert(std::endian::native == std::endian::little, "the wire's integers are little-endian");
+
+size_t pieces_of(size_t body) { return (body + kWirePieceBytes - 1) / kWirePieceBytes; }
+
+// The frame's checksum over its pieces' (each a little-endian u64, in order).
+uint64_t checksum_of(const std::vector<uint64_t>& sums) {
+  return checksum3(sums.data(), sums.size() * sizeof(uint64_t));
+}
 
 // An empty buffer with room for `bytes`, huge pages asked for.
 std::string fresh_buffer(size_t bytes) {
@@ -26,23 +43,9 @@ std::string fresh_buffer(size_t bytes) {
   return buf;
 }
 
-// The frame's fixed prefix: magic, header length, payload length.
-void append_prefix(std::string* out, size_t header_bytes, uint64_t payload_bytes) {
-  out->append(kMagic, 4);
-  const auto hb = static_cast<uint32_t>(header_bytes);
-  out->append(reinterpret_cast<const char*>(&hb), 4);
-  out->append(reinterpret_cast<const char*>(&payload_bytes), 8);
-}
-
-// A frame with no payload (a manifest).
-std::string frame(const json& header) {
-  const std::string h = header.dump();
-  std::string out;
-  append_prefix(&out, h.size(), 0);
-  out += h;
-  const uint64_t sum = checksum64(out.data() + kPrefixBytes, h.size());
-  out.append(reinterpret_cast<const char*>(&sum), 8);
-  return out;
+// A frame with no payload (a manifest, a keep-alive).
+std::string frame(const json& header, const FrameTagger* tags) {
+  return FrameWriter(header.dump(), 0, tags, nullptr).finish();
 }
 
 json segment_header(const Segment& s, const std::vector<ArraySpec>& specs) {
@@ -68,6 +71,35 @@ json segment_header(const Segment& s, const std::vector<ArraySpec>& specs) {
 
 }  // namespace
 
+namespace {
+std::atomic<int> g_frame_threads{
+    std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 2, 1, 8)};
+}  // namespace
+
+int frame_threads() { return g_frame_threads.load(std::memory_order_relaxed); }
+
+void set_frame_threads(int n) {
+  HETERO_CHECK(n >= 1);
+  g_frame_threads.store(n, std::memory_order_relaxed);
+}
+
+uint64_t body_checksum(std::string_view body) {
+  std::vector<uint64_t> sums(pieces_of(body.size()));
+  for (size_t j = 0; j < sums.size(); ++j)
+    sums[j] = checksum3(body.data() + j * kWirePieceBytes,
+                        std::min(kWirePieceBytes, body.size() - j * kWirePieceBytes));
+  return checksum_of(sums);
+}
+
+size_t frame_size(std::string_view f) {
+  if (f.size() < kPrefixBytes) return 0;
+  uint32_t hb;
+  uint64_t pb;
+  std::memcpy(&hb, f.data() + 4, 4);
+  std::memcpy(&pb, f.data() + 8, 8);
+  return kPrefixBytes + hb + pb + 8;
+}
+
 size_t ArraySpec::nbytes() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -89,9 +121,8 @@ std::string FrameBufferPool::take(size_t bytes) {
       if (it->capacity() >= bytes && (best == kept_.end() || it->capacity() < best->capacity()))
         best = it;
     if (best != kept_.end()) {
-      std::string buf = std::move(*best);
+      std::string buf = std::move(*best);  // its capacity, its pages, and its size
       kept_.erase(best);
-      buf.clear();  // keeps its capacity, and its pages
       return buf;
     }
   }
@@ -126,18 +157,88 @@ size_t FrameBufferPool::kept_bytes() const {
   return n;
 }
 
-SegmentFrameWriter::SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs,
-                                       FrameBufferPool* buffers)
-    : specs_(std::move(specs)) {
-  const std::string h = segment_header(s, specs_).dump();
-  uint64_t pb = 0;
-  for (const ArraySpec& a : specs_) pb += a.nbytes();
-  const size_t bytes = kPrefixBytes + h.size() + pb + 8;
+FrameWriter::FrameWriter(const std::string& header, uint64_t payload_bytes, const FrameTagger* tags,
+                         FrameBufferPool* buffers)
+    : tags_(tags), body_(header.size() + payload_bytes) {
+  const size_t bytes = kPrefixBytes + body_ + 8 + (tags ? kFrameSealBytes : 0);
   out_ = buffers ? buffers->take(bytes) : fresh_buffer(bytes);
-  append_prefix(&out_, h.size(), pb);
-  out_ += h;
-  sum_.update(h.data(), h.size());
+  out_.resize(bytes);  // a kept buffer of a frame this size: nothing written
+  std::memcpy(out_.data(), kMagic, 4);
+  const auto hb = static_cast<uint32_t>(header.size());
+  std::memcpy(out_.data() + 4, &hb, 4);
+  std::memcpy(out_.data() + 8, &payload_bytes, 8);
+  pieces_.resize(pieces_of(body_));
+  sums_.resize(pieces_.size());
+  if (tags) salt_ = FrameTagger::new_salt(), macs_.resize(pieces_.size());
+  write(header.data(), header.size());
 }
+
+void FrameWriter::append(const void* data, size_t n) {
+  HETERO_CHECK(filled_ + n <= body_);
+  write(static_cast<const char*>(data), n);
+}
+
+void FrameWriter::write(const char* src, size_t n) {
+  if (n == 0) return;
+  const size_t from = filled_, to = filled_ + n;
+  const size_t first = from / kWirePieceBytes, last = (to - 1) / kWirePieceBytes;
+  char* body = out_.data() + kPrefixBytes;
+  // Each piece this write reaches is one task: its share copied, checksummed and MACed a block
+  // at a time, and closed if this write completes it.
+  const auto piece_count = static_cast<int64_t>(last - first + 1);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(frame_threads()) if (piece_count > 1)
+  for (int64_t k = 0; k < piece_count; ++k) {
+    const size_t j = first + static_cast<size_t>(k);
+    const size_t lo = std::max(from, j * kWirePieceBytes);
+    const size_t end = std::min(body_, (j + 1) * kWirePieceBytes);
+    const size_t hi = std::min(to, end);
+    Piece& p = pieces_[j];
+    if (lo == j * kWirePieceBytes) {
+      p.sum.emplace();
+      if (tags_) p.mac = tags_->piece(salt_, j);
+    }
+    for (size_t at = lo; at < hi; at += kBlockBytes) {
+      const size_t len = std::min(kBlockBytes, hi - at);
+      std::memcpy(body + at, src + (at - from), len);
+      p.sum->update(body + at, len);
+      if (tags_) p.mac.update(body + at, len);
+    }
+    if (hi == end) {
+      sums_[j] = p.sum->digest();
+      p.sum.reset();
+      if (tags_) macs_[j] = p.mac.final();
+    }
+  }
+  filled_ = to;
+}
+
+std::string FrameWriter::finish() {
+  HETERO_CHECK(filled_ == body_);
+  const uint64_t sum = checksum_of(sums_);
+  std::memcpy(out_.data() + kPrefixBytes + body_, &sum, 8);
+  if (tags_) {
+    char* seal = out_.data() + kPrefixBytes + body_ + 8;
+    const FrameTag d = tags_->digest(salt_, out_.data(), sum, macs_);
+    std::memcpy(seal, salt_.data(), kFrameSaltBytes);
+    std::memcpy(seal + kFrameSaltBytes, d.data(), kFrameTagBytes);
+  }
+  return std::move(out_);
+}
+
+namespace {
+
+uint64_t payload_of(const std::vector<ArraySpec>& specs) {
+  uint64_t pb = 0;
+  for (const ArraySpec& a : specs) pb += a.nbytes();
+  return pb;
+}
+
+}  // namespace
+
+SegmentFrameWriter::SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs,
+                                       FrameBufferPool* buffers, const FrameTagger* tags)
+    : specs_(std::move(specs)),
+      out_(segment_header(s, specs_).dump(), payload_of(specs_), tags, buffers) {}
 
 Status SegmentFrameWriter::append(const WireArray& a) {
   if (next_ >= specs_.size())
@@ -148,15 +249,7 @@ Status SegmentFrameWriter::append(const WireArray& a) {
       a.nbytes() != want.nbytes())
     return internal_error("segment array '" + a.name + "' " + a.tensor.shape_string() +
                           " where the plan has '" + want.name + "'");
-  // Copy and checksum 256 KB at a time, while the piece is still in cache (34 ms per 268 MB
-  // segment on the cpp-kernels machine; 37 ms with 1 MB or 4 MB pieces).
-  constexpr size_t kPiece = size_t{1} << 18;
-  const auto* p = reinterpret_cast<const char*>(a.data());
-  for (size_t at = 0; at < want.nbytes(); at += kPiece) {
-    const size_t n = std::min(kPiece, want.nbytes() - at);
-    out_.append(p + at, n);
-    sum_.update(out_.data() + out_.size() - n, n);
-  }
+  out_.append(a.data(), want.nbytes());
   ++next_;
   return Status::ok();
 }
@@ -165,18 +258,16 @@ Result<std::string> SegmentFrameWriter::finish() {
   if (next_ != specs_.size())
     return internal_error("segment frame finished with " + std::to_string(next_) + " of " +
                           std::to_string(specs_.size()) + " arrays");
-  const uint64_t sum = sum_.digest();
-  out_.append(reinterpret_cast<const char*>(&sum), 8);
-  return std::move(out_);
+  return out_.finish();
 }
 
-std::string encode_segment(const Segment& s, FrameBufferPool* buffers) {
-  SegmentFrameWriter w(s, specs_of(s.arrays), buffers);
+std::string encode_segment(const Segment& s, FrameBufferPool* buffers, const FrameTagger* tags) {
+  SegmentFrameWriter w(s, specs_of(s.arrays), buffers, tags);
   for (const WireArray& a : s.arrays) HETERO_CHECK(w.append(a).is_ok());
   return std::move(w.finish().value());
 }
 
-std::string encode_manifest(const Manifest& m) {
+std::string encode_manifest(const Manifest& m, const FrameTagger* tags) {
   json h = {{"v", kWireVersion},
             {"kind", "manifest"},
             {"fingerprint", m.fingerprint},
@@ -188,10 +279,12 @@ std::string encode_manifest(const Manifest& m) {
             {"complete", m.complete},
             {"reason", m.reason},
             {"arith", m.arith}};
-  return frame(h);
+  return frame(h, tags);
 }
 
-std::string encode_keepalive() { return frame({{"v", kWireVersion}, {"kind", "keepalive"}}); }
+std::string encode_keepalive(const FrameTagger* tags) {
+  return frame({{"v", kWireVersion}, {"kind", "keepalive"}}, tags);
+}
 
 void FrameParser::feed(const char* data, size_t n) {
   const size_t have = buf_.size() - pos_;
@@ -208,7 +301,7 @@ void FrameParser::feed(const char* data, size_t n) {
     // A bad magic or size is next()'s to report; here it only means no growing.
     if (std::memcmp(prefix, kMagic, 4) == 0 && hb <= kMaxHeaderBytes &&
         pb <= static_cast<uint64_t>(max_payload_)) {
-      const size_t tag = tags_ ? kFrameTagBytes : 0;
+      const size_t tag = tags_ ? kFrameSealBytes : 0;
       const size_t total = std::max<size_t>(kPrefixBytes + hb + pb + 8 + tag, have + n);
       if (buf_.capacity() - pos_ < total) {
         std::string grown = fresh_buffer(total);
@@ -221,11 +314,51 @@ void FrameParser::feed(const char* data, size_t n) {
   buf_.append(data, n);
 }
 
+Status FrameParser::verify(const char* p, size_t body) {
+  // Every piece's checksum and (tagged) MAC, in parallel; then the tag first: nothing of a frame
+  // the secret's holder did not write is looked at.
+  const char* b = p + kPrefixBytes;
+  const size_t n = pieces_of(body);
+  const char* seal = b + body + 8;
+  FrameSalt salt{};
+  if (tags_) std::memcpy(salt.data(), seal, kFrameSaltBytes);
+  std::vector<uint64_t> sums(n);
+  std::vector<FrameTag> macs(tags_ ? n : 0);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(frame_threads()) if (n > 1)
+  for (int64_t k = 0; k < static_cast<int64_t>(n); ++k) {
+    const size_t j = static_cast<size_t>(k), at = j * kWirePieceBytes;
+    const size_t len = std::min(kWirePieceBytes, body - at);
+    sums[j] = checksum3(b + at, len);
+    if (tags_) {
+      PieceMac m = tags_->piece(salt, j);
+      m.update(b + at, len);
+      macs[j] = m.final();
+    }
+  }
+  uint64_t sum;
+  std::memcpy(&sum, b + body, 8);
+  if (tags_) {
+    const FrameTag d = tags_->digest(salt, p, sum, macs);
+    const FrameTag t = tags_->tag(index_, salt, d);
+    if (!FrameTagger::same(t, reinterpret_cast<const uint8_t*>(seal + kFrameSaltBytes)))
+      return data_loss("frame " + std::to_string(index_) +
+                       " has no valid tag: it is not from a prefill host holding the "
+                       "stack's secret, or it was altered on the way");
+  }
+  if (checksum_of(sums) != sum) return data_loss("frame checksum mismatch (corrupted segment)");
+  return Status::ok();
+}
+
 Result<std::optional<Frame>> FrameParser::next() {
   if (!failed_.is_ok()) return failed_;
   const size_t avail = buf_.size() - pos_;
   if (avail < kPrefixBytes) return std::optional<Frame>();
   const char* p = buf_.data() + pos_;
+  if (std::memcmp(p, kMagicV1, 4) == 0)
+    return failed_ = data_loss(
+               "a wire version 1 frame (HSG1): this receiver reads version " +
+               std::to_string(kWireVersion) +
+               "; the prefill host and the decode side must run releases that speak the same wire");
   if (std::memcmp(p, kMagic, 4) != 0)
     return failed_ = data_loss("bad frame magic: not a hetero segment stream");
   uint32_t hb;
@@ -239,18 +372,10 @@ Result<std::optional<Frame>> FrameParser::next() {
     return failed_ =
                data_loss("frame payload of " + std::to_string(pb) + " bytes exceeds the limit");
   const size_t total = kPrefixBytes + hb + pb + 8;
-  const size_t tagged = total + (tags_ ? kFrameTagBytes : 0);
+  const size_t tagged = total + (tags_ ? kFrameSealBytes : 0);
   if (avail < tagged) return std::optional<Frame>();
-  // The tag first: nothing of a frame the secret's holder did not write is looked at.
-  if (tags_ && !tags_->verify(index_, p, total, reinterpret_cast<const uint8_t*>(p + total)))
-    return failed_ = data_loss("frame " + std::to_string(index_) +
-                               " has no valid tag: it is not from a prefill host holding the "
-                               "stack's secret, or it was altered on the way");
+  if (Status st = verify(p, hb + pb); !st.is_ok()) return failed_ = st;
   ++index_;
-  uint64_t sum;
-  std::memcpy(&sum, p + kPrefixBytes + hb + pb, 8);
-  if (checksum64(p + kPrefixBytes, hb + pb) != sum)
-    return failed_ = data_loss("frame checksum mismatch (corrupted segment)");
   Frame f;
   auto header = parse_untrusted_json(std::string_view(p + kPrefixBytes, hb));
   f.header = header.is_ok() ? std::move(header.value()) : json(json::value_t::discarded);

@@ -1,9 +1,11 @@
 // The wire between the prefill host and the decode host: a stream of self-describing,
 // checksummed frames, one segment per prefill boundary, closed by a manifest.
 // Format (docs/design/wire.md):
-//   "HSG1" | u32 header_bytes | u64 payload_bytes | header (JSON) | payload | u64 xxh64
-// where the checksum covers header and payload. All integers little-endian. Between hosts that
-// share the stack's secret, each frame is followed by its 16-byte tag (frame_tag.h).
+//   "HSG2" | u32 header_bytes | u64 payload_bytes | header (JSON) | payload | u64 checksum
+// where header | payload is cut into pieces of kWirePieceBytes, each checksummed on its own
+// (XXH3-64), and the checksum is XXH3-64 of those: both ends work on a frame's pieces in
+// parallel. All integers little-endian. Between hosts that share the stack's secret, each frame
+// is followed by its salt and tag (frame_tag.h).
 #pragma once
 
 #include <cstdint>
@@ -22,7 +24,14 @@
 
 namespace hetero {
 
-constexpr int32_t kWireVersion = 1;
+constexpr int32_t kWireVersion = 2;
+// A frame's header | payload is checksummed (and tagged) in pieces of this many bytes; the last
+// piece is shorter.
+constexpr size_t kWirePieceBytes = size_t{1} << 20;
+// How many threads work on one frame's pieces (framing, verifying): by default half the host's
+// cores, 1 to 8; set_frame_threads (n >= 1) sets it for the process (a bench's --threads).
+int frame_threads();
+void set_frame_threads(int n);
 constexpr int64_t kMaxHeaderBytes = 1 << 20;
 
 struct WireArray {
@@ -103,7 +112,9 @@ class FrameBufferPool {
  public:
   explicit FrameBufferPool(size_t max_kept = 4, size_t min_bytes = size_t{1} << 20)
       : max_kept_(max_kept), min_bytes_(min_bytes) {}
-  // An empty buffer whose capacity holds `bytes`: a kept one if one is large enough, else new.
+  // A buffer whose capacity holds `bytes`: a kept one if one is large enough (its size and stale
+  // contents as they were, so that resizing it to a frame of the same size writes nothing), else
+  // a new empty one.
   std::string take(size_t bytes);
   // A buffer whose frame is done with.
   void give(std::string buf);
@@ -116,16 +127,47 @@ class FrameBufferPool {
   std::vector<std::string> kept_;
 };
 
+// One frame written as its payload arrives: the prefix and header first, then the payload's
+// bytes in order, each piece checksummed (and, for a tagged stream, MACed) as it fills, the
+// pieces an append() spans in parallel (frame_threads()). The frame's memory is written once.
+class FrameWriter {
+ public:
+  // tags: the stream's tagger (null: an untagged stream); buffers: where the frame's memory
+  // comes from (null: fresh memory).
+  FrameWriter(const std::string& header, uint64_t payload_bytes, const FrameTagger* tags,
+              FrameBufferPool* buffers);
+  FrameWriter(FrameWriter&&) = default;
+  // The payload's next n bytes (in all, payload_bytes).
+  void append(const void* data, size_t n);
+  // Once the whole payload is in: the frame, and on a tagged stream its salt and digest D
+  // (FrameTagger::seal makes D its tag when it is sent). The writer is spent.
+  std::string finish();
+
+ private:
+  struct Piece {
+    std::optional<Checksum3> sum;
+    PieceMac mac;
+  };
+  void write(const char* src, size_t n);  // the body's next n bytes
+  const FrameTagger* tags_;
+  FrameSalt salt_{};
+  std::string out_;
+  size_t body_ = 0, filled_ = 0;  // header | payload: its size, and how much is written
+  std::vector<Piece> pieces_;
+  std::vector<uint64_t> sums_;
+  std::vector<FrameTag> macs_;
+};
+
 // A segment's frame written array by array, as each becomes ready: the header first (from the
-// specs), then each array's bytes in the specs' order, the checksum running along. The frame is
-// byte for byte encode_segment's for the same segment, so a producer can frame a segment while
-// its last layers are still being computed.
+// specs), then each array's bytes in the specs' order. The frame is byte for byte
+// encode_segment's for the same segment (and salt), so a producer can frame a segment while its
+// last layers are still being computed.
 class SegmentFrameWriter {
  public:
   // s: the segment's fields (its arrays are not read); specs: every array it will carry;
-  // buffers: where the frame's memory comes from (null: fresh memory).
+  // tags, buffers: as FrameWriter's.
   SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs,
-                     FrameBufferPool* buffers = nullptr);
+                     FrameBufferPool* buffers = nullptr, const FrameTagger* tags = nullptr);
   // The next array: its name, dtype and shape must be the next spec's.
   Status append(const WireArray& a);
   // Once every array is in: the frame (the writer is spent).
@@ -134,19 +176,26 @@ class SegmentFrameWriter {
  private:
   std::vector<ArraySpec> specs_;
   size_t next_ = 0;
-  std::string out_;
-  Checksum64 sum_;
+  FrameWriter out_;
 };
 
-std::string encode_segment(const Segment& s, FrameBufferPool* buffers = nullptr);
-std::string encode_manifest(const Manifest& m);
+// Frames as a stream's framing side writes them: with a tagger, each carries its salt and
+// digest, ready for FrameTagger::seal at sending.
+std::string encode_segment(const Segment& s, FrameBufferPool* buffers = nullptr,
+                           const FrameTagger* tags = nullptr);
+std::string encode_manifest(const Manifest& m, const FrameTagger* tags = nullptr);
 // A frame that carries nothing: a stream waiting for its turn again stays audibly alive
 // (receivers skip it; it is tagged and counted like any frame).
-std::string encode_keepalive();
+std::string encode_keepalive(const FrameTagger* tags = nullptr);
+// The checksum of a frame whose header | payload is `body`: XXH3-64 of its pieces' XXH3-64s.
+uint64_t body_checksum(std::string_view body);
+// A frame's size on the wire without what follows it (salt and tag), from its prefix; 0 where
+// `frame` does not start with a whole prefix.
+size_t frame_size(std::string_view frame);
 
 // Incremental frame parser for a byte stream arriving in arbitrary pieces. Verifies magic,
 // bounds, tag (when given a tagger: every frame must carry a valid one) and checksum before
-// handing out a frame; after an error it stays failed.
+// handing out a frame, its pieces in parallel (frame_threads()); after an error it stays failed.
 class FrameParser {
  public:
   explicit FrameParser(int64_t max_payload_bytes, const FrameTagger* tags = nullptr)
@@ -160,6 +209,8 @@ class FrameParser {
   size_t buffered_bytes() const { return buf_.size() - pos_; }
 
  private:
+  // The frame at p (its header | payload is `body` bytes): tag and checksum.
+  Status verify(const char* p, size_t body);
   std::string buf_;
   size_t pos_ = 0;
   int64_t max_payload_;

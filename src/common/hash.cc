@@ -5,24 +5,29 @@
 
 #include <cstdio>
 
+#include "common/status.h"
+
 namespace hetero {
 
 uint64_t checksum64(const void* data, size_t bytes, uint64_t seed) {
   return XXH64(data, bytes, seed);
 }
 
-Checksum64::Checksum64(uint64_t seed) : state_(XXH64_createState()) {
-  XXH64_reset(static_cast<XXH64_state_t*>(state_), seed);
+uint64_t checksum3(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
+
+Checksum3::Checksum3() : state_(XXH3_createState()) {
+  HETERO_CHECK(state_ != nullptr);
+  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
 }
 
-Checksum64::~Checksum64() { XXH64_freeState(static_cast<XXH64_state_t*>(state_)); }
+Checksum3::~Checksum3() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
 
-void Checksum64::update(const void* data, size_t bytes) {
-  XXH64_update(static_cast<XXH64_state_t*>(state_), data, bytes);
+void Checksum3::update(const void* data, size_t bytes) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
 }
 
-uint64_t Checksum64::digest() const {
-  return XXH64_digest(static_cast<const XXH64_state_t*>(state_));
+uint64_t Checksum3::digest() const {
+  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_));
 }
 
 std::string hex64(uint64_t v) {

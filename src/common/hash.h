@@ -1,5 +1,5 @@
-// Checksums and keys. Segments carry XXH64 of their bytes (fast, collision-resistant enough to
-// catch corruption, not an authenticator). Store keys chain a hash over the token prefix.
+// Checksums and keys. Frames carry XXH3-64 checksums of their pieces (fast, collision-resistant
+// enough to catch corruption, not an authenticator). Store keys chain XXH64 over the token prefix.
 #pragma once
 
 #include <cstdint>
@@ -10,18 +10,22 @@ namespace hetero {
 
 uint64_t checksum64(const void* data, size_t bytes, uint64_t seed = 0);
 
-// checksum64 over bytes that arrive in pieces: digest() equals checksum64 of their concatenation.
-class Checksum64 {
+// XXH3-64 (seed 0): a frame piece's checksum, and the frame's over its pieces' (wire.h).
+uint64_t checksum3(const void* data, size_t bytes);
+
+// checksum3 over bytes that arrive in parts: digest() equals checksum3 of their concatenation.
+// Move-only.
+class Checksum3 {
  public:
-  explicit Checksum64(uint64_t seed = 0);
-  ~Checksum64();
-  Checksum64(const Checksum64&) = delete;
-  Checksum64& operator=(const Checksum64&) = delete;
+  Checksum3();
+  ~Checksum3();
+  Checksum3(Checksum3&& o) noexcept : state_(o.state_) { o.state_ = nullptr; }
+  Checksum3& operator=(Checksum3&&) = delete;
   void update(const void* data, size_t bytes);
   uint64_t digest() const;
 
  private:
-  void* state_;  // XXH64_state_t
+  void* state_;  // XXH3_state_t
 };
 std::string hex64(uint64_t v);
 // Key of a decoder-store entry: hash of the model fingerprint and ids[0:n], as hex.

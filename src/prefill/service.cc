@@ -62,9 +62,9 @@ int http_status_for(const Status& s) {
 
 // Applies a fault to the outgoing frame with index i (segments count from 0). Returns false
 // when the frame must be dropped.
-bool apply_fault(const FaultSpec& f, int64_t i, std::string* frame) {
-  if (f.kind == "corrupt" && i == f.n && frame->size() > 40) {
-    (*frame)[frame->size() - 9] ^= 0x5a;  // last payload byte, before the checksum
+bool apply_fault(const FaultSpec& f, int64_t i, std::string* frame, const FrameTagger* tags) {
+  if (f.kind == "corrupt" && i == f.n && frame_size(*frame) > 40) {
+    (*frame)[frame_size(*frame) - 9] ^= 0x5a;  // last payload byte, before the checksum
   } else if (f.kind == "gap" && i == f.n) {
     return false;
   } else if (f.kind == "wrong-t") {
@@ -75,7 +75,7 @@ bool apply_fault(const FaultSpec& f, int64_t i, std::string* frame) {
       auto m = decode_manifest(*fr.value());
       if (m.is_ok()) {
         m.value().requested_tokens += 1;
-        *frame = encode_manifest(m.value());
+        *frame = encode_manifest(m.value(), tags);
       }
     }
   }
@@ -327,7 +327,8 @@ Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::Fr
 Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission& a,
                                       const BridgeProducer::FrameSink& stream,
                                       const std::function<bool()>& receiver_gone, bool may_yield,
-                                      const std::function<void()>& stream_ended) {
+                                      const std::function<void()>& stream_ended,
+                                      const FrameTagger* tags) {
   // When the stream last had a frame (the producer's frames come from its own thread).
   using Clock = std::chrono::steady_clock;
   std::atomic<Clock::rep> last_frame{Clock::now().time_since_epoch().count()};
@@ -339,7 +340,7 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
     const Clock::duration quiet =
         Clock::now().time_since_epoch() - Clock::duration(last_frame.load());
     if (keepalive_ms_ <= 0 || quiet < std::chrono::milliseconds(keepalive_ms_)) return true;
-    return sink(encode_keepalive());
+    return sink(encode_keepalive(tags));
   };
   // The turn is this request's until it ends (or gives it up to wait for the next one).
   struct Holding {
@@ -359,11 +360,12 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
   if (!program.is_ok()) {
     Manifest m = refusal(req);
     m.reason = "cache program refused the request: " + program.status().to_string();
-    sink(encode_manifest(m));
+    sink(encode_manifest(m, tags));
     return m;
   }
   BridgeProducer producer(program.value().get(), sink, 4,
-                          program.value()->device_stream() ? capture_ : nullptr, buffers_.get());
+                          program.value()->device_stream() ? capture_ : nullptr, buffers_.get(),
+                          tags);
   producer.set_arith(arith_);
   producer.set_tail(req.start, a.from);
   Status st;
@@ -589,14 +591,14 @@ Status PrefillService::start(const std::string& host, int port) {
     // thread writes frames as they come.
     auto frames = std::make_shared<BoundedQueue<std::string>>(4);
     auto buffers = buffers_;
-    auto worker =
-        std::make_shared<std::thread>([this, frames, cancelled, request, admission, receiver_gone] {
+    auto worker = std::make_shared<std::thread>(
+        [this, frames, cancelled, request, admission, receiver_gone, tags] {
           run_admitted(
               *request, *admission,
               [frames, cancelled](std::string f) {
                 return !cancelled->load() && frames->push(std::move(f));
               },
-              receiver_gone, /*may_yield=*/true, [frames] { frames->close(); });
+              receiver_gone, /*may_yield=*/true, [frames] { frames->close(); }, tags.get());
           frames->close();  // where the request ended before its stream began
         });
     const FaultSpec fault = fault_;
@@ -616,12 +618,12 @@ Status PrefillService::start(const std::string& host, int port) {
                   std::this_thread::sleep_for(std::chrono::milliseconds(50));
                 return false;
               }
-              if (!apply_fault(fault, i++, &*f)) continue;
+              if (!apply_fault(fault, i++, &*f, tags.get())) continue;
             }
-            FrameTag tag{};
-            if (tags) tag = tags->tag(sent++, f->data(), f->size());
-            if (!sink.write(f->data(), f->size()) ||
-                (tags && !sink.write(reinterpret_cast<const char*>(tag.data()), tag.size()))) {
+            // Framed with its salt and digest (the long part of its tag, done as it was
+            // written): here the digest becomes the tag of the frame's place in the stream.
+            if (tags) tags->seal(sent++, &*f);
+            if (!sink.write(f->data(), f->size())) {
               cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
               frames->close();
               return false;

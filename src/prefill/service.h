@@ -379,10 +379,13 @@ class PrefillService {
   // sink must then take frames from any thread).
   // stream_ended: called once the manifest, the stream's last frame, has gone to the sink, before
   // the state is kept for later requests (so the receiver need not wait for that copy).
+  // tags: the stream's tagger where it is tagged (frames go to sink framed for
+  // FrameTagger::seal), else null.
   Manifest run_admitted(const PrefillRequest& req, const Admission& a,
                         const BridgeProducer::FrameSink& sink,
                         const std::function<bool()>& receiver_gone = {}, bool may_yield = false,
-                        const std::function<void()>& stream_ended = {});
+                        const std::function<void()>& stream_ended = {},
+                        const FrameTagger* tags = nullptr);
   // With the turn: whether the running request's turn is up (set_turn_ms) for a state of
   // `tokens` tokens.
   bool should_yield(int64_t tokens);

@@ -144,17 +144,24 @@ def test_prefill_host_refuses_calls_without_the_secret(up):
     r = requests.post(url(port, "/v1/prefill"), json=body, headers=bearer(secret), timeout=120)
     assert r.status_code == 200 and len(r.content) > 0
     assert r.headers["Content-Type"] == "application/x-hetero-segments"
-    assert r.headers["X-Hetero-Frame-Tags"] == "poly1305-v1"
+    assert r.headers["X-Hetero-Frame-Tags"] == "poly1305-pieces-v2"
     # With the secret, frames are tagged: a request without a nonce to key them is refused.
     del body["stream_nonce"]
     r = requests.post(url(port, "/v1/prefill"), json=body, headers=bearer(secret), timeout=120)
     assert r.status_code == 400 and "stream_nonce" in r.json()["error"]["message"], r.text
 
 
+def wire_checksum(body: bytes) -> int:
+    """A frame's checksum (docs/design/wire.md): XXH3-64 of its 1 MiB pieces' XXH3-64s."""
+    piece = 1 << 20
+    sums = [xxhash.xxh3_64(body[at:at + piece]).intdigest() for at in range(0, len(body), piece)]
+    return xxhash.xxh3_64(struct.pack(f"<{len(sums)}Q", *sums)).intdigest()
+
+
 class SpoofedPrefillHost:
     """A prefill host that does not hold the stack's secret: it answers every request with
-    rows of garbage in well-formed frames whose xxh64 checksums are right (anyone can compute
-    those). forge_tags: it also claims tagged frames and appends 16 random bytes to each."""
+    rows of garbage in well-formed frames whose checksums are right (anyone can compute those).
+    forge_tags: it also claims tagged frames and appends 32 random bytes (salt, tag) to each."""
 
     def __init__(self, info: dict, forge_tags: bool):
         host = self
@@ -182,18 +189,18 @@ class SpoofedPrefillHost:
     def reply(handler, status: int, data: bytes, tagged: bool = False) -> None:
         handler.send_response(status)
         handler.send_header("Content-Type", "application/x-hetero-segments" if tagged or status
-                            == 200 and data[:4] == b"HSG1" else "application/json")
+                            == 200 and data[:4] == b"HSG2" else "application/json")
         if tagged:
-            handler.send_header("X-Hetero-Frame-Tags", "poly1305-v1")
+            handler.send_header("X-Hetero-Frame-Tags", "poly1305-pieces-v2")
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
         handler.wfile.write(data)
 
     def frame(self, header: dict, payload: bytes = b"") -> bytes:
         h = json.dumps(header).encode()
-        out = b"HSG1" + struct.pack("<IQ", len(h), len(payload)) + h + payload
-        out += struct.pack("<Q", xxhash.xxh64(h + payload).intdigest())
-        return out + (os.urandom(16) if self.forge_tags else b"")
+        out = b"HSG2" + struct.pack("<IQ", len(h), len(payload)) + h + payload
+        out += struct.pack("<Q", wire_checksum(h + payload))
+        return out + (os.urandom(32) if self.forge_tags else b"")
 
     def stream(self, req: dict) -> bytes:
         n, info = len(req["ids"]), self.info
@@ -205,9 +212,9 @@ class SpoofedPrefillHost:
                 arrays.append({"name": f"layers.{layer}.{which}", "dtype": "BF16", "shape": shape,
                                "offset": len(payload), "bytes": size})
                 payload += os.urandom(size)
-        segment = {"v": 1, "kind": "segment", "seq": 0, "family": info["family"],
+        segment = {"v": 2, "kind": "segment", "seq": 0, "family": info["family"],
                    "fingerprint": req["fingerprint"], "pos0": 0, "n_tokens": n, "arrays": arrays}
-        manifest = {"v": 1, "kind": "manifest", "fingerprint": req["fingerprint"],
+        manifest = {"v": 2, "kind": "manifest", "fingerprint": req["fingerprint"],
                     "requested_tokens": n, "covered_tokens": n, "segments": 1, "complete": True,
                     "reason": "", "arith": "exact"}
         return self.frame(segment, payload) + self.frame(manifest)

@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import xxhash
 
 ROOT = Path(__file__).resolve().parents[2]
 HETERO = Path(os.environ.get("HETERO_BIN", ROOT / "build" / "hetero"))
@@ -190,13 +192,20 @@ def test_prefill_host_streams_segments_then_a_manifest(prefill_host) -> None:
     status, reply = post(port, "/v1/prefill", json.dumps({"ids": list(range(1, 13)),
                                                           "fingerprint": fingerprint}).encode())
     assert status == 200
-    # Frames: "HSG1" | u32 header | u64 payload | header | payload | u64 checksum.
+    # Frames: "HSG2" | u32 header | u64 payload | header | payload | u64 checksum, the checksum
+    # XXH3-64 of the 1 MiB pieces' XXH3-64s (docs/design/wire.md), checked here independently.
     kinds, pos = [], 0
     while pos < len(reply):
-        assert reply[pos:pos + 4] == b"HSG1"
+        assert reply[pos:pos + 4] == b"HSG2"
         hb = int.from_bytes(reply[pos + 4:pos + 8], "little")
         pb = int.from_bytes(reply[pos + 8:pos + 16], "little")
+        body = reply[pos + 16:pos + 16 + hb + pb]
+        sums = [xxhash.xxh3_64(body[at:at + (1 << 20)]).intdigest()
+                for at in range(0, len(body), 1 << 20)]
+        want = xxhash.xxh3_64(struct.pack(f"<{len(sums)}Q", *sums)).intdigest()
+        assert int.from_bytes(reply[pos + 16 + hb + pb:pos + 24 + hb + pb], "little") == want
         header = json.loads(reply[pos + 16:pos + 16 + hb])
+        assert header["v"] == 2
         kinds.append((header["kind"], header.get("pos0"), header.get("n_tokens")))
         pos += 16 + hb + pb + 8
     # chunk 5 over 12 tokens: segments at 0, 5, 10, then the manifest.

@@ -190,7 +190,7 @@ TEST(StreamReceiver, AFrameLargerThanTheRequestCouldNeedIsRefusedBeforeBuffering
   CacheAssembler assembler(layout(), 10);
   EXPECT_EQ(assembler.max_segment_bytes(), 2 * 2 * 2 * 10 * 4 * 2);
   StreamReceiver receiver(&assembler);
-  std::string prefix = "HSG1";
+  std::string prefix = "HSG2";
   const uint32_t header_bytes = 2;
   const uint64_t payload_bytes = uint64_t{1} << 30;
   prefix.append(reinterpret_cast<const char*>(&header_bytes), 4);

@@ -91,9 +91,14 @@ struct Stream {
   std::vector<Frame> frames;
 };
 
-Manifest run_producer(LateProgram* program, Stream* out, int64_t T, int64_t chunk) {
-  BridgeProducer producer(program, [out](std::string bytes) {
-    FrameParser parser(1 << 20);
+// tags: frames framed with the stream's tagger, sealed with their place as the prefill host's
+// sender does, and verified by one receiver's parser.
+Manifest run_producer(LateProgram* program, Stream* out, int64_t T, int64_t chunk,
+                      const FrameTagger* tags = nullptr) {
+  FrameParser parser(1 << 20, tags);
+  uint64_t sent = 0;
+  auto sink = [out, tags, &parser, &sent](std::string bytes) {
+    if (tags) tags->seal(sent++, &bytes);
     parser.feed(bytes.data(), bytes.size());
     auto f = parser.next();
     EXPECT_TRUE(f.is_ok() && f->has_value());
@@ -104,7 +109,8 @@ Manifest run_producer(LateProgram* program, Stream* out, int64_t T, int64_t chun
       out->segments.push_back(*s);
     }
     return true;
-  });
+  };
+  BridgeProducer producer(program, sink, 4, nullptr, nullptr, tags);
   auto tap = producer.tap();
   std::vector<uint16_t> x(static_cast<size_t>(chunk * 4));
   for (int64_t p = 0; p < T; p += chunk)
@@ -144,6 +150,21 @@ TEST(Producer, PlannedArraysAreFramedLayerByLayerIntoTheSameFrames) {
   for (size_t i = 0; i < a.frames.size(); ++i) {
     EXPECT_EQ(a.frames[i].header, b.frames[i].header) << "frame " << i;
     EXPECT_EQ(a.frames[i].payload(), b.frames[i].payload()) << "frame " << i;
+  }
+  // Tagged, as a prefill host with the stack's secret sends them: the same frames, each passing
+  // the receiver's tag check.
+  const FrameTagger tags("s3cret", new_stream_nonce());
+  for (bool plan : {false, true}) {
+    LateProgram tagged;
+    tagged.plan = plan;
+    Stream c;
+    const Manifest t = run_producer(&tagged, &c, 10, 4, &tags);
+    EXPECT_TRUE(t.complete) << t.reason;
+    ASSERT_EQ(c.frames.size(), a.frames.size()) << "planned " << plan;
+    for (size_t i = 0; i < a.frames.size(); ++i) {
+      EXPECT_EQ(a.frames[i].header, c.frames[i].header) << "frame " << i;
+      EXPECT_EQ(a.frames[i].payload(), c.frames[i].payload()) << "frame " << i;
+    }
   }
 }
 
