@@ -21,7 +21,12 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-Status unauthenticated_stream() {
+// scheme: the prefill host's X-Hetero-Frame-Tags ("" where it sent none).
+Status unauthenticated_stream(const std::string& scheme) {
+  if (!scheme.empty())
+    return data_loss(std::string("the prefill host tags its frames as '") + scheme +
+                     "' and this side checks '" + kFrameTagsScheme +
+                     "': the two run releases that speak different wire versions");
   return data_loss(std::string("the prefill host does not tag its frames with the stack's ") +
                    "secret (" + kFrameTagsHeader + " missing): not the stack's prefill host, " +
                    "or one started without --secret-file");
@@ -125,7 +130,7 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
     out.queued_ms = std::atof(res.get_header_value(kQueuedMsHeader).c_str());
     if (res.status == 200 && !secret.empty() &&
         res.get_header_value(kFrameTagsHeader) != kFrameTagsScheme) {
-      untagged = unauthenticated_stream();
+      untagged = unauthenticated_stream(res.get_header_value(kFrameTagsHeader));
       return false;
     }
     return true;

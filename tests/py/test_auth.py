@@ -161,9 +161,10 @@ def wire_checksum(body: bytes) -> int:
 class SpoofedPrefillHost:
     """A prefill host that does not hold the stack's secret: it answers every request with
     rows of garbage in well-formed frames whose checksums are right (anyone can compute those).
-    forge_tags: it also claims tagged frames and appends 32 random bytes (salt, tag) to each."""
+    forge_tags: it also claims tagged frames and appends 32 random bytes (salt, tag) to each;
+    scheme: the tag scheme it claims (another one is what an older release's host sends)."""
 
-    def __init__(self, info: dict, forge_tags: bool):
+    def __init__(self, info: dict, forge_tags: bool, scheme: str = "poly1305-pieces-v2"):
         host = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -173,7 +174,7 @@ class SpoofedPrefillHost:
             def do_POST(self):  # noqa: N802
                 req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 host.requests += 1
-                host.reply(self, 200, host.stream(req), tagged=forge_tags)
+                host.reply(self, 200, host.stream(req), scheme=host.scheme if forge_tags else "")
 
             def log_message(self, *args):
                 pass
@@ -182,16 +183,16 @@ class SpoofedPrefillHost:
         self.health = {k: info[k] for k in ("family", "fingerprint", "layers")}
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
-        self.forge_tags = forge_tags
+        self.forge_tags, self.scheme = forge_tags, scheme
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     @staticmethod
-    def reply(handler, status: int, data: bytes, tagged: bool = False) -> None:
+    def reply(handler, status: int, data: bytes, scheme: str = "") -> None:
         handler.send_response(status)
-        handler.send_header("Content-Type", "application/x-hetero-segments" if tagged or status
+        handler.send_header("Content-Type", "application/x-hetero-segments" if scheme or status
                             == 200 and data[:4] == b"HSG2" else "application/json")
-        if tagged:
-            handler.send_header("X-Hetero-Frame-Tags", "poly1305-pieces-v2")
+        if scheme:
+            handler.send_header("X-Hetero-Frame-Tags", scheme)
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
         handler.wfile.write(data)
@@ -224,20 +225,23 @@ class SpoofedPrefillHost:
         self.server.server_close()
 
 
-@pytest.mark.parametrize("forge_tags", [False, True], ids=["untagged", "forged-tags"])
-def test_a_spoofed_prefill_host_is_refused_and_poisons_nothing(up, tmp_path, forge_tags):
+@pytest.mark.parametrize("kind", ["untagged", "forged-tags", "older-wire"])
+def test_a_spoofed_prefill_host_is_refused_and_poisons_nothing(up, tmp_path, kind):
     # Regression (hardening issue): a fake prefill host's garbage, framed with correct
     # checksums, was answered as "complete, exact" and stayed in the decoder's prompt cache.
+    # "older-wire": a host claiming the first wire's tag scheme is named as another release.
     dport, good = up["decoder-port"], bearer(secret_of(up))
     info = requests.get(url(dport, "/hetero/info"), headers=good, timeout=10).json()
-    spoof = SpoofedPrefillHost(info, forge_tags)
+    forge_tags = kind != "untagged"
+    spoof = SpoofedPrefillHost(info, forge_tags,
+                               "poly1305-v1" if kind == "older-wire" else "poly1305-pieces-v2")
     port = free_port()
     front = Proc("front", [HETERO, "front", "--decoder-port", dport, "--prefill-port", spoof.port,
                            "--store", up["work"] / "store", "--secret-file", up["secret_file"],
                            "--port", port], tmp_path, port, "/health")
     try:
         front.wait_ready(60)
-        body = chat(text(f"spoof-{forge_tags}", 120), 8)
+        body = chat(text(f"spoof-{kind}", 120), 8)
         requests.post(url(dport, "/hetero/clear"), json={}, headers=good, timeout=30)
         cold = requests.post(url(dport, "/v1/chat/completions"), json=body, timeout=300).json()
         requests.post(url(dport, "/hetero/clear"), json={}, headers=good, timeout=30)
@@ -247,7 +251,8 @@ def test_a_spoofed_prefill_host_is_refused_and_poisons_nothing(up, tmp_path, for
         v = verdict_of(r.headers)
         assert spoof.requests == 1
         assert v["verdict"].startswith("declined") and v["B"] == 0, v
-        assert ("no valid tag" if forge_tags else "does not tag its frames") in v["verdict"], v
+        assert {"untagged": "does not tag its frames", "forged-tags": "no valid tag",
+                "older-wire": "different wire versions"}[kind] in v["verdict"], v
         assert r.json()["choices"][0]["message"] == cold["choices"][0]["message"]
         # Nothing of the garbage was mounted: the decoder, asked again, still answers as cold.
         again = requests.post(url(dport, "/v1/chat/completions"), json=body, timeout=300).json()
