@@ -4,8 +4,9 @@
 // [8, 8192, 64] bf16 = 268 MB), the unit the GPU prefill emits per chunk. The receiver is fed
 // --piece bytes at a time, as a socket hands them over (0: the whole frame at once), and decodes
 // as the prefill client does (arrays viewing the frame). Median and spread of --repeat runs; one
-// JSON line on stdout. "encode" writes into fresh memory; "encode_warm" and "encode_tagged" into
-// a buffer given back by the frame before, as the prefill host does (its pages already in).
+// JSON line on stdout. "encode" and "receive" write into fresh memory; the "_warm" and "_tagged"
+// runs into buffers given back by the frame before, as a stream's later frames are at both ends
+// (their pages already in).
 // Framing and verifying work on a frame's pieces with frame_threads() threads.
 //
 // usage: hetero_wire_bench [--layers 16] [--kv-heads 8] [--head-dim 64] [--tokens 8192]
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -66,12 +68,13 @@ int main(int argc, char** argv) {
     double encode_ms, receive_ms;
     size_t bytes;
   };
-  auto run = [&](FrameBufferPool* pool, const FrameTagger* tags) -> Result<Run> {
+  auto run = [&](FrameBufferPool* pool, const std::shared_ptr<FrameBufferPool>& rx,
+                 const FrameTagger* tags) -> Result<Run> {
     const auto t0 = Clock::now();
     std::string frame = encode_segment(s, pool, tags);
     if (tags) tags->seal(0, &frame);
     const auto t1 = Clock::now();
-    FrameParser parser(int64_t{1} << 40, tags);
+    FrameParser parser(int64_t{1} << 40, tags, rx);
     const size_t step = piece > 0 ? static_cast<size_t>(piece) : frame.size();
     for (size_t at = 0; at < frame.size(); at += step)
       parser.feed(frame.data() + at, std::min(step, frame.size() - at));
@@ -87,19 +90,21 @@ int main(int argc, char** argv) {
   };
   const FrameTagger tagger("bench secret", new_stream_nonce());
   FrameBufferPool pool;
+  auto rx = std::make_shared<FrameBufferPool>(2);
   struct Series {
     const char* name;
     FrameBufferPool* pool;
+    std::shared_ptr<FrameBufferPool> rx;
     const FrameTagger* tags;
     std::vector<double> enc, dec;
     size_t bytes = 0;
   };
-  std::vector<Series> series = {{"", nullptr, nullptr, {}, {}},
-                                {"_warm", &pool, nullptr, {}, {}},
-                                {"_tagged", &pool, &tagger, {}, {}}};
+  std::vector<Series> series = {{"", nullptr, nullptr, nullptr, {}, {}},
+                                {"_warm", &pool, rx, nullptr, {}, {}},
+                                {"_tagged", &pool, rx, &tagger, {}, {}}};
   for (Series& x : series)
     for (int r = 0; r < repeat + 1; ++r) {  // run 0 warms up
-      auto got = run(x.pool, x.tags);
+      auto got = run(x.pool, x.rx, x.tags);
       if (!got.is_ok()) return std::fprintf(stderr, "%s\n", got.status().to_string().c_str()), 1;
       if (r == 0) continue;
       x.enc.push_back(got->encode_ms), x.dec.push_back(got->receive_ms), x.bytes = got->bytes;

@@ -35,8 +35,12 @@ uint64_t checksum_of(const std::vector<uint64_t>& sums) {
   return checksum3(sums.data(), sums.size() * sizeof(uint64_t));
 }
 
-// An empty buffer with room for `bytes`, huge pages asked for.
+// An empty buffer with room for `bytes`, huge pages asked for. A frame-sized one is rounded up
+// (past a page's slack, to whole MiB), so that it still fits a later frame of the same rows
+// whose header has grown a few bytes (a longer pos0) when it comes back to a pool.
 std::string fresh_buffer(size_t bytes) {
+  constexpr size_t kMiB = size_t{1} << 20;
+  if (bytes >= kMiB) bytes = (bytes + 4096 + kMiB - 1) / kMiB * kMiB;
   std::string buf;
   buf.reserve(bytes);
   prefer_huge_pages(buf.data(), buf.capacity());
@@ -304,9 +308,10 @@ void FrameParser::feed(const char* data, size_t n) {
       const size_t tag = tags_ ? kFrameSealBytes : 0;
       const size_t total = std::max<size_t>(kPrefixBytes + hb + pb + 8 + tag, have + n);
       if (buf_.capacity() - pos_ < total) {
-        std::string grown = fresh_buffer(total);
+        std::string grown = buffers_->take(total);
+        grown.clear();                   // keeps its capacity and its pages
         grown.append(buf_, pos_, have);  // drops what earlier frames left
-        buf_ = std::move(grown);
+        buffers_->give(std::exchange(buf_, std::move(grown)));
         pos_ = 0;
       }
     }
@@ -388,7 +393,8 @@ Result<std::optional<Frame>> FrameParser::next() {
   if (pos_ == 0 && avail == tagged) {  // the buffer holds exactly this frame: hand it over
     f.buffer = std::move(buf_);
     f.payload_offset = kPrefixBytes + hb;
-    buf_.clear();
+    f.pool = buffers_;
+    buf_ = std::string();
     return std::optional<Frame>(std::move(f));
   }
   f.buffer.assign(p + kPrefixBytes + hb, pb);

@@ -85,24 +85,6 @@ struct Manifest {
   int64_t computed_from = 0;
 };
 
-struct Frame {
-  nlohmann::json header;
-  // The payload is buffer[payload_offset, +payload_size): a frame that filled the parser's
-  // buffer alone takes that buffer over whole instead of copying its payload out.
-  std::string buffer;
-  size_t payload_offset = 0, payload_size = 0;
-  std::string_view payload() const { return {buffer.data() + payload_offset, payload_size}; }
-};
-
-// What an array will be, before its bytes exist.
-struct ArraySpec {
-  std::string name;
-  DType dtype = DType::kBF16;
-  std::vector<int64_t> shape;
-  size_t nbytes() const;
-};
-std::vector<ArraySpec> specs_of(const std::vector<WireArray>& arrays);
-
 // Frame-sized host buffers kept for the next frames. Writing a large frame into fresh memory
 // pays for faulting its pages in; where the kernel gives no huge pages, that is most of the cost
 // of framing a segment. A stream's segments are mostly of one size, so a buffer given back after
@@ -126,6 +108,36 @@ class FrameBufferPool {
   mutable std::mutex mu_;
   std::vector<std::string> kept_;
 };
+
+struct Frame {
+  nlohmann::json header;
+  // The payload is buffer[payload_offset, +payload_size): a frame that filled the parser's
+  // buffer alone takes that buffer over whole instead of copying its payload out.
+  std::string buffer;
+  size_t payload_offset = 0, payload_size = 0;
+  // Where the buffer goes once the frame is done with (its parser's pool), so that the next
+  // frames are received into memory already faulted in; null: freed.
+  std::shared_ptr<FrameBufferPool> pool;
+
+  Frame() = default;
+  Frame(Frame&&) = default;
+  Frame& operator=(Frame&&) = default;
+  Frame(const Frame&) = default;
+  Frame& operator=(const Frame&) = default;
+  ~Frame() {
+    if (pool) pool->give(std::move(buffer));
+  }
+  std::string_view payload() const { return {buffer.data() + payload_offset, payload_size}; }
+};
+
+// What an array will be, before its bytes exist.
+struct ArraySpec {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  size_t nbytes() const;
+};
+std::vector<ArraySpec> specs_of(const std::vector<WireArray>& arrays);
 
 // One frame written as its payload arrives: the prefix and header first, then the payload's
 // bytes in order, each piece checksummed (and, for a tagged stream, MACed) as it fills, the
@@ -198,11 +210,18 @@ size_t frame_size(std::string_view frame);
 // handing out a frame, its pieces in parallel (frame_threads()); after an error it stays failed.
 class FrameParser {
  public:
-  explicit FrameParser(int64_t max_payload_bytes, const FrameTagger* tags = nullptr)
-      : max_payload_(max_payload_bytes), tags_(tags) {}
+  // buffers: where frame-sized buffers come from and go back to (null: a pool of the parser's
+  // own, keeping two).
+  explicit FrameParser(int64_t max_payload_bytes, const FrameTagger* tags = nullptr,
+                       std::shared_ptr<FrameBufferPool> buffers = nullptr)
+      : max_payload_(max_payload_bytes),
+        tags_(tags),
+        buffers_(buffers ? std::move(buffers) : std::make_shared<FrameBufferPool>(2)) {}
   // Once a frame's size is known (its 16-byte prefix has arrived, within the limits), the
   // buffer is grown to hold all of it at once: a large segment arriving in small pieces is then
-  // neither re-copied as the buffer doubles nor faulted in 4 KB at a time.
+  // neither re-copied as the buffer doubles nor faulted in 4 KB at a time. The buffer comes from
+  // the pool, where a frame taken over whole gives its own back once it is done with: a stream's
+  // frames are received into memory already faulted in.
   void feed(const char* data, size_t n);
   // A complete verified frame, nothing yet (std::nullopt), or the error that ends the stream.
   Result<std::optional<Frame>> next();
@@ -215,6 +234,7 @@ class FrameParser {
   size_t pos_ = 0;
   int64_t max_payload_;
   const FrameTagger* tags_;
+  std::shared_ptr<FrameBufferPool> buffers_;
   uint64_t index_ = 0;  // the next frame's place in the stream (its tag's key)
   Status failed_;
 };

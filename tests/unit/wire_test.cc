@@ -127,6 +127,39 @@ TEST(Wire, PooledFramesReuseTheirBuffers) {
   EXPECT_GE(taken.capacity(), capacity);
 }
 
+// A receiver's frames come back to its parser's pool once done with (here: once the segment
+// decoded from a frame, whose arrays view it, is gone), and the next frame of the stream is
+// received into that memory, byte for byte as it was sent, though its header is longer (pos0).
+TEST(Wire, AStreamsFramesAreReceivedIntoReusedMemory) {
+  const std::string a = encode_segment(make_segment(0, 0, 600, 4, 2, 64));  // ~1.2 MB each
+  const std::string b = encode_segment(make_segment(1, 600, 600, 4, 2, 64));
+  ASSERT_GT(b.size(), a.size());
+  auto pool = std::make_shared<FrameBufferPool>(2, 1024);
+  FrameParser p(int64_t{1} << 30, nullptr, pool);
+  auto receive = [&p](const std::string& bytes) {
+    for (size_t at = 0; at < bytes.size(); at += 4096)
+      p.feed(bytes.data() + at, std::min<size_t>(4096, bytes.size() - at));
+    auto f = p.next();
+    EXPECT_TRUE(f.is_ok() && f->has_value());
+    return std::move(**f);
+  };
+  const char* memory = nullptr;
+  {
+    auto s = decode_segment(receive(a));
+    ASSERT_TRUE(s.is_ok()) << s.status().to_string();
+    memory = reinterpret_cast<const char*>(s->arrays[0].data());
+    EXPECT_EQ(pool->kept(), 0u);  // the segment's arrays still view it
+  }
+  EXPECT_EQ(pool->kept(), 1u);
+  Frame f = receive(b);
+  EXPECT_EQ(pool->kept(), 0u);
+  EXPECT_LE(f.buffer.data(), memory);
+  EXPECT_GT(f.buffer.data() + f.buffer.size(), memory);  // the same memory, taken again
+  auto s = decode_segment(f);
+  ASSERT_TRUE(s.is_ok());
+  EXPECT_EQ(encode_segment(*s), b);
+}
+
 // Decoding a frame it takes over, the receiver's arrays view the frame's buffer: the same bytes
 // as a copying decode, still valid once the parser has moved on to later frames.
 TEST(Wire, TakenOverFrameDecodesIntoViews) {
