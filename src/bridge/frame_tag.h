@@ -20,7 +20,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,7 +46,6 @@ class PieceMac {
   PieceMac(PieceMac&&) noexcept;
   PieceMac& operator=(PieceMac&&) noexcept;
   ~PieceMac();
-  bool started() const { return ctx_ != nullptr; }
   void update(const void* data, size_t n);
   FrameTag final();
 

@@ -29,6 +29,31 @@ constexpr size_t kBlockBytes = size_t{1} << 18;
 static_assert(std::endian::native == std::endian::little, "the wire's integers are little-endian");
 
 size_t pieces_of(size_t body) { return (body + kWirePieceBytes - 1) / kWirePieceBytes; }
+// Piece j of a body of `body` bytes: its length (the last piece is shorter).
+size_t piece_bytes(size_t body, size_t j) {
+  return std::min(kWirePieceBytes, body - j * kWirePieceBytes);
+}
+
+// The header and payload lengths from a frame's prefix (p: at least kPrefixBytes).
+struct Lengths {
+  uint32_t header;
+  uint64_t payload;
+};
+Lengths read_lengths(const char* p) {
+  Lengths l;
+  std::memcpy(&l.header, p + 4, 4);
+  std::memcpy(&l.payload, p + 8, 8);
+  return l;
+}
+
+std::atomic<int> g_frame_threads{
+    std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 2, 1, 8)};
+
+uint64_t payload_of(const std::vector<ArraySpec>& specs) {
+  uint64_t pb = 0;
+  for (const ArraySpec& a : specs) pb += a.nbytes();
+  return pb;
+}
 
 // The frame's checksum over its pieces' (each a little-endian u64, in order).
 uint64_t checksum_of(const std::vector<uint64_t>& sums) {
@@ -75,11 +100,6 @@ json segment_header(const Segment& s, const std::vector<ArraySpec>& specs) {
 
 }  // namespace
 
-namespace {
-std::atomic<int> g_frame_threads{
-    std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 2, 1, 8)};
-}  // namespace
-
 int frame_threads() { return g_frame_threads.load(std::memory_order_relaxed); }
 
 void set_frame_threads(int n) {
@@ -90,18 +110,14 @@ void set_frame_threads(int n) {
 uint64_t body_checksum(std::string_view body) {
   std::vector<uint64_t> sums(pieces_of(body.size()));
   for (size_t j = 0; j < sums.size(); ++j)
-    sums[j] = checksum3(body.data() + j * kWirePieceBytes,
-                        std::min(kWirePieceBytes, body.size() - j * kWirePieceBytes));
+    sums[j] = checksum3(body.data() + j * kWirePieceBytes, piece_bytes(body.size(), j));
   return checksum_of(sums);
 }
 
 size_t frame_size(std::string_view f) {
   if (f.size() < kPrefixBytes) return 0;
-  uint32_t hb;
-  uint64_t pb;
-  std::memcpy(&hb, f.data() + 4, 4);
-  std::memcpy(&pb, f.data() + 8, 8);
-  return kPrefixBytes + hb + pb + 8;
+  const Lengths l = read_lengths(f.data());
+  return kPrefixBytes + l.header + l.payload + 8;
 }
 
 size_t ArraySpec::nbytes() const {
@@ -194,7 +210,7 @@ void FrameWriter::write(const char* src, size_t n) {
   for (int64_t k = 0; k < piece_count; ++k) {
     const size_t j = first + static_cast<size_t>(k);
     const size_t lo = std::max(from, j * kWirePieceBytes);
-    const size_t end = std::min(body_, (j + 1) * kWirePieceBytes);
+    const size_t end = j * kWirePieceBytes + piece_bytes(body_, j);
     const size_t hi = std::min(to, end);
     Piece& p = pieces_[j];
     if (lo == j * kWirePieceBytes) {
@@ -228,16 +244,6 @@ std::string FrameWriter::finish() {
   }
   return std::move(out_);
 }
-
-namespace {
-
-uint64_t payload_of(const std::vector<ArraySpec>& specs) {
-  uint64_t pb = 0;
-  for (const ArraySpec& a : specs) pb += a.nbytes();
-  return pb;
-}
-
-}  // namespace
 
 SegmentFrameWriter::SegmentFrameWriter(const Segment& s, std::vector<ArraySpec> specs,
                                        FrameBufferPool* buffers, const FrameTagger* tags)
@@ -298,10 +304,7 @@ void FrameParser::feed(const char* data, size_t n) {
     const size_t from_buf = std::min(have, kPrefixBytes);
     std::memcpy(prefix, buf_.data() + pos_, from_buf);
     std::memcpy(prefix + from_buf, data, kPrefixBytes - from_buf);
-    uint32_t hb;
-    uint64_t pb;
-    std::memcpy(&hb, prefix + 4, 4);
-    std::memcpy(&pb, prefix + 8, 8);
+    const auto [hb, pb] = read_lengths(prefix);
     // A bad magic or size is next()'s to report; here it only means no growing.
     if (std::memcmp(prefix, kMagic, 4) == 0 && hb <= kMaxHeaderBytes &&
         pb <= static_cast<uint64_t>(max_payload_)) {
@@ -332,7 +335,7 @@ Status FrameParser::verify(const char* p, size_t body) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(frame_threads()) if (n > 1)
   for (int64_t k = 0; k < static_cast<int64_t>(n); ++k) {
     const size_t j = static_cast<size_t>(k), at = j * kWirePieceBytes;
-    const size_t len = std::min(kWirePieceBytes, body - at);
+    const size_t len = piece_bytes(body, j);
     sums[j] = checksum3(b + at, len);
     if (tags_) {
       PieceMac m = tags_->piece(salt, j);
@@ -366,10 +369,7 @@ Result<std::optional<Frame>> FrameParser::next() {
                "; the prefill host and the decode side must run releases that speak the same wire");
   if (std::memcmp(p, kMagic, 4) != 0)
     return failed_ = data_loss("bad frame magic: not a hetero segment stream");
-  uint32_t hb;
-  uint64_t pb;
-  std::memcpy(&hb, p + 4, 4);
-  std::memcpy(&pb, p + 8, 8);
+  const auto [hb, pb] = read_lengths(p);
   if (hb > kMaxHeaderBytes)
     return failed_ =
                data_loss("frame header of " + std::to_string(hb) + " bytes exceeds the limit");

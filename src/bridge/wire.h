@@ -148,7 +148,6 @@ class FrameWriter {
   // comes from (null: fresh memory).
   FrameWriter(const std::string& header, uint64_t payload_bytes, const FrameTagger* tags,
               FrameBufferPool* buffers);
-  FrameWriter(FrameWriter&&) = default;
   // The payload's next n bytes (in all, payload_bytes).
   void append(const void* data, size_t n);
   // Once the whole payload is in: the frame, and on a tagged stream its salt and digest D
