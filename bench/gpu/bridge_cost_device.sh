@@ -5,8 +5,9 @@
 # shapes (bf16 cache, cuDNN attention). Each placement is one bench invocation that times the
 # forward alone ("off") and with the tap, the exact program and the framing behind it ("on"; for
 # llama also "tagged", its frames tagged as a prefill host with the stack's secret sends them) at
-# every T, so each cost is a ratio within one invocation. Every GPU test first (GPU_TESTS=1): on
-# two GPUs the suite's two-GPU tests run too. Then the host's share of one llama segment
+# every T, so each cost is a ratio within one invocation; "on-engine" is "on" with the tap's
+# copies (over NVLink where the program has its own GPU) on the engine's stream instead of the
+# capture's. Every GPU test first (GPU_TESTS=1): on two GPUs the suite's two-GPU tests run too. Then the host's share of one llama segment
 # (hetero_wire_bench, 268 MB: framing and verifying, untagged and tagged).
 #
 # Carry: .devkit/lib, build/hetero_gpu_tests, build/hetero_gpu_dsv4_layer_bench,
@@ -49,18 +50,18 @@ for p in $(echo "${PLACEMENTS:--1,1}" | tr ',' ' '); do
   fi
   flag=$([[ $p == -1 ]] || echo "--program-device $p")
   name=$NAME-p${p/-1/engine}
-  timeout 280 "$BIN/hetero_gpu_dsv4_layer_bench" --weights checkpoint --layers "$layers" \
+  timeout 360 "$BIN/hetero_gpu_dsv4_layer_bench" --weights checkpoint --layers "$layers" \
     --t "${T:-8192,32768,131072}" --chunk "${CHUNK:-32768}" --repeats "${REPEATS:-3}" --warmup 1 \
-    --bridge off,on $flag --rev "$REV" >"$OUT_DIR/dsv4-$name.jsonl" 2>"$OUT_DIR/dsv4-$name.txt" ||
-    rc=1
+    --bridge off,on-engine,on $flag --rev "$REV" >"$OUT_DIR/dsv4-$name.jsonl" \
+    2>"$OUT_DIR/dsv4-$name.txt" || rc=1
   echo "== $NAME: DeepSeek-V4, $layers layers, program on ${name##*-p}"
-  grep -E "^ +[0-9]+ |bridge|GB" "$OUT_DIR/dsv4-$name.txt" | tail -12
+  grep -E "^ +[0-9]+ |bridge|GB" "$OUT_DIR/dsv4-$name.txt" | tail -16
   if [[ ${LLAMA:-1} == 1 ]]; then
     timeout 260 "$BIN/hetero_gpu_llama_prefill_bench" --tokens "${T:-8192,32768,131072}" \
-      --modes off,on,tagged --kv bf16 --attention cudnn --repeat "${REPEATS:-3}" $flag --rev "$REV" \
-      >"$OUT_DIR/llama-$name.jsonl" 2>"$OUT_DIR/llama-$name.txt" || rc=1
+      --modes off,on-engine,on,tagged --kv bf16 --attention cudnn --repeat "${REPEATS:-3}" $flag \
+      --rev "$REV" >"$OUT_DIR/llama-$name.jsonl" 2>"$OUT_DIR/llama-$name.txt" || rc=1
     echo "== $NAME: llama 1B, program on ${name##*-p}"
-    tail -8 "$OUT_DIR/llama-$name.txt"
+    tail -12 "$OUT_DIR/llama-$name.txt"
   fi
 done
 exit $rc

@@ -18,7 +18,9 @@
 // cost: the forward's measured slowdown plus the tail once against 43/L times the forward "off"
 // (an extrapolation, named as one; the measured L-layer cost stays the figure of record).
 //
-// --program-device N runs the cache program on GPU N (the engine stays on GPU 0).
+// --program-device N runs the cache program on GPU N (the engine stays on GPU 0). --bridge
+// on-engine is "on" with the capture's copies on the engine's stream ("on": on the capture's
+// stream, the engine's next write of the rows waiting for them; TapEvent::x_read).
 //
 // --weights fp8 keeps the experts' weights as FP8 block-scaled e4m3 (Dsv4CudaOptions::
 // weight_dtype): about half the bytes per layer, so about twice the layers fit one GPU; the
@@ -281,10 +283,10 @@ int main(int argc, char** argv) {
       std::stringstream ss(next());
       std::string m;
       while (std::getline(ss, m, ','))
-        if (m == "off" || m == "on")
+        if (m == "off" || m == "on" || m == "on-engine")
           bridge_modes.push_back(m);
         else
-          return std::fprintf(stderr, "--bridge takes off and/or on\n"), 2;
+          return std::fprintf(stderr, "--bridge takes off, on and/or on-engine\n"), 2;
     } else {
       std::fprintf(
           stderr,
@@ -292,7 +294,7 @@ int main(int argc, char** argv) {
           "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8|checkpoint] "
           "[--widen-experts per-chunk|at-load] [--expert-gemm auto|grouped|per-expert|w4a8] "
           "[--w4a8-tile 128x128|64x256|...] [--w4a8-persistent] "
-          "[--bridge off,on] [--program-device N] [--phases] "
+          "[--bridge off,on,on-engine] [--program-device N] [--phases] "
           "[--refcheck] [--checkpoint] "
           "[--rev GIT_REV]\n",
           argv[0]);
@@ -340,14 +342,14 @@ int main(int argc, char** argv) {
     for (auto& v : ids) v = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab));
     double off_wall = 0, off_forward = 0;
     for (const std::string& bridge : bridge_modes) {
-      const bool on = bridge == "on";
+      const bool on = bridge != "off";
       std::vector<std::vector<double>> layer_ms(static_cast<size_t>(layers));
       std::vector<double> total_ms, wall_s, forward_s;
       double wire_bytes = 0, capture_bytes = 0;
       bool manifest_complete = true;
       auto phases_before = engine->phase_ms();
       // As the served stack holds it: one for every request.
-      auto made_capture = cuda::GpuCaptureStore::create(4, program_device);
+      auto made_capture = cuda::GpuCaptureStore::create(4, program_device, bridge == "on");
       if (!made_capture.is_ok())
         return std::fprintf(stderr, "%s\n", made_capture.status().to_string().c_str()), 1;
       cuda::GpuCaptureStore& capture = **made_capture;

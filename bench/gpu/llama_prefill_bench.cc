@@ -20,7 +20,10 @@
 // --weights fp8 runs the projections with FP8 block-scaled weights (cuBLASLt), --kv the cache,
 // --attention the attention kernel (auto, own, cudnn: LlamaCudaOptions::attention).
 // --program-device N runs the cache program on GPU N (the engine stays on GPU 0): the tap's rows
-// cross peer to peer and the program takes none of the engine's SMs.
+// cross peer to peer and the program takes none of the engine's SMs. A bridged mode with
+// "-engine" appended ("tap-engine", "on-engine", ...) keeps the capture's copies on the engine's
+// stream; without it they run on the capture's stream, the engine's next write of the rows
+// waiting for them (TapEvent::x_read).
 // --drift: no timing; the fast forward (--kv, --attention, --weights) against the exact one over
 // the same first --tokens T tokens, the exact one being the CPU engine's (and the decoder's)
 // arithmetic bit for bit (tests/gpu/llama_cuda_test.cc): every layer's attention inputs in
@@ -399,17 +402,21 @@ int main(int argc, char** argv) {
     for (auto& id : ids)
       id = static_cast<int32_t>((d.next(1.f) + 1.f) * 0.5f * static_cast<float>(c.vocab - 1));
     double off_median = 0;
-    for (const std::string& mode : a.modes) {
+    for (const std::string& named : a.modes) {
+      const bool engine_copies = named != "off-engine" && named.ends_with("-engine");
+      const std::string mode = engine_copies ? named.substr(0, named.size() - 7) : named;
       if (mode != "off" && mode != "tap" && mode != "program" && mode != "on" && mode != "tagged")
-        return std::fprintf(stderr, "unknown mode %s (off, tap, program, on, tagged)\n",
-                            mode.c_str()),
+        return std::fprintf(stderr,
+                            "unknown mode %s (off, tap, program, on, tagged; a bridged one "
+                            "with -engine: the capture's copies on the engine's stream)\n",
+                            named.c_str()),
                2;
       const bool on = mode != "off";
       std::vector<double> secs;
       double wire_bytes = 0, capture_bytes = 0, staging_bytes = 0;
       bool complete = true;
       // As the served stack holds them: one capture and one page-locked pool for every request.
-      auto made_capture = cuda::GpuCaptureStore::create(4, a.program_device);
+      auto made_capture = cuda::GpuCaptureStore::create(4, a.program_device, !engine_copies);
       if (!made_capture.is_ok())
         return std::fprintf(stderr, "%s\n", made_capture.status().to_string().c_str()), 1;
       cuda::GpuCaptureStore& capture = **made_capture;
@@ -478,7 +485,7 @@ int main(int argc, char** argv) {
           "\"activation_bytes\":%zu,\"manifest_complete\":%s}\n",
           a.rev.c_str(), gpu.c_str(), a.shape.c_str(), static_cast<long long>(c.layers), params,
           a.weights.c_str(), a.kv.c_str(), attention_name.c_str(), static_cast<long long>(T),
-          static_cast<long long>(a.chunk), mode.c_str(), a.program_device, a.repeat, sp.median,
+          static_cast<long long>(a.chunk), named.c_str(), a.program_device, a.repeat, sp.median,
           sp.min, sp.max, static_cast<double>(T) / sp.median, tflops, peak, tflops / peak,
           on ? std::to_string(overhead).c_str() : "null",
           on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null",
@@ -486,7 +493,7 @@ int main(int argc, char** argv) {
           (*engine)->activation_bytes(), on ? (complete ? "true" : "false") : "null");
       std::fflush(stdout);
       std::fprintf(stderr, "%8lld %4s %10.4f %10.0f %8.1f %6.1f%% %8.1f%% %10.0f %12.1f\n",
-                   static_cast<long long>(T), mode.c_str(), sp.median,
+                   static_cast<long long>(T), named.c_str(), sp.median,
                    static_cast<double>(T) / sp.median, tflops, 100 * tflops / peak, 100 * overhead,
                    on ? wire_bytes / static_cast<double>(T) : 0.0, capture_bytes / 1e6);
     }

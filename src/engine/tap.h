@@ -10,6 +10,15 @@
 // returns (the GPU capture does: a device-to-device copy and an event, never a host wait).
 // x_bf16 (host) is null from a GPU engine unless it was asked for a host tap, for which it
 // copies x back and waits — for tests and the CPU programs, not for serving.
+//
+// Or, where the engine offers x_read, the consumer copies x by work on a stream of its own, so
+// the copy (a peer copy over NVLink where the program has a GPU of its own) runs beside the
+// engine's next kernels instead of in their line: it makes its stream wait for an event recorded
+// on `stream` after x, enqueues its reads, records an event after them and leaves it (a
+// cudaEvent_t) in *x_read. The engine's stream waits for that event before it next writes x's
+// memory, and at the latest before the call that tapped returns, so the event is not needed after
+// that call (and a consumer may record it again once its next tap comes). A consumer that finds
+// *x_read already set (another consumer of the same tap) makes its event follow that one.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +38,7 @@ struct TapEvent {
   const uint16_t* x_bf16 = nullptr;    // host; null from a GPU engine without a host tap
   const uint16_t* x_device = nullptr;  // device; null from a CPU engine
   void* stream = nullptr;              // cudaStream_t that x_device is ordered on
+  void** x_read = nullptr;             // where a consumer leaves its reads' event; null: none
 };
 
 using AttentionInputTap = std::function<void(const TapEvent&)>;

@@ -6,8 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <map>
+#include <thread>
 #include <tuple>
 
 #include "bridge/llama_program.h"
@@ -15,6 +17,7 @@
 #include "bridge/wire.h"
 #include "cuda_test_base.h"
 #include "engine/cuda/llama_cuda.h"
+#include "engine/cuda/tap_readers.h"
 #include "kernels/cpu_ops.h"
 #include "llama_test_weights.h"
 
@@ -222,6 +225,66 @@ TEST_F(GpuProgramsTest, GpuProgramWithoutDeviceRowsFailsTheManifest) {
   const Manifest m = producer.finish(4, Status::ok());
   EXPECT_FALSE(m.complete);
   EXPECT_NE(m.reason.find("device rows"), std::string::npos) << m.reason;
+}
+
+// A capture on its own stream (TapEvent::x_read): the engine's stream does not wait behind the
+// copy, but its next write of x waits for it, so the slot holds the tapped rows. The copy is held
+// back by another consumer's reads (a host function blocked until released), so without the
+// engine's wait its overwrite of x would land first and the slot would hold the overwrite.
+TEST_F(GpuProgramsTest, CaptureOnItsOwnStreamTakesTheRowsBeforeTheEngineWritesThemAgain) {
+  const int64_t n = 64, H = 256;
+  const size_t bytes = static_cast<size_t>(n * H) * 2;
+  const std::vector<uint16_t> tapped = random_bf16(static_cast<size_t>(n * H), 1.f, 9);
+  cuda::DeviceBuffer x;
+  ASSERT_TRUE(x.allocate(bytes, "the tapped rows").is_ok());
+  ASSERT_EQ(cudaMemcpy(x.get(), tapped.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  auto engine = cuda::Stream::create(), other = cuda::Stream::create(),
+       program = cuda::Stream::create();
+  auto other_read = cuda::Event::create();
+  auto capture = cuda::GpuCaptureStore::create(2);
+  ASSERT_TRUE(engine.is_ok() && other.is_ok() && program.is_ok() && other_read.is_ok());
+  ASSERT_TRUE(capture.is_ok()) << capture.status().to_string();
+  // The other consumer: its reads end when the host lets its host function return (at the
+  // latest when the test ends, failed or not).
+  std::atomic<bool> release{false};
+  struct LetGo {
+    std::atomic<bool>* flag;
+    cudaStream_t stream;
+    ~LetGo() { flag->store(true), cudaStreamSynchronize(stream); }
+  } let_go{&release, other->get()};
+  ASSERT_EQ(cudaLaunchHostFunc(
+                other->get(),
+                [](void* flag) {
+                  while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
+                },
+                &release),
+            cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(other_read->get(), other->get()), cudaSuccess);
+  cuda::TapReaders readers;
+  *readers.slot() = other_read->get();
+  TapEvent e{0, 0, n, H, nullptr, x.get<uint16_t>(), engine->get()};
+  e.x_read = readers.slot();
+  auto slot = (*capture)->capture(e);
+  ASSERT_TRUE(slot.is_ok()) << slot.status().to_string();
+  ASSERT_NE(*readers.slot(), static_cast<void*>(other_read->get()));  // the capture's own event
+  // The engine's next write of x, behind the copy; the engine's stream itself never waited.
+  ASSERT_TRUE(readers.before_write(engine->get()).is_ok());
+  EXPECT_EQ(*readers.slot(), nullptr);
+  ASSERT_EQ(cudaMemsetAsync(x.get(), 0xff, bytes, engine->get()), cudaSuccess);
+  EXPECT_EQ(cudaStreamQuery(engine->get()), cudaErrorNotReady);  // held by the copy
+  release = true;
+  ASSERT_EQ(cudaStreamSynchronize(engine->get()), cudaSuccess);
+  auto rows = (*capture)->ready(*slot, program->get());
+  ASSERT_TRUE(rows.is_ok()) << rows.status().to_string();
+  std::vector<uint16_t> got(tapped.size());
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), *rows, bytes, cudaMemcpyDeviceToHost, program->get()),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(program->get()), cudaSuccess);
+  (*capture)->release(*slot, program->get());
+  EXPECT_TRUE(got == tapped) << "the slot holds the engine's overwrite, not the tapped rows";
+  std::vector<uint16_t> now(tapped.size());
+  ASSERT_EQ(cudaMemcpy(now.data(), x.get(), bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(now.front(), 0xffff);
 }
 
 }  // namespace

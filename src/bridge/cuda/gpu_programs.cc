@@ -20,13 +20,15 @@ const uint16_t* or_null(const DeviceBuffer& b) { return b.bytes() ? b.get<uint16
 
 // ---- capture ----
 
-GpuCaptureStore::GpuCaptureStore(int slots, int program_device)
+GpuCaptureStore::GpuCaptureStore(int slots, int program_device, bool own_stream)
     : slots_(static_cast<size_t>(slots)),
       engine_device_(current_device()),
-      program_device_(program_device < 0 ? current_device() : program_device) {}
+      program_device_(program_device < 0 ? current_device() : program_device),
+      own_stream_(own_stream) {}
 
-Result<std::unique_ptr<GpuCaptureStore>> GpuCaptureStore::create(int slots, int program_device) {
-  std::unique_ptr<GpuCaptureStore> g(new GpuCaptureStore(slots, program_device));
+Result<std::unique_ptr<GpuCaptureStore>> GpuCaptureStore::create(int slots, int program_device,
+                                                                 bool own_stream) {
+  std::unique_ptr<GpuCaptureStore> g(new GpuCaptureStore(slots, program_device, own_stream));
   if (g->program_device_ != g->engine_device_) {
     // The tap's copies write into the program's GPU from the engine's: peer access where the
     // GPUs have it (else the driver stages the copy through the host, slower but correct).
@@ -40,8 +42,10 @@ Result<std::unique_ptr<GpuCaptureStore>> GpuCaptureStore::create(int slots, int 
     else
       cudaGetLastError();
   }
+  HETERO_ASSIGN_OR_RETURN(g->copy_, Stream::create());
   for (Slot& s : g->slots_) {
-    HETERO_ASSIGN_OR_RETURN(s.copied, Event::create());  // on the engine's stream
+    HETERO_ASSIGN_OR_RETURN(s.tapped, Event::create());  // on the engine's stream
+    HETERO_ASSIGN_OR_RETURN(s.copied, Event::create());  // on the engine's stream or copy_
     DeviceGuard on_program(g->program_device_);
     HETERO_ASSIGN_OR_RETURN(s.read, Event::create());  // on the program's
   }
@@ -75,7 +79,9 @@ Result<int> GpuCaptureStore::capture(const TapEvent& e) {
   return slot;
 }
 
-// Copies e's rows into the slot on the engine's stream, after the slot's previous reader.
+// Copies e's rows into the slot after the slot's previous reader: on the copy stream where the
+// engine takes the copy's event back (TapEvent::x_read), so the engine's next kernels need not
+// wait behind it; else on the engine's stream.
 Status GpuCaptureStore::fill(Slot& s, const TapEvent& e, size_t bytes) {
   if (s.rows.bytes() < bytes) {
     // Growing frees the old rows: their reader must be done with them first.
@@ -84,7 +90,16 @@ Status GpuCaptureStore::fill(Slot& s, const TapEvent& e, size_t bytes) {
     DeviceGuard on_program(program_device_);
     HETERO_RETURN_IF_ERROR(s.rows.allocate(bytes, "the attention input's capture slot"));
   }
-  const auto stream = static_cast<cudaStream_t>(e.stream);
+  const auto engine = static_cast<cudaStream_t>(e.stream);
+  const bool own = e.x_read != nullptr && own_stream_;
+  const cudaStream_t stream = own ? copy_.get() : engine;
+  if (own) {
+    HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.tapped.get(), engine));
+    HETERO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, s.tapped.get(), 0));
+    if (*e.x_read)  // another consumer's reads: the event left below follows them
+      HETERO_CUDA_RETURN_IF_ERROR(
+          cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(*e.x_read), 0));
+  }
   if (s.read_pending)  // the previous rows' reader
     HETERO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, s.read.get(), 0));
   if (program_device_ == engine_device_)
@@ -94,6 +109,7 @@ Status GpuCaptureStore::fill(Slot& s, const TapEvent& e, size_t bytes) {
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyPeerAsync(s.rows.get(), program_device_, e.x_device,
                                                     engine_device_, bytes, stream));
   HETERO_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.copied.get(), stream));
+  if (own) *e.x_read = s.copied.get();
   return Status::ok();
 }
 

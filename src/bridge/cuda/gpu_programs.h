@@ -38,8 +38,10 @@ namespace hetero::cuda {
 class GpuCaptureStore : public CaptureStore {
  public:
   // A store of `slots` slots (their events created, no rows yet); fails where the events cannot
-  // be made.
-  static Result<std::unique_ptr<GpuCaptureStore>> create(int slots = 4, int program_device = -1);
+  // be made. own_stream false keeps the copies on the engine's stream even where it offers
+  // TapEvent::x_read (for a bench to measure what the copy stream buys).
+  static Result<std::unique_ptr<GpuCaptureStore>> create(int slots = 4, int program_device = -1,
+                                                         bool own_stream = true);
   ~GpuCaptureStore() override;
   GpuCaptureStore(const GpuCaptureStore&) = delete;
   GpuCaptureStore& operator=(const GpuCaptureStore&) = delete;
@@ -55,14 +57,17 @@ class GpuCaptureStore : public CaptureStore {
  private:
   struct Slot {
     DeviceBuffer rows;
-    Event copied;  // the tap's copy into rows, on the engine's stream
+    Event tapped;  // x ready, on the engine's stream (for a copy on copy_)
+    Event copied;  // the tap's copy into rows, on the engine's stream or copy_
     Event read;    // the program's last reads of rows, on its stream
     bool busy = false, read_pending = false;
   };
-  GpuCaptureStore(int slots, int program_device);
+  GpuCaptureStore(int slots, int program_device, bool own_stream);
   Status fill(Slot& s, const TapEvent& e, size_t bytes);
   std::vector<Slot> slots_;
+  Stream copy_;  // on the engine's GPU: the copies of an engine that offers TapEvent::x_read
   int engine_device_ = 0, program_device_ = 0;
+  bool own_stream_ = true;
   mutable std::mutex mu_;
   std::condition_variable freed_;
 };

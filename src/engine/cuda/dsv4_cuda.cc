@@ -789,6 +789,7 @@ Status Dsv4CudaEngine::prefill_stage(const std::vector<int32_t>& ids, const uint
     cuda::fast_rms_norm(bf(m.x), n, H, bf(L.attn_norm), eps, bf(m.x), st);
     if (tap) {
       TapEvent ev{static_cast<int32_t>(l), pos0, n, H, nullptr, bf(m.x), st};
+      ev.x_read = m.x_readers.slot();  // the layer's next write of x waits for them
       if (options_.host_tap) {
         m.host_x.resize(static_cast<size_t>(n * H));
         HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.host_x.data(), m.x.get(), m.host_x.size() * 2,
@@ -802,12 +803,15 @@ Status Dsv4CudaEngine::prefill_stage(const std::vector<int32_t>& ids, const uint
     HETERO_RETURN_IF_ERROR(attention(m, c, l, n, pos0));
     HETERO_RETURN_IF_ERROR(m.timer.mark(st, "hyper-connections + norms"));
     cuda::hc_expand(ha, f32(m.mix), bf(m.y), n, bf(m.h), st);
+    HETERO_RETURN_IF_ERROR(m.x_readers.before_write(st));  // x, read by the tap's copies
     cuda::hc_collapse(hf, bf(m.h), n, f32(m.mix), bf(m.x), st);
     cuda::fast_rms_norm(bf(m.x), n, H, bf(L.ffn_norm), eps, bf(m.x), st);
     HETERO_RETURN_IF_ERROR(moe(m, c, l, n));
     HETERO_RETURN_IF_ERROR(m.timer.mark(st, "hyper-connections + norms"));
     cuda::hc_expand(hf, f32(m.mix), bf(m.y), n, bf(m.h), st);
   }
+  // A stage that ends at the model's last layer taps it and stops before its attention.
+  HETERO_RETURN_IF_ERROR(m.x_readers.before_write(st));
   HETERO_RETURN_IF_ERROR(m.timer.mark(st, "end"));
   HETERO_RETURN_IF_ERROR(m.timer.collect(st));
   // The kernels' launches report here (a launch error, or an earlier fault that stuck).

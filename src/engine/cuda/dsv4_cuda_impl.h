@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/cuda/dsv4_cuda.h"
+#include "engine/cuda/tap_readers.h"
 #include "kernels/cuda/checkpoint_formats.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/fp8_grouped_gemm.h"
@@ -166,6 +167,7 @@ struct Dsv4CudaEngine::Impl {
   int grouped_slot = 0;
   bool online_only = false;  // Dsv4CudaOptions::online_softmax_attention
   std::vector<uint16_t> host_x;
+  cuda::TapReaders x_readers;  // the tap's readers of x on their own streams
   // FP8 experts (Dsv4CudaOptions::weight_dtype): the GEMM plans and the quantized inputs.
   bool fp8 = false;
   std::unique_ptr<cuda::Fp8Gemm> fp8_gemm;

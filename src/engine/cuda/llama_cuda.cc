@@ -645,6 +645,7 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
       attention_paged(q, n, static_cast<int>(c.heads), pos0, scale, kv, attn, st, c.window_of(l));
     }
     HETERO_RETURN_IF_ERROR(linear(attn, n, L.wo, tmp));
+    HETERO_RETURN_IF_ERROR(tap_readers_.before_write(st));  // xn, read by the tap's copies
     add_rms_norm_rows(h, tmp, n, H, L.post_norm, eps, xn, st);
     HETERO_RETURN_IF_ERROR(linear(xn, n, L.gate_up, gate_up));
     silu_mul_halves(gate_up, n, I, act, st);
@@ -665,6 +666,7 @@ Status LlamaCudaEngine::deliver_tap(const AttentionInputTap& tap, int64_t layer,
   if (!tap) return Status::ok();
   const int64_t H = config_.hidden;
   TapEvent e{static_cast<int32_t>(layer), pos0, n, H, nullptr, x, stream_.get()};
+  e.x_read = tap_readers_.slot();  // the layer's next write of x waits for them
   if (options_.host_tap) {
     HETERO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinned_x_.get(), x, static_cast<size_t>(n * H * 2),
                                                 cudaMemcpyDeviceToHost, stream_.get()));
@@ -782,6 +784,7 @@ Status LlamaCudaEngine::prefill_exact(const std::vector<int32_t>& ids,
                      c.window_of(l));
     HETERO_RETURN_IF_ERROR(linear(attn, qd, E.wo, H, nullptr, tmp));
     add_bf16(h, tmp, n * H, h, st);
+    HETERO_RETURN_IF_ERROR(tap_readers_.before_write(st));  // xn, read by the tap's copies
     hetero::cuda::rms_norm(h, n, H, L.post_norm, eps, xn, st);
     HETERO_RETURN_IF_ERROR(linear(xn, H, E.gate, I, nullptr, gate));
     HETERO_RETURN_IF_ERROR(linear(xn, H, E.up, I, nullptr, up));

@@ -33,6 +33,7 @@
 
 #include "common/status.h"
 #include "engine/cuda/device_rope_by_call.h"
+#include "engine/cuda/tap_readers.h"
 #include "engine/tap.h"
 #include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/device_rope.h"
@@ -189,6 +190,7 @@ class LlamaCudaEngine {
   DeviceBuffer act_q_, act_scale_;  // a GEMM input in FP8 (fp8 weights only)
   DeviceBuffer logits_;
   PinnedBuffer pinned_x_;
+  TapReaders tap_readers_;  // the tap's readers of xn on their own streams
 };
 
 }  // namespace hetero::cuda
