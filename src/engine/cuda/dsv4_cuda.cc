@@ -785,6 +785,7 @@ Status Dsv4CudaEngine::prefill_stage(const std::vector<int32_t>& ids, const uint
     };
     const cuda::HcParams ha = hc(L.hc_attn), hf = hc(L.hc_ffn);
     HETERO_RETURN_IF_ERROR(m.timer.mark(st, "hyper-connections + norms"));
+    HETERO_RETURN_IF_ERROR(m.x_readers.before_write(st));  // none, unless a call failed midway
     cuda::hc_collapse(ha, bf(m.h), n, f32(m.mix), bf(m.x), st);
     cuda::fast_rms_norm(bf(m.x), n, H, bf(L.attn_norm), eps, bf(m.x), st);
     if (tap) {

@@ -622,6 +622,7 @@ Status LlamaCudaEngine::prefill_chunk(const std::vector<int32_t>& ids,
   embed_rows(embed_, ids_.get<const int32_t>(), n, H, h, st);
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  HETERO_RETURN_IF_ERROR(tap_readers_.before_write(st));  // none, unless a call failed midway
   rms_norm_rows(h, n, H, layers_[0].in_norm, eps, xn, st);
   for (int64_t l = 0; l < c.layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
@@ -764,6 +765,7 @@ Status LlamaCudaEngine::prefill_exact(const std::vector<int32_t>& ids,
     const Exact::Layer& E = X.layers[static_cast<size_t>(l)];
     auto* kc = X.kv[static_cast<size_t>(2 * l)].get<uint16_t>();
     auto* vc = X.kv[static_cast<size_t>(2 * l + 1)].get<uint16_t>();
+    HETERO_RETURN_IF_ERROR(tap_readers_.before_write(st));  // none, unless a call failed midway
     hetero::cuda::rms_norm(h, n, H, L.in_norm, eps, xn, st);
     HETERO_RETURN_IF_ERROR(deliver_tap(tap, l, pos0, n, xn));
     HETERO_RETURN_IF_ERROR(linear(xn, H, E.wq, qd, L.extra.bq, q));
