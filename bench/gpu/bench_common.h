@@ -12,8 +12,10 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "bridge/cuda/gpu_programs.h"
 #include "bridge/frame_tag.h"
 #include "bridge/producer.h"
 #include "bridge/wire.h"
@@ -35,6 +37,17 @@ struct Draw {
 struct Spread {
   double median = 0, min = 0, max = 0;
 };
+
+// A bench's bridged mode and where its capture's copies run: "on-engine" is ("on", kEngine),
+// "on-own" ("on", kOwn), "on" ("on", kAuto, as served).
+inline std::pair<std::string, cuda::CaptureCopies> capture_copies_of(const std::string& mode) {
+  for (const auto& [suffix, copies] :
+       {std::pair{std::string("-engine"), cuda::CaptureCopies::kEngine},
+        std::pair{std::string("-own"), cuda::CaptureCopies::kOwn}})
+    if (mode.size() > suffix.size() && mode.ends_with(suffix))
+      return {mode.substr(0, mode.size() - suffix.size()), copies};
+  return {mode, cuda::CaptureCopies::kAuto};
+}
 // A producer's sink for a bench: counts the frames' bytes into *bytes and gives each frame's
 // buffer back to `buffers` at once, as the service does once a frame is sent (a link that never
 // waits).

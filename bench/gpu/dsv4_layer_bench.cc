@@ -19,8 +19,9 @@
 // (an extrapolation, named as one; the measured L-layer cost stays the figure of record).
 //
 // --program-device N runs the cache program on GPU N (the engine stays on GPU 0). --bridge
-// on-engine is "on" with the capture's copies on the engine's stream ("on": on the capture's
-// stream, the engine's next write of the rows waiting for them; TapEvent::x_read).
+// on-engine and on-own are "on" with the capture's copies on the engine's stream or on the
+// capture's own (the engine's next write of the rows waiting for them: TapEvent::x_read); "on"
+// runs them where the served stack does (CaptureCopies::kAuto).
 //
 // --weights fp8 keeps the experts' weights as FP8 block-scaled e4m3 (Dsv4CudaOptions::
 // weight_dtype): about half the bytes per layer, so about twice the layers fit one GPU; the
@@ -283,10 +284,10 @@ int main(int argc, char** argv) {
       std::stringstream ss(next());
       std::string m;
       while (std::getline(ss, m, ','))
-        if (m == "off" || m == "on" || m == "on-engine")
+        if (m == "off" || bench::capture_copies_of(m).first == "on")
           bridge_modes.push_back(m);
         else
-          return std::fprintf(stderr, "--bridge takes off, on and/or on-engine\n"), 2;
+          return std::fprintf(stderr, "--bridge takes off, on, on-engine and/or on-own\n"), 2;
     } else {
       std::fprintf(
           stderr,
@@ -294,7 +295,7 @@ int main(int argc, char** argv) {
           "[--repeats 3] [--moe loop|grouped] [--expert-streams 1] [--weights bf16|fp8|checkpoint] "
           "[--widen-experts per-chunk|at-load] [--expert-gemm auto|grouped|per-expert|w4a8] "
           "[--w4a8-tile 128x128|64x256|...] [--w4a8-persistent] "
-          "[--bridge off,on,on-engine] [--program-device N] [--phases] "
+          "[--bridge off,on,on-engine,on-own] [--program-device N] [--phases] "
           "[--refcheck] [--checkpoint] "
           "[--rev GIT_REV]\n",
           argv[0]);
@@ -349,7 +350,8 @@ int main(int argc, char** argv) {
       bool manifest_complete = true;
       auto phases_before = engine->phase_ms();
       // As the served stack holds it: one for every request.
-      auto made_capture = cuda::GpuCaptureStore::create(4, program_device, bridge == "on");
+      auto made_capture =
+          cuda::GpuCaptureStore::create(4, program_device, bench::capture_copies_of(bridge).second);
       if (!made_capture.is_ok())
         return std::fprintf(stderr, "%s\n", made_capture.status().to_string().c_str()), 1;
       cuda::GpuCaptureStore& capture = **made_capture;

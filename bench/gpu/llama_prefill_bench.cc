@@ -21,9 +21,9 @@
 // --attention the attention kernel (auto, own, cudnn: LlamaCudaOptions::attention).
 // --program-device N runs the cache program on GPU N (the engine stays on GPU 0): the tap's rows
 // cross peer to peer and the program takes none of the engine's SMs. A bridged mode with
-// "-engine" appended ("tap-engine", "on-engine", ...) keeps the capture's copies on the engine's
-// stream; without it they run on the capture's stream, the engine's next write of the rows
-// waiting for them (TapEvent::x_read).
+// "-engine" or "-own" appended ("tap-engine", "on-own", ...) runs the capture's copies on the
+// engine's stream or on the capture's own (the engine's next write of the rows waiting for
+// them: TapEvent::x_read); without, where the served stack runs them (CaptureCopies::kAuto).
 // --drift: no timing; the fast forward (--kv, --attention, --weights) against the exact one over
 // the same first --tokens T tokens, the exact one being the CPU engine's (and the decoder's)
 // arithmetic bit for bit (tests/gpu/llama_cuda_test.cc): every layer's attention inputs in
@@ -403,12 +403,11 @@ int main(int argc, char** argv) {
       id = static_cast<int32_t>((d.next(1.f) + 1.f) * 0.5f * static_cast<float>(c.vocab - 1));
     double off_median = 0;
     for (const std::string& named : a.modes) {
-      const bool engine_copies = named != "off-engine" && named.ends_with("-engine");
-      const std::string mode = engine_copies ? named.substr(0, named.size() - 7) : named;
+      const auto [mode, copies] = bench::capture_copies_of(named);
       if (mode != "off" && mode != "tap" && mode != "program" && mode != "on" && mode != "tagged")
         return std::fprintf(stderr,
                             "unknown mode %s (off, tap, program, on, tagged; a bridged one "
-                            "with -engine: the capture's copies on the engine's stream)\n",
+                            "with -engine or -own: where the capture's copies run)\n",
                             named.c_str()),
                2;
       const bool on = mode != "off";
@@ -416,7 +415,7 @@ int main(int argc, char** argv) {
       double wire_bytes = 0, capture_bytes = 0, staging_bytes = 0;
       bool complete = true;
       // As the served stack holds them: one capture and one page-locked pool for every request.
-      auto made_capture = cuda::GpuCaptureStore::create(4, a.program_device, !engine_copies);
+      auto made_capture = cuda::GpuCaptureStore::create(4, a.program_device, copies);
       if (!made_capture.is_ok())
         return std::fprintf(stderr, "%s\n", made_capture.status().to_string().c_str()), 1;
       cuda::GpuCaptureStore& capture = **made_capture;

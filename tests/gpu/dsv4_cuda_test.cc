@@ -216,9 +216,10 @@ INSTANTIATE_TEST_SUITE_P(Dsv4CudaEngineTest, Fp8ExpertKernels,
                          });
 
 // Experts over side streams run the same GEMMs on other streams: every layer's input is the same
-// bits as on the compute stream alone, bf16 and FP8 (where a lane's last expert writes its
-// padding rows into the lane's own buffer: a row landing on the next lane's first expert would
-// show here), over chunk schedules that leave experts 0, 1 and 17+ rows.
+// bits as on the compute stream alone, bf16 and FP8 (where an expert whose rows rounded up to 16
+// reach past its lane writes them into the lane's own buffer: a row landing on the next lane's
+// first expert would show here, when that lane wrote first), over chunk schedules that leave
+// experts 0, 1 and 17+ rows. Run it repeatedly to trust it: the lanes' order varies.
 TEST_F(Dsv4CudaEngineTest, ExpertStreamsGiveTheSameBits) {
   const Dsv4Config c = tiny_dsv4_config(/*hash_routed=*/false);
   const Dsv4Weights w = random_dsv4_model(c, 13);

@@ -241,7 +241,7 @@ TEST_F(GpuProgramsTest, CaptureOnItsOwnStreamTakesTheRowsBeforeTheEngineWritesTh
   auto engine = cuda::Stream::create(), other = cuda::Stream::create(),
        program = cuda::Stream::create();
   auto other_read = cuda::Event::create();
-  auto capture = cuda::GpuCaptureStore::create(2);
+  auto capture = cuda::GpuCaptureStore::create(2, -1, cuda::CaptureCopies::kOwn);
   ASSERT_TRUE(engine.is_ok() && other.is_ok() && program.is_ok() && other_read.is_ok());
   ASSERT_TRUE(capture.is_ok()) << capture.status().to_string();
   // The other consumer: its reads end when the host lets its host function return (at the

@@ -20,15 +20,16 @@ const uint16_t* or_null(const DeviceBuffer& b) { return b.bytes() ? b.get<uint16
 
 // ---- capture ----
 
-GpuCaptureStore::GpuCaptureStore(int slots, int program_device, bool own_stream)
+GpuCaptureStore::GpuCaptureStore(int slots, int program_device, CaptureCopies copies)
     : slots_(static_cast<size_t>(slots)),
       engine_device_(current_device()),
       program_device_(program_device < 0 ? current_device() : program_device),
-      own_stream_(own_stream) {}
+      own_stream_(copies == CaptureCopies::kOwn ||
+                  (copies == CaptureCopies::kAuto && program_device_ != engine_device_)) {}
 
 Result<std::unique_ptr<GpuCaptureStore>> GpuCaptureStore::create(int slots, int program_device,
-                                                                 bool own_stream) {
-  std::unique_ptr<GpuCaptureStore> g(new GpuCaptureStore(slots, program_device, own_stream));
+                                                                 CaptureCopies copies) {
+  std::unique_ptr<GpuCaptureStore> g(new GpuCaptureStore(slots, program_device, copies));
   if (g->program_device_ != g->engine_device_) {
     // The tap's copies write into the program's GPU from the engine's: peer access where the
     // GPUs have it (else the driver stages the copy through the host, slower but correct).
@@ -80,8 +81,9 @@ Result<int> GpuCaptureStore::capture(const TapEvent& e) {
 }
 
 // Copies e's rows into the slot after the slot's previous reader: on the copy stream where the
-// engine takes the copy's event back (TapEvent::x_read), so the engine's next kernels need not
-// wait behind it; else on the engine's stream.
+// store copies there (CaptureCopies) and the engine takes the copy's event back
+// (TapEvent::x_read), so the engine's next kernels need not wait behind it; else on the engine's
+// stream.
 Status GpuCaptureStore::fill(Slot& s, const TapEvent& e, size_t bytes) {
   if (s.rows.bytes() < bytes) {
     // Growing frees the old rows: their reader must be done with them first.

@@ -35,13 +35,20 @@ namespace hetero::cuda {
 // the program's GPU and the tap's copy crosses to it peer to peer (over NVLink where the GPUs
 // have it), still enqueued on the engine's stream, so the program's work takes none of the
 // engine's SMs. Construct the store with the engine's device current.
+// Where the capture's copies run, for an engine that offers TapEvent::x_read (else always on
+// the engine's stream). kAuto: on the capture's own stream where the program has a GPU of its own
+// (a peer copy, by the copy engines: the forward no longer waits behind it), on the engine's
+// stream where they share one (there a copy beside the forward waits for SMs behind the
+// program's kernels, and the forward then waits for it: RESULTS §49). kOwn and kEngine force one
+// (tests and benches).
+enum class CaptureCopies { kAuto, kOwn, kEngine };
+
 class GpuCaptureStore : public CaptureStore {
  public:
   // A store of `slots` slots (their events created, no rows yet); fails where the events cannot
-  // be made. own_stream false keeps the copies on the engine's stream even where it offers
-  // TapEvent::x_read (for a bench to measure what the copy stream buys).
-  static Result<std::unique_ptr<GpuCaptureStore>> create(int slots = 4, int program_device = -1,
-                                                         bool own_stream = true);
+  // be made.
+  static Result<std::unique_ptr<GpuCaptureStore>> create(
+      int slots = 4, int program_device = -1, CaptureCopies copies = CaptureCopies::kAuto);
   ~GpuCaptureStore() override;
   GpuCaptureStore(const GpuCaptureStore&) = delete;
   GpuCaptureStore& operator=(const GpuCaptureStore&) = delete;
@@ -62,12 +69,12 @@ class GpuCaptureStore : public CaptureStore {
     Event read;    // the program's last reads of rows, on its stream
     bool busy = false, read_pending = false;
   };
-  GpuCaptureStore(int slots, int program_device, bool own_stream);
+  GpuCaptureStore(int slots, int program_device, CaptureCopies copies);
   Status fill(Slot& s, const TapEvent& e, size_t bytes);
   std::vector<Slot> slots_;
   Stream copy_;  // on the engine's GPU: the copies of an engine that offers TapEvent::x_read
   int engine_device_ = 0, program_device_ = 0;
-  bool own_stream_ = true;
+  bool own_stream_ = false;  // the copies of an engine that offers x_read on copy_
   mutable std::mutex mu_;
   std::condition_variable freed_;
 };

@@ -261,19 +261,21 @@ Status expert_gemms_fp8(Impl& m, int64_t E, const int32_t* off, const int32_t* d
     return m.grouped_fp8->run(m.fp8_groups.data(), static_cast<int64_t>(m.fp8_groups.size()), wn,
                               wk, m.stream.get());
   }
-  std::vector<int64_t> last(m.lanes.size(), -1);  // each lane's last expert with rows
+  // A GEMM writes its rows rounded up to 16: an expert whose rounded rows reach past its lane's
+  // last row would write into the next lane's first rows while that lane may already have
+  // written them, so it writes into its lane's own buffer and copies its real rows out. Not
+  // only a lane's last expert: one of 5 rows followed by one of 3 reaches 8 rows past the lane.
+  std::vector<int64_t> lane_end(m.lanes.size(), -1);  // -1: the last lane, whose rows may run on
   if (!m.lanes.empty()) {
     const std::vector<int64_t> cut = split_by_rows(off, E, m.lanes.size());
-    for (size_t i = 0; i + 1 < m.lanes.size(); ++i)
-      for (int64_t e = cut[i]; e < cut[i + 1]; ++e)
-        if (off[e + 1] > off[e]) last[i] = e;
+    for (size_t i = 0; i + 1 < m.lanes.size(); ++i) lane_end[i] = off[cut[i + 1]];
   }
   return over_lanes(m, E, off, [&](int lane, int64_t e) {
     const int64_t rows = off[e + 1] - off[e], p = host_pad[e];
     cuda::Fp8Gemm& g = lane < 0 ? *m.fp8_gemm : *m.lanes[static_cast<size_t>(lane)].fp8;
     cudaStream_t st = lane < 0 ? m.stream.get() : m.lanes[static_cast<size_t>(lane)].stream.get();
-    const bool spills =
-        lane >= 0 && last[static_cast<size_t>(lane)] == e && cuda::fp8_act_rows(rows) != rows;
+    const int64_t end = lane < 0 ? -1 : lane_end[static_cast<size_t>(lane)];
+    const bool spills = end >= 0 && off[e] + cuda::fp8_act_rows(rows) > end;
     uint16_t* out = spills ? bf(m.lanes[static_cast<size_t>(lane)].spill) : y + off[e] * wn;
     const cuda::Fp8BlockWeight w =
         widen ? cuda::Fp8BlockWeight{wq + e * wn * wk,
