@@ -108,24 +108,19 @@ HcMix hc_collapse(const Dsv4HyperConnection& hc, const Dsv4Config& c, const uint
       const float inv = 1.0f / tot;
       for (int64_t k = 0; k < K; ++k) r[k] = r[k] * inv + eps;
     }
-    auto col_norm = [&] {
-      for (int64_t k = 0; k < K; ++k) {
+    // Sinkhorn: each line of comb (a column: (1, K); a row: (K, 1)) divided by its sum + eps,
+    // the sum in the line's order.
+    auto normalize = [&](int64_t line_stride, int64_t step) {
+      for (int64_t a = 0; a < K; ++a) {
+        float* v = cb + a * line_stride;
         float s = 0.0f;
-        for (int64_t j = 0; j < K; ++j) s = s + cb[j * K + k];
+        for (int64_t b = 0; b < K; ++b) s = s + v[b * step];
         const float d = s + eps;
-        for (int64_t j = 0; j < K; ++j) cb[j * K + k] = cb[j * K + k] / d;
+        for (int64_t b = 0; b < K; ++b) v[b * step] = v[b * step] / d;
       }
     };
-    col_norm();
-    for (int64_t it = 1; it < c.hc_sinkhorn_iters; ++it) {
-      for (int64_t j = 0; j < K; ++j) {
-        float s = 0.0f;
-        for (int64_t k = 0; k < K; ++k) s = s + cb[j * K + k];
-        const float d = s + eps;
-        for (int64_t k = 0; k < K; ++k) cb[j * K + k] = cb[j * K + k] / d;
-      }
-      col_norm();
-    }
+    normalize(1, K);
+    for (int64_t it = 1; it < c.hc_sinkhorn_iters; ++it) normalize(K, 1), normalize(1, K);
     for (int64_t d = 0; d < H; ++d) {
       float acc = 0.0f;
       for (int64_t k = 0; k < K; ++k) acc = acc + pre[k] * bf16_to_f32(h[t * W + k * H + d]);
