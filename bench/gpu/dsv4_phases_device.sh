@@ -30,7 +30,7 @@ REV=${REV:-unknown}
 source bench/gpu/devkit_libs.sh
 bins=(build/hetero_gpu_tests build/hetero_gpu_dsv4_layer_bench)
 [[ ${W4A8_BENCH:-0} == 1 ]] && bins+=(build/hetero_gpu_w4a8_bench)
-for b in ${BASE//,/ }; do bins+=("$b/hetero_gpu_dsv4_layer_bench"); done
+for b in ${BASE:+${BASE//,/ }}; do bins+=("$b/hetero_gpu_dsv4_layer_bench"); done
 devkit_libs /tmp/hetero-lib "${bins[@]}" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 rc=0
@@ -58,7 +58,7 @@ run_bench() {  # name binary_dir [more flags]
   grep -E "phase|^ +[0-9]+ " "$OUT_DIR/layer-$1.txt"
 }
 first=1
-for b in ${BASE//,/ }; do
+for b in ${BASE:+${BASE//,/ }}; do
   run_bench "base$([[ $first == 1 ]] || echo "-${b##*/}")" "$b"
   first=0
 done
