@@ -120,7 +120,10 @@ HcMix hc_collapse(const Dsv4HyperConnection& hc, const Dsv4Config& c, const uint
       }
     };
     normalize(1, K);
-    for (int64_t it = 1; it < c.hc_sinkhorn_iters; ++it) normalize(K, 1), normalize(1, K);
+    for (int64_t it = 1; it < c.hc_sinkhorn_iters; ++it) {
+      normalize(K, 1);  // rows
+      normalize(1, K);  // columns
+    }
     for (int64_t d = 0; d < H; ++d) {
       float acc = 0.0f;
       for (int64_t k = 0; k < K; ++k) acc = acc + pre[k] * bf16_to_f32(h[t * W + k * H + d]);
