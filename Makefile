@@ -12,7 +12,7 @@ STAMPS := .stamps
 JOBS ?= 2
 APT_PACKAGES := cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcpp-httplib-dev \
   libopenblas-dev libxxhash-dev libssl-dev zlib1g-dev libbrotli-dev clang-format python3-venv \
-  clang libclang-rt-14-dev libomp-dev
+  clang libclang-rt-14-dev libomp-dev libboost-dev
 
 .PHONY: up test deps cudnn-frontend cutlass venv model tiny tiny-dsv4 prompts build unit pytest fuzz demo format format-check clean sass
 

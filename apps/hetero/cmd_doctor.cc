@@ -8,6 +8,7 @@
 #include <random>
 
 #include "commands.h"
+#include "common/auth.h"
 #include "common/http_json.h"
 #include "common/secret.h"
 #include "common/sysmem.h"
@@ -19,7 +20,8 @@ using nlohmann::json;
 Options doctor_options() {
   const Options front = front_options();  // the stack's addresses: the front door's own rows
   std::vector<OptionSpec> rows;
-  for (const char* name : {"port", "decoder-host", "decoder-port", "prefill-host", "prefill-port"})
+  for (const char* name :
+       {"port", "decoder-host", "decoder-port", "prefill-host", "prefill-port", "api-key-file"})
     rows.push_back(front.spec(name));
   rows.push_back({"bridge-words", "", "400", "words in the bridged probe prompt"});
   rows.push_back(
@@ -65,6 +67,12 @@ int cmd_doctor(int argc, char** argv) {
   auto secret = read_secret_file(opts.get("secret-file"));
   if (!secret.is_ok())
     return std::fprintf(stderr, "doctor: %s\n", secret.status().message().c_str()), 2;
+  // With API keys, the front door's /v1/ paths need one: the file's first.
+  auto tenants = Tenants::load(opts.get("api-key-file"), secret.value());
+  if (!tenants.is_ok())
+    return std::fprintf(stderr, "doctor: %s\n", tenants.status().message().c_str()), 2;
+  httplib::Headers front_headers;
+  if (!tenants->open()) front_headers.emplace("Authorization", "Bearer " + tenants->keys()[0]);
   Checks c;
 
   auto front = http_json("127.0.0.1", port, "/health", json(), 5000);
@@ -91,18 +99,25 @@ int cmd_doctor(int argc, char** argv) {
     const std::string a = info->value("fingerprint", ""), b = prefill->value("fingerprint", "");
     c.report(!a.empty() && a == b, "fingerprints agree", "decoder " + a + ", prefill " + b);
   }
-  auto models = http_json_ok("127.0.0.1", port, "/v1/models", json(), 5000);
-  c.report(models.is_ok(), "front /v1/models",
-           models.is_ok() ? models->dump() : models.status().message());
-
-  // One small bridged request, forced through the bridge, must come back complete.
   httplib::Client cli("127.0.0.1", port);
   cli.set_read_timeout(std::chrono::minutes(10));
+  auto models = cli.Get("/v1/models", front_headers);
+  c.report(models && models->status == 200, "front /v1/models",
+           !models ? httplib::to_string(models.error())
+                   : "HTTP " + std::to_string(models->status) + " " + models->body);
+
+  // One small bridged request, forced through the bridge, must come back complete. Forcing a
+  // bridge takes the stack's signature (front.h).
   json body = {{"messages", json::array({{{"role", "user"}, {"content", fresh_prompt(words)}}})},
                {"max_tokens", 4},
                {"temperature", 0.0}};
-  auto r = cli.Post("/v1/chat/completions", {{"X-PD-Bridge-Mode", "bridge"}}, body.dump(),
-                    "application/json");
+  const std::string text = body.dump();
+  httplib::Headers headers = front_headers;
+  headers.emplace("X-PD-Bridge-Mode", "bridge");
+  if (!secret->empty())
+    headers.emplace("X-Hetero-Signature",
+                    signed_authorization(secret.value(), "POST", "/v1/chat/completions", text));
+  auto r = cli.Post("/v1/chat/completions", headers, text, "application/json");
   if (!r) {
     c.report(false, "bridged request", httplib::to_string(r.error()));
   } else {

@@ -1,4 +1,6 @@
 // `hetero front`: the front door alone, for a decoder and prefill host started elsewhere.
+#include <sys/stat.h>
+
 #include <cstdio>
 
 #include "commands.h"
@@ -8,6 +10,7 @@
 namespace hetero {
 
 int cmd_front(int argc, char** argv) {
+  ::umask(077);  // the store holds prompts' caches: the user's alone
   Options opts = front_options();
   if (int rc = parse_options(opts, argc, argv); rc >= 0) return rc;
   auto cfg = front_config(opts);

@@ -2,6 +2,8 @@
 // prefill offline through the same producer, wire and verifier and writes the assembled cache.
 // For a deepseek_v4 checkpoint the offline mode runs the CPU forward alone and writes each
 // layer's attention input (layers.{i}.x, bf16 [T, hidden]) under --out.
+#include <sys/stat.h>
+
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -179,6 +181,7 @@ Options prefill_options() {
 }
 
 int cmd_prefill(int argc, char** argv) {
+  ::umask(077);  // what it writes (attention inputs, logs) holds prompts: the user's alone
   Options opts = prefill_options();
   if (int rc = parse_options(opts, argc, argv); rc >= 0) return rc;
   if (opts.has("model") && is_dsv4_checkpoint(opts.get("model")) && !opts.has("weights")) {

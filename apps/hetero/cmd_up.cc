@@ -1,10 +1,14 @@
 // `hetero up`: the whole served stack on one machine — prefill host, decoder with its seam,
 // front door — on the default model. Prints the endpoint and a sample request; Ctrl-C stops
-// all three (children by pid, never by name). `up` supervises: when the decoder or the prefill
-// host dies, it says which, how and where its log is, stops the rest and exits 1 (a supervisor
-// above it — systemd, a shell loop — restarts the whole stack, which has one secret and one store).
+// all three (children by pid, never by name). `up` supervises (supervisor.h): a child that
+// dies, hangs, or cannot work (a decoder whose generation died) is started again after a
+// backoff while the front door goes on serving, and /metrics counts the restarts; the stack
+// stops and `up` exits 1, naming the child and its log, only when restarts keep failing.
+// Everything it writes (the work dir: logs, store, secret, exports) is its user's alone.
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <tuple>
@@ -15,6 +19,7 @@
 #include "front/front.h"
 #include "prefill/backend_options.h"
 #include "stack.h"
+#include "supervisor.h"
 
 namespace hetero {
 namespace fs = std::filesystem;
@@ -30,10 +35,13 @@ Options up_options() {
       secret_file_option("the stack's shared secret; default: a new one per start in "
                          "<work-dir>/secret (mode 0600). Every process gets the file's path"),
       {"exit-when-ready", "", "", "start, print the endpoint, then stop (for tests)", true},
+      {"decoder-test-faults", "", "",
+       "start the decoder's seam with --test-faults (POST /hetero/fault; for tests only)", true},
   };
   // The three ports: the front door's own rows (one default each).
   const Options front = front_options();
-  for (const char* name : {"port", "decoder-port", "prefill-port"})
+  for (const char* name :
+       {"port", "decoder-port", "prefill-port", "api-key-file", "forced-bridges"})
     rows.push_back(front.spec(name));
   // The prefill host's backend: the same rows `hetero prefill` reads, handed on as flags.
   for (OptionSpec& s : prefill_backend_specs()) rows.push_back(std::move(s));
@@ -53,7 +61,13 @@ int cmd_up(int argc, char** argv) {
     return std::fprintf(stderr, "up: no model at %s (run: make up)\n", model.c_str()), 2;
   fs::path work = opts.get("work-dir");
   if (work.is_relative()) work = fs::path(repo_root()) / work;
+  // Logs, the store and the exported weights hold prompts and the model: the user's alone
+  // (issue 50, finding 8), for this process and the children it starts.
+  ::umask(077);
   fs::create_directories(work / "store");
+  std::error_code perm_ec;
+  for (const fs::path& d : {work, work / "store"})
+    fs::permissions(d, fs::perms::owner_all, fs::perm_options::replace, perm_ec);
   auto port = opts.get_int("port"), dport = opts.get_int("decoder-port"),
        pport = opts.get_int("prefill-port");
   if (!port.is_ok() || !dport.is_ok() || !pport.is_ok())
@@ -79,12 +93,7 @@ int cmd_up(int argc, char** argv) {
       !st.is_ok())
     return std::fprintf(stderr, "up: %s\n", st.message().c_str()), 1;
 
-  ChildProcess decoder, prefill;
   const std::string dlog = (work / "decoder.log").string(), plog = (work / "prefill.log").string();
-  if (Status st = start_decoder(&decoder, python, model, static_cast<int>(dport.value()),
-                                (work / "store").string(), dlog, secret_file);
-      !st.is_ok())
-    return std::fprintf(stderr, "up: decoder: %s\n", st.message().c_str()), 1;
   std::vector<std::string> prefill_argv = {(fs::path(repo_root()) / "build" / "hetero").string(),
                                            "prefill",
                                            "--model",
@@ -96,16 +105,40 @@ int cmd_up(int argc, char** argv) {
                                            "--secret-file",
                                            secret_file};
   for (std::string& f : prefill_backend_flags(opts)) prefill_argv.push_back(std::move(f));
-  if (Status st = prefill.start(prefill_argv, {}, plog); !st.is_ok())
-    return std::fprintf(stderr, "up: prefill: %s\n", st.message().c_str()), 1;
+  std::vector<std::string> dargv = decoder_argv(python, model, static_cast<int>(dport.value()),
+                                                (work / "store").string(), secret_file);
+  if (opts.get_bool("decoder-test-faults")) dargv.push_back("--test-faults");
+  std::vector<SupervisedChild> children = {{"decoder",
+                                            dargv,
+                                            {seam_pythonpath()},
+                                            dlog,
+                                            static_cast<int>(dport.value()),
+                                            "/hetero/info",
+                                            secret.value()},
+                                           {"prefill host",
+                                            prefill_argv,
+                                            {},
+                                            plog,
+                                            static_cast<int>(pport.value()),
+                                            "/health",
+                                            secret.value()}};
+  // The children's events reach the front door's /metrics once it serves.
+  std::atomic<FrontServer*> front_for_events{nullptr};
+  Supervisor supervisor(
+      std::move(children), SupervisorPolicy{},
+      [&front_for_events](const std::string& child, const std::string& event, const std::string&) {
+        FrontServer* f = front_for_events.load();
+        if (f == nullptr) return;
+        if (event == "restart")
+          f->metrics().child_restarted(child);
+        else
+          f->metrics().child_up(child, event == "up");
+      });
   std::printf("starting decoder (log %s) and prefill host (log %s)...\n", dlog.c_str(),
               plog.c_str());
   std::fflush(stdout);
-  for (auto [p, path, child, log] : {std::tuple{dport.value(), "/hetero/info", &decoder, dlog},
-                                     std::tuple{pport.value(), "/health", &prefill, plog}})
-    if (Status st = wait_http_ok(static_cast<int>(p), path, child, 300000, log, secret.value());
-        !st.is_ok())
-      return std::fprintf(stderr, "up: %s\n", st.message().c_str()), 1;
+  if (Status st = supervisor.start(); !st.is_ok())
+    return std::fprintf(stderr, "up: %s\n", st.message().c_str()), 1;
 
   Options fo = front_options();  // the front's other knobs: defaults and HETERO_* env
   (void)fo.parse(0, nullptr);
@@ -116,6 +149,11 @@ int cmd_up(int argc, char** argv) {
   cfg->decoder_port = static_cast<int>(dport.value());
   cfg->prefill_port = static_cast<int>(pport.value());
   cfg->secret = secret.value();
+  auto tenants = Tenants::load(opts.get("api-key-file"), secret.value());
+  if (!tenants.is_ok())
+    return std::fprintf(stderr, "up: %s\n", tenants.status().message().c_str()), 2;
+  cfg->tenants = std::move(tenants.value());
+  cfg->forced_bridges_from_anyone = opts.get("forced-bridges") == "anyone";
   FrontServer front(cfg.value());
   if (Status st = front.start(); !st.is_ok())
     return std::fprintf(stderr, "up: front: %s\n", st.to_string().c_str()), 1;
@@ -130,24 +168,22 @@ int cmd_up(int argc, char** argv) {
       "Ctrl-C stops all three.\n",
       url.c_str(), url.c_str(), secret_file.c_str());
   std::fflush(stdout);
-  std::string died;
-  if (!opts.get_bool("exit-when-ready"))
-    wait_for_signal_or([&] {
-      for (auto [name, child, log] :
-           {std::tuple{"decoder", &decoder, &dlog}, std::tuple{"prefill host", &prefill, &plog}})
-        if (!child->running())
-          died = std::string(name) + " " + child->exit_reason() + " (log " + *log + ")";
-      return !died.empty();
-    });
-  if (!died.empty()) std::fprintf(stderr, "up: the %s; stopping the stack\n", died.c_str());
+  front_for_events = &front;
+  for (const char* child : {"decoder", "prefill host"}) front.metrics().child_up(child, true);
+  std::string fatal;
+  if (!opts.get_bool("exit-when-ready")) {
+    supervisor.watch();
+    wait_for_signal_or([&] { return !(fatal = supervisor.fatal()).empty(); });
+  }
+  if (!fatal.empty()) std::fprintf(stderr, "up: %s; stopping the stack\n", fatal.c_str());
   // The children first: the front door's stop waits for its requests in flight, and one that
   // waits on the decoder would hold it for the decoder's timeout. With the decoder gone they
   // end at once, each with its error.
-  decoder.stop();
-  prefill.stop();
+  supervisor.stop();
+  front_for_events = nullptr;
   front.stop();
   std::printf("stopped.\n");
-  return died.empty() ? 0 : 1;
+  return fatal.empty() ? 0 : 1;
 }
 
 }  // namespace hetero

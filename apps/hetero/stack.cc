@@ -36,14 +36,20 @@ std::string log_tail(const std::string& log_path, size_t lines) {
   return out;
 }
 
-Status start_decoder(ChildProcess* child, const std::string& python, const std::string& model,
-                     int port, const std::string& store, const std::string& log_path,
-                     const std::string& secret_file) {
+std::vector<std::string> decoder_argv(const std::string& python, const std::string& model, int port,
+                                      const std::string& store, const std::string& secret_file) {
   std::vector<std::string> argv = {python,    "-m",  "hetero_mlx", "serve",
                                    "--model", model, "--port",     std::to_string(port)};
   if (!store.empty()) argv.insert(argv.end(), {"--store", store});
   if (!secret_file.empty()) argv.insert(argv.end(), {"--secret-file", secret_file});
-  return child->start(argv, {seam_pythonpath()}, log_path);
+  return argv;
+}
+
+Status start_decoder(ChildProcess* child, const std::string& python, const std::string& model,
+                     int port, const std::string& store, const std::string& log_path,
+                     const std::string& secret_file) {
+  return child->start(decoder_argv(python, model, port, store, secret_file), {seam_pythonpath()},
+                      log_path);
 }
 
 Status export_decoder_weights(const std::string& python, const std::string& model,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "common/process.h"
 #include "common/status.h"
@@ -14,6 +15,9 @@ std::string resolve_path(const std::string& p);
 // PYTHONPATH=<repo>/python, so the seam package is importable by the pinned interpreter.
 std::string seam_pythonpath();
 
+// The command line of python -m hetero_mlx serve (store, secret_file: "" for none).
+std::vector<std::string> decoder_argv(const std::string& python, const std::string& model, int port,
+                                      const std::string& store, const std::string& secret_file);
 // python -m hetero_mlx serve ... (store, secret_file: "" for none); output to log_path.
 Status start_decoder(ChildProcess* child, const std::string& python, const std::string& model,
                      int port, const std::string& store, const std::string& log_path,

@@ -34,7 +34,29 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--secret-file",
         type=Path,
-        help="file holding the shared secret every /hetero/ request must carry as a bearer token",
+        help="file holding the shared secret (mode 0600, at least 32 characters); every request "
+        "must then be signed with it (Hetero-HMAC-SHA256, docs/design/auth.md)",
+    )
+    serve.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="serve a --host that is not a loopback address (the front door is on this machine)",
+    )
+    serve.add_argument(
+        "--request-deadline-s",
+        type=float,
+        default=10.0,
+        help="a whole request (line, headers, body) must arrive within this many seconds of the "
+        "connection's start or its last response, else the connection is closed",
+    )
+    serve.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=64,
+        help="connections one client address may hold at once; more are closed at once",
+    )
+    serve.add_argument(
+        "--max-body-mb", type=int, default=64, help="the largest request body, in MiB (413)"
     )
 
     export = sub.add_parser("export", help="decoder weights + decoder.json for the prefill host")
@@ -165,14 +187,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # Imports are per command: mlx-lm's server module is heavy and export does not need it.
     if args.command == "serve":
-        from .serve import serve
+        from .bounds import check_host
+        from .serve import PortLimits, serve
         from .store import set_mount_budget
 
         try:
             set_mount_budget(args.mount_budget_mb)
         except ValueError as e:
             parser.error(str(e))
-        serve(_mlx_argv(args, extra), args.store, args.test_faults, args.secret_file)
+        if args.request_deadline_s <= 0 or args.max_connections_per_client < 1:
+            parser.error("--request-deadline-s and --max-connections-per-client must be positive")
+        if args.max_body_mb < 1:
+            parser.error("--max-body-mb must be at least 1")
+        check_host(args.host, args.allow_remote)
+        limits = PortLimits(
+            args.request_deadline_s, args.max_connections_per_client, args.max_body_mb
+        )
+        serve(_mlx_argv(args, extra), args.store, args.test_faults, args.secret_file, limits)
     elif args.command == "export":
         from .export import export
 

@@ -1,14 +1,20 @@
 """The seam's one error type: an HTTP status plus a stable code, never a stack trace."""
 
+from typing import Dict, Optional
+
 
 class SeamError(Exception):
-    """An expected failure of a seam request; handlers turn it into a JSON error body."""
+    """An expected failure of a seam request; handlers turn it into a JSON error body (and
+    `headers`, e.g. X-Hetero-Time on a clock-skew refusal)."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(
+        self, status: int, code: str, message: str, headers: Optional[Dict[str, str]] = None
+    ):
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"code": self.code, "message": self.message}}

@@ -28,7 +28,10 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from .errors import SeamError, bad_request
 
-FAULT_KINDS = ("evict", "drop-mount")
+# evict: the cache emptied right before the next lookup; drop-mount: its pins too;
+# kill-generation: the next lookup raises on the generation thread, which dies of it as it did
+# of a `stop` of [1] (issue 50, finding 1): a dead decoder for hetero up to restart.
+FAULT_KINDS = ("evict", "drop-mount", "kill-generation")
 
 
 @dataclass
@@ -62,12 +65,19 @@ class Pins:
         with self._lock:
             return self._pins.pop(pin_id, None)
 
-    def take_matching(self, tokens: Sequence[int]) -> List[Pin]:
-        """Removes and returns the live pins whose prefix starts `tokens` (a lookup for them)."""
+    def take_matching(
+        self, tokens: Sequence[int], where: Optional[Callable[[Pin], bool]] = None
+    ) -> List[Pin]:
+        """Removes and returns the live pins whose prefix starts `tokens` (a lookup for them),
+        of those `where` accepts (a lookup in one partition takes only that partition's pins)."""
         tokens = tuple(tokens)
         with self._lock:
             self._expire()
-            hit = [k for k, p in self._pins.items() if tokens[: len(p.prefix)] == p.prefix]
+            hit = [
+                k
+                for k, p in self._pins.items()
+                if tokens[: len(p.prefix)] == p.prefix and (where is None or where(p))
+            ]
             return [self._pins.pop(k) for k in hit]
 
     def clear(self) -> int:

@@ -13,6 +13,11 @@ evaluates them first, on the inserting thread; every cached array is then readab
 fetch_nearest_cache is the generator's lookup for a request: a pinned prefix of those tokens is
 put back if it was evicted, and its pin released. The seam's own reads (cache dumps) use
 peek_nearest_cache, which leaves pins alone.
+
+Partitions (tenants.py): the generator's lookups and inserts name only mlx-lm's model key; the
+cache turns it into the request's partition key (Tenants.lookup_key, insert_key), and drops an
+insert that no single partition, or an older epoch, claims. The seam's own calls (mount,
+reuse_length, peek, evict) pass the partition key themselves.
 """
 
 import threading
@@ -23,6 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from .pins import Pins
+from .tenants import Tenants
 
 
 def _materialize(prompt_cache: List[Any]) -> None:
@@ -31,10 +37,14 @@ def _materialize(prompt_cache: List[Any]) -> None:
 
 
 class LockedPromptCache(LRUPromptCache):
-    def __init__(self, *args: Any, pins: Optional[Pins] = None, **kwargs: Any):
+    def __init__(
+        self, *args: Any, pins: Optional[Pins] = None, tenants: Optional[Tenants] = None,
+        **kwargs: Any
+    ):
         super().__init__(*args, **kwargs)
         self.lock = threading.RLock()
         self.pins = pins if pins is not None else Pins()
+        self.tenants = tenants if tenants is not None else Tenants()
 
     def __len__(self) -> int:
         with self.lock:
@@ -47,12 +57,15 @@ class LockedPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         with self.lock:
+            model = self.tenants.lookup_key(model, tokens)
             fault = self.pins.take_fault()
+            if fault == "kill-generation":  # a test's dead generation thread (pins.py)
+                raise RuntimeError("test fault: the generation thread dies here")
             if fault:  # a test's eviction, right before the lookup (pins.py)
                 super().trim_to(n_sequences=0)
                 if fault == "drop-mount":
                     self.pins.clear()
-            for pin in self.pins.take_matching(tokens):
+            for pin in self.pins.take_matching(tokens, lambda p: p.payload[0] == model):
                 pinned_model, cache = pin.payload
                 if self._trie.search(pinned_model, list(pin.prefix)).exact is None:
                     # Evicted since the mount: put it back (already materialized).
@@ -65,9 +78,33 @@ class LockedPromptCache(LRUPromptCache):
             return super().fetch_nearest_cache(model, tokens)
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache: List[Any], **kwargs: Any):
+        """The generator's insert: into the partition tenants.py finds for it, or nowhere."""
         _materialize(prompt_cache)
         with self.lock:
-            return super().insert_cache(model, tokens, prompt_cache, **kwargs)
+            key = self.tenants.insert_key(model, tokens, kwargs.get("cache_type", "assistant"))
+            if key is not None:
+                super().insert_cache(key, tokens, prompt_cache, **kwargs)
+
+    def insert_into(self, key: Any, tokens: List[int], prompt_cache: List[Any], epoch: int,
+                    **kwargs: Any) -> bool:
+        """The seam's insert (a mount) into partition `key`; False, and nothing inserted, when
+        the cache was cleared since `epoch` (the mount was asked before the clear)."""
+        _materialize(prompt_cache)
+        with self.lock:
+            if epoch != self.tenants.epoch:
+                return False
+            super().insert_cache(key, tokens, prompt_cache, **kwargs)
+            return True
+
+    def clear(self) -> int:
+        """Empties every partition and starts a new epoch (tenants.py); returns the entries
+        dropped."""
+        with self.lock:
+            n = len(self)
+            super().trim_to(n_sequences=0)
+            self.pins.clear()
+            self.tenants.clear()
+            return n
 
     def trim_to(self, **kwargs: Any):
         with self.lock:

@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
@@ -26,12 +27,19 @@ import mlx.core as mx
 import mlx_lm.server as mlx_server
 from mlx_lm.server import ModelProvider, ResponseGenerator
 
-from .access import dumps_dir, read_secret
+from .access import RequestAuth, dumps_dir, read_secret
+from .bounds import (
+    DEFAULT_MAX_BODY_MB,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+    DEFAULT_REQUEST_DEADLINE_S,
+    SeamHTTPServer,
+)
 from .llama import describe
 from .pins import Pins
 from .prompt_cache import LockedPromptCache
 from .schedule import CallRecorder
-from .seam import Seam, SeamHandler, SeamHTTPServer, run_capturing
+from .seam import Seam, SeamHandler, run_capturing
+from .tenants import Tenants
 
 log = logging.getLogger("hetero_mlx")
 
@@ -78,19 +86,29 @@ def _model_type(argv: List[str]) -> Optional[str]:
         return None
 
 
+@dataclass(frozen=True)
+class PortLimits:
+    """serve's bounds on the decoder's port (bounds.py)."""
+
+    request_deadline_s: float = DEFAULT_REQUEST_DEADLINE_S
+    max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT
+    max_body_mb: int = DEFAULT_MAX_BODY_MB
+
+
 def serve(
     argv: List[str],
     store: Optional[Path],
     test_faults: bool = False,
     secret_file: Optional[Path] = None,
+    limits: PortLimits = PortLimits(),
 ) -> None:
     """Runs the server until interrupted; argv is the decoder server's options. test_faults
     enables POST /hetero/fault (pins.py), for the front door's tests only; with secret_file,
-    every /hetero/ request must carry the secret it holds (access.py)."""
+    every request must be signed with the secret it holds (access.py)."""
     if _model_type(argv) in VLM_MODEL_TYPES:
         from .vlm_serve import serve as serve_vlm
 
-        return serve_vlm(argv, store, test_faults, secret_file)
+        return serve_vlm(argv, store, test_faults, secret_file, limits)
     secret = read_secret(secret_file) if secret_file else None
     dumps = dumps_dir(store)
     provider = mlx_provider(argv)
@@ -98,8 +116,12 @@ def serve(
     group = mx.distributed.init()
     loaded = _signal_when_loaded(provider)
     pins = Pins(faults_enabled=test_faults)
-    prompt_cache = LockedPromptCache(provider.cli_args.prompt_cache_size, pins=pins)
+    tenants = Tenants()
+    prompt_cache = LockedPromptCache(
+        provider.cli_args.prompt_cache_size, pins=pins, tenants=tenants
+    )
     generator = ResponseGenerator(provider, prompt_cache)
+    tenants.attach(generator)  # before the port opens: no request has come yet
     _wait_for_model(provider, generator, loaded)
     if group.rank() != 0:
         generator.join()
@@ -114,13 +136,18 @@ def serve(
         desc["model_type"],
         desc["fingerprint"],
         store,
-        "secret required" if secret else "open (no --secret-file)",
+        "every request signed" if secret else "open (no --secret-file)",
     )
+    log.info("port bounds: %s", limits)
     # Tests compare the calls the seam predicts with those the model gets (schedule.py).
     calls = CallRecorder(provider.model) if test_faults else None
-    seam = Seam(provider, prompt_cache, desc, store, dumps=dumps, secret=secret, calls=calls)
+    auth = RequestAuth(secret) if secret else None
+    seam = Seam(provider, prompt_cache, desc, store, dumps=dumps, auth=auth, calls=calls)
     args = provider.cli_args
     handler = functools.partial(SeamHandler, seam=seam)
+    server_class = SeamHTTPServer.configured(
+        limits.request_deadline_s, limits.max_connections_per_client, limits.max_body_mb
+    )
     mlx_server._run_http_server(
-        args.host, args.port, generator, server_class=SeamHTTPServer, handler_class=handler
+        args.host, args.port, generator, server_class=server_class, handler_class=handler
     )

@@ -17,7 +17,9 @@ Construction, in order:
   4. The app's lifespan is wrapped: once mlx-vlm's own startup has loaded the model, the seam
      describes it and checks the prefix cache; a failure stops the server before its port opens.
   5. The /hetero/ routes are added to mlx-vlm's FastAPI app, which uvicorn then serves, with
-     one middleware outside mlx-vlm's own (SeamGate: no CORS on /hetero/, no unloading).
+     one middleware outside mlx-vlm's own (SeamGate, vlm_gate.py: every request signed, bodies
+     bounded and checked, tenant salts as mlx-vlm's own APC tenants, no CORS on /hetero/, no
+     unloading, no request for a dead generation thread).
   6. mlx-vlm's model loader, as its endpoints reach it, is wrapped: once the seam is attached,
      a request naming another model (or adapter, or kind of model) is refused before it loads
      (mlx-vlm would unload the served model first).
@@ -32,6 +34,10 @@ Construction, in order:
   POST /hetero/clear          -> {"cleared": number of checkpoints dropped} (and every pin)
   POST /hetero/fault          {"kind"} -> {"armed"} (serve --test-faults only; pins.py)
 
+Tenants: a body's "hetero_cache_salt" becomes mlx-vlm's own tenant header (SeamGate), which
+APC mixes into every checkpoint's extra_hash; the seam's endpoints take the salt from their body
+and use that partition's extra_hash (VlmSeam.partition).
+
 Pins: the generator's own lookup (APCManager.lookup_exact_cache, called per request) is wrapped
 on the manager instance so that a pinned checkpoint evicted since its mount is stored again
 before the lookup; APC may still decline it for memory, which the front door's confirmation
@@ -41,7 +47,6 @@ against the decoder's usage catches.
 import asyncio
 import functools
 import importlib
-import json
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -65,11 +70,14 @@ from mlx_vlm.server.generation import (
 from mlx_vlm.version import __version__ as mlx_vlm_version
 
 from . import STORE_FORMAT, dsv4
-from .access import check_auth, check_json_body, dumps_dir, read_secret, write_dump
+from .access import RequestAuth, check_json_body, dumps_dir, read_secret, write_dump
+from .bounds import DEFAULT_MAX_BODY_MB
 from .errors import SeamError, bad_request, conflict
 from .pins import Pins, unpin_request
 from .seam import parse_body, run_capturing
 from .store import Layout, dump_request, entry_path, read_entry, request_ids
+from .tenants import take_salt
+from .vlm_gate import Admissions, ModelNotServed, SeamGate, guard_loader, tenant_of
 
 log = logging.getLogger("hetero_mlx")
 
@@ -207,11 +215,14 @@ class VlmSeam:
         store: Optional[Path],
         test_faults: bool = False,
         secret: Optional[str] = None,
+        max_body_mb: int = DEFAULT_MAX_BODY_MB,
     ):
         self.model_path = model_path
         self.store = store
         self.dumps = dumps_dir(store)  # where /hetero/cache writes (access.py)
-        self.secret = secret  # every /hetero/ request must carry it (access.check_auth)
+        # Every request on the port must be signed (access.py; checked by SeamGate).
+        self.auth = RequestAuth(secret) if secret else None
+        self.max_body_bytes = max_body_mb << 20
         self.adapter_path: Optional[str] = None  # the served model's adapter, once attached
         self.pins = Pins(faults_enabled=test_faults)
         self.runtime = _server_module("runtime").runtime
@@ -220,6 +231,10 @@ class VlmSeam:
         self.family: Any = None
         self.desc: Dict[str, Any] = {}
         self.extra_hash = 0
+        self._salted_hashes: Dict[str, int] = {}
+        self.admissions = Admissions()  # requests in flight by clear epoch (vlm_gate.py)
+        self._store: Any = None  # APC's own store_exact_cache, for the seam's mounts
+        self._hash_inputs: Dict[str, Any] = {}
         self.media_ids: set = set()
 
     def attach(self) -> None:
@@ -247,14 +262,13 @@ class VlmSeam:
         # The salt generate() gives a text-only request without tenant headers (the front
         # forwards none): mlx-vlm's default tenant, no media, the model's own key dependencies.
         tenant = _server_module("app")._read_tenant_id(None)
-        self.extra_hash = vlm_apc.semantic_extra_hash(
-            tenant=tenant,
-            image_hash=0,
-            media={"audio": None, "video": None},
-            model=lm,
+        self._hash_inputs = dict(
+            image_hash=0, media={"audio": None, "video": None}, model=lm,
             processor=generator.processor,
         )
+        self.extra_hash = vlm_apc.semantic_extra_hash(tenant=tenant, **self._hash_inputs)
         self.media_ids = vlm_apc.multimodal_token_ids_from_config(lm.config)
+        self._guard_stores(manager)
         self._honour_pins(manager)
         log.info(
             "seam: %s fingerprint %s, store %s, APC checkpoints %d (interval %d, guard %d)",
@@ -266,26 +280,61 @@ class VlmSeam:
             manager.exact_cache_guard_tokens,
         )
 
+    def partition(self, salt: str) -> int:
+        """APC's extra_hash for a tenant's salt (tenants.py): the hash mlx-vlm computes for a
+        text-only request whose tenant header is tenant_of(salt); no salt, the default one."""
+        if not salt:
+            return self.extra_hash
+        if salt not in self._salted_hashes:
+            self._salted_hashes[salt] = vlm_apc.semantic_extra_hash(
+                tenant=tenant_of(salt), **self._hash_inputs
+            )
+        return self._salted_hashes[salt]
+
+    def generation_alive(self) -> bool:
+        """mlx-vlm's generation thread is running (once it dies, every request waits forever
+        on a queue nobody fills)."""
+        generator = self.generator
+        thread = getattr(generator, "_thread", None)
+        return generator is None or thread is None or thread.is_alive()
+
+    def _guard_stores(self, manager: Any) -> None:
+        """Wraps APC's checkpoint store (on this instance) so that nothing computed for a request
+        admitted before the last /hetero/clear is stored after it (Admissions). The seam's own
+        stores (mounts, pins) call the original."""
+        store = self._store = manager.store_exact_cache
+
+        def store_unless_stale(token_ids: Any, prompt_cache: Any, **kwargs: Any) -> bool:
+            if self.admissions.older_in_flight():
+                self.admissions.dropped += 1
+                return False
+            return store(token_ids, prompt_cache, **kwargs)
+
+        manager.store_exact_cache = store_unless_stale
+
     def _honour_pins(self, manager: Any) -> None:
-        """Wraps the manager's lookup (on this instance only) so pins hold until it runs."""
+        """Wraps the manager's lookup (on this instance only) so pins hold until it runs; a
+        lookup takes only the pins of its own partition (extra_hash)."""
         lookup = manager.lookup_exact_cache
 
         def lookup_with_pins(token_ids: Any, *args: Any, **kwargs: Any):
+            extra_hash = kwargs.get("extra_hash", args[0] if args else 0)
             fault = self.pins.take_fault()
             if fault:  # a test's eviction, right before the lookup (pins.py)
                 manager.clear()
                 if fault == "drop-mount":
                     self.pins.clear()
-            for pin in self.pins.take_matching([int(t) for t in token_ids]):
+            pins = self.pins.take_matching(
+                [int(t) for t in token_ids], lambda p: p.payload[0] == extra_hash
+            )
+            for pin in pins:
                 with manager.lock:
                     held = any(
-                        e.token_ids == pin.prefix and e.extra_hash == self.extra_hash
+                        e.token_ids == pin.prefix and e.extra_hash == extra_hash
                         for e in manager._exact_cache.values()
                     )
                 if not held:  # evicted since the mount: store it again (APC keeps a copy)
-                    manager.store_exact_cache(
-                        list(pin.prefix), pin.payload, extra_hash=self.extra_hash
-                    )
+                    self._store(list(pin.prefix), pin.payload[1], extra_hash=extra_hash)
             return lookup(token_ids, *args, **kwargs)
 
         manager.lookup_exact_cache = lookup_with_pins
@@ -315,6 +364,10 @@ class VlmSeam:
         if generator is None or generator is not self.generator or generator.model is None:
             # mlx-vlm unloads its model for /unload or a request naming another model.
             raise SeamError(503, "no_model", "the decoder no longer serves its starting model")
+        if not self.generation_alive():
+            raise SeamError(
+                503, "generation_dead", "the decoder's generation thread has died; restart it"
+            )
         return generator
 
     # ---- endpoints ---------------------------------------------------------------------
@@ -361,6 +414,12 @@ class VlmSeam:
                 "sequences": len(entries),
                 "bytes": sum(vlm_apc._cache_nbytes(e.prompt_cache) for e in entries),
             }
+        admissions = self.admissions
+        info["partitions"] = {
+            "epoch": admissions.epoch,
+            "in_flight": admissions.in_flight(),
+            "dropped_inserts": admissions.dropped,
+        }
         return info
 
     async def tokenize(self, request: Request, body: Dict[str, Any]) -> Dict[str, Any]:
@@ -371,6 +430,7 @@ class VlmSeam:
         processor call. Streaming is off for the dry run only; it changes nothing before it.
         """
         self._live()
+        take_salt(body)  # the ids do not depend on the partition
         _check_chat_body(body, self.model_path)
         schemas, openai = _server_module("schemas"), _server_module("openai")
         try:
@@ -406,10 +466,11 @@ class VlmSeam:
 
     def cached_prefix(self, body: Dict[str, Any]) -> Dict[str, Any]:
         self._live()
+        extra_hash = self.partition(take_salt(body))
         ids = request_ids(body, self.desc["vocab_size"])
-        return {"cached_tokens": self.reuse_length(ids), "n": len(ids)}
+        return {"cached_tokens": self.reuse_length(ids, extra_hash), "n": len(ids)}
 
-    def reuse_length(self, ids: List[int]) -> int:
+    def reuse_length(self, ids: List[int], extra_hash: Optional[int] = None) -> int:
         """How many leading ids the next request for `ids` reuses from the prefix cache.
 
         The decision of BatchGenerator._apc_pick_for (apc_lookup_plan in checkpoint mode and
@@ -420,12 +481,13 @@ class VlmSeam:
         n = len(ids)
         if n < 2:
             return 0
+        extra_hash = self.extra_hash if extra_hash is None else extra_hash
         tokens = tuple(ids)
         safe_min = max(0, vlm_apc.media_safe_prefix_min(ids, self.media_ids) - 1)
         best, manager = 0, self.manager
         with manager.lock:
             for entry in manager._exact_cache.values():
-                if entry.extra_hash != self.extra_hash:
+                if entry.extra_hash != extra_hash:
                     continue
                 trimmable = vlm_apc._dense_checkpoint_trimmable(
                     entry.prompt_cache, len(entry.token_ids)
@@ -442,22 +504,22 @@ class VlmSeam:
         shapes = self.family.array_shapes(self.desc, n_tokens, extra["window_idx"], start)
         return Layout(shapes, self.desc["dtype"])
 
-    def _checkpoint(self, prefix: List[int]) -> Optional[Any]:
-        """APC's own checkpoint of exactly these tokens (this model's), or None."""
+    def _checkpoint(self, prefix: List[int], extra_hash: int) -> Optional[Any]:
+        """APC's own checkpoint of exactly these tokens (in this partition), or None."""
         key, manager = tuple(prefix), self.manager
         with manager.lock:
             entries = list(manager._exact_cache.values())
-        found = [e for e in entries if e.extra_hash == self.extra_hash and e.token_ids == key]
+        found = [e for e in entries if e.extra_hash == extra_hash and e.token_ids == key]
         return found[0] if found else None
 
-    def _extend(self, ids: List[int], entry: Any) -> Dict[str, mx.array]:
+    def _extend(self, ids: List[int], entry: Any, extra_hash: int) -> Dict[str, mx.array]:
         """A tail's arrays on top of the decoder's own checkpoint of ids[:start]: its pooled rows
         first, then the tail's; the window and buffers are the tail's (those at B). The tail was
         computed for exactly these ids and this fingerprint (read_entry checked both) from the
         prefill host's own state at start; a decoder that no longer holds that checkpoint
         refuses, and the request goes on without the bridge."""
         start = entry.start
-        found = self._checkpoint(ids[:start])
+        found = self._checkpoint(ids[:start], extra_hash)
         if found is None:
             raise conflict(
                 "prefix_not_cached",
@@ -479,6 +541,7 @@ class VlmSeam:
         checkpoint for ids[:B], through APCManager.store_exact_cache (which keeps a copy). A
         tail's entry (start > 0) extends the decoder's own checkpoint of ids[:start]."""
         generator = self._live()
+        extra_hash = self.partition(take_salt(body))
         ids = request_ids(body, self.desc["vocab_size"])
         entry = read_entry(
             entry_path(body, self.store),
@@ -495,19 +558,19 @@ class VlmSeam:
                 "prefix_too_short",
                 f"B={n}: mlx-vlm keeps no checkpoint under {manager.exact_cache_min_tokens} tokens",
             )
-        arrays = self._extend(ids, entry) if entry.start > 0 else entry.arrays
+        arrays = self._extend(ids, entry, extra_hash) if entry.start > 0 else entry.arrays
         _check_window(arrays, self.desc["layers"], n, window_idx)
         try:
             cache = self.family.build_cache(generator.model, arrays, n, window_idx)
         except (ValueError, IndexError) as e:
             raise conflict("layout_mismatch", f"cannot build the decoder's cache: {e}") from None
-        if not manager.store_exact_cache(ids[:n], cache, extra_hash=self.extra_hash):
+        if not self._store(ids[:n], cache, extra_hash=extra_hash):
             raise conflict(
                 "mount_refused",
                 f"mlx-vlm's prefix cache did not keep the entry (budget {manager.memory_max_bytes} "
                 "bytes; APC_MEMORY_MAX_GB raises it)",
             )
-        pin = self.pins.add(ids[:n], cache)
+        pin = self.pins.add(ids[:n], (extra_hash, cache))
         log.info("mounted %d tokens from %s (pin %s)", n, body["entry"], pin)
         return {"mounted": n, "pin": pin}
 
@@ -519,12 +582,13 @@ class VlmSeam:
         at which one was mounted can be dumped. Entries are copies no request mutates.
         """
         self._live()
+        extra_hash = self.partition(take_salt(body))
         ids = request_ids(body, self.desc["vocab_size"])
         n, out = dump_request(body, ids, self.dumps)
         prefix, manager = tuple(ids[:n]), self.manager
         with manager.lock:
             entries = list(manager._exact_cache.values())
-        ours = [e for e in entries if e.extra_hash == self.extra_hash]
+        ours = [e for e in entries if e.extra_hash == extra_hash]
         found = [e for e in ours if e.token_ids == prefix]
         if not found:
             # The checkpoints along these ids: the B values that would have worked.
@@ -546,7 +610,7 @@ class VlmSeam:
             keys = [
                 k
                 for k, e in manager._exact_cache.items()
-                if e.token_ids == pin.prefix and e.extra_hash == self.extra_hash
+                if e.token_ids == pin.prefix and e.extra_hash == pin.payload[0]
             ]
             for k in keys:
                 del manager._exact_cache[k]
@@ -557,6 +621,7 @@ class VlmSeam:
         manager = self.manager
         with manager.lock:
             n = len(manager._exact_cache)
+            self.admissions.new_epoch()  # before emptying: no stale store lands in between
             manager.clear()
         self.pins.clear()
         return {"cleared": n}
@@ -578,87 +643,12 @@ def _check_window(arrays: Dict[str, mx.array], layers: int, n: int, window_idx: 
 # ---- HTTP --------------------------------------------------------------------------------
 
 
-class ModelNotServed(HTTPException):
-    """A seam refusal raised inside mlx-vlm's endpoints, which re-raise HTTPExceptions (and
-    answer 500 for anything else); the app's handler for it answers the seam's JSON error."""
-
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(status_code=status, detail=message)
-        self.error = SeamError(status, code, message)
-
-
-def _guard_loader(seam: VlmSeam) -> None:
-    """mlx-vlm's endpoints reach the loader as the package attribute (app._server_package_attr);
-    the wrapper there refuses what VlmSeam.check_load refuses. Its own startup calls the
-    module's function directly and is not wrapped."""
-    package = importlib.import_module("mlx_vlm.server")
-    load = package.get_cached_model
-
-    @functools.wraps(load)
-    def guarded(model_path: Any, *args: Any, **kwargs: Any):
-        inherit = _server_module("app")._INHERIT_ADAPTER
-        adapter_path = args[0] if args else kwargs.get("adapter_path", inherit)
-        seam.check_load(model_path, adapter_path, kwargs.get("model_kind", "auto"))
-        return load(model_path, *args, **kwargs)
-
-    package.get_cached_model = guarded
-
-
-class SeamGate:
-    """ASGI middleware outside mlx-vlm's own (its CORSMiddleware approves every origin).
-
-    /hetero/ requests reach the app without their Origin header, so no CORS header is added to
-    a seam reply and no preflight is approved (OPTIONS gets a 405 here); access-control headers
-    are taken off seam replies besides. Unloading the model (/unload) and changing its settings
-    (which reloads it on the next request) are refused: the seam's decoder keeps its model.
-    """
-
-    REFUSED = {("POST", "/unload"), ("PATCH", "/v1/settings"), ("PATCH", "/settings")}
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, method = scope.get("path", ""), scope.get("method", "")
-        if (method, path) in self.REFUSED:
-            message = f"{method} {path} is refused: this decoder keeps serving its model"
-            return await _send_error(send, SeamError(403, "refused_by_seam", message))
-        if not path.startswith(PREFIX):
-            return await self.app(scope, receive, send)
-        if method == "OPTIONS":
-            error = SeamError(405, "method_not_allowed", "the seam answers no CORS preflight")
-            return await _send_error(send, error, [(b"allow", b"GET, POST")])
-        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"origin"]
-        scope = dict(scope, headers=headers)
-
-        async def send_without_cors(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                kept = [
-                    (k, v)
-                    for k, v in message.get("headers", [])
-                    if not k.lower().startswith(b"access-control-")
-                ]
-                message = dict(message, headers=kept)
-            await send(message)
-
-        await self.app(scope, receive, send_without_cors)
-
-
-async def _send_error(send: Callable, error: SeamError, headers: Optional[list] = None) -> None:
-    data = json.dumps(error.body()).encode()
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    head += headers or []
-    await send({"type": "http.response.start", "status": error.status, "headers": head})
-    await send({"type": "http.response.body", "body": data})
-
-
 def _install_routes(app: Any, seam: VlmSeam) -> None:
     """The /hetero/ routes on mlx-vlm's app. Each answers JSON; nothing raises out of one.
 
-    Every route checks the secret first (or, without one, mlx-vlm's management API key as
-    mlx-vlm's own management routes do), then that a POST body is JSON (access.py).
+    SeamGate has checked the request's signature (with a secret); without one, every route
+    checks mlx-vlm's management API key as mlx-vlm's own management routes do. Then a POST
+    body must be JSON (access.py).
     Work that touches MLX arrays or waits on APC's lock runs on a worker thread (arrays made
     there are evaluated there); the tokenize dry run runs on the event loop, as mlx-vlm's
     endpoint does.
@@ -666,9 +656,8 @@ def _install_routes(app: Any, seam: VlmSeam) -> None:
     require_key = _server_module("app")._require_management_api_key
 
     def authorize(request: Request) -> None:
-        if seam.secret is None:
-            return require_key(request)
-        check_auth(request.headers.get("authorization"), seam.secret)
+        if seam.auth is None:
+            require_key(request)
 
     def route(handler: Callable[..., Awaitable[Dict[str, Any]]], has_body: bool):
         async def endpoint(request: Request) -> JSONResponse:
@@ -680,14 +669,14 @@ def _install_routes(app: Any, seam: VlmSeam) -> None:
                 body = parse_body(await request.body()) if has_body else {}
                 status, reply = 200, await handler(request, body)
             except SeamError as e:
-                status, reply = e.status, e.body()
+                status, reply, headers = e.status, e.body(), e.headers
             except HTTPException as e:
                 status = e.status_code
                 reply = {"error": {"code": "unauthorized", "message": str(e.detail)}}
             except Exception as e:  # a bug, not a client error: still a JSON reply
                 log.exception("seam %s failed", request.url.path)
                 status, reply = 500, {"error": {"code": "internal", "message": str(e)}}
-            if status == 401:
+            if status == 401 and not headers:  # mlx-vlm's own API key
                 headers["WWW-Authenticate"] = "Bearer"
             return JSONResponse(reply, status_code=status, headers=headers)
 
@@ -722,7 +711,7 @@ def _install_routes(app: Any, seam: VlmSeam) -> None:
         return JSONResponse(exc.error.body(), status_code=exc.error.status)
 
     app.add_exception_handler(ModelNotServed, refused)
-    app.add_middleware(SeamGate)  # added last: outermost, outside mlx-vlm's CORSMiddleware
+    app.add_middleware(SeamGate, seam=seam)  # added last: outermost, outside mlx-vlm's CORS
 
 
 # ---- startup -----------------------------------------------------------------------------
@@ -751,8 +740,10 @@ def serve(
     store: Optional[Path],
     test_faults: bool = False,
     secret_file: Optional[Path] = None,
+    limits: Any = None,
 ) -> None:
-    """Runs mlx-vlm's server with the seam until interrupted; argv is mlx-vlm server options."""
+    """Runs mlx-vlm's server with the seam until interrupted; argv is mlx-vlm server options;
+    limits: serve.PortLimits (only the body size applies here: uvicorn has its own timeouts)."""
     import uvicorn
 
     secret = read_secret(secret_file) if secret_file else None
@@ -769,7 +760,8 @@ def serve(
     compaction = _server_module("compaction")
     compaction.compact_response_context = _compaction_aware(compaction.compact_response_context)
 
-    seam = VlmSeam(_model_arg(argv), store, test_faults, secret)
+    max_body_mb = limits.max_body_mb if limits is not None else DEFAULT_MAX_BODY_MB
+    seam = VlmSeam(_model_arg(argv), store, test_faults, secret, max_body_mb)
     app = app_module.app
     startup = app.router.lifespan_context
 
@@ -789,6 +781,6 @@ def serve(
 
     app.router.lifespan_context = lifespan_with_seam
     _install_routes(app, seam)
-    _guard_loader(seam)
+    guard_loader(seam)
     log.info("mlx-vlm options: %s", app_module.runtime.config.current())
     uvicorn.run(app, **run_kwargs)

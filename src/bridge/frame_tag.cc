@@ -10,10 +10,12 @@
 #include <cstring>
 #include <utility>
 
+#include "common/auth.h"
+
 namespace hetero {
 namespace {
 
-constexpr char kLabel[] = "hetero frame tags v2";
+constexpr char kLabel[] = "hetero frame tags v3";
 constexpr char kPieceLabel[] = "piece";
 constexpr char kFrameLabel[] = "frame";
 
@@ -82,8 +84,11 @@ FrameTag PieceMac::final() {
 FrameTagger::FrameTagger(std::string_view secret, std::string_view nonce) {
   std::string msg(kLabel, sizeof kLabel);  // the label with its NUL: label and nonce stay apart
   msg.append(nonce);
-  stream_key_ = hmac_sha256(reinterpret_cast<const uint8_t*>(secret.data()), secret.size(),
-                            msg.data(), msg.size());
+  // Keyed by the frame-tag key, never by the secret itself: a request's signature (under the
+  // request key) tells nothing about it (docs/design/auth.md).
+  Key frame_key = derive_key(secret, kFrameKeyPurpose);
+  stream_key_ = hmac_sha256(frame_key.data(), frame_key.size(), msg.data(), msg.size());
+  OPENSSL_cleanse(frame_key.data(), frame_key.size());
 }
 
 FrameSalt FrameTagger::new_salt() {

@@ -3,7 +3,9 @@
 // corruption, not forgery: anyone can compute it. A tag can only be made with the secret.
 //
 // The decode side sends a fresh random stream_nonce with each request. Both ends derive
-//   stream key  K          = HMAC-SHA256(secret, "hetero frame tags v2" | 0 | nonce)
+//   stream key  K          = HMAC-SHA256(K_frame, "hetero frame tags v3" | 0 | nonce)
+// with K_frame the secret's frame-tag key (common/auth.h: never the secret itself, and not
+// the key that signs requests).
 // and a frame is tagged in two steps, so that the long part runs where and when the frame is
 // written (in parallel over its pieces, as its bytes land) and only a short one when it is sent:
 //   framing: a random 16-byte salt; for each 1 MiB piece j of header | payload
@@ -34,7 +36,7 @@ inline constexpr size_t kFrameSaltBytes = 16;
 inline constexpr size_t kFrameSealBytes = kFrameSaltBytes + kFrameTagBytes;
 // The prefill host's answer header when its frames carry tags, and its value.
 inline constexpr char kFrameTagsHeader[] = "X-Hetero-Frame-Tags";
-inline constexpr char kFrameTagsScheme[] = "poly1305-pieces-v2";
+inline constexpr char kFrameTagsScheme[] = "poly1305-pieces-v3";
 
 using FrameTag = std::array<uint8_t, kFrameTagBytes>;
 using FrameSalt = std::array<uint8_t, kFrameSaltBytes>;

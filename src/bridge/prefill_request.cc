@@ -2,6 +2,7 @@
 #include "bridge/prefill_request.h"
 
 #include "bridge/frame_tag.h"
+#include "common/auth.h"
 #include "common/json_text.h"
 
 namespace hetero {
@@ -14,6 +15,7 @@ json prefill_request_json(const PrefillRequest& req) {
   if (!req.decoder_calls.empty()) body["decoder_calls"] = req.decoder_calls;
   if (!req.decoder_batched) body["decoder_path"] = "single";
   if (!req.stream_nonce.empty()) body["stream_nonce"] = req.stream_nonce;
+  if (!req.cache_salt.empty()) body["cache_salt"] = req.cache_salt;
   return body;
 }
 
@@ -63,6 +65,12 @@ Result<PrefillRequest> parse_prefill_request(const std::string& body, int64_t vo
     if (!j["stream_nonce"].is_string() || !valid_stream_nonce(j["stream_nonce"].get<std::string>()))
       return invalid_argument("'stream_nonce' must be 16 to 128 hex digits");
     r.stream_nonce = j["stream_nonce"].get<std::string>();
+  }
+  if (j.contains("cache_salt")) {
+    const json& v = j["cache_salt"];
+    if (!v.is_string() || !valid_cache_salt(v.get<std::string>()))
+      return invalid_argument("'cache_salt' must be 1 to 64 lowercase hex digits");
+    r.cache_salt = v.get<std::string>();
   }
   if (j.contains("decoder_path")) {
     const json& v = j["decoder_path"];

@@ -27,6 +27,10 @@ struct PrefillRequest {
   // Between hosts that share the stack's secret: the decode side's fresh nonce for this stream,
   // from which the frames' tags are keyed (frame_tag.h). "" without a secret.
   std::string stream_nonce;
+  // The tenant's partition of the prefill host's prefix caches (docs/design/auth.md, "Tenants"):
+  // state kept for one salt is never resumed for another. 1 to 64 lowercase hex digits; "": the
+  // shared partition.
+  std::string cache_salt;
   // The rows the decoder already holds: only rows [start, ids.size()) are wanted (a warm turn's
   // tail). The prefill host still needs the engine's state for [0, start): llama's from its own
   // prefix cache or computed again; deepseek_v4's from its checkpoint of exactly ids[:start]

@@ -3,8 +3,8 @@
 
 #include <httplib.h>
 
+#include "common/auth.h"
 #include "common/json_text.h"
-#include "common/secret.h"
 
 namespace hetero {
 
@@ -16,9 +16,12 @@ Result<HttpJsonReply> http_json(const std::string& host, int port, const std::st
   cli.set_read_timeout(std::chrono::milliseconds(timeout_ms));
   cli.set_write_timeout(std::chrono::milliseconds(timeout_ms));
   httplib::Headers headers;
-  if (!secret.empty()) headers.emplace(kAuthHeader, bearer_value(secret));
+  const std::string text = body.is_null() ? std::string() : body.dump();
+  if (!secret.empty())
+    headers.emplace("Authorization",
+                    signed_authorization(secret, body.is_null() ? "GET" : "POST", path, text));
   auto res = body.is_null() ? cli.Get(path.c_str(), headers)
-                            : cli.Post(path.c_str(), headers, body.dump(), "application/json");
+                            : cli.Post(path.c_str(), headers, text, "application/json");
   const std::string where = host + ":" + std::to_string(port) + path;
   if (!res) {
     const auto e = res.error();

@@ -1,5 +1,5 @@
 // JSON over HTTP to a local service (the decoder seam, the prefill host's /health): one call,
-// a deadline, the stack's secret as a bearer token when there is one (common/secret.h), and
+// a deadline, the request signed with the stack's secret when there is one (common/auth.h), and
 // every failure as a Status naming the endpoint.
 #pragma once
 
@@ -16,8 +16,8 @@ struct HttpJsonReply {
   nlohmann::json body;
 };
 
-// POST (or GET when body is null) and parse the reply as JSON; secret: sent as
-// `Authorization: Bearer <secret>` unless empty. Transport errors are kUnavailable; a reply
+// POST (or GET when body is null) and parse the reply as JSON; secret: the request is signed
+// with it unless empty. Transport errors are kUnavailable; a reply
 // that is not JSON is kDataLoss. HTTP errors are returned as replies.
 Result<HttpJsonReply> http_json(const std::string& host, int port, const std::string& path,
                                 const nlohmann::json& body, int64_t timeout_ms,

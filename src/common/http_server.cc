@@ -1,76 +1,35 @@
-// HTTP server settings and the connection guard: see http_server.h.
+// The HTTP server: see http_server.h.
 #include "common/http_server.h"
 
-#include <dirent.h>
-#include <httplib.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <strings.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/http.hpp>
+#include <cerrno>
 #include <chrono>
-#include <cstdlib>
-#include <deque>
+#include <cstdio>
+#include <cstring>
 
 #include "common/log.h"
 
 namespace hetero {
+namespace beast = boost::beast;
+namespace http = boost::beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+
 namespace {
-
-// cpp-httplib's TaskQueue, one thread per connection. A connection's thread takes the next
-// waiting connection when its own ends, so at most max_live threads exist. The state is shared
-// with the threads: they outlive neither it nor shutdown(), which waits for all of them.
-class ConnectionThreads : public httplib::TaskQueue {
- public:
-  ConnectionThreads(int max_live, std::function<void()> on_accept)
-      : state_(std::make_shared<State>()), on_accept_(std::move(on_accept)) {
-    state_->max_live = std::max(1, max_live);
-  }
-
-  // Called on the listening thread right after accept(), before the connection is served.
-  void enqueue(std::function<void()> fn) override {
-    if (on_accept_) on_accept_();
-    std::lock_guard<std::mutex> lock(state_->mu);
-    if (state_->live >= state_->max_live) {
-      state_->waiting.push_back(std::move(fn));
-      return;
-    }
-    ++state_->live;
-    std::thread(run, state_, std::move(fn)).detach();
-  }
-
-  // As cpp-httplib's own pool: every accepted connection is still served (and closed).
-  void shutdown() override {
-    std::unique_lock<std::mutex> lock(state_->mu);
-    state_->idle.wait(lock, [this] { return state_->live == 0 && state_->waiting.empty(); });
-  }
-
- private:
-  struct State {
-    std::mutex mu;
-    std::condition_variable idle;
-    std::deque<std::function<void()>> waiting;
-    int live = 0, max_live = 1;
-  };
-
-  static void run(std::shared_ptr<State> state, std::function<void()> fn) {
-    while (true) {
-      fn();
-      std::lock_guard<std::mutex> lock(state->mu);
-      if (state->waiting.empty()) {
-        --state->live;
-        state->idle.notify_all();
-        return;
-      }
-      fn = std::move(state->waiting.front());
-      state->waiting.pop_front();
-    }
-  }
-
-  std::shared_ptr<State> state_;
-  std::function<void()> on_accept_;
-};
 
 int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -78,7 +37,16 @@ int64_t now_ms() {
       .count();
 }
 
-// The numeric host and port of a socket address, as cpp-httplib writes a request's remote_addr.
+bool same_name(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && strncasecmp(a.data(), b.data(), a.size()) == 0;
+}
+
+std::string find_header(const HttpHeaders& headers, std::string_view name) {
+  for (const auto& [k, v] : headers)
+    if (same_name(k, name)) return v;
+  return "";
+}
+
 bool numeric_address(const sockaddr_storage& a, socklen_t len, std::string* host, int* port) {
   char h[NI_MAXHOST], p[NI_MAXSERV];
   if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), len, h, sizeof h, p, sizeof p,
@@ -89,35 +57,48 @@ bool numeric_address(const sockaddr_storage& a, socklen_t len, std::string* host
   return true;
 }
 
-// The socket's inode, or 0 when fd is not (or no longer) a socket.
-ino_t socket_inode(int fd) {
-  struct stat st {};
-  return fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) ? st.st_ino : 0;
-}
-
-// Calls fn(fd, inode, listening) for each of this process's sockets bound to local `port`.
-template <typename Fn>
-void for_each_socket_on(int port, Fn fn) {
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return;
-  const int own = dirfd(dir);
-  while (const dirent* e = readdir(dir)) {
-    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-    const int fd = std::atoi(e->d_name);
-    const ino_t ino = fd == own ? 0 : socket_inode(fd);
-    sockaddr_storage local{};
-    socklen_t llen = sizeof local, olen = sizeof(int);
-    int listening = 0, local_port = 0;
-    std::string host;
-    if (ino != 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) == 0 &&
-        numeric_address(local, llen, &host, &local_port) && local_port == port &&
-        getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &olen) == 0)
-      fn(fd, ino, listening != 0);
-  }
-  closedir(dir);
-}
-
 }  // namespace
+
+// ---- requests and responses ------------------------------------------------------------
+
+std::string HttpRequest::header(std::string_view name) const { return find_header(headers, name); }
+
+bool HttpRequest::has_header(std::string_view name) const {
+  for (const auto& [k, v] : headers)
+    if (same_name(k, name)) return true;
+  return false;
+}
+
+void HttpResponse::set_header(std::string name, std::string value) {
+  for (auto& [k, v] : headers)
+    if (same_name(k, name)) {
+      v = std::move(value);
+      return;
+    }
+  headers.emplace_back(std::move(name), std::move(value));
+}
+
+bool HttpResponse::has_header(std::string_view name) const {
+  for (const auto& [k, v] : headers)
+    if (same_name(k, name)) return true;
+  return false;
+}
+
+std::string HttpResponse::header(std::string_view name) const { return find_header(headers, name); }
+
+void HttpResponse::set_content(std::string content, std::string content_type) {
+  body = std::move(content);
+  set_header("Content-Type", std::move(content_type));
+}
+
+void HttpResponse::set_chunked(std::string content_type, std::function<bool(ChunkSink&)> provider,
+                               std::function<void(bool)> on_end) {
+  set_header("Content-Type", std::move(content_type));
+  provider_ = std::move(provider);
+  on_end_ = std::move(on_end);
+}
+
+// ---- options ---------------------------------------------------------------------------
 
 std::vector<OptionSpec> connection_options() {
   const ConnectionLimits d;
@@ -132,6 +113,8 @@ std::vector<OptionSpec> connection_options() {
        std::to_string(d.request_deadline_ms / 1000),
        "a client must send each whole request (headers and body) within this many seconds of "
        "connecting or of its last response; slower connections are closed"},
+      {"max-header-kb", "HETERO_MAX_HEADER_KB", std::to_string(d.max_header_bytes >> 10),
+       "the request line and header fields of one request, in KiB; more is refused with 431"},
   };
 }
 
@@ -140,11 +123,12 @@ Result<ConnectionLimits> connection_limits_from(const Options& opts) {
     const char* name;
     int64_t lo, hi;
   };
-  int64_t v[3] = {};
-  const Field fields[3] = {{"max-connections", 4, 65536},
+  int64_t v[4] = {};
+  const Field fields[4] = {{"max-connections", 4, 65536},
                            {"max-connections-per-client", 1, 65536},
-                           {"request-deadline-s", 1, 86400}};
-  for (int i = 0; i < 3; ++i) {
+                           {"request-deadline-s", 1, 86400},
+                           {"max-header-kb", 1, 1024}};
+  for (int i = 0; i < 4; ++i) {
     auto got = opts.get_int(fields[i].name);
     if (!got.is_ok() || got.value() < fields[i].lo || got.value() > fields[i].hi)
       return invalid_argument(std::string("--") + fields[i].name + " must be an integer in [" +
@@ -156,159 +140,477 @@ Result<ConnectionLimits> connection_limits_from(const Options& opts) {
   limits.max_connections = static_cast<int>(v[0]);
   limits.per_client = static_cast<int>(v[1]);
   limits.request_deadline_ms = v[2] * 1000;
+  limits.max_header_bytes = v[3] << 10;
   return limits;
 }
 
-ConnectionGuard::ConnectionGuard(httplib::Server& server, ConnectionLimits limits)
-    : limits_(limits) {
-  server.set_socket_options([](socket_t sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  const int max_live = limits_.max_connections;
-  server.new_task_queue = [this, max_live] {
-    return new ConnectionThreads(max_live, [this] { on_accept(); });
-  };
-  // Called once a response has been written: the connection waits for its next request.
-  server.set_logger(
-      [this](const httplib::Request& req, const httplib::Response&) { mark(req, true); });
-}
+// ---- one connection's reads and writes ---------------------------------------------------
 
-ConnectionGuard::~ConnectionGuard() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+// A connection's socket, with the phase marks the watch thread reads: every write is timed.
+class ConnectionIo : public ChunkSink {
+ public:
+  ConnectionIo(HttpServer* server, uint64_t id, int fd, int family, size_t buffer_bytes)
+      : server_(server), id_(id), sock_(ioc_), buf_(buffer_bytes) {
+    boost::system::error_code ec;
+    sock_.assign(family == AF_INET6 ? tcp::v6() : tcp::v4(), fd, ec);
+    HETERO_CHECK(!ec);
   }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
-
-ConnectionGuard::Handler ConnectionGuard::handler(Handler h) {
-  return [this, h = std::move(h)](const httplib::Request& req, httplib::Response& res) {
-    mark(req, false);
-    h(req, res);
-  };
-}
-
-void ConnectionGuard::watch(int port, std::string component) {
-  component_ = std::move(component);
-  port_.store(port);
-  // cpp-httplib 0.11 listens with a backlog of 5: past 5 connections not yet accepted, the
-  // kernel drops a client's handshake and the client waits a second or more to retry. Calling
-  // listen() again on the bound socket raises it (Linux).
-  for_each_socket_on(port, [](int fd, ino_t, bool listening) {
-    if (listening) ::listen(fd, SOMAXCONN);
-  });
-  thread_ = std::thread([this] { run(); });
-}
-
-void ConnectionGuard::mark(const httplib::Request& req, bool reading) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = by_peer_.find(req.remote_addr + " " + std::to_string(req.remote_port));
-  if (it == by_peer_.end()) return;
-  auto c = conns_.find(it->second);
-  if (c == conns_.end()) return;
-  c->second.reading = reading;
-  c->second.since_ms = now_ms();
-}
-
-bool ConnectionGuard::client_gone(const httplib::Request& req) {
-  return client_gone(req.remote_addr, req.remote_port);
-}
-
-bool ConnectionGuard::client_gone(const std::string& addr, int port) {
-  int fd = -1;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = by_peer_.find(addr + " " + std::to_string(port));
-    if (it == by_peer_.end()) return false;
-    auto c = conns_.find(it->second);
-    if (c == conns_.end()) return false;
-    fd = c->second.fd;
+  ~ConnectionIo() override {
+    boost::system::error_code ec;
+    sock_.close(ec);
   }
-  // The server's thread owns the socket and reads nothing from it while it answers: a peer
-  // that closed shows as RDHUP or HUP (data it sent ahead, POLLIN alone, is not a hang-up).
-  pollfd p{fd, POLLRDHUP, 0};
-  return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+
+  tcp::socket& socket() { return sock_; }
+  // Bounded: a header must fit (the parser stops at its header limit first); a body streams
+  // through it into the request.
+  beast::flat_buffer& buffer() { return buf_; }
+
+  template <typename Msg>
+  bool write_message(Msg& msg) {
+    server_->set_phase(id_, HttpServer::Phase::kWriting);
+    boost::system::error_code ec;
+    http::write(sock_, msg, ec);
+    server_->set_phase(id_, HttpServer::Phase::kHandling);
+    return !ec;
+  }
+
+  bool write_raw(net::const_buffer buf) {
+    server_->set_phase(id_, HttpServer::Phase::kWriting);
+    boost::system::error_code ec;
+    net::write(sock_, buf, ec);
+    server_->set_phase(id_, HttpServer::Phase::kHandling);
+    return !ec;
+  }
+
+  bool write_head(http::response_serializer<http::empty_body>& sr) {
+    server_->set_phase(id_, HttpServer::Phase::kWriting);
+    boost::system::error_code ec;
+    http::write_header(sock_, sr, ec);
+    server_->set_phase(id_, HttpServer::Phase::kHandling);
+    failed_ = static_cast<bool>(ec);
+    return !failed_;
+  }
+
+  // One chunk, written in slices of at most 1 MiB, each timed on its own: a frame of hundreds
+  // of MB over a slow link is progress, not a stuck client.
+  bool write(const char* data, size_t n) override {
+    if (failed_) return false;
+    if (n == 0) return true;  // an empty chunk would end the body
+    char size[24];
+    const int len = std::snprintf(size, sizeof size, "%zx\r\n", n);
+    bool ok = write_raw(net::const_buffer(size, static_cast<size_t>(len)));
+    for (size_t at = 0; ok && at < n; at += kSlice)
+      ok = write_raw(net::const_buffer(data + at, std::min(kSlice, n - at)));
+    ok = ok && write_raw(net::const_buffer("\r\n", 2));
+    failed_ = !ok;
+    return ok;
+  }
+
+  bool finish_chunks() {
+    if (failed_) return false;
+    server_->set_phase(id_, HttpServer::Phase::kWriting);
+    boost::system::error_code ec;
+    net::write(sock_, http::make_chunk_last(), ec);
+    server_->set_phase(id_, HttpServer::Phase::kHandling);
+    return !ec;
+  }
+
+  bool client_gone() override { return failed_ || server_->client_gone(id_); }
+
+ private:
+  static constexpr size_t kSlice = 1 << 20;
+  HttpServer* server_;
+  uint64_t id_;
+  net::io_context ioc_;
+  tcp::socket sock_;
+  beast::flat_buffer buf_;
+  bool failed_ = false;
+};
+
+namespace {
+
+// Writes `res` (whole, or its head and then the provider's chunks); whether the connection may
+// serve another request.
+bool write_response(ConnectionIo& io, HttpResponse& res, bool keep_alive) {
+  if (!res.chunked()) {
+    http::response<http::string_body> msg;
+    msg.version(11);
+    msg.result(static_cast<unsigned>(res.status));
+    for (const auto& [k, v] : res.headers) msg.insert(k, v);
+    msg.body() = std::move(res.body);
+    msg.keep_alive(keep_alive);
+    msg.prepare_payload();
+    return io.write_message(msg) && keep_alive;
+  }
+  http::response<http::empty_body> msg;
+  msg.version(11);
+  msg.result(static_cast<unsigned>(res.status));
+  for (const auto& [k, v] : res.headers) msg.insert(k, v);
+  msg.keep_alive(keep_alive);
+  msg.chunked(true);
+  http::response_serializer<http::empty_body> sr{msg};
+  bool whole = false;
+  if (io.write_head(sr)) {
+    whole = res.provider_(io);
+    // A provider that gave up leaves the body without its last chunk: the client sees a broken
+    // stream, never a short one that looks whole.
+    whole = whole && io.finish_chunks();
+  }
+  if (res.on_end_) res.on_end_(whole);
+  return whole && keep_alive;
 }
 
-void ConnectionGuard::on_accept() {
-  const int port = port_.load();
-  if (port == 0) return;
-  std::lock_guard<std::mutex> lock(mu_);
-  forget_closed();
-  for_each_socket_on(port, [this](int fd, ino_t ino, bool listening) {
+// The status and message for a request the parser refused.
+std::pair<int, std::string> read_error(const boost::system::error_code& ec) {
+  if (ec == http::error::header_limit || ec == http::error::buffer_overflow)
+    return {431, "request header fields too large"};
+  if (ec == http::error::body_limit) return {413, "request body too large"};
+  return {400, "malformed HTTP request: " + ec.message()};
+}
+
+bool quiet_end(const boost::system::error_code& ec) {
+  return ec == http::error::end_of_stream || ec == net::error::eof ||
+         ec == net::error::connection_reset || ec == net::error::broken_pipe ||
+         ec == net::error::not_connected || ec == net::error::bad_descriptor ||
+         ec == net::error::operation_aborted || ec == http::error::partial_message;
+}
+
+}  // namespace
+
+// ---- the server ------------------------------------------------------------------------
+
+HttpServer::HttpServer(std::string component, ConnectionLimits limits,
+                       std::function<std::string(int, const std::string&)> error_body)
+    : component_(std::move(component)), limits_(limits), error_body_(std::move(error_body)) {}
+
+HttpServer::~HttpServer() { stop(); }
+
+void HttpServer::get(std::string path, HttpHandler h) {
+  routes_["GET"][std::move(path)] = Route{std::move(h), 0};
+}
+
+void HttpServer::post(std::string path, HttpHandler h, int64_t max_body_bytes) {
+  max_body_bytes = std::max<int64_t>(max_body_bytes, 0);
+  max_body_bytes_ = std::max(max_body_bytes_, static_cast<uint64_t>(max_body_bytes));
+  routes_["POST"][std::move(path)] = Route{std::move(h), max_body_bytes};
+}
+
+void HttpServer::set_check(RequestCheck check) { check_ = std::move(check); }
+
+void HttpServer::set_after(std::function<void(const HttpRequest&, HttpResponse&)> after) {
+  after_ = std::move(after);
+}
+
+Status HttpServer::start(const std::string& host, int port) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  const std::string where = host + ":" + std::to_string(port);
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res)
+    return unavailable("cannot resolve " + where);
+  int fd = ::socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+  if (fd >= 0) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  // SO_REUSEADDR only: SO_REUSEPORT would let a second server bind this port and take half
+  // its connections.
+  int yes = 1;
+  const bool ok = fd >= 0 && setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes) == 0 &&
+                  ::bind(fd, res->ai_addr, res->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0;
+  freeaddrinfo(res);
+  if (!ok) {
+    const std::string why = std::strerror(errno);
+    if (fd >= 0) ::close(fd);
+    return unavailable("cannot bind " + where + ": " + why);
+  }
+  sockaddr_storage local{};
+  socklen_t len = sizeof local;
+  std::string bound_host;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len);
+  numeric_address(local, len, &bound_host, &port_);
+  listen_fd_ = fd;
+  stopping_ = false;
+  accept_thread_ = std::thread([this] { accept_loop(); });
+  watch_thread_ = std::thread([this] { watch_loop(); });
+  return Status::ok();
+}
+
+void HttpServer::accept_loop() {
+  while (!stopping_.load()) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
     sockaddr_storage peer{};
     socklen_t plen = sizeof peer;
+    const int fd = ::accept(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &plen);
+    if (fd < 0) continue;
+    ::fcntl(fd, F_SETFD, FD_CLOEXEC);  // children (the decoder) do not inherit connections
     std::string addr;
     int peer_port = 0;
-    if (listening || conns_.count(ino) ||
-        getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &plen) != 0 ||
-        !numeric_address(peer, plen, &addr, &peer_port))
-      return;
-    int64_t same = 0;
-    for (const auto& [_, other] : conns_) same += other.addr == addr;
-    Conn c{fd, addr, addr + " " + std::to_string(peer_port), now_ms(), true};
-    if (same >= limits_.per_client) {
-      // Served by nobody: its thread reads the end of the stream and closes it. Counted and
-      // logged before the client can see the close.
-      if (cut_crowded_.fetch_add(1) % 100 == 0)
-        log_line(component_, "closed a connection from " + addr + ": it already has " +
-                                 std::to_string(same) + " (--max-connections-per-client)");
-      shutdown(fd, SHUT_RDWR);
-      c.reading = false;
-    }
-    by_peer_[c.peer] = ino;
-    conns_.emplace(ino, std::move(c));
-  });
-}
-
-void ConnectionGuard::forget_closed() {
-  for (auto it = conns_.begin(); it != conns_.end();) {
-    if (socket_inode(it->second.fd) == it->first) {
-      ++it;
+    if (!numeric_address(peer, plen, &addr, &peer_port)) {
+      ::close(fd);
       continue;
     }
-    if (auto p = by_peer_.find(it->second.peer); p != by_peer_.end() && p->second == it->first)
-      by_peer_.erase(p);
-    it = conns_.erase(it);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!make_room_locked(addr)) {
+      lock.unlock();
+      ::close(fd);
+      continue;
+    }
+    const uint64_t id = next_id_++;
+    conns_[id] = Conn{fd, addr, peer_port, Phase::kReading, now_ms(), false};
+    if (live_threads_ >= limits_.max_connections) {
+      waiting_.emplace_back(id, fd);
+      continue;
+    }
+    ++live_threads_;
+    std::thread([this, id, fd] {
+      uint64_t next = id;
+      int next_fd = fd;
+      while (true) {
+        serve(next, next_fd);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (waiting_.empty()) {
+          --live_threads_;
+          changed_.notify_all();
+          return;
+        }
+        std::tie(next, next_fd) = waiting_.front();
+        waiting_.erase(waiting_.begin());
+      }
+    }).detach();
   }
 }
 
-void ConnectionGuard::run() {
+int64_t HttpServer::held_locked(const std::string* addr) const {
+  int64_t n = 0;
+  for (const auto& [_, c] : conns_) n += !c.cut && (addr == nullptr || c.addr == *addr);
+  return n;
+}
+
+bool HttpServer::make_room_locked(const std::string& addr) {
+  // Past a cap, the connection that has waited longest for its request makes room: a client
+  // that sends its request at once always gets in, one that trickles loses its oldest. Only
+  // when every connection of the kind is being answered is the new one closed.
+  const std::pair<const std::string*, int64_t> caps[] = {
+      {&addr, limits_.per_client}, {nullptr, 2 * int64_t{limits_.max_connections}}};
+  for (const auto& [who, cap] : caps) {
+    if (held_locked(who) < cap) continue;
+    Conn* victim = nullptr;
+    for (auto& [_, c] : conns_)
+      if (!c.cut && c.phase == Phase::kReading && (who == nullptr || c.addr == *who) &&
+          (victim == nullptr || c.since_ms < victim->since_ms))
+        victim = &c;
+    const std::string what = who ? "--max-connections-per-client" : "2 x --max-connections";
+    if (victim == nullptr) {
+      if (cut_crowded_.fetch_add(1) % 100 == 0)  // counted and logged before the close
+        log_line(component_, "closed a new connection from " + addr + ": every one of its " +
+                                 std::to_string(cap) + " (" + what + ") is being answered");
+      return false;
+    }
+    if (evicted_.fetch_add(1) % 100 == 0)
+      log_line(component_, "closed the connection from " + victim->addr +
+                               " that waited longest for its request, to make room (" + what + ")");
+    ::shutdown(victim->fd, SHUT_RDWR);
+    victim->cut = true;
+  }
+  return true;
+}
+
+void HttpServer::watch_loop() {
   std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_) {
-    wake_.wait_for(lock, std::chrono::milliseconds(200));
-    forget_closed();
+  while (!stopping_.load()) {
+    changed_.wait_for(lock, std::chrono::milliseconds(100));
     const int64_t now = now_ms();
     for (auto& [_, c] : conns_) {
-      if (c.reading && now - c.since_ms > limits_.request_deadline_ms) {
-        if (cut_late_.fetch_add(1) % 100 == 0)  // counted and logged before the close
-          log_line(component_, "closed a connection from " + c.addr + ": no whole request in " +
-                                   std::to_string(limits_.request_deadline_ms) +
-                                   " ms (--request-deadline-s)");
-        shutdown(c.fd, SHUT_RDWR);
-        c.reading = false;
-      }
+      if (c.cut) continue;
+      const bool late_read =
+          c.phase == Phase::kReading && now - c.since_ms > limits_.request_deadline_ms;
+      const bool late_write =
+          c.phase == Phase::kWriting && now - c.since_ms > limits_.write_timeout_ms;
+      if (!late_read && !late_write) continue;
+      if (cut_late_.fetch_add(1) % 100 == 0)  // counted and logged before the close
+        log_line(component_,
+                 "closed a connection from " + c.addr +
+                     (late_read
+                          ? ": no whole request in " + std::to_string(limits_.request_deadline_ms) +
+                                " ms (--request-deadline-s)"
+                          : ": a write blocked for " + std::to_string(limits_.write_timeout_ms) +
+                                " ms (the client stopped reading)"));
+      ::shutdown(c.fd, SHUT_RDWR);
+      c.cut = true;
     }
   }
 }
 
-void answer_exceptions_with(httplib::Server& server, std::string component, std::string json_body) {
-  server.set_exception_handler(
-      [component = std::move(component), body = std::move(json_body)](
-          const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
-        std::string what = "unknown exception";
-        try {
-          std::rethrow_exception(ep);
-        } catch (const std::exception& e) {
-          what = e.what();
-        } catch (...) {
-        }
-        log_line(component, "internal error in " + req.method + " " + req.path + ": " + what);
-        res.status = 500;
-        res.set_content(body, "application/json");
-      });
+void HttpServer::set_phase(uint64_t id, Phase phase) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = conns_.find(id);
+  if (it == conns_.end()) return;
+  it->second.phase = phase;
+  it->second.since_ms = now_ms();
+}
+
+bool HttpServer::was_cut(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = conns_.find(id);
+  return it == conns_.end() || it->second.cut;
+}
+
+bool HttpServer::peer_gone_locked(const Conn& c) const {
+  if (c.cut) return true;
+    // The connection's thread reads nothing while it answers: a peer that closed shows as a
+    // hang-up, or as readable with nothing to read (data sent ahead is not a hang-up).
+#ifdef POLLRDHUP
+  pollfd p{c.fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
+#else
+  pollfd p{c.fd, POLLIN, 0};
+#endif
+  if (::poll(&p, 1, 0) != 1) return false;
+#ifdef POLLRDHUP
+  if (p.revents & POLLRDHUP) return true;
+#endif
+  if (p.revents & (POLLHUP | POLLERR)) return true;
+  char b;
+  return (p.revents & POLLIN) && ::recv(c.fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+bool HttpServer::client_gone(uint64_t connection) {
+  std::lock_guard<std::mutex> lock(mu_);  // the socket is closed only after its record goes
+  auto it = conns_.find(connection);
+  return it == conns_.end() || peer_gone_locked(it->second);
+}
+
+bool HttpServer::client_gone(const HttpRequest& req) { return client_gone(req.connection); }
+
+void HttpServer::serve(uint64_t id, int fd) {
+  std::string addr;
+  int peer_port = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    addr = conns_[id].addr;
+    peer_port = conns_[id].port;
+  }
+  sockaddr_storage local{};
+  socklen_t llen = sizeof local;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen);
+  {
+    ConnectionIo io(this, id, fd, local.ss_family,
+                    static_cast<size_t>(limits_.max_header_bytes) + (64 << 10));
+    bool keep = true;
+    while (keep && !stopping_.load()) {
+      keep = serve_one(io, id, addr, peer_port);
+      set_phase(id, Phase::kReading);  // the deadline for the next request starts now
+    }
+    std::lock_guard<std::mutex> lock(mu_);  // forgotten before its socket closes (fd reuse)
+    conns_.erase(id);
+    changed_.notify_all();
+  }
+}
+
+bool HttpServer::refuse(ConnectionIo& io, const HttpRequest& req, int status,
+                        const std::string& message, bool keep_alive) {
+  HttpResponse res;
+  res.status = status;
+  res.set_content(error_body_(status, message), "application/json");
+  if (after_) after_(req, res);
+  return write_response(io, res, keep_alive);
+}
+
+bool HttpServer::serve_one(ConnectionIo& io, uint64_t id, const std::string& addr, int port) {
+  http::request_parser<http::string_body> parser;
+  parser.header_limit(static_cast<std::uint32_t>(limits_.max_header_bytes));
+  // The largest any route takes until the target is known, then the route's own. (Beast 1.74
+  // compares a length with an unset limit as larger: "no limit" would refuse every body.)
+  parser.body_limit(max_body_bytes_);
+  boost::system::error_code ec;
+  http::read_header(io.socket(), io.buffer(), parser, ec);
+  HttpRequest req;
+  req.remote_addr = addr;
+  req.remote_port = port;
+  req.connection = id;
+  if (ec) {
+    if (ec != http::error::body_limit && (quiet_end(ec) || was_cut(id) || !parser.got_some()))
+      return false;
+    const auto [status, message] = read_error(ec);
+    return refuse(io, req, status, message, false);
+  }
+  const auto& head = parser.get();
+  req.method = std::string(head.method_string());
+  req.target = std::string(head.target());
+  req.path = req.target.substr(0, req.target.find('?'));
+  for (const auto& f : head) req.headers.emplace_back(f.name_string(), f.value());
+  const bool has_body = parser.chunked() || parser.content_length().value_or(0) > 0;
+  // A request whose body stays unread ends its connection once answered.
+  auto methods = routes_.find(req.method);
+  const Route* route = nullptr;
+  if (methods != routes_.end()) {
+    auto r = methods->second.find(req.path);
+    if (r != methods->second.end()) route = &r->second;
+  }
+  if (route == nullptr) {
+    bool elsewhere = false;
+    for (const auto& [m, paths] : routes_) elsewhere = elsewhere || paths.count(req.path);
+    return elsewhere ? refuse(io, req, 405, req.method + " is not served on " + req.path, false)
+                     : refuse(io, req, 404, "no route " + req.method + " " + req.path, false);
+  }
+  HttpResponse refusal;
+  if (check_.head && !check_.head(req, refusal)) {
+    if (after_) after_(req, refusal);
+    return write_response(io, refusal, !has_body) && !has_body;
+  }
+  if (has_body) {
+    const uint64_t limit = static_cast<uint64_t>(route->max_body_bytes);
+    if (parser.content_length().value_or(0) > limit)
+      return refuse(io, req, 413, "request body too large", false);
+    parser.body_limit(limit);  // a chunked body is counted as it arrives
+    if (same_name(req.header("Expect"), "100-continue") &&
+        !io.write_raw(net::buffer(std::string_view("HTTP/1.1 100 Continue\r\n\r\n"))))
+      return false;
+    http::read(io.socket(), io.buffer(), parser, ec);
+    if (ec) {
+      if (ec != http::error::body_limit && (quiet_end(ec) || was_cut(id))) return false;
+      const auto [status, message] = read_error(ec);
+      return refuse(io, req, status, message, false);
+    }
+    req.body = std::move(parser.get().body());
+  }
+  const bool keep_alive = parser.get().keep_alive() && !stopping_.load();
+  set_phase(id, Phase::kHandling);
+  if (check_.whole && !check_.whole(req, refusal)) {
+    if (after_) after_(req, refusal);
+    return write_response(io, refusal, keep_alive);
+  }
+  HttpResponse res;
+  try {
+    route->handler(req, res);
+  } catch (const std::exception& e) {
+    log_line(component_, "internal error in " + req.method + " " + req.path + ": " + e.what());
+    res = HttpResponse();
+    res.status = 500;
+    res.set_content(error_body_(500, "internal error; see the " + component_ + "'s log"),
+                    "application/json");
+  }
+  if (after_) after_(req, res);
+  return write_response(io, res, keep_alive);
+}
+
+void HttpServer::stop() {
+  stopping_.store(true);
+  if (accept_thread_.joinable()) accept_thread_.join();
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    listen_fd_ = -1;
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  // Every connection cut: reads and writes fail at once, a handler's next write too. Those
+  // waiting for a thread end as soon as they get one.
+  for (auto& [_, c] : conns_) {
+    ::shutdown(c.fd, SHUT_RDWR);
+    c.cut = true;
+  }
+  changed_.notify_all();
+  changed_.wait(lock, [this] { return live_threads_ == 0 && waiting_.empty(); });
+  lock.unlock();
+  if (watch_thread_.joinable()) watch_thread_.join();
 }
 
 }  // namespace hetero

@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -13,6 +14,7 @@
 namespace hetero {
 
 constexpr size_t kSecretBytes = 32;
+constexpr size_t kMinSecretChars = 32;  // 128 bits as hex: a guessable secret is refused
 constexpr size_t kMaxSecretChars = 4096;
 constexpr size_t kMaxSecretFileBytes = 65536;
 
@@ -51,6 +53,15 @@ Status write_new_secret_file(const std::string& path) {
 
 Result<std::string> read_secret_file(const std::string& path) {
   if (path.empty()) return std::string();
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return not_found("cannot read the secret file " + path);
+  // A secret others can read is no secret; one they can write could be swapped for theirs.
+  if ((st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%03o", static_cast<unsigned>(st.st_mode & 0777));
+    return invalid_argument("the secret file " + path + " has mode " + mode +
+                            ": others may read or change it (chmod 600 " + path + ")");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return not_found("cannot read the secret file " + path);
   std::string text(kMaxSecretFileBytes + 1, '\0');
@@ -61,24 +72,13 @@ Result<std::string> read_secret_file(const std::string& path) {
   const std::string secret = begin == std::string::npos ? "" : text.substr(begin, end - begin + 1);
   bool printable = true;
   for (char c : secret) printable = printable && c > ' ' && c < 0x7f;
-  if (text.size() > kMaxSecretFileBytes || secret.empty() || secret.size() > kMaxSecretChars ||
-      !printable)
-    return invalid_argument("the secret file " + path +
-                            " must hold one token of 1 to 4096 printable ASCII characters");
+  if (text.size() > kMaxSecretFileBytes || secret.size() < kMinSecretChars ||
+      secret.size() > kMaxSecretChars || !printable)
+    return invalid_argument("the secret file " + path + " must hold one token of " +
+                            std::to_string(kMinSecretChars) +
+                            " to 4096 printable ASCII characters (hetero up writes 64 random hex "
+                            "digits)");
   return secret;
-}
-
-std::string bearer_value(const std::string& secret) { return "Bearer " + secret; }
-
-bool bearer_matches(std::string_view header_value, std::string_view secret) {
-  if (secret.empty()) return true;
-  const std::string want = "Bearer " + std::string(secret);
-  // Every byte of the expected value is compared, whatever the header holds.
-  unsigned char diff = header_value.size() == want.size() ? 0 : 1;
-  for (size_t i = 0; i < want.size(); ++i)
-    diff |= static_cast<unsigned char>(want[i]) ^
-            static_cast<unsigned char>(i < header_value.size() ? header_value[i] : 0);
-  return diff == 0;
 }
 
 }  // namespace hetero

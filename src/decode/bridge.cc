@@ -70,6 +70,7 @@ BridgeOutcome run_bridge(const SeamClient& seam, const nlohmann::json& info,
   if (req.decoder_calls.empty()) req.decoder_calls = call_lengths(p.decoder_calls, start, want);
   req.decoder_batched = p.decoder_batched;
   req.start = start;
+  req.cache_salt = seam.salt();  // the prefill host's prefix caches keep tenants apart too
   v.start = start;
   out.fetch = fetch_prefill(p.prefill_host, p.prefill_port, req, assembler.get(), p.stall_ms,
                             p.deadline_ms, p.secret, p.client_gone);

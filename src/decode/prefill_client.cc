@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "common/auth.h"
 #include "common/json_text.h"
-#include "common/secret.h"
 
 namespace hetero {
 namespace {
@@ -123,7 +123,10 @@ FetchResult fetch_prefill(const std::string& host, int port, const PrefillReques
   r.path = "/v1/prefill";
   r.body = prefill_request_json(tagged).dump();
   r.set_header("Content-Type", "application/json");
-  if (!secret.empty()) r.set_header(kAuthHeader, bearer_value(secret));
+  // Signed, never the secret itself: a host that is not the stack's learns nothing it could
+  // forge a request or a frame tag with (docs/design/auth.md).
+  if (!secret.empty())
+    r.set_header("Authorization", signed_authorization(secret, r.method, r.path, r.body));
   r.response_handler = [&](const httplib::Response& res) {
     last_byte_ns = Clock::now().time_since_epoch().count();
     http_status = res.status;

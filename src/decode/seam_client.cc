@@ -8,7 +8,9 @@ Result<HttpJsonReply> SeamClient::tokenize(const nlohmann::json& request) const 
 }
 
 Result<int64_t> SeamClient::cached_prefix(const std::vector<int32_t>& ids) const {
-  HETERO_ASSIGN_OR_RETURN(nlohmann::json r, call("/hetero/cached_prefix", {{"ids", ids}}));
+  nlohmann::json body = {{"ids", ids}};
+  if (!salt_.empty()) body["hetero_cache_salt"] = salt_;
+  HETERO_ASSIGN_OR_RETURN(nlohmann::json r, call("/hetero/cached_prefix", body));
   if (!r.contains("cached_tokens") || !r["cached_tokens"].is_number_integer())
     return data_loss("/hetero/cached_prefix answered without an integer cached_tokens");
   return r["cached_tokens"].get<int64_t>();
@@ -16,7 +18,9 @@ Result<int64_t> SeamClient::cached_prefix(const std::vector<int32_t>& ids) const
 
 Result<nlohmann::json> SeamClient::mount(const std::string& entry,
                                          const std::vector<int32_t>& ids) const {
-  return call("/hetero/mount", {{"entry", entry}, {"ids", ids}});
+  nlohmann::json body = {{"entry", entry}, {"ids", ids}};
+  if (!salt_.empty()) body["hetero_cache_salt"] = salt_;
+  return call("/hetero/mount", body);
 }
 
 void SeamClient::unpin(const std::string& pin, bool evict) const {

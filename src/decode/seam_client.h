@@ -21,6 +21,14 @@ class SeamClient {
       : host_(std::move(host)), port_(port), timeout_ms_(timeout_ms), secret_(std::move(secret)) {}
   const std::string& host() const { return host_; }
   int port() const { return port_; }
+  // The same decoder, each prompt-cache call (cached_prefix, mount) in the partition of a
+  // tenant's cache salt (docs/design/auth.md, "Tenants"; "": the shared one).
+  SeamClient salted(std::string salt) const {
+    SeamClient c = *this;
+    c.salt_ = std::move(salt);
+    return c;
+  }
+  const std::string& salt() const { return salt_; }
 
   // GET /hetero/info: the decoder's layout, fingerprint, schedule, store.
   Result<nlohmann::json> info() const { return call("/hetero/info", nlohmann::json()); }
@@ -44,6 +52,7 @@ class SeamClient {
   int port_;
   int64_t timeout_ms_;
   std::string secret_;
+  std::string salt_;
 };
 
 }  // namespace hetero

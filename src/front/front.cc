@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "bridge/assembler.h"
+#include "common/auth.h"
 #include "common/http_json.h"
 #include "common/http_server.h"
 #include "common/json_text.h"
@@ -85,8 +86,20 @@ Options front_options() {
        "prefills; their transfers and mounts overlap); more get 503 with Retry-After"},
       {"max-body-mb", "HETERO_FRONT_MAX_BODY_MB", "64",
        "largest request body accepted, in MiB (a 2M-token prompt is ~10 MiB of text)"},
-      secret_file_option("the stack's shared secret (hetero up writes one), sent to the "
-                         "decoder seam and the prefill host; none: both must be open"),
+      secret_file_option("the stack's shared secret (hetero up writes one): requests to the "
+                         "decoder seam and the prefill host are signed with it; none: both must "
+                         "be open"),
+      {"api-key-file", "HETERO_API_KEY_FILE", "",
+       "API keys, one per line (mode 0600): every /v1/ request then needs "
+       "'Authorization: Bearer <key>', and each key's prompts are cached apart from every "
+       "other's; none: open"},
+      {"forced-bridges",
+       "HETERO_FORCED_BRIDGES",
+       "signed",
+       "who may force a bridge with X-PD-Bridge-Mode: bridge: signed (requests signed with the "
+       "stack's secret, as hetero doctor and the benches sign them) or anyone",
+       false,
+       {"signed", "anyone"}},
   };
   for (OptionSpec& s : connection_options()) rows.push_back(std::move(s));
   return Options("front",
@@ -145,11 +158,17 @@ Result<FrontConfig> front_config(const Options& opts) {
   auto secret = read_secret_file(opts.get("secret-file"));
   if (!secret.is_ok()) return secret.status();
   c.secret = std::move(secret.value());
+  auto tenants = Tenants::load(opts.get("api-key-file"), c.secret);
+  if (!tenants.is_ok()) return tenants.status();
+  c.tenants = std::move(tenants.value());
+  c.forced_bridges_from_anyone = opts.get("forced-bridges") == "anyone";
   return c;
 }
 
 FrontServer::FrontServer(FrontConfig config)
-    : cfg_(std::move(config)), seam_(cfg_.decoder_host, cfg_.decoder_port, 60000, cfg_.secret) {}
+    : cfg_(std::move(config)),
+      seam_(cfg_.decoder_host, cfg_.decoder_port, 60000, cfg_.secret),
+      tool_signatures_(std::make_shared<RequestVerifier>(cfg_.secret)) {}
 FrontServer::~FrontServer() { stop(); }
 
 Status FrontServer::check_pairing() const {
@@ -178,8 +197,9 @@ Status FrontServer::check_pairing() const {
   return Status::ok();
 }
 
-BridgeOutcome FrontServer::bridge(const httplib::Request& req, const std::vector<int32_t>& ids,
-                                  const json& info, int64_t decoder_cached, const json& tokenized) {
+BridgeOutcome FrontServer::bridge(const HttpRequest& req, const SeamClient& seam,
+                                  const std::vector<int32_t>& ids, const json& info,
+                                  int64_t decoder_cached, const json& tokenized) {
   struct InFlight {  // counted by the caller before it came here, until this bridge is done
     std::atomic<int64_t>* n;
     ~InFlight() { --*n; }
@@ -196,9 +216,9 @@ BridgeOutcome FrontServer::bridge(const httplib::Request& req, const std::vector
   p.stall_ms = cfg_.stall_ms;
   p.deadline_ms =
       cfg_.deadline_base_ms + cfg_.deadline_per_token_ms * static_cast<int64_t>(ids.size());
-  p.client_gone = [this, &req] { return guard_->client_gone(req); };
+  p.client_gone = [this, &req] { return server_->client_gone(req); };
   take_decoder_calls(tokenized, &p);
-  BridgeOutcome out = run_bridge(seam_, info, ids, decoder_cached, p);
+  BridgeOutcome out = run_bridge(seam, info, ids, decoder_cached, p);
   out.verdict.timings_ms["bridge_queue"] = out.fetch.queued_ms;
 #ifdef __GLIBC__
   // A bridge's rows (megabytes to gigabytes) were freed on whichever connection thread ran
@@ -209,7 +229,7 @@ BridgeOutcome FrontServer::bridge(const httplib::Request& req, const std::vector
   return out;
 }
 
-void FrontServer::handle_completion(const httplib::Request& req, httplib::Response& res,
+void FrontServer::handle_completion(const HttpRequest& req, HttpResponse& res,
                                     const std::string& path) {
   const auto t0 = Clock::now();
   metrics_.inflight(+1);
@@ -235,7 +255,7 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     return fail(400, "invalid_request_error", "invalid_json",
                 "request body: " + parsed.status().message());
   json body = std::move(parsed.value());
-  // Each connection has its own thread (ConnectionGuard), so /health and /metrics answer
+  // Each connection has its own thread (HttpServer), so /health and /metrics answer
   // whatever runs; completions beyond the slots are refused rather than left to pile up.
   if (const int64_t slots = cfg_.completions; active_.load() > slots) {
     res.set_header("Retry-After", "1");
@@ -245,13 +265,37 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   const bool chat = path == "/v1/chat/completions";
   if (std::string why = completion_request_error(body, chat); !why.empty())
     return fail(400, "invalid_request_error", "invalid_field", why);
-  auto mode = parse_bridge_mode(req.get_header_value("X-PD-Bridge-Mode"));
+  auto mode = parse_bridge_mode(req.header("X-PD-Bridge-Mode"));
   if (!mode.is_ok())
     return fail(400, "invalid_request_error", "invalid_header", mode.status().message());
+  // A forced bridge costs the prefill host a prefill: only the stack's own tools may ask for
+  // one (issue 50, finding 8), unless --forced-bridges anyone.
+  if (mode.value() == BridgeMode::kBridge && !cfg_.forced_bridges_from_anyone &&
+      !tool_signatures_->open()) {
+    auto refused = tool_signatures_->check_whole(req.header("X-Hetero-Signature"), req.method,
+                                                 req.target, req.body, unix_now_s());
+    if (refused)
+      return fail(403, "invalid_request_error", "bridge_not_allowed",
+                  "X-PD-Bridge-Mode: bridge needs a request signed with the stack's secret "
+                  "(X-Hetero-Signature): " +
+                      refused->message);
+  }
+  // The tenant's partition of every prefix cache (its key was checked before the body).
+  auto key = cfg_.tenants.authenticate(req.header("Authorization"));
+  if (!key.is_ok())
+    return fail(401, "invalid_request_error", "invalid_api_key", key.status().message());
+  auto salt = cfg_.tenants.salt(key.value(), body);
+  if (!salt.is_ok())
+    return fail(400, "invalid_request_error", "invalid_field", salt.status().message());
+  const SeamClient seam = seam_.salted(salt.value());
 
   auto info = seam_.info();
   if (!info.is_ok())
     return fail(503, "server_error", "decoder_unavailable", info.status().message());
+  // Again with the decoder's own limits (its vocabulary, context window and family).
+  const ServedLimits served = served_limits(info.value());
+  if (std::string why = completion_request_error(body, chat, served); !why.empty())
+    return fail(400, "invalid_request_error", "invalid_field", why);
   if (body.contains("model")) {
     const std::string want = body["model"].get<std::string>();
     const std::string have = info.value().value("model", "");
@@ -266,14 +310,18 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   // default model and would try to fetch any other name from a hub, so forward that; a
   // decoder whose seam names the exact string it serves under ("forward_model": mlx-vlm, which
   // requires the field and would unload its model for any other name) gets that string.
+  // Only the fields checked above travel on (request_schema.h); the seam tokenizes exactly
+  // what the decoder will get.
+  body = forwarded_completion_body(body, chat, served);
   if (info.value().contains("forward_model") && info.value()["forward_model"].is_string())
     body["model"] = info.value()["forward_model"];
   else if (body.contains("model"))
     body["model"] = "default_model";
+  if (!salt.value().empty()) body["hetero_cache_salt"] = salt.value();
 
   // 1. The decoder's own ids.
   const auto t_tok = Clock::now();
-  auto tok = seam_.tokenize(body);
+  auto tok = seam.tokenize(body);
   if (!tok.is_ok()) return fail(503, "server_error", "decoder_unavailable", tok.status().message());
   if (tok->status != 200) {
     const json& e = tok->body.contains("error") ? tok->body["error"] : tok->body;
@@ -293,10 +341,12 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
     return fail(400, "invalid_request_error", "context_length_exceeded",
                 "the prompt has " + std::to_string(T) + " tokens; the context window is " +
                     std::to_string(ctx));
+  if (std::string why = completion_length_error(body, T, served); !why.empty())
+    return fail(400, "invalid_request_error", "context_length_exceeded", why);
 
   // 2. Route; for a cold long prompt, the bridge (mounted and pinned when it worked).
   Route route = route_request(
-      T, mode.value(), cfg_.route, [&] { return seam_.cached_prefix(ids); },
+      T, mode.value(), cfg_.route, [&] { return seam.cached_prefix(ids); },
       [&](int64_t tail, int64_t cached) {
         if (!cfg_.route_by_rates) return TailCosts{};
         // A bridge computes the tail alone where it can (run_bridge), else the whole prompt.
@@ -309,20 +359,20 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   std::string pin;
   v = route.verdict;
   if (route.bridge && bridges_in_flight_.fetch_add(1) >= cfg_.bridge_queue + 1) {
+    // The decoder can still answer it: natively, saying why (issue 50, finding 8).
     --bridges_in_flight_;
-    res.set_header("Retry-After", "5");
-    return fail(503, "server_error", "bridge_queue_full",
-                "a bridge is running and " + std::to_string(cfg_.bridge_queue) +
-                    " wait for the prefill host; retry shortly");
+    route.bridge = false;
+    v = Verdict::declined("bridge queue full: a bridge is running and " +
+                          std::to_string(cfg_.bridge_queue) + " wait for the prefill host");
   }
   if (route.bridge) {
-    BridgeOutcome b = bridge(req, ids, info.value(), route.cached, tok->body);
+    BridgeOutcome b = bridge(req, seam, ids, info.value(), route.cached, tok->body);
     v = std::move(b.verdict);
     v.route_by = route.verdict.route_by, v.route_tail = route.verdict.route_tail;
     v.route_bridge_ms = route.verdict.route_bridge_ms;
     v.route_native_ms = route.verdict.route_native_ms;
     pin = std::move(b.pin);
-    if (guard_->client_gone(req)) {  // nobody to answer: the decoder is not asked
+    if (server_->client_gone(req)) {  // nobody to answer: the decoder is not asked
       seam_.unpin(pin, /*evict=*/true);
       log_line("front",
                "POST " + path + ": the client went away during its bridge; " + v.header_value());
@@ -345,8 +395,33 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
       return fail(503, "server_error", "decoder_unavailable", "the front door is stopping");
     }
     const auto t_dec = Clock::now();
-    auto r = cli.Post(path.c_str(), body.dump(), "application/json");
+    const std::string forward = body.dump();
+    httplib::Headers headers;
+    if (!cfg_.secret.empty())
+      headers.emplace("Authorization", signed_authorization(cfg_.secret, "POST", path, forward));
+    // A client that hangs up while the decoder works ends the call: the seam then stops the
+    // generation (issue 50, finding 4: abandoned requests held every slot).
+    std::atomic<bool> answered{false}, client_left{false};
+    std::thread watch([&] {
+      while (!answered.load()) {
+        if (server_->client_gone(req)) {
+          client_left = true;
+          cli.stop();
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    });
+    auto r = cli.Post(path.c_str(), headers, forward, "application/json");
+    answered = true;
+    watch.join();
     v.timings_ms["decoder"] = ms_since(t_dec);
+    if (client_left.load()) {
+      seam_.unpin(pin);
+      v = confirm_verdict(v, {false, -1, "the client left before the decoder answered"});
+      log_line("front", "POST " + path + ": the client went away while the decoder answered");
+      return finish(499);
+    }
     seam_.unpin(pin);
     if (!r) {
       v = confirm_verdict(v, {false, -1, "the decoder did not answer"});
@@ -358,6 +433,14 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
       usage = {false, -1, "the decoder answered HTTP " + std::to_string(r->status)};
     v = confirm_verdict(v, usage);
     rates_.record(v);
+    // A decoder that cannot generate any more (its generation thread died: mlx-lm answers 404
+    // to everything) is down, not the request wrong: the front's own 503 while it is restarted.
+    if (r->status != 200) {
+      auto now = seam_.info();
+      if (!now.is_ok())
+        return fail(503, "server_error", "decoder_unavailable",
+                    "the decoder stopped generating: " + now.status().message());
+    }
     const std::string type = r->get_header_value("Content-Type");
     res.set_content(r->body, type.empty() ? "application/json" : type);
     return finish(r->status);
@@ -410,9 +493,9 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
   auto relay = std::make_shared<SseUsageRelay>(v, client_wants_usage);
   auto cfg = cfg_;
   auto forward = std::make_shared<std::string>(body.dump());
-  res.set_chunked_content_provider(
+  res.set_chunked(
       "text/event-stream",
-      [cfg, forward, path, relay, end, calls = decoder_calls_](size_t, httplib::DataSink& sink) {
+      [cfg, forward, path, relay, end, calls = decoder_calls_](ChunkSink& sink) {
         httplib::Client cli(cfg.decoder_host, cfg.decoder_port);
         cli.set_read_timeout(std::chrono::milliseconds(cfg.decoder_timeout_ms));
         const DecoderCalls::Scope call(calls.get(), &cli);  // refused: the stream says so below
@@ -421,6 +504,9 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
         dreq.path = path;
         dreq.body = *forward;
         dreq.set_header("Content-Type", "application/json");
+        if (!cfg.secret.empty())
+          dreq.set_header("Authorization",
+                          signed_authorization(cfg.secret, "POST", path, *forward));
         bool client_gone = false;
         const auto t_send = Clock::now();
         double first_ms = -1;
@@ -459,7 +545,6 @@ void FrontServer::handle_completion(const httplib::Request& req, httplib::Respon
                                          : "the decoder's stream carried no usage");
         if (first_ms >= 0) settled.timings_ms["decoder_first_token"] = first_ms;
         end->settle(settled);
-        if (!client_gone) sink.done();
         return !client_gone;
       },
       [relay, end](bool) {
@@ -473,17 +558,35 @@ Status FrontServer::start() {
   if (int64_t n = remove_partial_store_entries(cfg_.store_dir); n > 0)
     log_line("front",
              "removed " + std::to_string(n) + " half-written store entries left by an earlier run");
-  server_ = std::make_unique<httplib::Server>();
-  guard_ = std::make_unique<ConnectionGuard>(*server_, cfg_.connections);
+  const int64_t max_body_mb = cfg_.max_body_bytes >> 20;
+  server_ = std::make_unique<HttpServer>(
+      "front", cfg_.connections, [max_body_mb](int status, const std::string& message) {
+        const bool too_large = status == 413;
+        return error_json(status >= 500 ? "server_error" : "invalid_request_error",
+                          too_large       ? "payload_too_large"
+                          : status == 404 ? "not_found"
+                          : status == 405 ? "method_not_allowed"
+                          : status == 431 ? "headers_too_large"
+                          : status == 500 ? "internal_error"
+                                          : "bad_request",
+                          too_large ? "request body larger than this front door takes (" +
+                                          std::to_string(max_body_mb) + " MiB, --max-body-mb)"
+                          : status == 404
+                              ? message + "; see /v1/chat/completions, /v1/completions, /v1/models"
+                              : message)
+            .dump();
+      });
   for (const char* p : {"/v1/chat/completions", "/v1/completions"}) {
     const std::string path = p;
-    server_->Post(
-        p, guard_->handler([this, path](const httplib::Request& req, httplib::Response& res) {
+    // Bounded while it is read, chunked or not (issue 50, finding 3).
+    server_->post(
+        p,
+        [this, path](const HttpRequest& req, HttpResponse& res) {
           handle_completion(req, res, path);
-        }));
+        },
+        cfg_.max_body_bytes);
   }
-  server_->Get("/v1/models", guard_->handler([this](const httplib::Request&,
-                                                    httplib::Response& res) {
+  server_->get("/v1/models", [this](const HttpRequest&, HttpResponse& res) {
     auto info = seam_.info();
     if (!info.is_ok()) {
       res.status = 503;
@@ -498,59 +601,56 @@ Status FrontServer::start() {
                json::array(
                    {{{"id", name}, {"object", "model"}, {"owned_by", "hetero"}, {"created", 0}}})}};
     res.set_content(j.dump(), "application/json");
-  }));
-  server_->Get("/health", guard_->handler([this](const httplib::Request&, httplib::Response& res) {
+  });
+  server_->get("/health", [this](const HttpRequest&, HttpResponse& res) {
     auto d =
         http_json(cfg_.decoder_host, cfg_.decoder_port, "/hetero/info", json(), 3000, cfg_.secret);
     auto p = http_json(cfg_.prefill_host, cfg_.prefill_port, "/health", json(), 3000);
     const bool dok = d.is_ok() && d->status == 200, pok = p.is_ok() && p->status == 200;
+    // A decoder that answers but cannot generate (its generation thread died: 503
+    // generation_dead) is as down as one that does not answer.
+    auto why = [](Result<HttpJsonReply>& r) -> std::string {
+      if (!r.is_ok()) return r.status().message();
+      const json& body = r->body;
+      if (body.is_object() && body.contains("error") && body["error"].is_object())
+        return body["error"].value("code", std::string("error"));
+      return "HTTP " + std::to_string(r->status);
+    };
     json j = {{"status", dok ? "ok" : "degraded"},
-              {"decoder", dok ? "ok" : (d.is_ok() ? "error" : d.status().message())},
-              {"prefill", pok ? "ok" : (p.is_ok() ? "error" : p.status().message())}};
+              {"decoder", dok ? "ok" : why(d)},
+              {"prefill", pok ? "ok" : why(p)}};
     if (dok && pok)
       j["fingerprints_agree"] =
           d->body.value("fingerprint", "") == p->body.value("fingerprint", "-");
     res.status = dok ? 200 : 503;
     res.set_content(j.dump(), "application/json");
-  }));
-  server_->Get("/metrics", guard_->handler([this](const httplib::Request&, httplib::Response& res) {
+  });
+  server_->get("/metrics", [this](const HttpRequest&, HttpResponse& res) {
     res.set_content(metrics_.render(), "text/plain; version=0.0.4");
-  }));
+  });
+  // With API keys, every /v1/ request shows one before its body is read.
+  if (!cfg_.tenants.open()) {
+    RequestCheck keys;
+    keys.head = [this](const HttpRequest& req, HttpResponse& res) {
+      if (req.path.rfind("/v1/", 0) != 0) return true;
+      auto key = cfg_.tenants.authenticate(req.header("Authorization"));
+      if (key.is_ok()) return true;
+      res.status = 401;
+      res.set_header("WWW-Authenticate", "Bearer");
+      res.set_content(
+          error_json("invalid_request_error", "invalid_api_key", key.status().message()).dump(),
+          "application/json");
+      return false;
+    };
+    server_->set_check(std::move(keys));
+  }
   // Every response carries a verdict; the completion handlers set their own first.
-  server_->set_post_routing_handler([](const httplib::Request&, httplib::Response& res) {
+  server_->set_after([](const HttpRequest&, HttpResponse& res) {
     if (!res.has_header("X-PD-Bridge"))
       res.set_header("X-PD-Bridge", Verdict::skipped("not a completion").header_value());
   });
-  // Limits before parsing: the body's size (cpp-httplib refuses a larger one with 413 before
-  // reading it), its nesting (parse_untrusted_json).
-  server_->set_payload_max_length(static_cast<size_t>(cfg_.max_body_bytes));
-  const int64_t max_body_mb = cfg_.max_body_bytes >> 20;
-  server_->set_error_handler([max_body_mb](const httplib::Request&, httplib::Response& res) {
-    if (!res.body.empty()) return;
-    const bool too_large = res.status == 413;
-    res.set_content(
-        error_json("invalid_request_error", too_large ? "payload_too_large" : "not_found",
-                   too_large ? "request body larger than this front door takes (" +
-                                   std::to_string(max_body_mb) + " MiB, --max-body-mb)"
-                             : "no route; see /v1/chat/completions, /v1/completions, /v1/models")
-            .dump(),
-        "application/json");
-  });
-  answer_exceptions_with(
-      *server_, "front",
-      error_json("server_error", "internal_error", "internal error; see the front's log").dump());
-  if (cfg_.port == 0) {
-    port_ = server_->bind_to_any_port(cfg_.host.c_str());
-    if (port_ < 0) return unavailable("cannot bind " + cfg_.host);
-  } else {
-    if (!server_->bind_to_port(cfg_.host.c_str(), cfg_.port))
-      return unavailable("cannot bind " + cfg_.host + ":" + std::to_string(cfg_.port));
-    port_ = cfg_.port;
-  }
-  guard_->watch(port_, "front");
-  thread_ = std::thread([this] { server_->listen_after_bind(); });
-  // stop() right after start() must find a running server, or it would not stop it.
-  while (!server_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (Status st = server_->start(cfg_.host, cfg_.port); !st.is_ok()) return st;
+  port_ = server_->port();
   return Status::ok();
 }
 
@@ -573,10 +673,7 @@ void DecoderCalls::cut_all() {
 }
 
 void FrontServer::stop() {
-  if (server_) {
-    decoder_calls_->cut_all();
-    server_->stop();
-  }
+  if (server_) decoder_calls_->cut_all();
   // The server's thread ends once its requests have; a call registered just before the cut
   // but not yet connected then had no socket to shut down, so the cut is repeated meanwhile.
   std::atomic<bool> ended{false};
@@ -586,10 +683,9 @@ void FrontServer::stop() {
       if (!ended.load()) decoder_calls_->cut_all();
     }
   });
-  if (thread_.joinable()) thread_.join();
+  if (server_) server_->stop();
   ended.store(true);
   sweeper.join();
-  guard_.reset();
 }
 
 }  // namespace hetero

@@ -11,7 +11,11 @@
 // the confirmed verdict; a stream's header leaves before decoding and holds the prediction
 // ("confirmed": false), and the confirmed one goes to /metrics, the request's log line, and to
 // the client in the stream's usage event when it asked for usage.
-// A request header X-PD-Bridge-Mode: native|bridge forces the route (bench, doctor).
+// A request header X-PD-Bridge-Mode: native|bridge forces the route (bench, doctor): native from
+// anyone; bridge only from a request signed with the stack's secret (X-Hetero-Signature, as the
+// stack's tools sign), or from anyone with --forced-bridges anyone.
+// With --api-key-file, every /v1/ request needs one of its keys (front/tenants.h), checked
+// before its body is read.
 // Thread-safety: HTTP handling is threaded; bridges run one at a time (others queue), and
 // requests that do not bridge never wait for one.
 #pragma once
@@ -29,12 +33,10 @@
 #include "front/metrics.h"
 #include "front/rates.h"
 #include "front/routing.h"
+#include "front/tenants.h"
 
 namespace httplib {
 class Client;
-class Server;
-struct Request;
-struct Response;
 }  // namespace httplib
 
 namespace hetero {
@@ -58,9 +60,14 @@ struct FrontConfig {
   int64_t decoder_timeout_ms = 0;
   int completions = 30;          // completions served at once; more get 503 busy
   ConnectionLimits connections;  // at once, per client, how fast requests must come
-  int64_t max_body_bytes = 0;    // larger request bodies get 413 before they are read
+  int64_t max_body_bytes = 0;    // larger request bodies get 413 (chunked ones as they arrive)
   int64_t bridge_queue = 0;      // bridges under way beside the one prefilling; more get 503
-  std::string secret;            // the stack's shared secret, sent to the seam and /v1/prefill
+  std::string secret;            // the stack's shared secret: requests to the seam and
+                                 // /v1/prefill are signed with it (common/auth.h)
+  Tenants tenants;               // API keys and cache salts (front/tenants.h)
+  // X-PD-Bridge-Mode: bridge (a prefill on the prefill host's GPU) from anyone, not only from
+  // requests the stack's tools sign (X-Hetero-Signature).
+  bool forced_bridges_from_anyone = false;
 };
 
 Options front_options();
@@ -105,18 +112,18 @@ class FrontServer {
   Status start();
   int bound_port() const { return port_; }
   void stop();
-  const FrontMetrics& metrics() const { return metrics_; }
+  // Thread-safe; `hetero up` reports its children's restarts here.
+  FrontMetrics& metrics() { return metrics_; }
 
  private:
   Status check_pairing() const;
-  void handle_completion(const httplib::Request& req, httplib::Response& res,
-                         const std::string& path);
+  void handle_completion(const HttpRequest& req, HttpResponse& res, const std::string& path);
   // The bridge for ids, one at a time; decoder_cached: what the decoder holds of ids; tokenized:
   // the seam's /hetero/tokenize reply (its calls). A client that hangs up meanwhile ends it (its
-  // prefill stops; ConnectionGuard::client_gone).
-  BridgeOutcome bridge(const httplib::Request& req, const std::vector<int32_t>& ids,
-                       const nlohmann::json& info, int64_t decoder_cached,
-                       const nlohmann::json& tokenized);
+  // prefill stops; HttpServer::client_gone).
+  BridgeOutcome bridge(const HttpRequest& req, const SeamClient& seam,
+                       const std::vector<int32_t>& ids, const nlohmann::json& info,
+                       int64_t decoder_cached, const nlohmann::json& tokenized);
 
   FrontConfig cfg_;
   SeamClient seam_;
@@ -127,9 +134,9 @@ class FrontServer {
   // Retry-After instead of a request holding a thread for minutes.
   std::atomic<int64_t> active_{0}, bridges_in_flight_{0};
   std::shared_ptr<DecoderCalls> decoder_calls_ = std::make_shared<DecoderCalls>();
-  std::unique_ptr<httplib::Server> server_;
-  std::unique_ptr<ConnectionGuard> guard_;  // after server_: it goes first
-  std::thread thread_;
+  // What a request that forces a bridge must carry, unless forced_bridges_from_anyone.
+  std::shared_ptr<RequestVerifier> tool_signatures_;
+  std::unique_ptr<HttpServer> server_;
   int port_ = 0;
 };
 

@@ -23,6 +23,18 @@ void FrontMetrics::record_stage(const std::string& stage, double ms) {
   ++stage_count_[stage];
 }
 
+void FrontMetrics::child_restarted(const std::string& child) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++child_restarts_[child];
+  child_up_[child] = false;
+}
+
+void FrontMetrics::child_up(const std::string& child, bool up) {
+  std::lock_guard<std::mutex> lock(mu_);
+  child_restarts_.emplace(child, 0);
+  child_up_[child] = up;
+}
+
 void FrontMetrics::inflight(int delta) {
   std::lock_guard<std::mutex> lock(mu_);
   inflight_ += delta;
@@ -51,6 +63,16 @@ std::string FrontMetrics::render() const {
     << "# TYPE hetero_inflight_requests gauge\nhetero_inflight_requests " << inflight_ << "\n"
     << "# HELP hetero_stage_seconds Time spent per request stage.\n"
     << "# TYPE hetero_stage_seconds summary\n";
+  if (!child_restarts_.empty())
+    o << "# HELP hetero_child_restarts_total Restarts of the stack's children by hetero up.\n"
+      << "# TYPE hetero_child_restarts_total counter\n";
+  for (const auto& [child, n] : child_restarts_)
+    o << "hetero_child_restarts_total{child=\"" << child << "\"} " << n << "\n";
+  if (!child_up_.empty())
+    o << "# HELP hetero_child_up Whether the stack's child answers its health check.\n"
+      << "# TYPE hetero_child_up gauge\n";
+  for (const auto& [child, up] : child_up_)
+    o << "hetero_child_up{child=\"" << child << "\"} " << (up ? 1 : 0) << "\n";
   for (const auto& [stage, ms] : stage_ms_sum_) {
     o << "hetero_stage_seconds_sum{stage=\"" << stage << "\"} " << ms / 1000.0 << "\n";
     o << "hetero_stage_seconds_count{stage=\"" << stage << "\"} " << stage_count_.at(stage) << "\n";

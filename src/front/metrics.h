@@ -17,6 +17,9 @@ class FrontMetrics {
   void inflight(int delta);
   // A stage timed after the response headers left (a stream's decoder first token).
   void record_stage(const std::string& stage, double ms);
+  // A supervised child of the stack (hetero up): restarted, or up/down.
+  void child_restarted(const std::string& child);
+  void child_up(const std::string& child, bool up);
   std::string render() const;
 
  private:
@@ -25,6 +28,8 @@ class FrontMetrics {
   std::map<int, int64_t> responses_by_status_;
   std::map<std::string, double> stage_ms_sum_;
   std::map<std::string, int64_t> stage_count_;
+  std::map<std::string, int64_t> child_restarts_;
+  std::map<std::string, bool> child_up_;
   int64_t bytes_ = 0, bridged_tokens_ = 0, inflight_ = 0;
 };
 

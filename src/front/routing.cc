@@ -6,35 +6,6 @@
 namespace hetero {
 using nlohmann::json;
 
-std::string completion_request_error(const nlohmann::json& body, bool chat) {
-  if (!body.is_object()) return "the request body must be a JSON object";
-  if (chat) {
-    if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
-      return "'messages' must be a non-empty array";
-    for (const auto& m : body["messages"])
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-        return "every message must be an object with a string 'role'";
-  } else {
-    if (!body.contains("prompt") || !body["prompt"].is_string() ||
-        body["prompt"].get<std::string>().empty())
-      return "'prompt' must be a non-empty string";
-  }
-  if (body.contains("model") && !body["model"].is_string()) return "'model' must be a string";
-  if (body.contains("stream") && !body["stream"].is_boolean()) return "'stream' must be a boolean";
-  if (body.contains("stream_options") && !body["stream_options"].is_object())
-    return "'stream_options' must be an object";
-  if (body.contains("stream_options") && body["stream_options"].contains("include_usage") &&
-      !body["stream_options"]["include_usage"].is_boolean())
-    return "'stream_options.include_usage' must be a boolean";
-  if (body.contains("max_tokens") &&
-      (!body["max_tokens"].is_number_integer() || body["max_tokens"].get<int64_t>() < 1))
-    return "'max_tokens' must be a positive integer";
-  for (const char* f : {"temperature", "top_p"})
-    if (body.contains(f) && !body[f].is_number())
-      return std::string("'") + f + "' must be a number";
-  return "";
-}
-
 Result<BridgeMode> parse_bridge_mode(const std::string& header) {
   if (header.empty()) return BridgeMode::kAuto;
   if (header == "native") return BridgeMode::kNative;

@@ -1,7 +1,8 @@
-// What a completion request must be, and where it goes: straight to the decoder, or through a
-// bridge first. The route is a pure decision on the prompt's length, the client's
-// X-PD-Bridge-Mode header and what the decoder already holds of it; the lookup of the latter is
-// a callback, made only when the decision needs it (a short prompt never costs a lookup).
+// Where a completion request goes: straight to the decoder, or through a bridge first
+// (request_schema.h says what it must be to get this far). The route is a pure decision on the
+// prompt's length, the client's X-PD-Bridge-Mode header and what the decoder already holds of
+// it; the lookup of the latter is a callback, made only when the decision needs it (a short
+// prompt never costs a lookup).
 #pragma once
 
 #include <cstdint>
@@ -12,12 +13,9 @@
 
 #include "common/status.h"
 #include "decode/verdict.h"
+#include "front/request_schema.h"  // what a request must be before it is routed
 
 namespace hetero {
-
-// Why a parsed request body is not a completion request the decoder can take ("" when it is):
-// the field types the decoder would otherwise answer with a crash or a 500 mid-stream.
-std::string completion_request_error(const nlohmann::json& body, bool chat);
 
 enum class BridgeMode { kAuto, kNative, kBridge };
 

@@ -1,7 +1,6 @@
 // Prefill service: see service.h.
 #include "prefill/service.h"
 
-#include <httplib.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,10 +11,10 @@
 #include <new>
 #include <nlohmann/json.hpp>
 
+#include "common/auth.h"
 #include "common/http_server.h"
 #include "common/log.h"
 #include "common/queue.h"
-#include "common/secret.h"
 
 namespace hetero {
 using nlohmann::json;
@@ -222,7 +221,7 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a,
   a->missing_state = false;
   a->follows_calls = engine_->rows_follow_calls(req.decoder_calls, req.start, req.decoder_batched);
   if (req.start > 0 && tails_need_checkpoints() && !a->engine_state) {
-    a->resume = checkpoints_ ? checkpoints_->find(req.ids, req.start) : nullptr;
+    a->resume = checkpoints_ ? checkpoints_->find(req.ids, req.start, req.cache_salt) : nullptr;
     if (a->resume) a->engine_state = a->resume->engine;
     if (!a->resume) {
       a->missing_state = true;
@@ -237,7 +236,7 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a,
     a->from = req.start;
   else
     a->from = states_ && engine_->state_row_bytes() > 0 && !a->follows_calls
-                  ? states_->lookup(req.ids, req.start)
+                  ? states_->lookup(req.ids, req.start, req.cache_salt)
                   : 0;
   a->plan = plan_for(req, a->from);
   std::vector<int64_t>* plan = &a->plan;
@@ -283,7 +282,7 @@ Status PrefillService::admit(const PrefillRequest& req, Admission* a,
   if (st.is_ok() && a->engine_state) {
     st = engine_->restore(*a->engine_state);
   } else if (st.is_ok() && from > 0) {
-    st = states_->restore(req.ids, from, engine_);
+    st = states_->restore(req.ids, from, engine_, req.cache_salt);
     if (!st.is_ok()) {  // evicted meanwhile: compute it all (admission again, from 0)
       log_line("prefill", "the cached state is gone (" + st.message() + "); computing from 0");
       states_->clear();
@@ -414,7 +413,8 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
           break;
         }
         calls_after = std::move(calls.value());
-      } else if (const Status kept = states_->save(req.ids, at, engine_); !kept.is_ok()) {
+      } else if (const Status kept = states_->save(req.ids, at, engine_, req.cache_salt);
+                 !kept.is_ok()) {
         log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
       }
       log_line("prefill", "gave the engine to the next request at " + std::to_string(at) + " of " +
@@ -461,7 +461,7 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
                             " tokens");
   // A forward that ran its whole plan leaves the state of ids[0, planned) for later requests.
   if (st.is_ok() && !cancelled && states_ && holding.held && !now.follows_calls) {
-    const Status kept = states_->save(req.ids, planned, engine_);
+    const Status kept = states_->save(req.ids, planned, engine_, req.cache_salt);
     if (!kept.is_ok()) log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
   }
   // A family whose tails resume from whole checkpoints: the engine's and the program's, for
@@ -482,7 +482,7 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
       log_line("prefill", "no checkpoint for a later tail: " +
                               (program_state.is_ok() ? std::string("the engine keeps none")
                                                      : program_state.status().message()));
-    else if (!checkpoints_->put(req.ids, engine_state, program_state.value()))
+    else if (!checkpoints_->put(req.ids, engine_state, program_state.value(), req.cache_salt))
       log_line("prefill",
                "no checkpoint for a later tail: its " +
                    std::to_string(engine_state->bytes() + program_state.value()->bytes()) +
@@ -492,20 +492,21 @@ Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission
 }
 
 Status PrefillService::start(const std::string& host, int port) {
-  server_ = std::make_unique<httplib::Server>();
-  guard_ = std::make_unique<ConnectionGuard>(*server_, limits_);
-  // A body larger than the longest accepted request could be (max_tokens ids of at most ten
-  // digits, the decoder's schedule beside them) is refused with 413 before it is read.
-  server_->set_payload_max_length(static_cast<size_t>(4096 + 24 * max_tokens_));
-  server_->set_error_handler([](const httplib::Request&, httplib::Response& res) {
-    if (!res.body.empty()) return;
-    const Status st = res.status == 413 ? invalid_argument("request body too large")
-                                        : not_found("no route; see POST /v1/prefill, GET /health");
-    res.set_content(error_body(st), "application/json");
+  server_ = std::make_unique<HttpServer>("prefill", limits_, [](int status, const std::string& m) {
+    return error_body(status == 413   ? invalid_argument(m)
+                      : status == 404 ? not_found(m + "; see POST /v1/prefill, GET /health")
+                      : status == 500 ? internal_error("internal error; see the prefill host's log")
+                                      : invalid_argument(m));
   });
-  answer_exceptions_with(*server_, "prefill",
-                         error_body(internal_error("internal error; see the prefill host's log")));
-  server_->Get("/health", guard_->handler([this](const httplib::Request&, httplib::Response& res) {
+  // Signed requests only on /v1/prefill (docs/design/auth.md); /health stays open. The check
+  // of the header and its time runs before the body is read.
+  server_->set_check(signed_request_check(
+      std::make_shared<RequestVerifier>(secret_),
+      [](std::string_view path) { return path == "/v1/prefill"; },
+      [](int, const std::string& code, const std::string& message) {
+        return json{{"error", {{"code", code}, {"message", message}}}}.dump();
+      }));
+  server_->get("/health", [this](const HttpRequest&, HttpResponse& res) {
     json j = {{"status", "ok"},
               {"family", layout_.family},
               {"fingerprint", layout_.fingerprint},
@@ -527,131 +528,115 @@ Status PrefillService::start(const std::string& host, int port) {
       j["gpu_memory"] = std::move(gpus);
     }
     res.set_content(j.dump(), "application/json");
-  }));
-  server_->Post("/v1/prefill", guard_->handler([this](const httplib::Request& req,
-                                                      httplib::Response& res) {
-    if (!bearer_matches(req.get_header_value(kAuthHeader), secret_)) {
-      res.status = 401;
-      res.set_header("WWW-Authenticate", "Bearer");
-      res.set_content(R"({"error":{"code":"unauthorized","message":"POST /v1/prefill needs )"
-                      R"(Authorization: Bearer <secret>"}})",
-                      "application/json");
+  });
+  // A body larger than the longest accepted request could be (max_tokens ids of at most ten
+  // digits, the decoder's schedule beside them) is refused with 413 while it is read.
+  server_->post(
+      "/v1/prefill", [this](const HttpRequest& req, HttpResponse& res) { serve_prefill(req, res); },
+      4096 + 24 * max_tokens_);
+  if (Status st = server_->start(host, port); !st.is_ok()) return st;
+  port_ = server_->port();
+  return Status::ok();
+}
+
+void PrefillService::serve_prefill(const HttpRequest& req, HttpResponse& res) {
+  auto parsed = parse_prefill_request(req.body, engine_->vocab(), layout_, max_tokens_);
+  if (!parsed.is_ok()) {
+    res.status = http_status_for(parsed.status());
+    res.set_content(error_body(parsed.status()), "application/json");
+    return;
+  }
+  auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
+  // With the stack's secret, every frame leaves with its tag (frame_tag.h), keyed by the
+  // caller's nonce: the decode side then knows the stream came from a holder of the secret.
+  std::shared_ptr<const FrameTagger> tags;
+  if (!secret_.empty()) {
+    if (request->stream_nonce.empty()) {
+      const Status st = invalid_argument(
+          "this prefill host tags its frames with the stack's secret: the request needs a "
+          "'stream_nonce'");
+      res.status = http_status_for(st);
+      res.set_content(error_body(st), "application/json");
       return;
     }
-    auto parsed = parse_prefill_request(req.body, engine_->vocab(), layout_, max_tokens_);
-    if (!parsed.is_ok()) {
-      res.status = http_status_for(parsed.status());
-      res.set_content(error_body(parsed.status()), "application/json");
-      return;
-    }
-    auto request = std::make_shared<PrefillRequest>(std::move(parsed.value()));
-    // With the stack's secret, every frame leaves with its tag (frame_tag.h), keyed by the
-    // caller's nonce: the decode side then knows the stream came from a holder of the secret.
-    std::shared_ptr<const FrameTagger> tags;
-    if (!secret_.empty()) {
-      if (request->stream_nonce.empty()) {
-        const Status st = invalid_argument(
-            "this prefill host tags its frames with the stack's secret: the request needs a "
-            "'stream_nonce'");
-        res.status = http_status_for(st);
-        res.set_content(error_body(st), "application/json");
-        return;
-      }
-      tags = std::make_shared<const FrameTagger>(secret_, request->stream_nonce);
-      res.set_header(kFrameTagsHeader, kFrameTagsScheme);
-    }
-    // Admission, before any byte of the response: this request's turn, then its memory. A
-    // refusal answers with an error body and gives the turn to the next request.
-    // A client that hung up (ConnectionGuard sees its socket's hang-up) leaves the queue or
-    // cancels the stream.
-    auto cancelled = std::make_shared<std::atomic<bool>>(false);
-    std::function<bool()> receiver_gone = [guard = guard_.get(), addr = req.remote_addr,
-                                           port = req.remote_port, cancelled] {
-      if (!cancelled->load() && guard->client_gone(addr, port)) cancelled->store(true);
-      return cancelled->load();
-    };
-    const Turn turn = take_turn(receiver_gone);
-    if (!turn.status.is_ok()) {
-      res.status = http_status_for(turn.status);
-      if (turn.retry_after_s > 0) res.set_header("Retry-After", std::to_string(turn.retry_after_s));
-      res.set_content(error_body(turn.status, turn.retry_after_s > 0 ? "queue_full" : ""),
-                      "application/json");
-      return;
-    }
-    res.set_header(kQueuedMsHeader, std::to_string(turn.waited_ms));
-    auto admission = std::make_shared<Admission>();
-    if (Status admitted = admit(*request, admission.get()); !admitted.is_ok()) {
-      give_turn();
-      res.status = http_status_for(admitted);
-      res.set_content(error_body(admitted, admission->missing_state ? "prefix_state_missing" : ""),
-                      "application/json");
-      return;
-    }
-    // The prefill runs on its own thread, which gives the turn back when it ends; this handler
-    // thread writes frames as they come.
-    auto frames = std::make_shared<BoundedQueue<std::string>>(4);
-    auto buffers = buffers_;
-    auto worker = std::make_shared<std::thread>(
-        [this, frames, cancelled, request, admission, receiver_gone, tags] {
-          run_admitted(
-              *request, *admission,
-              [frames, cancelled](std::string f) {
-                return !cancelled->load() && frames->push(std::move(f));
-              },
-              receiver_gone, /*may_yield=*/true, [frames] { frames->close(); }, tags.get());
-          frames->close();  // where the request ended before its stream began
-        });
-    const FaultSpec fault = fault_;
-    auto stopping = stopping_;
-    res.set_chunked_content_provider(
-        "application/x-hetero-segments",
-        [frames, cancelled, fault, stopping, buffers, tags, receiver_gone](
-            size_t, httplib::DataSink& sink) {
-          int64_t i = 0;
-          uint64_t sent = 0;  // the frame's place in the stream: its tag's key
-          while (auto f = frames->pop()) {
-            if (!fault.kind.empty()) {
-              if (fault.kind == "exit-after" && i == fault.n) _exit(3);
-              if (fault.kind == "truncate-after" && i == fault.n) break;
-              if (fault.kind == "stall-after" && i == fault.n) {
-                while (!receiver_gone())  // until the receiver hangs up
-                  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-                return false;
-              }
-              if (!apply_fault(fault, i++, &*f, tags.get())) continue;
-            }
-            // Framed with its salt and digest (the long part of its tag, done as it was
-            // written): here the digest becomes the tag of the frame's place in the stream.
-            if (tags) tags->seal(sent++, &*f);
-            if (!sink.write(f->data(), f->size())) {
-              cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
-              frames->close();
+    tags = std::make_shared<const FrameTagger>(secret_, request->stream_nonce);
+    res.set_header(kFrameTagsHeader, kFrameTagsScheme);
+  }
+  // Admission, before any byte of the response: this request's turn, then its memory. A
+  // refusal answers with an error body and gives the turn to the next request.
+  // A client that hung up (HttpServer::client_gone sees its socket's hang-up) leaves the queue or
+  // cancels the stream.
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  std::function<bool()> receiver_gone = [server = server_.get(), conn = req.connection, cancelled] {
+    if (!cancelled->load() && server->client_gone(conn)) cancelled->store(true);
+    return cancelled->load();
+  };
+  const Turn turn = take_turn(receiver_gone);
+  if (!turn.status.is_ok()) {
+    res.status = http_status_for(turn.status);
+    if (turn.retry_after_s > 0) res.set_header("Retry-After", std::to_string(turn.retry_after_s));
+    res.set_content(error_body(turn.status, turn.retry_after_s > 0 ? "queue_full" : ""),
+                    "application/json");
+    return;
+  }
+  res.set_header(kQueuedMsHeader, std::to_string(turn.waited_ms));
+  auto admission = std::make_shared<Admission>();
+  if (Status admitted = admit(*request, admission.get()); !admitted.is_ok()) {
+    give_turn();
+    res.status = http_status_for(admitted);
+    res.set_content(error_body(admitted, admission->missing_state ? "prefix_state_missing" : ""),
+                    "application/json");
+    return;
+  }
+  // The prefill runs on its own thread, which gives the turn back when it ends; this handler
+  // thread writes frames as they come.
+  auto frames = std::make_shared<BoundedQueue<std::string>>(4);
+  auto buffers = buffers_;
+  auto worker = std::make_shared<std::thread>(
+      [this, frames, cancelled, request, admission, receiver_gone, tags] {
+        run_admitted(
+            *request, *admission,
+            [frames, cancelled](std::string f) {
+              return !cancelled->load() && frames->push(std::move(f));
+            },
+            receiver_gone, /*may_yield=*/true, [frames] { frames->close(); }, tags.get());
+        frames->close();  // where the request ended before its stream began
+      });
+  const FaultSpec fault = fault_;
+  auto stopping = stopping_;
+  res.set_chunked(
+      "application/x-hetero-segments",
+      [frames, cancelled, fault, stopping, buffers, tags, receiver_gone](ChunkSink& sink) {
+        int64_t i = 0;
+        uint64_t sent = 0;  // the frame's place in the stream: its tag's key
+        while (auto f = frames->pop()) {
+          if (!fault.kind.empty()) {
+            if (fault.kind == "exit-after" && i == fault.n) _exit(3);
+            if (fault.kind == "truncate-after" && i == fault.n) break;
+            if (fault.kind == "stall-after" && i == fault.n) {
+              while (!receiver_gone())  // until the receiver hangs up
+                std::this_thread::sleep_for(std::chrono::milliseconds(50));
               return false;
             }
-            buffers->give(std::move(*f));  // sent: its memory frames a later segment
+            if (!apply_fault(fault, i++, &*f, tags.get())) continue;
           }
-          sink.done();
-          return true;
-        },
-        [frames, cancelled, worker](bool) {
-          cancelled->store(true);
-          frames->close();
-          if (worker->joinable()) worker->join();
-        });
-  }));
-  if (port == 0) {
-    port_ = server_->bind_to_any_port(host.c_str());
-    if (port_ < 0) return unavailable("cannot bind " + host);
-  } else {
-    if (!server_->bind_to_port(host.c_str(), port))
-      return unavailable("cannot bind " + host + ":" + std::to_string(port));
-    port_ = port;
-  }
-  guard_->watch(port_, "prefill");
-  thread_ = std::thread([this] { server_->listen_after_bind(); });
-  // stop() right after start() must find a running server, or it would not stop it.
-  while (!server_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  return Status::ok();
+          // Framed with its salt and digest (the long part of its tag, done as it was
+          // written): here the digest becomes the tag of the frame's place in the stream.
+          if (tags) tags->seal(sent++, &*f);
+          if (!sink.write(f->data(), f->size())) {
+            cancelled->store(true);  // receiver gone: stop the prefill at the next chunk
+            frames->close();
+            return false;
+          }
+          buffers->give(std::move(*f));  // sent: its memory frames a later segment
+        }
+        return true;
+      },
+      [frames, cancelled, worker](bool) {
+        cancelled->store(true);
+        frames->close();
+        if (worker->joinable()) worker->join();
+      });
 }
 
 void PrefillService::stop() {
@@ -661,8 +646,6 @@ void PrefillService::stop() {
   }
   turn_free_.notify_all();
   if (server_) server_->stop();
-  if (thread_.joinable()) thread_.join();
-  guard_.reset();
 }
 
 }  // namespace hetero

@@ -3,8 +3,8 @@
 // back (chunked transfer encoding) while the prefill runs, closed by a manifest.
 // GET /health reports the model, the decoder fingerprint the export carries and the queue
 // (running, waiting, max_waiting). With a secret
-// (set_secret), POST /v1/prefill needs it as a bearer token (HTTP 401 otherwise); /health
-// stays open.
+// (set_secret), POST /v1/prefill must be signed with it (common/auth.h; HTTP 401 otherwise);
+// /health stays open.
 // One prefill runs at a time; later requests wait their turn in a bounded queue, first come first
 // served (set_queue: a request beyond it is answered 503 with Retry-After, and a waiting request
 // whose receiver hangs up leaves the queue). A request is admitted before any
@@ -35,10 +35,6 @@
 #include "common/http_server.h"
 #include "engine/llama_cpu.h"
 #include "prefill/state_cache.h"
-
-namespace httplib {
-class Server;
-}
 
 namespace hetero {
 
@@ -268,7 +264,8 @@ class PrefillService {
   void set_arith(std::string arith) { arith_ = std::move(arith); }
   // A GPU stack's memory, reported by GET /health (safe to call while a prefill runs).
   void set_gpu_memory(GpuMemoryReport report) { gpu_memory_ = std::move(report); }
-  // The stack's shared secret (common/secret.h); "" leaves /v1/prefill open. Before start().
+  // The stack's shared secret (common/auth.h): requests to /v1/prefill must be signed with it,
+  // and frames are tagged with its frame key; "" leaves /v1/prefill open. Before start().
   void set_secret(std::string secret) { secret_ = std::move(secret); }
   // Connections served at once, per client, and how fast requests must come
   // (common/http_server.h). Before start().
@@ -401,9 +398,9 @@ class PrefillService {
   double turn_ms_ = 0;  // how long a turn lasts, a moving average (for Retry-After)
   int64_t turn_ms_limit_ = 0;
   int64_t keepalive_ms_ = 5000;
-  std::unique_ptr<httplib::Server> server_;
-  std::unique_ptr<ConnectionGuard> guard_;  // after server_: it goes first
-  std::thread thread_;
+  // POST /v1/prefill: the request checked, its turn and memory taken, its stream answered.
+  void serve_prefill(const HttpRequest& req, HttpResponse& res);
+  std::unique_ptr<HttpServer> server_;
   int port_ = 0;
 };
 

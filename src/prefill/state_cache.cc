@@ -10,18 +10,25 @@
 
 namespace hetero {
 
-PrefixStateCache::PrefixStateCache(int64_t block_tokens, int64_t max_bytes)
-    : block_tokens_(block_tokens), max_bytes_(max_bytes) {
+namespace {
+uint64_t chain_checksum(const void* data, size_t bytes, uint64_t seed) {
+  return checksum64(data, bytes, seed);
+}
+}  // namespace
+
+PrefixStateCache::PrefixStateCache(int64_t block_tokens, int64_t max_bytes, ChainHash hash)
+    : block_tokens_(block_tokens), max_bytes_(max_bytes), hash_(hash ? hash : chain_checksum) {
   HETERO_CHECK(block_tokens_ > 0 && max_bytes_ >= 0);
 }
 
-std::vector<uint64_t> PrefixStateCache::keys_of(const std::vector<int32_t>& ids,
-                                                int64_t limit) const {
+std::vector<uint64_t> PrefixStateCache::keys_of(const std::vector<int32_t>& ids, int64_t limit,
+                                                const std::string& salt) const {
   std::vector<uint64_t> keys;
   const int64_t n = std::min<int64_t>(limit, static_cast<int64_t>(ids.size()));
-  uint64_t key = 0x6865746572u;  // the chain's seed: any fixed value
+  uint64_t key = 0x6865746572u;  // the chain's seed: any fixed value, then the tenant's salt
+  if (!salt.empty()) key = hash_(salt.data(), salt.size(), key);
   for (int64_t at = 0; at + block_tokens_ <= n; at += block_tokens_) {
-    key = checksum64(ids.data() + at, static_cast<size_t>(block_tokens_) * sizeof(int32_t), key);
+    key = hash_(ids.data() + at, static_cast<size_t>(block_tokens_) * sizeof(int32_t), key);
     keys.push_back(key);
   }
   return keys;
@@ -36,8 +43,9 @@ const PrefixStateCache::Block* PrefixStateCache::find(uint64_t k, const std::vec
   return &it->second;
 }
 
-int64_t PrefixStateCache::lookup(const std::vector<int32_t>& ids, int64_t limit) {
-  const std::vector<uint64_t> keys = keys_of(ids, limit);
+int64_t PrefixStateCache::lookup(const std::vector<int32_t>& ids, int64_t limit,
+                                 const std::string& salt) {
+  const std::vector<uint64_t> keys = keys_of(ids, limit, salt);
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t tick = ++tick_;
   int64_t d = 0;
@@ -49,16 +57,16 @@ int64_t PrefixStateCache::lookup(const std::vector<int32_t>& ids, int64_t limit)
   return d * block_tokens_;
 }
 
-Status PrefixStateCache::restore(const std::vector<int32_t>& ids, int64_t n,
-                                 PrefillEngine* engine) {
-  const std::vector<uint64_t> keys = keys_of(ids, n);
+Status PrefixStateCache::restore(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine,
+                                 const std::string& salt) {
+  const std::vector<uint64_t> keys = keys_of(ids, n, salt);
   if (static_cast<int64_t>(keys.size()) * block_tokens_ != n)
     return invalid_argument("restore: " + std::to_string(n) + " is not whole blocks of " +
                             std::to_string(block_tokens_));
   std::lock_guard<std::mutex> lock(mu_);
   for (int64_t d = 0; d < static_cast<int64_t>(keys.size()); ++d) {
     const Block* b = find(keys[static_cast<size_t>(d)], ids, d);
-    if (!b)
+    if (!b || (d > 0 && b->parent != keys[static_cast<size_t>(d - 1)]))
       return not_found("the state of tokens from " + std::to_string(d * block_tokens_) +
                        " was evicted since the lookup");
     HETERO_RETURN_IF_ERROR(engine->load_state(d * block_tokens_, block_tokens_, b->state.data()));
@@ -66,12 +74,13 @@ Status PrefixStateCache::restore(const std::vector<int32_t>& ids, int64_t n,
   return Status::ok();
 }
 
-Status PrefixStateCache::save(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine) {
+Status PrefixStateCache::save(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine,
+                              const std::string& salt) {
   const int64_t row = engine->state_row_bytes();
   if (row <= 0 || max_bytes_ == 0) return Status::ok();
   const int64_t block_bytes = row * block_tokens_;
   if (block_bytes > max_bytes_) return Status::ok();  // not even one block fits
-  const std::vector<uint64_t> keys = keys_of(ids, n);
+  const std::vector<uint64_t> keys = keys_of(ids, n, salt);
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t tick = ++tick_;
   for (int64_t d = 0; d < static_cast<int64_t>(keys.size()); ++d) {
@@ -80,10 +89,10 @@ Status PrefixStateCache::save(const std::vector<int32_t>& ids, int64_t n, Prefil
       blocks_[k].used = tick;
       continue;
     }
-    if (blocks_.count(k)) {  // a collision (or another depth): the newer state wins
-      bytes_ -= static_cast<int64_t>(blocks_[k].state.size());
-      blocks_.erase(k);
-    }
+    // A collision (or another depth): the newer state wins, and the blocks chained below the
+    // old one go with it. Their keys chained through k, so they would otherwise pass for this
+    // prefix's continuation (issue 50, finding 7).
+    if (blocks_.count(k)) erase_chain(k);
     Block b;
     b.parent = d > 0 ? keys[static_cast<size_t>(d - 1)] : 0;
     const auto first = ids.begin() + static_cast<std::ptrdiff_t>(d * block_tokens_);
@@ -101,6 +110,23 @@ Status PrefixStateCache::save(const std::vector<int32_t>& ids, int64_t n, Prefil
   }
   evict_to(max_bytes_);
   return Status::ok();
+}
+
+void PrefixStateCache::erase_chain(uint64_t k) {
+  std::vector<uint64_t> doomed = {k};
+  for (size_t i = 0; i < doomed.size(); ++i) {
+    const auto it = blocks_.find(doomed[i]);
+    if (it == blocks_.end()) continue;
+    const int64_t depth = it->second.depth;
+    for (const auto& [key, b] : blocks_)
+      if (b.parent == doomed[i] && b.depth == depth + 1) doomed.push_back(key);
+  }
+  for (uint64_t key : doomed) {
+    const auto it = blocks_.find(key);
+    if (it == blocks_.end()) continue;
+    bytes_ -= static_cast<int64_t>(it->second.state.size());
+    blocks_.erase(it);
+  }
 }
 
 void PrefixStateCache::evict_to(int64_t max_bytes) {
@@ -136,13 +162,14 @@ void PrefixStateCache::clear() {
 // ----------------------------------------------------------------------------- checkpoints
 
 bool PrefixCheckpoints::put(std::vector<int32_t> ids, std::shared_ptr<const Checkpoint> engine,
-                            std::shared_ptr<const Checkpoint> program) {
+                            std::shared_ptr<const Checkpoint> program, const std::string& salt) {
   HETERO_CHECK(engine && program);
-  auto e = std::make_shared<Entry>(Entry{std::move(ids), std::move(engine), std::move(program)});
+  auto e =
+      std::make_shared<Entry>(Entry{std::move(ids), salt, std::move(engine), std::move(program)});
   const int64_t need = e->bytes();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = held_.begin(); it != held_.end(); ++it)
-    if (it->entry->ids == e->ids) {
+    if (it->entry->ids == e->ids && it->entry->salt == e->salt) {
       bytes_ -= it->entry->bytes();
       held_.erase(it);
       break;
@@ -160,11 +187,11 @@ bool PrefixCheckpoints::put(std::vector<int32_t> ids, std::shared_ptr<const Chec
 }
 
 std::shared_ptr<const PrefixCheckpoints::Entry> PrefixCheckpoints::find(
-    const std::vector<int32_t>& ids, int64_t n) {
+    const std::vector<int32_t>& ids, int64_t n, const std::string& salt) {
   if (n <= 0 || n > static_cast<int64_t>(ids.size())) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   for (Held& h : held_)
-    if (static_cast<int64_t>(h.entry->ids.size()) == n &&
+    if (static_cast<int64_t>(h.entry->ids.size()) == n && h.entry->salt == salt &&
         std::equal(h.entry->ids.begin(), h.entry->ids.end(), ids.begin())) {
       h.used = ++tick_;
       return h.entry;

@@ -5,9 +5,11 @@
 // up to its end (so a block stands for its whole prefix), and holds the engine's state rows for
 // its tokens (PrefillEngine::save_state). A lookup walks a request's whole blocks from the start
 // while their keys are held (each block's own ids are compared too: a hash collision is a miss,
-// never a wrong state). Bounded in bytes; the least recently used block goes first, the deepest
-// first among blocks used together (a chain is cut from its end, never left with a hole).
-// Thread-safe.
+// never a wrong state; a block replaced after a collision takes its descendants with it, whose
+// keys chained through it). Each tenant's salt seeds its own chains (docs/design/auth.md): a
+// salt's state is never resumed for another. Bounded in bytes; the least recently used block
+// goes first, the deepest first among blocks used together (a chain is cut from its end, never
+// left with a hole). Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -25,16 +27,21 @@ class PrefillEngine;
 
 class PrefixStateCache {
  public:
-  PrefixStateCache(int64_t block_tokens, int64_t max_bytes);
+  // How a block's key chains from its parent's (checksum64; a test plants collisions).
+  using ChainHash = uint64_t (*)(const void* data, size_t bytes, uint64_t seed);
+  PrefixStateCache(int64_t block_tokens, int64_t max_bytes, ChainHash hash = nullptr);
 
-  // Tokens of ids' longest run of held whole blocks from position 0, at most `limit`.
-  int64_t lookup(const std::vector<int32_t>& ids, int64_t limit);
+  // Tokens of ids' longest run of held whole blocks from position 0, at most `limit`, in the
+  // partition of `salt` ("": the shared one).
+  int64_t lookup(const std::vector<int32_t>& ids, int64_t limit, const std::string& salt = "");
   // Loads the state of ids[0, n) (n from lookup) into the engine, after its reserve().
   // A block evicted since the lookup is an error (kNotFound): the caller computes instead.
-  Status restore(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine);
+  Status restore(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine,
+                 const std::string& salt = "");
   // After a forward over ids[0, n): keeps the state of its whole blocks not yet held (the
   // engine's rows [0, n) must be this request's). Nothing when the engine hands out no state.
-  Status save(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine);
+  Status save(const std::vector<int32_t>& ids, int64_t n, PrefillEngine* engine,
+              const std::string& salt = "");
 
   int64_t block_tokens() const { return block_tokens_; }
   int64_t max_bytes() const { return max_bytes_; }
@@ -51,12 +58,16 @@ class PrefixStateCache {
     uint64_t used = 0;  // the lookup tick that last touched it
   };
   // Keys of ids' whole blocks, in order, up to `limit` tokens.
-  std::vector<uint64_t> keys_of(const std::vector<int32_t>& ids, int64_t limit) const;
+  std::vector<uint64_t> keys_of(const std::vector<int32_t>& ids, int64_t limit,
+                                const std::string& salt) const;
+  // Drops the block at key k and every block chained below it. With mu_.
+  void erase_chain(uint64_t k);
   // The held block for key k at depth d with these ids, or null.
   const Block* find(uint64_t k, const std::vector<int32_t>& ids, int64_t d) const;
   void evict_to(int64_t max_bytes);  // with mu_
 
   int64_t block_tokens_, max_bytes_;
+  ChainHash hash_;
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, Block> blocks_;
   int64_t bytes_ = 0;
@@ -71,6 +82,7 @@ class PrefixCheckpoints {
  public:
   struct Entry {
     std::vector<int32_t> ids;
+    std::string salt;  // the tenant's partition (PrefixStateCache)
     std::shared_ptr<const Checkpoint> engine, program;
     int64_t bytes() const { return engine->bytes() + program->bytes(); }
   };
@@ -79,9 +91,10 @@ class PrefixCheckpoints {
   // Keeps the checkpoints of ids (replacing one of the same ids); false when they alone exceed
   // the bound.
   bool put(std::vector<int32_t> ids, std::shared_ptr<const Checkpoint> engine,
-           std::shared_ptr<const Checkpoint> program);
-  // The entry of exactly ids[0, n), or null.
-  std::shared_ptr<const Entry> find(const std::vector<int32_t>& ids, int64_t n);
+           std::shared_ptr<const Checkpoint> program, const std::string& salt = "");
+  // The entry of exactly ids[0, n) in salt's partition, or null.
+  std::shared_ptr<const Entry> find(const std::vector<int32_t>& ids, int64_t n,
+                                    const std::string& salt = "");
 
  private:
   struct Held {

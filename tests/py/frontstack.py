@@ -21,6 +21,8 @@ openai = pytest.importorskip("openai")
 
 from seam_server import wait_cached  # noqa: E402,F401 (the tests import it from here too)
 
+from hetero_mlx.access import signed_headers  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 HETERO = Path(os.environ.get("HETERO_BIN", ROOT / "build" / "hetero"))
 TINY = Path(os.environ.get("HETERO_TEST_MODEL", ROOT / "models" / "tiny-llama"))
@@ -196,10 +198,14 @@ class Decoder:
 
     def __init__(self, port: int, secret: str = ""):
         self.port = port
-        self.headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        self.secret = secret
 
     def post(self, path: str, body: dict, timeout: float = 30) -> dict:
-        r = requests.post(Stack.url(self.port, path), json=body, headers=self.headers,
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.secret:  # every request signed (docs/design/auth.md)
+            headers.update(signed_headers(self.secret, "POST", path, data))
+        r = requests.post(Stack.url(self.port, path), data=data, headers=headers,
                           timeout=timeout)
         assert r.status_code == 200, r.text
         return r.json()
@@ -309,11 +315,18 @@ def verdict_of(headers) -> dict:
 
 
 def post_front(front: Proc, body, path: str = "/v1/chat/completions", mode: str = "",
-               timeout: float = 600):
+               timeout: float = 600, secret: str = ""):
+    """A request to a front door; mode forces the route (X-PD-Bridge-Mode). A front door with
+    the stack's secret honours a forced bridge only when the request is signed with it too
+    (X-Hetero-Signature, as hetero doctor sends it): pass that secret."""
     headers = {"Content-Type": "application/json"}
     if mode:
         headers["X-PD-Bridge-Mode"] = mode
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    if mode == "bridge" and secret:
+        raw = data.encode() if isinstance(data, str) else data
+        headers["X-Hetero-Signature"] = signed_headers(secret, "POST", path,
+                                                       raw)["Authorization"]
     return requests.post(Stack.url(front.port, path), data=data, headers=headers, timeout=timeout)
 
 

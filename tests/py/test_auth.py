@@ -1,9 +1,10 @@
 """The stack's shared secret on real processes. `hetero up` (tiny model, free ports) makes one
 secret and hands every process the file's path; the stack serves a bridged request (the front
-door authenticates to the seam and to the prefill host, whose frames carry tags keyed by the
-secret, so a spoofed prefill host's stream is refused and mounts nothing); the seam and POST /v1/prefill refuse
-calls without the secret, or with a wrong one, and the refusals change nothing; `hetero front`
-and `hetero doctor` authenticate with --secret-file. The seam's own access rules endpoint by
+door signs its calls to the seam and to the prefill host, whose frames carry tags keyed by the
+secret, so a spoofed prefill host's stream is refused and mounts nothing); the decoder's port
+and POST /v1/prefill refuse calls that are not signed (Hetero-HMAC-SHA256, docs/design/auth.md)
+or are signed with a wrong key, and the refusals change nothing; `hetero front` and `hetero
+doctor` authenticate with --secret-file. The seam's own access rules endpoint by
 endpoint (secret, JSON bodies, CORS, dump directory, served model): test_seam.py and
 test_vlm_seam.py.
 """
@@ -25,6 +26,8 @@ import pytest
 import xxhash
 from frontstack import (HETERO, PY, ROOT, TINY, Proc, chat, free_port, need, post_front, text,
                         verdict_of)
+
+from hetero_mlx.access import signed_headers
 
 requests = pytest.importorskip("requests")
 
@@ -74,6 +77,27 @@ def bearer(secret: str) -> dict:
     return {"Authorization": f"Bearer {secret}"}
 
 
+def call(method: str, port: int, path: str, body=None, secret: str = "", headers=None,
+         timeout: float = 30):
+    """A request with a JSON body, signed with `secret` (unless headers are given instead)."""
+    data = json.dumps(body).encode() if body is not None else b""
+    sent = {"Content-Type": "application/json"}
+    if headers is not None:
+        sent.update(headers)
+    elif secret:
+        sent.update(signed_headers(secret, method, path, data))
+    return requests.request(method, url(port, path), data=data, headers=sent, timeout=timeout)
+
+
+def bad_headers(secret: str, method: str, path: str, body) -> list:
+    """(headers, the 401 code they get) for a request to `path` that must be refused."""
+    data = json.dumps(body).encode() if body is not None else b""
+    return [({}, "unauthorized"), (bearer(secret), "unauthorized"), ({"Authorization": "x"},
+                                                                    "unauthorized"),
+            (signed_headers("0" * 64, method, path, data), "bad_signature"),
+            (signed_headers(secret[:-1], method, path, data), "bad_signature")]
+
+
 def cmdlines():
     """Every readable process command line on this machine, as argv lists."""
     out = []
@@ -102,31 +126,29 @@ def test_up_makes_one_secret_and_hands_out_its_path_only(up):
 
 def test_up_serves_a_bridged_request(up):
     front = SimpleNamespace(port=up["port"])
-    r = post_front(front, chat(text("auth-up", 120), 8), mode="bridge")
+    r = post_front(front, chat(text("auth-up", 120), 8), mode="bridge", secret=secret_of(up))
     assert r.status_code == 200, r.text
     v = verdict_of(r.headers)
     assert v["verdict"] == "complete" and v["confirmed"] is True, v
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == v["B"]
 
 
-def test_seam_refuses_calls_without_the_secret_and_changes_nothing(up):
-    port, good = up["decoder-port"], bearer(secret_of(up))
+def test_seam_refuses_unsigned_calls_and_changes_nothing(up):
+    port, secret = up["decoder-port"], secret_of(up)
     body = chat(text("auth-seam", 60), 2)
-    ids = requests.post(url(port, "/hetero/tokenize"), json=body, headers=good,
-                        timeout=60).json()["ids"]
-    assert requests.post(url(port, "/v1/chat/completions"), json=body, timeout=120).ok
-    cached = requests.post(url(port, "/hetero/cached_prefix"), json={"ids": ids}, headers=good,
-                           timeout=30).json()
+    ids = call("POST", port, "/hetero/tokenize", body, secret, timeout=60).json()["ids"]
+    assert call("POST", port, "/v1/chat/completions", body, secret, timeout=120).ok
+    cached = call("POST", port, "/hetero/cached_prefix", {"ids": ids}, secret).json()
     assert cached["cached_tokens"] > 0
-    for headers in ({}, bearer("0" * 64), bearer(secret_of(up)[:-1]), {"Authorization": "x"}):
-        for method, path in (("GET", "/hetero/info"), ("POST", "/hetero/clear"),
-                             ("POST", "/hetero/cached_prefix"), ("POST", "/hetero/tokenize")):
-            r = requests.request(method, url(port, path), json=body | {"ids": ids},
-                                 headers=headers, timeout=30)
+    for method, path in (("GET", "/hetero/info"), ("POST", "/hetero/clear"),
+                         ("POST", "/hetero/cached_prefix"), ("POST", "/hetero/tokenize"),
+                         ("POST", "/v1/chat/completions"), ("GET", "/health")):
+        sent = body | {"ids": ids} if method == "POST" else None
+        for headers, code in bad_headers(secret, method, path, sent):
+            r = call(method, port, path, sent, headers=headers)
             assert r.status_code == 401, (path, headers, r.text)
-            assert r.json()["error"]["code"] == "unauthorized"
-    after = requests.post(url(port, "/hetero/cached_prefix"), json={"ids": ids}, headers=good,
-                          timeout=30).json()
+            assert r.json()["error"]["code"] == code, (path, headers)
+    after = call("POST", port, "/hetero/cached_prefix", {"ids": ids}, secret).json()
     assert after == cached  # the refused clear cleared nothing
 
 
@@ -136,18 +158,18 @@ def test_prefill_host_refuses_calls_without_the_secret(up):
     assert health.status_code == 200  # open: the front's pairing check and doctor read it
     body = {"ids": list(range(1, 40)), "fingerprint": health.json()["fingerprint"],
             "stream_nonce": "0123456789abcdef" * 2}
-    for headers in ({}, bearer("0" * 64), bearer(secret + "0"), {"Authorization": secret}):
-        r = requests.post(url(port, "/v1/prefill"), json=body, headers=headers, timeout=30)
+    for headers, code in bad_headers(secret, "POST", "/v1/prefill", body):
+        r = call("POST", port, "/v1/prefill", body, headers=headers)
         assert r.status_code == 401, (headers, r.text)
-        assert r.json()["error"]["code"] == "unauthorized"
-        assert r.headers["WWW-Authenticate"] == "Bearer"
-    r = requests.post(url(port, "/v1/prefill"), json=body, headers=bearer(secret), timeout=120)
+        assert r.json()["error"]["code"] == code
+        assert r.headers["WWW-Authenticate"] == "Hetero-HMAC-SHA256"
+    r = call("POST", port, "/v1/prefill", body, secret, timeout=120)
     assert r.status_code == 200 and len(r.content) > 0
     assert r.headers["Content-Type"] == "application/x-hetero-segments"
-    assert r.headers["X-Hetero-Frame-Tags"] == "poly1305-pieces-v2"
+    assert r.headers["X-Hetero-Frame-Tags"] == "poly1305-pieces-v3"
     # With the secret, frames are tagged: a request without a nonce to key them is refused.
     del body["stream_nonce"]
-    r = requests.post(url(port, "/v1/prefill"), json=body, headers=bearer(secret), timeout=120)
+    r = call("POST", port, "/v1/prefill", body, secret, timeout=120)
     assert r.status_code == 400 and "stream_nonce" in r.json()["error"]["message"], r.text
 
 
@@ -162,9 +184,11 @@ class SpoofedPrefillHost:
     """A prefill host that does not hold the stack's secret: it answers every request with
     rows of garbage in well-formed frames whose checksums are right (anyone can compute those).
     forge_tags: it also claims tagged frames and appends 32 random bytes (salt, tag) to each;
-    scheme: the tag scheme it claims (another one is what an older release's host sends)."""
+    scheme: the tag scheme it claims (another one is what an older release's host sends).
+    It keeps every request's headers and body (seen_headers, seen_bodies): what a fake host
+    learns."""
 
-    def __init__(self, info: dict, forge_tags: bool, scheme: str = "poly1305-pieces-v2"):
+    def __init__(self, info: dict, forge_tags: bool, scheme: str = "poly1305-pieces-v3"):
         host = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -172,7 +196,10 @@ class SpoofedPrefillHost:
                 host.reply(self, 200, json.dumps({"status": "ok", **host.health}).encode())
 
             def do_POST(self):  # noqa: N802
-                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                host.seen_headers.append(dict(self.headers.items()))
+                host.seen_bodies.append(raw.decode(errors="replace"))
+                req = json.loads(raw)
                 host.requests += 1
                 host.reply(self, 200, host.stream(req), scheme=host.scheme if forge_tags else "")
 
@@ -180,6 +207,7 @@ class SpoofedPrefillHost:
                 pass
 
         self.info, self.requests = info, 0
+        self.seen_headers, self.seen_bodies = [], []
         self.health = {k: info[k] for k in ("family", "fingerprint", "layers")}
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
@@ -230,11 +258,11 @@ def test_a_spoofed_prefill_host_is_refused_and_poisons_nothing(up, tmp_path, kin
     # Regression (hardening issue): a fake prefill host's garbage, framed with correct
     # checksums, was answered as "complete, exact" and stayed in the decoder's prompt cache.
     # "older-wire": a host claiming the first wire's tag scheme is named as another release.
-    dport, good = up["decoder-port"], bearer(secret_of(up))
-    info = requests.get(url(dport, "/hetero/info"), headers=good, timeout=10).json()
+    dport, secret = up["decoder-port"], secret_of(up)
+    info = call("GET", dport, "/hetero/info", secret=secret, timeout=10).json()
     forge_tags = kind != "untagged"
     spoof = SpoofedPrefillHost(info, forge_tags,
-                               "poly1305-v1" if kind == "older-wire" else "poly1305-pieces-v2")
+                               "poly1305-v1" if kind == "older-wire" else "poly1305-pieces-v3")
     port = free_port()
     front = Proc("front", [HETERO, "front", "--decoder-port", dport, "--prefill-port", spoof.port,
                            "--store", up["work"] / "store", "--secret-file", up["secret_file"],
@@ -242,11 +270,11 @@ def test_a_spoofed_prefill_host_is_refused_and_poisons_nothing(up, tmp_path, kin
     try:
         front.wait_ready(60)
         body = chat(text(f"spoof-{kind}", 120), 8)
-        requests.post(url(dport, "/hetero/clear"), json={}, headers=good, timeout=30)
-        cold = requests.post(url(dport, "/v1/chat/completions"), json=body, timeout=300).json()
-        requests.post(url(dport, "/hetero/clear"), json={}, headers=good, timeout=30)
+        call("POST", dport, "/hetero/clear", {}, secret)
+        cold = call("POST", dport, "/v1/chat/completions", body, secret, timeout=300).json()
+        call("POST", dport, "/hetero/clear", {}, secret)
 
-        r = post_front(front, body, mode="bridge")
+        r = post_front(front, body, mode="bridge", secret=secret_of(up))
         assert r.status_code == 200, r.text
         v = verdict_of(r.headers)
         assert spoof.requests == 1
@@ -255,7 +283,7 @@ def test_a_spoofed_prefill_host_is_refused_and_poisons_nothing(up, tmp_path, kin
                 "older-wire": "different wire versions"}[kind] in v["verdict"], v
         assert r.json()["choices"][0]["message"] == cold["choices"][0]["message"]
         # Nothing of the garbage was mounted: the decoder, asked again, still answers as cold.
-        again = requests.post(url(dport, "/v1/chat/completions"), json=body, timeout=300).json()
+        again = call("POST", dport, "/v1/chat/completions", body, secret, timeout=300).json()
         assert again["choices"][0]["message"] == cold["choices"][0]["message"]
     finally:
         front.stop()
@@ -270,7 +298,8 @@ def test_front_and_doctor_authenticate_with_the_secret_file(up, tmp_path):
                            "--port", port], tmp_path, port, "/health")
     try:
         front.wait_ready(60)
-        r = post_front(front, chat(text("auth-front", 120), 4), mode="bridge")
+        r = post_front(front, chat(text("auth-front", 120), 4), mode="bridge",
+                       secret=secret_of(up))
         assert r.status_code == 200, r.text
         assert verdict_of(r.headers)["verdict"] == "complete"
     finally:
@@ -288,7 +317,7 @@ def test_front_and_doctor_authenticate_with_the_secret_file(up, tmp_path):
             except requests.ConnectionError:
                 assert time.monotonic() < deadline, open_front.log()
                 time.sleep(0.1)
-        assert r.status_code == 503 and r.json()["decoder"] == "error", r.text
+        assert r.status_code == 503 and r.json()["decoder"] == "unauthorized", r.text
     finally:
         open_front.stop()
 

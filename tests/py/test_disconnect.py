@@ -1,7 +1,7 @@
 """A client that hangs up mid-bridge stops its prefill (issue 17), on real processes
 (frontstack.py) with the default model, whose prefill on this machine's CPU takes many seconds.
 
-The front door watches the client's socket while the prefill streams (ConnectionGuard::
+The front door watches the client's socket while the prefill streams (HttpServer::
 client_gone, asked every 100 ms); on a hang-up it shuts its connection to the prefill host, whose
 worker sees its own receiver gone before its next chunk, stops, and frees the host for the next
 request. The decoder is not asked.

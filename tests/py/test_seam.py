@@ -4,9 +4,10 @@ Starts `python -m hetero_mlx serve` on a free port with the model in HETERO_TEST
 random llama from `python -m hetero_mlx tiny-llama`, or SmolLM2-135M-Instruct) and talks HTTP
 to it: tokenization equals what the server processes, a mounted cache is reused as an ordinary
 prefix hit and gives the native answer, and every bad input gets a 4xx JSON error while the
-server keeps serving with its prompt cache untouched. Access: every seam call needs the secret
-and a JSON body, no seam reply approves a cross-origin request, dumps stay in <store>/dumps,
-and a completion request naming another model is refused before mlx-lm would drop its own.
+server keeps serving with its prompt cache untouched. Access: every request is signed
+(docs/design/auth.md) and every seam POST has a JSON body, no seam reply approves a cross-origin
+request, dumps stay in <store>/dumps, and a completion request naming another model is refused
+before mlx-lm would drop its own. More hardening (issue 50): test_seam_hardening.py.
 """
 
 import json
@@ -15,7 +16,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from seam_server import auth, info, ok, post, seam_server, wait_cached
+from seam_server import (get, info, openai_http_client, ok, post, request, seam_server, signed,
+                         wait_cached)
+
+from hetero_mlx.access import signed_headers
 
 mx = pytest.importorskip("mlx.core")
 requests = pytest.importorskip("requests")
@@ -127,8 +131,7 @@ def test_a_burst_of_clients_is_served_whole(server):
 
     def one() -> None:
         try:
-            r = requests.post(server["url"] + "/hetero/tokenize", json=body,
-                              headers=auth(server), timeout=60)
+            r = request(server, "POST", "/hetero/tokenize", body, timeout=60)
             results.append(r.status_code)
         except requests.RequestException as e:
             results.append(repr(e))
@@ -215,7 +218,8 @@ def test_openai_client_sees_the_mounted_prefix(server):
     openai = pytest.importorskip("openai")
     body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "logprobs": True}
     ids, n, _, native, _ = mount_native_prefix(server, body, "mount-openai")
-    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused",
+                           http_client=openai_http_client(server["secret"]))
     reply = client.chat.completions.create(model="default_model", **body)
     assert reply.usage.prompt_tokens == len(ids)
     assert reply.usage.prompt_tokens_details.cached_tokens == n
@@ -296,7 +300,7 @@ def test_bad_inputs_get_json_errors_and_change_nothing(server):
 
     reply = complete(server, {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
     assert reply["usage"]["prompt_tokens"] == len(ids)
-    assert requests.get(server["url"] + "/health", timeout=5).json() == {"status": "ok"}
+    assert get(server, "/health").json() == {"status": "ok"}
 
 
 def test_fingerprint_mismatch_names_both_values(server):
@@ -331,7 +335,7 @@ def _warm(server):
     return ids, n, entry
 
 
-def test_every_seam_endpoint_needs_the_secret(server):
+def test_every_seam_endpoint_needs_a_signature(server):
     ids, n, entry = _warm(server)
     before = _state(server, ids)
     assert before[0]["cached_tokens"] > 0
@@ -346,16 +350,27 @@ def test_every_seam_endpoint_needs_the_secret(server):
         ("POST", "/hetero/fault", {"kind": "evict"}),
         ("POST", "/hetero/nope", {}),
     ]
-    wrong = {"Authorization": "Bearer " + "0" * 64}
-    half = {"Authorization": auth(server)["Authorization"][:-1]}
     for method, path, body in calls:
-        for name, headers in (("none", {}), ("wrong", wrong), ("truncated", half),
-                              ("not bearer", {"Authorization": server["secret"]})):
-            r = requests.request(method, server["url"] + path, json=body, headers=headers,
+        data = json.dumps(body).encode() if body is not None else b""
+        good = signed(server, method, path, data)["Authorization"]
+        wrong = signed_headers("0" * 64, method, path, data)["Authorization"]
+        for name, header, code in (
+            ("none", None, "unauthorized"),
+            ("bearer secret", f"Bearer {server['secret']}", "unauthorized"),
+            ("secret alone", server["secret"], "unauthorized"),
+            ("truncated", good[:-1], "unauthorized"),
+            ("wrong secret", wrong, "bad_signature"),
+            ("other path", signed(server, method, "/hetero/x", data)["Authorization"],
+             "bad_signature"),
+        ):
+            headers = {"Content-Type": "application/json"}
+            if header is not None:
+                headers["Authorization"] = header
+            r = requests.request(method, server["url"] + path, data=data, headers=headers,
                                  timeout=30)
             assert r.status_code == 401, (path, name, r.text)
-            assert r.json()["error"]["code"] == "unauthorized", (path, name)
-            assert r.headers.get("WWW-Authenticate") == "Bearer", (path, name)
+            assert r.json()["error"]["code"] == code, (path, name)
+            assert r.headers.get("WWW-Authenticate") == "Hetero-HMAC-SHA256", (path, name)
     assert _state(server, ids) == before
     assert not (server["store"] / "dumps" / "stolen.safetensors").exists()
 
@@ -366,19 +381,20 @@ def test_seam_posts_must_be_json(server):
     before = _state(server, ids)
     for content_type in ("text/plain", "application/x-www-form-urlencoded",
                          "multipart/form-data; boundary=x", None):
-        headers = dict(auth(server))
-        if content_type:
-            headers["Content-Type"] = content_type
         for path in ("/hetero/clear", "/hetero/cached_prefix"):
-            r = requests.post(server["url"] + path, data=json.dumps({"ids": ids}),
-                              headers=headers, timeout=30)
+            data = json.dumps({"ids": ids}).encode()
+            headers = signed(server, "POST", path, data)
+            if content_type:
+                headers["Content-Type"] = content_type
+            r = requests.post(server["url"] + path, data=data, headers=headers, timeout=30)
             assert r.status_code == 415, (content_type, path, r.text)
             assert r.json()["error"]["code"] == "unsupported_media_type"
     assert _state(server, ids) == before
     # Parameters after the media type are fine.
-    status, reply = post(server, "/hetero/cached_prefix", {"ids": ids},
+    data = json.dumps({"ids": ids}).encode()
+    status, reply = post(server, "/hetero/cached_prefix", raw=data,
                          headers={"Content-Type": "application/json; charset=utf-8",
-                                  **auth(server)})
+                                  **signed(server, "POST", "/hetero/cached_prefix", data)})
     assert status == 200 and reply == before[0]
 
 
@@ -386,20 +402,31 @@ def test_seam_approves_no_cross_origin_request(server):
     origin = {"Origin": "http://evil.example"}
     preflight = {**origin, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "content-type, authorization"}
-    # mlx-lm's own paths approve any origin: what the seam must not do.
-    r = requests.options(server["url"] + "/v1/chat/completions", headers=preflight, timeout=10)
+
+    def cors(r):
+        return [h for h in r.headers if h.lower().startswith("access-control-")]
+
+    # A browser's preflight carries no signature: refused on every path, mlx-lm's own included
+    # (mlx-lm alone approves any origin).
+    for path in ("/v1/chat/completions", "/v1/completions", "/hetero/clear", "/hetero/info"):
+        r = requests.options(server["url"] + path, headers=preflight, timeout=10)
+        assert r.status_code == 401 and not cors(r), (path, r.text)
+    # Signed, mlx-lm's paths answer as mlx-lm does; the seam's never approve.
+    r = requests.options(server["url"] + "/v1/chat/completions", timeout=10,
+                         headers={**preflight, **signed(server, "OPTIONS", "/v1/chat/completions")})
     assert "Access-Control-Allow-Origin" in r.headers
     for path in ("/hetero/clear", "/hetero/info", "/hetero/nope"):
-        r = requests.options(server["url"] + path, headers=preflight, timeout=10)
+        r = requests.options(server["url"] + path, timeout=10,
+                             headers={**preflight, **signed(server, "OPTIONS", path)})
         assert r.status_code == 405, (path, r.text)
         assert r.json()["error"]["code"] == "method_not_allowed"
-        assert not [h for h in r.headers if h.lower().startswith("access-control-")], path
+        assert not cors(r), path
     for method, path, body in (("GET", "/hetero/info", None), ("POST", "/hetero/clear", {}),
                                ("POST", "/hetero/nope", {})):
-        for headers in (origin, {**origin, **auth(server)}):
-            r = requests.request(method, server["url"] + path, json=body, headers=headers,
-                                 timeout=30)
-            assert not [h for h in r.headers if h.lower().startswith("access-control-")], path
+        r = requests.request(method, server["url"] + path, json=body, headers=origin, timeout=30)
+        assert r.status_code == 401 and not cors(r), path
+        r = request(server, method, path, body, headers=origin)
+        assert not cors(r), path
 
 
 def test_cache_dumps_only_into_its_dump_dir(server, tmp_path):
@@ -450,4 +477,4 @@ def test_decoder_serves_only_its_model(server, model_dir):
         reply = complete(server, dict(body, **extra))
         assert reply["usage"]["prompt_tokens"] > 0, extra
     assert info(server)["fingerprint"] == fingerprint
-    assert requests.get(server["url"] + "/health", timeout=5).json() == {"status": "ok"}
+    assert get(server, "/health").json() == {"status": "ok"}

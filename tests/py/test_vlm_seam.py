@@ -18,7 +18,10 @@ import os
 from pathlib import Path
 
 import pytest
-from seam_server import auth, info, ok, post, seam_server
+from seam_server import (SignedAuth, get, info, ok, openai_http_client, post, request,
+                         seam_server, signed)
+
+from hetero_mlx.access import signed_headers
 
 mx = pytest.importorskip("mlx.core")
 requests = pytest.importorskip("requests")
@@ -159,7 +162,8 @@ def test_streaming_request_keeps_the_seam_contract(server):
     ids = ok(server, "/hetero/tokenize", body)["ids"]
     ok(server, "/hetero/clear")
     complete(server, chat_body(server, SHORT))
-    r = requests.post(server["url"] + "/v1/chat/completions", json=body, stream=True, timeout=120)
+    r = requests.post(server["url"] + "/v1/chat/completions", json=body, stream=True, timeout=120,
+                      auth=SignedAuth(server["secret"]))
     assert r.status_code == 200
     events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -236,7 +240,8 @@ def test_openai_client_sees_the_mounted_prefix(server):
     ok(server, "/hetero/clear")
     ok(server, "/hetero/mount", {"entry": entry, "ids": ids})
 
-    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused",
+                           http_client=openai_http_client(server["secret"]))
     reply = client.chat.completions.create(**body)
     assert reply.usage.prompt_tokens == len(ids)
     assert reply.usage.prompt_tokens_details.cached_tokens == n
@@ -367,12 +372,12 @@ def test_bad_inputs_get_json_errors_and_change_nothing(server):
         assert ok(server, "/hetero/cached_prefix", {"ids": ids}) == cached, name
         assert info(server)["prompt_cache"] == stats, name
 
-    r = requests.get(server["url"] + "/hetero/mount", headers=auth(server), timeout=5)
+    r = get(server, "/hetero/mount", timeout=5)
     assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
     reply = complete(server, body)
     assert reply["usage"]["prompt_tokens"] == len(ids)
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
-    assert requests.get(server["url"] + "/health", timeout=5).json()["status"] == "healthy"
+    assert get(server, "/health", timeout=5).json()["status"] == "healthy"
 
 
 # ---- access: the secret, JSON bodies, CORS, the dump directory, the served model -----------
@@ -396,7 +401,7 @@ def _cors_headers(r):
     return [h for h in r.headers if h.lower().startswith("access-control-")]
 
 
-def test_every_seam_endpoint_needs_the_secret(server):
+def test_every_seam_endpoint_needs_a_signature(server):
     ids, n = _warm(server)
     before = _state(server, ids)
     assert before[0]["cached_tokens"] == n
@@ -411,15 +416,23 @@ def test_every_seam_endpoint_needs_the_secret(server):
         ("POST", "/hetero/fault", {"kind": "evict"}),
         ("POST", "/hetero/nope", {}),
     ]
-    wrong = {"Authorization": "Bearer " + "0" * 64}
+    # mlx-vlm's own paths too.
+    calls += [("GET", "/health", None), ("GET", "/v1/models", None),
+              ("POST", "/v1/chat/completions", chat_body(server, "hi"))]
     for method, path, body in calls:
-        for name, headers in (("none", {}), ("wrong", wrong),
-                              ("not bearer", {"Authorization": server["secret"]})):
-            r = requests.request(method, server["url"] + path, json=body, headers=headers,
+        data = json.dumps(body).encode() if body is not None else b""
+        wrong = signed_headers("0" * 64, method, path, data)["Authorization"]
+        for name, header, code in (("none", None, "unauthorized"),
+                                   ("bearer", f"Bearer {server['secret']}", "unauthorized"),
+                                   ("wrong secret", wrong, "bad_signature")):
+            headers = {"Content-Type": "application/json"}
+            if header is not None:
+                headers["Authorization"] = header
+            r = requests.request(method, server["url"] + path, data=data, headers=headers,
                                  timeout=30)
             assert r.status_code == 401, (path, name, r.text)
-            assert r.json()["error"]["code"] == "unauthorized", (path, name)
-            assert r.headers.get("WWW-Authenticate") == "Bearer", (path, name)
+            assert r.json()["error"]["code"] == code, (path, name)
+            assert r.headers.get("WWW-Authenticate") == "Hetero-HMAC-SHA256", (path, name)
     assert _state(server, ids) == before
     assert not (server["store"] / "dumps" / "stolen.safetensors").exists()
 
@@ -428,12 +441,12 @@ def test_seam_posts_must_be_json(server):
     ids, _ = _warm(server)
     before = _state(server, ids)
     for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
-        headers = dict(auth(server))
-        if content_type:
-            headers["Content-Type"] = content_type
         for path in ("/hetero/clear", "/hetero/cached_prefix"):
-            r = requests.post(server["url"] + path, data=json.dumps({"ids": ids}),
-                              headers=headers, timeout=30)
+            data = json.dumps({"ids": ids}).encode()
+            headers = signed(server, "POST", path, data)
+            if content_type:
+                headers["Content-Type"] = content_type
+            r = requests.post(server["url"] + path, data=data, headers=headers, timeout=30)
             assert r.status_code == 415, (content_type, path, r.text)
             assert r.json()["error"]["code"] == "unsupported_media_type"
     assert _state(server, ids) == before
@@ -443,20 +456,26 @@ def test_seam_approves_no_cross_origin_request(server):
     origin = {"Origin": "http://evil.example"}
     preflight = {**origin, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "content-type, authorization"}
-    # mlx-vlm's own paths approve any origin (its CORSMiddleware): what the seam must not do.
-    r = requests.options(server["url"] + "/v1/chat/completions", headers=preflight, timeout=10)
+    # A browser's preflight carries no signature: refused everywhere, mlx-vlm's paths too.
+    for path in ("/v1/chat/completions", "/hetero/clear", "/hetero/info"):
+        r = requests.options(server["url"] + path, headers=preflight, timeout=10)
+        assert r.status_code == 401 and not _cors_headers(r), (path, r.text)
+    # Signed, mlx-vlm's own paths approve any origin (its CORSMiddleware); the seam's never do.
+    r = requests.options(server["url"] + "/v1/chat/completions", timeout=10,
+                         headers={**preflight, **signed(server, "OPTIONS", "/v1/chat/completions")})
     assert r.status_code == 200 and "access-control-allow-origin" in r.headers
     for path in ("/hetero/clear", "/hetero/info", "/hetero/nope"):
-        r = requests.options(server["url"] + path, headers=preflight, timeout=10)
+        r = requests.options(server["url"] + path, timeout=10,
+                             headers={**preflight, **signed(server, "OPTIONS", path)})
         assert r.status_code == 405, (path, r.text)
         assert r.json()["error"]["code"] == "method_not_allowed"
         assert not _cors_headers(r), path
     for method, path, body in (("GET", "/hetero/info", None), ("POST", "/hetero/clear", {}),
                                ("POST", "/hetero/nope", {})):
-        for headers in (origin, {**origin, **auth(server)}):
-            r = requests.request(method, server["url"] + path, json=body, headers=headers,
-                                 timeout=30)
-            assert not _cors_headers(r), (path, r.headers)
+        r = requests.request(method, server["url"] + path, json=body, headers=origin, timeout=30)
+        assert r.status_code == 401 and not _cors_headers(r), path
+        r = request(server, method, path, body, headers=origin)
+        assert not _cors_headers(r), (path, r.headers)
 
 
 def test_cache_dumps_only_into_its_dump_dir(server, tmp_path):
@@ -494,10 +513,10 @@ def test_decoder_serves_only_its_model(server):
         assert (got_status, reply["error"]["code"]) == (status, code), (path, body, reply)
         assert info(server)["fingerprint"] == fingerprint, path
     for method, path in (("POST", "/unload"), ("PATCH", "/v1/settings"), ("PATCH", "/settings")):
-        r = requests.request(method, server["url"] + path, json={"max_tokens": 7}, timeout=30)
+        r = request(server, method, path, {"max_tokens": 7})
         assert (r.status_code, r.json()["error"]["code"]) == (403, "refused_by_seam"), path
     reply = complete(server, chat_body(server, SHORT))
     assert reply["usage"]["prompt_tokens"] > 0
     assert info(server)["fingerprint"] == fingerprint
-    health = requests.get(server["url"] + "/health", timeout=5).json()
+    health = get(server, "/health", timeout=5).json()
     assert health["loaded_model"] == server["model"]

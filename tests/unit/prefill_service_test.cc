@@ -22,6 +22,7 @@
 
 #include "bridge/assembler.h"
 #include "bridge/wire.h"
+#include "common/auth.h"
 #include "common/secret.h"
 #include "decode/prefill_client.h"
 #include "echo_program.h"
@@ -447,7 +448,7 @@ TEST_F(PrefillServiceTest, RunReservesFirstAndEndsWithTheRefusal) {
   EXPECT_EQ(served.covered_tokens, 5);
 }
 
-// With the stack's secret, POST /v1/prefill runs only for a request carrying it: a refusal is
+// With the stack's secret, POST /v1/prefill runs only for a request signed with it: a refusal is
 // HTTP 401 with a JSON body, before the engine is touched; /health stays open.
 TEST_F(PrefillServiceTest, WithASecretOnlyAuthenticatedPrefillsRun) {
   const std::string secret = "0123456789abcdef0123456789abcdef";
@@ -466,24 +467,31 @@ TEST_F(PrefillServiceTest, WithASecretOnlyAuthenticatedPrefillsRun) {
       {"ids", {1, 2, 3, 4, 5}},
       {"fingerprint", "fp-test"},
       {"stream_nonce", nonce}}.dump();
+  // The secret itself is no credential any more (issue 50, finding 2): only a signature is.
+  const std::string other = std::string(64, 'e');
   for (const httplib::Headers& headers :
        {httplib::Headers{}, httplib::Headers{{"Authorization", "Bearer wrong"}},
-        httplib::Headers{{"Authorization", "Bearer " + secret.substr(1)}},
-        httplib::Headers{{"Authorization", "Bearer " + secret + "x"}},
-        httplib::Headers{{"Authorization", secret}}}) {
+        httplib::Headers{{"Authorization", "Bearer " + secret}},
+        httplib::Headers{{"Authorization", secret}},
+        httplib::Headers{
+            {"Authorization", signed_authorization(other, "POST", "/v1/prefill", body)}},
+        httplib::Headers{
+            {"Authorization", signed_authorization(secret, "POST", "/v1/prefill", body + " ")}}}) {
     const auto res = cli.Post("/v1/prefill", headers, body, "application/json");
     ASSERT_TRUE(res) << "no response";
     EXPECT_EQ(res->status, 401);
     const auto j = nlohmann::json::parse(res->body, nullptr, false);
     ASSERT_TRUE(j.is_object()) << res->body;
-    EXPECT_EQ(j["error"]["code"], "unauthorized");
+    const std::string code = j["error"]["code"];
+    EXPECT_TRUE(code == "unauthorized" || code == "bad_signature") << code;
   }
   EXPECT_EQ(engine_.resets.load(), 0);  // no refused request reached the engine
   const auto health = cli.Get("/health");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
-  const auto served =
-      cli.Post("/v1/prefill", {{"Authorization", bearer_value(secret)}}, body, "application/json");
+  const auto served = cli.Post(
+      "/v1/prefill", {{"Authorization", signed_authorization(secret, "POST", "/v1/prefill", body)}},
+      body, "application/json");
   ASSERT_TRUE(served) << "no response";
   EXPECT_EQ(served->status, 200);
   // Its frames carry tags keyed by the secret and this request's nonce.
@@ -494,9 +502,11 @@ TEST_F(PrefillServiceTest, WithASecretOnlyAuthenticatedPrefillsRun) {
   EXPECT_TRUE(s.manifest->complete) << s.manifest->reason;
   EXPECT_EQ(engine_.resets.load(), 1);
   // Without a nonce there is nothing to key the tags with: refused before the engine.
+  const std::string no_nonce = R"({"ids": [1, 2, 3, 4, 5], "fingerprint": "fp-test"})";
   const auto untagged =
-      cli.Post("/v1/prefill", {{"Authorization", bearer_value(secret)}},
-               R"({"ids": [1, 2, 3, 4, 5], "fingerprint": "fp-test"})", "application/json");
+      cli.Post("/v1/prefill",
+               {{"Authorization", signed_authorization(secret, "POST", "/v1/prefill", no_nonce)}},
+               no_nonce, "application/json");
   ASSERT_TRUE(untagged) << "no response";
   EXPECT_EQ(untagged->status, 400);
   EXPECT_EQ(engine_.resets.load(), 1);

@@ -1,6 +1,6 @@
 // The stack's shared secret (common/secret.h): a new file is 64 hex digits of fresh randomness,
-// mode 0600; reading trims whitespace and refuses what cannot be a token; the bearer check
-// accepts exactly "Bearer <secret>".
+// mode 0600; reading trims whitespace and refuses what cannot be a token, a guessable one and
+// a file others may read or write.
 #include "common/secret.h"
 
 #include <gtest/gtest.h>
@@ -25,7 +25,11 @@ fs::path temp_dir() {
   return dir;
 }
 
-void write_text(const fs::path& p, const std::string& text) { std::ofstream(p) << text; }
+void write_text(const fs::path& p, const std::string& text,
+                fs::perms mode = fs::perms::owner_read | fs::perms::owner_write) {
+  std::ofstream(p) << text;
+  fs::permissions(p, mode);
+}
 
 TEST(Secret, NewFileIsFreshHexWithOwnerOnlyMode) {
   const fs::path dir = temp_dir();
@@ -50,14 +54,16 @@ TEST(Secret, NewFileIsFreshHexWithOwnerOnlyMode) {
 
 TEST(Secret, ReadingTrimsAndRefusesWhatIsNoToken) {
   const fs::path dir = temp_dir();
-  write_text(dir / "ok", "  s3cret-token \r\n\n");
-  EXPECT_EQ(read_secret_file((dir / "ok").string()).value(), "s3cret-token");
+  const std::string token(32, 'k');
+  write_text(dir / "ok", "  " + token + " \r\n\n");
+  EXPECT_EQ(read_secret_file((dir / "ok").string()).value(), token);
   EXPECT_EQ(read_secret_file("").value(), "");  // no file: open
   EXPECT_EQ(read_secret_file((dir / "absent").string()).status().code(), Code::kNotFound);
   for (const std::string& bad :
-       {std::string(""), std::string(" \n"), std::string("two words"), std::string(5000, 'x'),
-        std::string("tab\tinside"), std::string("\x01\x02"), std::string(4096, 'x') + "\n\ny",
-        std::string(4096, 'x') + std::string(70000, ' ')}) {
+       {std::string(""), std::string(" \n"),
+        std::string(20, 'x') + " two words " + std::string(20, 'x'), std::string(5000, 'x'),
+        std::string(40, 'x') + "\tinside", std::string("\x01\x02"),
+        std::string(4096, 'x') + "\n\ny", std::string(4096, 'x') + std::string(70000, ' ')}) {
     write_text(dir / "bad", bad);
     EXPECT_EQ(read_secret_file((dir / "bad").string()).status().code(), Code::kInvalidArgument)
         << bad.substr(0, 20);
@@ -65,16 +71,26 @@ TEST(Secret, ReadingTrimsAndRefusesWhatIsNoToken) {
   fs::remove_all(dir);
 }
 
-TEST(Secret, BearerMatchesExactlyTheSecret) {
-  const std::string s = "abc123";
-  EXPECT_EQ(bearer_value(s), "Bearer abc123");
-  EXPECT_TRUE(bearer_matches("Bearer abc123", s));
-  for (const char* wrong :
-       {"", "Bearer", "Bearer ", "Bearer abc12", "Bearer abc1234", "Bearer abc124", "bearer abc123",
-        "abc123", "Basic abc123", "Bearer  abc123", "Bearer abc123 "})
-    EXPECT_FALSE(bearer_matches(wrong, s)) << wrong;
-  EXPECT_TRUE(bearer_matches("", ""));  // no secret: open
-  EXPECT_TRUE(bearer_matches("Bearer anything", ""));
+// Issue 50, finding 8: a one-character secret, or a world-readable file, was accepted silently.
+TEST(Secret, AGuessableSecretOrAnExposedFileIsRefusedSayingWhy) {
+  const fs::path dir = temp_dir();
+  write_text(dir / "short", "x");
+  auto r = read_secret_file((dir / "short").string());
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("32"), std::string::npos) << r.status().message();
+  write_text(dir / "short31", std::string(31, 'k'));
+  EXPECT_FALSE(read_secret_file((dir / "short31").string()).is_ok());
+  for (fs::perms extra : {fs::perms::others_read, fs::perms::group_read, fs::perms::group_write,
+                          fs::perms::others_write}) {
+    write_text(dir / "open", std::string(64, 'a'),
+               fs::perms::owner_read | fs::perms::owner_write | extra);
+    auto o = read_secret_file((dir / "open").string());
+    EXPECT_EQ(o.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(o.status().message().find("chmod 600"), std::string::npos) << o.status().message();
+  }
+  write_text(dir / "ro", std::string(64, 'a'), fs::perms::owner_read);
+  EXPECT_TRUE(read_secret_file((dir / "ro").string()).is_ok());
+  fs::remove_all(dir);
 }
 
 }  // namespace

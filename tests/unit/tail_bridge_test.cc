@@ -298,6 +298,54 @@ TEST(PrefixStateCacheTest, EvictsTheLeastRecentlyUsedChainFromItsEnd) {
   EXPECT_EQ(cache.restore(b, 16, &other).code(), Code::kNotFound);
 }
 
+// A chain hash that sees only lengths: every block at a depth collides with every other.
+uint64_t colliding_hash(const void*, size_t bytes, uint64_t seed) { return seed * 31 + bytes; }
+
+// Issue 50, finding 7: a block replaced after a key collision left its children linked, so a
+// tail could resume another prefix's state. A planted collision: b's first block replaces a's,
+// and a's second block (whose key chained through it) must go with it.
+TEST(PrefixStateCacheTest, ABlockReplacedAfterACollisionTakesItsChainWithIt) {
+  ChainEngine engine;
+  PrefixStateCache cache(/*block_tokens=*/4, /*max_bytes=*/1 << 20, colliding_hash);
+  const std::vector<int32_t> a = conversation(8), b = conversation(4, 5);
+  ASSERT_TRUE(engine.prefill_chunk(a, {}).is_ok());
+  ASSERT_TRUE(cache.save(a, 8, &engine).is_ok());
+  EXPECT_EQ(cache.lookup(a, 8), 8);
+  ASSERT_TRUE(engine.reset().is_ok());
+  ASSERT_TRUE(engine.prefill_chunk(b, {}).is_ok());
+  ASSERT_TRUE(cache.save(b, 4, &engine).is_ok());
+  EXPECT_EQ(cache.blocks(), 1);
+  // b's block, then a's second block's tokens: only b's own block is held.
+  std::vector<int32_t> spliced = b;
+  spliced.insert(spliced.end(), a.begin() + 4, a.end());
+  EXPECT_EQ(cache.lookup(spliced, 8), 4);
+  EXPECT_EQ(cache.lookup(a, 8), 0);
+}
+
+// A tenant's salt is a partition of its own (docs/design/auth.md, "Tenants").
+TEST(PrefixStateCacheTest, StateKeptForOneSaltIsNotFoundForAnother) {
+  ChainEngine engine;
+  PrefixStateCache cache(/*block_tokens=*/4, /*max_bytes=*/1 << 20);
+  const std::vector<int32_t> a = conversation(8);
+  ASSERT_TRUE(engine.prefill_chunk(a, {}).is_ok());
+  ASSERT_TRUE(cache.save(a, 8, &engine, "a1").is_ok());
+  EXPECT_EQ(cache.lookup(a, 8, "a1"), 8);
+  EXPECT_EQ(cache.lookup(a, 8, "b2"), 0);
+  EXPECT_EQ(cache.lookup(a, 8), 0);
+  ChainEngine fresh;
+  EXPECT_EQ(cache.restore(a, 8, &fresh, "b2").code(), Code::kNotFound);
+  struct TinyCheckpoint : Checkpoint {
+    int64_t tokens() const override { return 8; }
+    int64_t bytes() const override { return 16; }
+  };
+  PrefixCheckpoints checkpoints(1 << 20);
+  auto cp = std::make_shared<const TinyCheckpoint>();
+  ASSERT_TRUE(checkpoints.put(a, cp, cp, "a1"));
+  EXPECT_NE(checkpoints.find(a, 8, "a1"), nullptr);
+  EXPECT_EQ(checkpoints.find(a, 8, "b2"), nullptr);
+  EXPECT_EQ(checkpoints.find(a, 8), nullptr);
+}
+
 TEST(TailRequestTest, StartIsCheckedAndTheDecoderCallsCoverTheTail) {
   const DecoderCacheLayout llama = test_layout();
   auto body = [](const std::string& extra) {
