@@ -106,7 +106,7 @@ def main() -> int:
 
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hetero-bridges-at-once-{os.getpid()}"
     proc, front, decoder, secret = start_stack(args.model, work)
-    clear = lambda: post(decoder + "/hetero/clear", {}, {"Authorization": f"Bearer {secret}"})
+    clear = lambda: post(decoder + "/hetero/clear", {}, {}, secret=secret)
     rounds = []
     try:
         for r in range(args.repeat):

@@ -24,19 +24,18 @@ import urllib.request
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from cold import ROOT, post
+from cold import ROOT, post, seam_auth
 
 sys.path.insert(0, str(ROOT / "python"))
 from hetero_mlx import STORE_FORMAT  # noqa: E402  (the package's __init__ imports nothing)
 
 
 def _seam(url: str, secret: str, path: str, body: Optional[dict] = None) -> dict:
-    headers = {"Authorization": f"Bearer {secret}"}
     if body is None:
-        req = urllib.request.Request(url + path, headers=headers)
+        req = urllib.request.Request(url + path, headers=seam_auth(secret, "GET", url + path))
         with urllib.request.urlopen(req, timeout=600) as r:
             return json.loads(r.read())
-    status, _, reply = post(url + path, body, headers)
+    status, _, reply = post(url + path, body, {}, secret=secret)
     if status != 200:
         raise RuntimeError(f"seam {path}: HTTP {status}: {str(reply)[:400]}")
     return reply

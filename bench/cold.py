@@ -85,9 +85,13 @@ def stream(url: str, prompt: str, mode: str, max_tokens: int) -> dict:
             "prompt_tokens": usage.get("prompt_tokens")}
 
 
-def post(url: str, body: dict, headers: dict) -> tuple:
-    """(status, headers, parsed body) of a JSON POST; an HTTP error's body as text."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+def post(url: str, body: dict, headers: dict, secret: str = "") -> tuple:
+    """(status, headers, parsed body) of a JSON POST; an HTTP error's body as text. secret:
+    signed with the stack's secret (the decoder's port takes only signed requests)."""
+    data = json.dumps(body).encode()
+    if secret:
+        headers = {**headers, **seam_auth(secret, "POST", url, data)}
+    req = urllib.request.Request(url, data=data,
                                  headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=7200) as r:
@@ -96,14 +100,26 @@ def post(url: str, body: dict, headers: dict) -> tuple:
         return e.code, e.headers, e.read().decode(errors="replace")
 
 
+def seam_auth(secret: str, method: str, url: str, data: bytes = b"") -> dict:
+    """The Authorization header of a request to the decoder's port (docs/design/auth.md)."""
+    sys.path.insert(0, str(ROOT / "python"))
+    from hetero_mlx.access import signed_headers
+
+    target = "/" + url.split("://", 1)[-1].split("/", 1)[1]
+    return signed_headers(secret, method, target, data)
+
+
 def start_stack(model: str, work: Path = None, prefill_model: str = "") -> tuple:
-    """`hetero up` on free ports: (process, front url, decoder url, decoder secret)."""
+    """`hetero up` on free ports: (process, front url, decoder url, decoder secret). The
+    benchmark forces its routes (X-PD-Bridge-Mode), so the stack honours a forced bridge from
+    it (--forced-bridges anyone; docs/design/auth.md)."""
     ports = [free_port() for _ in range(3)]
     work = work or Path(os.environ.get("TMPDIR", "/tmp")) / f"hetero-bench-{os.getpid()}"
     extra = ["--prefill-model", prefill_model] if prefill_model else []
     proc = subprocess.Popen([str(ROOT / "build" / "hetero"), "up", "--model", model,
                              "--port", str(ports[0]), "--decoder-port", str(ports[1]),
-                             "--prefill-port", str(ports[2]), "--work-dir", str(work)] + extra,
+                             "--prefill-port", str(ports[2]), "--work-dir", str(work),
+                             "--forced-bridges", "anyone"] + extra,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     work.mkdir(parents=True, exist_ok=True)
     log = (work / "up.log").open("w")  # the front's log and the stack's own lines
@@ -170,7 +186,8 @@ def main() -> int:
     p.add_argument("--sizes", default="256,512,1024,2048,4096", help="approx. prompt tokens")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--url", help="a running front door; default: start one with hetero up")
+    p.add_argument("--url", help="a running front door (started with --forced-bridges anyone: "
+                   "the benchmark forces its routes); default: start one with hetero up")
     p.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--seed", type=int, default=int(time.time()))

@@ -94,14 +94,16 @@ struct Answer {
   double ms = 0;
 };
 
+// secret: the stack's (the decoder's port takes only signed requests when it has one).
 Result<Answer> ask(int port, const std::string& endpoint, json body, int64_t max_tokens,
-                   int64_t timeout_ms) {
+                   int64_t timeout_ms, const std::string& secret) {
   body["max_tokens"] = max_tokens;
   body["temperature"] = 0.0;
   body["stream"] = false;
   body["logprobs"] = true;
   const auto t0 = std::chrono::steady_clock::now();
-  HETERO_ASSIGN_OR_RETURN(json r, http_json_ok("127.0.0.1", port, endpoint, body, timeout_ms));
+  HETERO_ASSIGN_OR_RETURN(json r,
+                          http_json_ok("127.0.0.1", port, endpoint, body, timeout_ms, secret));
   Answer a;
   a.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   try {
@@ -232,7 +234,7 @@ int cmd_verify(int argc, char** argv) {
   // Native leg: cold.
   if (auto c = seam.call("/hetero/clear", json::object()); !c.is_ok())
     return fail("clear", c.status());
-  auto native = ask(port, endpoint, request, max_new.value(), tmo);
+  auto native = ask(port, endpoint, request, max_new.value(), tmo, secret.value());
   if (!native.is_ok()) return fail("native request", native.status());
   // mlx-lm's single path (a request with "seed") stores its cache only after the reply has gone
   // out: wait (a minute at most) until the decoder holds ids[:B]; the dump says what it covers.
@@ -275,7 +277,7 @@ int cmd_verify(int argc, char** argv) {
   const DecoderCacheLayout layout = layout_or.value();
   auto mounted_dump = dump("mounted");
   if (!mounted_dump.is_ok()) return fail("mounted cache dump", mounted_dump.status());
-  auto bridged = ask(port, endpoint, request, max_new.value(), tmo);
+  auto bridged = ask(port, endpoint, request, max_new.value(), tmo, secret.value());
   seam.unpin(bridged_leg.pin);
   if (!bridged.is_ok()) return fail("bridged request", bridged.status());
   const Verdict verdict =

@@ -3,8 +3,10 @@
 What it does for every request on the decoder's port, before mlx-vlm sees it: the signature
 (access.py), the body's size and framing (bounds.py), the tenant's salt (tenants.py) turned into
 mlx-vlm's own tenant header, a dead generation thread reported instead of waited on, and no
-CORS on the seam's own /hetero/ paths; and the loader mlx-vlm's endpoints reach refuses any
-model but the served one (guard_loader).
+CORS on the seam's own /hetero/ paths; while mlx-vlm serves it, a caller that hangs up stops
+its generations (vlm_cancel.py); and the loader mlx-vlm's endpoints reach refuses any model but
+the served one (guard_loader). The connection's own bounds (deadline, per-client caps, header
+bytes) are the protocol's (vlm_port.py).
 """
 
 import functools
@@ -21,6 +23,7 @@ from .bounds import body_length, loads_bounded
 from .checks import check_vlm_body
 from .errors import SeamError, bad_request
 from .tenants import SALT_FIELD, take_salt
+from .vlm_cancel import watched
 
 PREFIX = "/hetero/"
 # mlx-vlm's own tenant headers (server/app.py _read_tenant_id): APC mixes the tenant into every
@@ -104,11 +107,13 @@ class SeamGate:
 
     Every request is first admitted: signed when the seam has a secret (access.py; the header
     and clock before the body is read, then the signature over the body), its body at most
-    --max-body-mb (413) and never chunked (411). A completion body's tenant salt is taken out
+    --max-body-mb (413) and never chunked (411); a refusal before the body is read closes the
+    connection (the body stays unread). A completion body's tenant salt is taken out
     and becomes mlx-vlm's own tenant header (a caller's tenant headers are dropped: what
     changes a call travels in its signed body); bodies that would crash the decoder are refused
     (checks.check_vlm_body); no completion reaches a generation thread that has died (503
-    generation_dead, where mlx-vlm would wait forever).
+    generation_dead, where mlx-vlm would wait forever), and mlx-vlm serves it inside a hang-up
+    watch (vlm_cancel.watched).
 
     /hetero/ requests reach the app without their Origin header, so no CORS header is added to
     a seam reply and no preflight is approved (OPTIONS gets a 405 here); access-control headers
@@ -138,10 +143,11 @@ class SeamGate:
         except SeamError as e:
             return await send_error(send, e, [(k.encode(), v.encode()) for k, v in
                                                e.headers.items()])
-        receive = _replay(body, receive)
         if not path.startswith(PREFIX):
             with self.seam.admissions.admitted():
-                return await self.app(scope, receive, send)
+                # A caller that hangs up stops its generations (vlm_cancel.py).
+                return await watched(self.app, scope, body, receive, send, self.seam.liveness)
+        receive = _replay(body, receive)
         if method == "OPTIONS":
             error = SeamError(405, "method_not_allowed", "the seam answers no CORS preflight")
             return await send_error(send, error, [(b"allow", b"GET, POST")])
@@ -165,19 +171,24 @@ class SeamGate:
         caller disconnected first."""
         headers = _Headers(scope)
         auth, creds = self.seam.auth, None
-        if auth is not None:
-            creds = auth.check_header(headers.get("Authorization"))
-        n_bytes = body_length(headers, self.seam.max_body_bytes)
-        body = b""
+        try:
+            if auth is not None:
+                creds = auth.check_header(headers.get("Authorization"))
+            n_bytes = body_length(headers, self.seam.max_body_bytes)
+        except SeamError as e:
+            e.headers["Connection"] = "close"  # the body stays unread on the connection
+            raise
+        data = bytearray()  # appended in place: a body comes in many pieces
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return None
-            body += message.get("body", b"")
-            if len(body) > n_bytes:
+            data += message.get("body", b"")
+            if len(data) > n_bytes:
                 raise bad_request("bad_length", "the body is longer than its Content-Length")
             if not message.get("more_body", False):
                 break
+        body = bytes(data)
         if creds is not None:
             target = scope.get("raw_path") or scope.get("path", "").encode()
             query = scope.get("query_string") or b""

@@ -19,7 +19,10 @@ Construction, in order:
   5. The /hetero/ routes are added to mlx-vlm's FastAPI app, which uvicorn then serves, with
      one middleware outside mlx-vlm's own (SeamGate, vlm_gate.py: every request signed, bodies
      bounded and checked, tenant salts as mlx-vlm's own APC tenants, no CORS on /hetero/, no
-     unloading, no request for a dead generation thread).
+     unloading, no request for a dead generation thread, a caller's hang-up stopping its
+     generations: vlm_cancel.py), on uvicorn's h11 protocol with the port's bounds (vlm_port.py:
+     request deadline, per-client and total connection caps, header bytes; no WebSockets) and
+     a default executor as large as the connection cap.
   6. mlx-vlm's model loader, as its endpoints reach it, is wrapped: once the seam is attached,
      a request naming another model (or adapter, or kind of model) is refused before it loads
      (mlx-vlm would unload the served model first).
@@ -49,6 +52,7 @@ import functools
 import importlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -71,13 +75,16 @@ from mlx_vlm.version import __version__ as mlx_vlm_version
 
 from . import STORE_FORMAT, dsv4
 from .access import RequestAuth, check_json_body, dumps_dir, read_secret, write_dump
-from .bounds import DEFAULT_MAX_BODY_MB
+from .bounds import DEFAULT_MAX_BODY_MB, ConnectionBounds
+from .cancel import Liveness
 from .errors import SeamError, bad_request, conflict
 from .pins import Pins, unpin_request
 from .seam import parse_body, run_capturing
 from .store import Layout, dump_request, entry_path, read_entry, request_ids
 from .tenants import take_salt
+from .vlm_cancel import WATCH
 from .vlm_gate import Admissions, ModelNotServed, SeamGate, guard_loader, tenant_of
+from .vlm_port import port_options
 
 log = logging.getLogger("hetero_mlx")
 
@@ -119,7 +126,9 @@ class _ProbeDone(BaseException):
 
 
 class SeamResponseGenerator(ResponseGenerator):
-    """mlx-vlm's ResponseGenerator; inside a dry run, generate() tokenizes and stops.
+    """mlx-vlm's ResponseGenerator; inside a dry run, generate() tokenizes and stops; outside
+    one, a generation for a caller that has hung up is not queued and each one's token iterator
+    is watched (vlm_cancel.py).
 
     The tokenization is generate()'s own: the request's prompt through _preprocess_request with
     the request's preprocessing arguments, under the tokenizer lock, then the configured context
@@ -129,7 +138,14 @@ class SeamResponseGenerator(ResponseGenerator):
     def generate(self, prompt, images=None, audio=None, args=None, videos=None):
         probe = _PROBE.get()
         if probe is None:
-            return super().generate(prompt, images=images, audio=audio, args=args, videos=videos)
+            # A request's generation, watched for its caller's hang-up (vlm_cancel.py).
+            watch = WATCH.get()
+            if watch is not None:
+                watch.check()
+            ctx, tokens = super().generate(
+                prompt, images=images, audio=audio, args=args, videos=videos
+            )
+            return ctx, (watch.track(tokens) if watch is not None else tokens)
         if probe.compacting:
             probe.compacted = True
             raise _ProbeDone()
@@ -233,6 +249,8 @@ class VlmSeam:
         self.extra_hash = 0
         self._salted_hashes: Dict[str, int] = {}
         self.admissions = Admissions()  # requests in flight by clear epoch (vlm_gate.py)
+        self.liveness = Liveness()  # generations in flight, stopped on hang-up (vlm_cancel.py)
+        self.bounds: Optional[ConnectionBounds] = None  # the port's (vlm_port.py), once serving
         self._store: Any = None  # APC's own store_exact_cache, for the seam's mounts
         self._hash_inputs: Dict[str, Any] = {}
         self.media_ids: set = set()
@@ -420,6 +438,9 @@ class VlmSeam:
             "in_flight": admissions.in_flight(),
             "dropped_inserts": admissions.dropped,
         }
+        info["requests"] = self.liveness.stats()
+        if self.bounds is not None:
+            info["connections"] = self.bounds.stats()
         return info
 
     async def tokenize(self, request: Request, body: Dict[str, Any]) -> Dict[str, Any]:
@@ -743,7 +764,8 @@ def serve(
     limits: Any = None,
 ) -> None:
     """Runs mlx-vlm's server with the seam until interrupted; argv is mlx-vlm server options;
-    limits: serve.PortLimits (only the body size applies here: uvicorn has its own timeouts)."""
+    limits: serve.PortLimits (the request deadline and per-client cap: vlm_port.py; the body
+    size: SeamGate)."""
     import uvicorn
 
     secret = read_secret(secret_file) if secret_file else None
@@ -760,13 +782,25 @@ def serve(
     compaction = _server_module("compaction")
     compaction.compact_response_context = _compaction_aware(compaction.compact_response_context)
 
-    max_body_mb = limits.max_body_mb if limits is not None else DEFAULT_MAX_BODY_MB
-    seam = VlmSeam(_model_arg(argv), store, test_faults, secret, max_body_mb)
+    if limits is None:
+        from .serve import PortLimits
+
+        limits = PortLimits()
+    seam = VlmSeam(_model_arg(argv), store, test_faults, secret, limits.max_body_mb)
+    seam.bounds = ConnectionBounds(limits.request_deadline_s, limits.max_connections_per_client)
+    run_kwargs.update(port_options(seam.bounds))
     app = app_module.app
     startup = app.router.lifespan_context
 
     @asynccontextmanager
     async def lifespan_with_seam(app_: Any):
+        # mlx-vlm's endpoints run each non-streaming generation, and the seam each of its
+        # requests, on the loop's default executor (asyncio.to_thread), whose default size
+        # (CPUs + 4) let a few long completions stall every other request: a worker for each
+        # connection the port admits (vlm_port.py), made as needed.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=seam.bounds.max_total, thread_name_prefix="vlm-worker")
+        )
         async with startup(app_) as state:
             try:
                 seam.attach()
@@ -783,4 +817,5 @@ def serve(
     _install_routes(app, seam)
     guard_loader(seam)
     log.info("mlx-vlm options: %s", app_module.runtime.config.current())
+    log.info("port bounds: %s", limits)
     uvicorn.run(app, **run_kwargs)

@@ -25,9 +25,12 @@ def kv_cache(n: int, layers: int = 2):
 
 
 def mount(cache: LockedPromptCache, prefix):
+    """As the seam's /hetero/mount inserts (insert_into: the generator's own insert_cache keeps
+    only caches of requests in flight, tenants.py)."""
     entry = kv_cache(len(prefix))
     with cache.lock:
-        cache.insert_cache(MODEL, list(prefix), entry, cache_type="user")
+        assert cache.insert_into(MODEL, list(prefix), entry, cache.tenants.epoch,
+                                 cache_type="user")
         return cache.pins.add(prefix, (MODEL, entry))
 
 
@@ -69,7 +72,8 @@ def test_pins_expire_and_unpin_is_idempotent() -> None:
 def test_unpin_with_evict_removes_exactly_the_mounted_entry() -> None:
     cache = LockedPromptCache(10)
     other = list(range(20, 30))
-    cache.insert_cache(MODEL, other, kv_cache(len(other)), cache_type="assistant")
+    assert cache.insert_into(MODEL, other, kv_cache(len(other)), cache.tenants.epoch,
+                             cache_type="assistant")
     prefix = list(range(1, 9))
     pin = mount(cache, prefix)
     nbytes = cache.nbytes
