@@ -120,18 +120,20 @@ sass: $(STAMPS)/venv
 	bash bench/sass_counts.sh
 
 # The libFuzzer targets (fuzz/), built with clang and ASan/UBSan in build-fuzz/, each run for
-# FUZZ_RUNS executions from its committed seed corpus (fuzz/corpus/<target>); a crash, a leak or
-# undefined behaviour fails the target and leaves the input in build-fuzz/.
+# FUZZ_RUNS executions from its seeds (written afresh into build-fuzz/seeds by make_seeds.cc)
+# and its committed regressions (fuzz/corpus/<target>); a crash, a leak or undefined behaviour
+# fails the target and leaves the input in build-fuzz/. Nothing tracked is written.
 FUZZ_RUNS ?= 20000
-FUZZ_TARGETS := wire prefill_request front_request safetensors
+FUZZ_TARGETS := wire prefill_request front_request safetensors auth http_server
 fuzz: $(STAMPS)/deps
 	CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DHETERO_FUZZ=ON >/dev/null
 	cmake --build build-fuzz -j$(JOBS) --target hetero_fuzz_seeds \
 	  $(addprefix hetero_fuzz_,$(FUZZ_TARGETS))
-	build-fuzz/hetero_fuzz_seeds fuzz/corpus
+	rm -rf build-fuzz/seeds && build-fuzz/hetero_fuzz_seeds build-fuzz/seeds
 	@for t in $(FUZZ_TARGETS); do \
-	  rm -rf build-fuzz/corpus-$$t && cp -r fuzz/corpus/$$t build-fuzz/corpus-$$t || exit 1; \
+	  rm -rf build-fuzz/corpus-$$t && cp -r build-fuzz/seeds/$$t build-fuzz/corpus-$$t || exit 1; \
+	  if [ -d fuzz/corpus/$$t ]; then cp fuzz/corpus/$$t/* build-fuzz/corpus-$$t/ || exit 1; fi; \
 	  (cd build-fuzz && ./hetero_fuzz_$$t -runs=$(FUZZ_RUNS) -max_len=65536 \
 	    -print_final_stats=1 corpus-$$t >fuzz-$$t.log 2>&1); rc=$$?; \
 	  echo "fuzz $$t: $$(grep -o 'number_of_executed_units: [0-9]*' build-fuzz/fuzz-$$t.log)," \

@@ -1,6 +1,8 @@
 # DeepSeek-V4 on the GPU: the forward's sources join hetero_engine_cuda; its tests join
 # hetero_gpu_tests; its layer benchmark is its own executable.
 target_sources(hetero_engine_cuda PRIVATE src/engine/cuda/dsv4_cuda.cc
+                                          src/engine/cuda/dsv4_cuda_checkpoint.cc
+                                          src/engine/cuda/dsv4_cuda_forward.cc
                                           src/engine/cuda/dsv4_cuda_layers.cc
                                           src/engine/cuda/dsv4_cuda_weights.cc
                                           src/engine/cuda/dsv4_pipeline.cc

@@ -94,7 +94,7 @@ void Supervisor::run() {
 
 std::string Supervisor::check(const Child& c) const {
   auto r = http_json("127.0.0.1", c.spec.port, c.spec.health_path, nlohmann::json(),
-                     /*timeout_ms=*/3000, c.spec.secret);
+                     policy_.health_timeout_ms, c.spec.secret);
   if (!r.is_ok()) return r.status().message();
   if (r->status == 200) return "";
   const nlohmann::json& b = r->body;

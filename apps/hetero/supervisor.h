@@ -32,8 +32,12 @@ struct SupervisedChild {
 };
 
 struct SupervisorPolicy {
-  int64_t health_every_ms = 2000;
-  int health_failures = 5;            // unanswered checks in a row (a hung child): restarted
+  // A child busy serving (a decoder with 80 clients on two cores) may take seconds to answer:
+  // only a long silence is a hang. A child that answers it cannot work, or exits, is restarted
+  // at once.
+  int64_t health_every_ms = 5000;
+  int64_t health_timeout_ms = 10000;
+  int health_failures = 6;            // unanswered checks in a row (a hung child): restarted
   int64_t start_timeout_ms = 300000;  // from a start to its first healthy answer
   int max_failures = 5;               // within window_ms: the stack stops
   int64_t window_ms = 300000;

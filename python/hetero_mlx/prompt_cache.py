@@ -50,6 +50,11 @@ class LockedPromptCache(LRUPromptCache):
         with self.lock:
             return super().__len__()
 
+    def stats_unlocked(self):
+        """(sequences, bytes), read without the lock: for /hetero/info, which must answer while
+        the generation thread holds the lock (the values may be a moment old)."""
+        return super().__len__(), super().nbytes
+
     @property
     def nbytes(self) -> int:
         with self.lock:

@@ -413,13 +413,15 @@ class SeamHandler(APIHandler):
             # The front door refuses prompts that cannot fit, before anything runs.
             context_window=context_window(self.seam.provider.model.args),
         )
-        with cache.lock:
-            info["prompt_cache"] = {"sequences": len(cache), "bytes": cache.nbytes}
-            info["partitions"] = {
-                "epoch": cache.tenants.epoch,
-                "in_flight": cache.tenants.in_flight(),
-                "dropped_inserts": cache.tenants.dropped,
-            }
+        # Without the cache's lock: the supervisor asks this every few seconds, and a busy
+        # generation thread holds the lock for whole lookups (stats read racily are fine).
+        sequences, nbytes = cache.stats_unlocked()
+        info["prompt_cache"] = {"sequences": sequences, "bytes": nbytes}
+        info["partitions"] = {
+            "epoch": cache.tenants.epoch,
+            "in_flight": cache.tenants.in_flight(),
+            "dropped_inserts": cache.tenants.dropped,
+        }
         info["requests"] = self.seam.liveness.stats()
         bounds = getattr(self.server, "bounds", None)
         if bounds is not None:

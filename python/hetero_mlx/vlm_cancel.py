@@ -14,7 +14,7 @@ SeamGate (vlm_gate.py) serves each request to mlx-vlm's own paths through `watch
     http.disconnect when the connection is lost or the response is complete; lost before the
     response's last byte was sent is a hang-up;
   - the watch rides a ContextVar, which asyncio.to_thread and anyio tasks copy into the code
-    that calls ResponseGenerator.generate, so SeamResponseGenerator (vlm_serve.py) finds it:
+    that calls ResponseGenerator.generate, so SeamResponseGenerator (vlm_tokenize.py) finds it:
     it refuses to queue a generation for a caller already gone (cancel.ClientGone, which
     SeamGate swallows) and registers each generation's token iterator (`track`), counted in
     flight until it ends or is closed (cancel.Liveness, /hetero/info's `requests`);

@@ -5,12 +5,14 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <strings.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/write.hpp>
@@ -174,7 +176,8 @@ class ConnectionIo : public ChunkSink {
     return !ec;
   }
 
-  bool write_raw(net::const_buffer buf) {
+  template <typename Buffers>
+  bool write_raw(const Buffers& buf) {
     server_->set_phase(id_, HttpServer::Phase::kWriting);
     boost::system::error_code ec;
     net::write(sock_, buf, ec);
@@ -198,12 +201,41 @@ class ConnectionIo : public ChunkSink {
     if (n == 0) return true;  // an empty chunk would end the body
     char size[24];
     const int len = std::snprintf(size, sizeof size, "%zx\r\n", n);
-    bool ok = write_raw(net::const_buffer(size, static_cast<size_t>(len)));
-    for (size_t at = 0; ok && at < n; at += kSlice)
-      ok = write_raw(net::const_buffer(data + at, std::min(kSlice, n - at)));
-    ok = ok && write_raw(net::const_buffer("\r\n", 2));
+    const net::const_buffer head(size, static_cast<size_t>(len)), tail("\r\n", 2);
+    bool ok = true;
+    if (n <= kSlice) {  // one write: a token's event leaves in one segment
+      const std::array<net::const_buffer, 3> parts = {head, net::const_buffer(data, n), tail};
+      ok = write_raw(parts);
+    } else {
+      ok = write_raw(head);
+      for (size_t at = 0; ok && at < n; at += kSlice)
+        ok = write_raw(net::const_buffer(data + at, std::min(kSlice, n - at)));
+      ok = ok && write_raw(tail);
+    }
     failed_ = !ok;
     return ok;
+  }
+
+  // Ends the connection so that what was written arrives whole: closing a socket with unread
+  // input makes the kernel reset it, which drops a response still in flight (a refusal sent
+  // before the client's body was read, say). So the write side first, then what the client
+  // still sends is read and dropped, for at most 2 s and 1 MiB (RFC 9112, section 9.6).
+  void linger_close() {
+    const int fd = sock_.native_handle();
+    ::shutdown(fd, SHUT_WR);
+    char drop[16384];
+    size_t total = 0;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (total < (1u << 20)) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            end - std::chrono::steady_clock::now())
+                            .count();
+      pollfd p{fd, POLLIN, 0};
+      if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) break;
+      const ssize_t got = ::recv(fd, drop, sizeof drop, 0);
+      if (got <= 0) break;
+      total += static_cast<size_t>(got);
+    }
   }
 
   bool finish_chunks() {
@@ -266,6 +298,22 @@ std::pair<int, std::string> read_error(const boost::system::error_code& ec) {
     return {431, "request header fields too large"};
   if (ec == http::error::body_limit) return {413, "request body too large"};
   return {400, "malformed HTTP request: " + ec.message()};
+}
+
+// A request target or method as the server's own messages quote it: printable ASCII, anything
+// else as \xNN, at most 200 characters (a client controls every byte of it).
+std::string printable(std::string_view s) {
+  std::string out;
+  for (unsigned char c : s.substr(0, 200)) {
+    if (c >= 0x20 && c < 0x7f) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    }
+  }
+  return s.size() > 200 ? out + "..." : out;
 }
 
 bool quiet_end(const boost::system::error_code& ec) {
@@ -343,6 +391,9 @@ void HttpServer::accept_loop() {
     const int fd = ::accept(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &plen);
     if (fd < 0) continue;
     ::fcntl(fd, F_SETFD, FD_CLOEXEC);  // children (the decoder) do not inherit connections
+    // Streamed events are small writes: sent as they come, not held back for the next ACK.
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     std::string addr;
     int peer_port = 0;
     if (!numeric_address(peer, plen, &addr, &peer_port)) {
@@ -497,9 +548,22 @@ void HttpServer::serve(uint64_t id, int fd) {
                     static_cast<size_t>(limits_.max_header_bytes) + (64 << 10));
     bool keep = true;
     while (keep && !stopping_.load()) {
-      keep = serve_one(io, id, addr, peer_port);
+      // Nothing may leave a connection's thread: an exception there ends the process. The
+      // handler's own are answered with a 500 inside; this catches the rest (a check, an error
+      // body, the after hook) and closes the connection.
+      try {
+        keep = serve_one(io, id, addr, peer_port);
+      } catch (const std::exception& e) {
+        log_line(component_,
+                 std::string("closed a connection after an internal error: ") + e.what());
+        keep = false;
+      } catch (...) {
+        log_line(component_, "closed a connection after an internal error");
+        keep = false;
+      }
       set_phase(id, Phase::kReading);  // the deadline for the next request starts now
     }
+    if (!was_cut(id)) io.linger_close();
     std::lock_guard<std::mutex> lock(mu_);  // forgotten before its socket closes (fd reuse)
     conns_.erase(id);
     changed_.notify_all();
@@ -549,8 +613,11 @@ bool HttpServer::serve_one(ConnectionIo& io, uint64_t id, const std::string& add
   if (route == nullptr) {
     bool elsewhere = false;
     for (const auto& [m, paths] : routes_) elsewhere = elsewhere || paths.count(req.path);
-    return elsewhere ? refuse(io, req, 405, req.method + " is not served on " + req.path, false)
-                     : refuse(io, req, 404, "no route " + req.method + " " + req.path, false);
+    return elsewhere
+               ? refuse(io, req, 405,
+                        printable(req.method) + " is not served on " + printable(req.path), false)
+               : refuse(io, req, 404,
+                        "no route " + printable(req.method) + " " + printable(req.path), false);
   }
   HttpResponse refusal;
   if (check_.head && !check_.head(req, refusal)) {

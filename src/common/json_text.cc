@@ -37,4 +37,8 @@ Result<nlohmann::json> parse_untrusted_json(std::string_view text, int max_depth
   return j;
 }
 
+std::string json_text(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 }  // namespace hetero

@@ -20,4 +20,11 @@ int json_depth(std::string_view text, int limit = kMaxJsonDepth);
 // Parses `text`; kInvalidArgument when it is not JSON or nests deeper than max_depth.
 Result<nlohmann::json> parse_untrusted_json(std::string_view text, int max_depth = kMaxJsonDepth);
 
+// `j` as JSON text, never throwing: a string that is not UTF-8 (a request target or header a
+// client sent, quoted in an error message) has its bad bytes replaced by U+FFFD. nlohmann's
+// dump() throws on them, and an exception on a connection thread ended the process (the fuzz
+// finding fuzz/findings/http_server-target-not-utf8). Every reply body built from what a
+// client sent goes through it.
+std::string json_text(const nlohmann::json& j);
+
 }  // namespace hetero

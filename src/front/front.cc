@@ -229,6 +229,18 @@ BridgeOutcome FrontServer::bridge(const HttpRequest& req, const SeamClient& seam
   return out;
 }
 
+Result<json> FrontServer::decoder_info() {
+  // What the decoder says of itself changes only when it restarts, and asking costs its HTTP
+  // threads work under load: one answer serves every request for a second. An error is never
+  // kept (the next request asks again).
+  std::lock_guard<std::mutex> lock(info_mu_);
+  if (info_ok_ && ms_since(info_at_) < 1000) return info_;
+  auto fresh = seam_.info();
+  info_ok_ = fresh.is_ok();
+  if (info_ok_) info_ = fresh.value(), info_at_ = Clock::now();
+  return fresh;
+}
+
 void FrontServer::handle_completion(const HttpRequest& req, HttpResponse& res,
                                     const std::string& path) {
   const auto t0 = Clock::now();
@@ -246,7 +258,7 @@ void FrontServer::handle_completion(const HttpRequest& req, HttpResponse& res,
   };
   auto fail = [&](int status, const std::string& type, const std::string& code,
                   const std::string& msg) {
-    res.set_content(error_json(type, code, msg).dump(), "application/json");
+    res.set_content(json_text(error_json(type, code, msg)), "application/json");
     finish(status);
   };
 
@@ -289,7 +301,7 @@ void FrontServer::handle_completion(const HttpRequest& req, HttpResponse& res,
     return fail(400, "invalid_request_error", "invalid_field", salt.status().message());
   const SeamClient seam = seam_.salted(salt.value());
 
-  auto info = seam_.info();
+  auto info = decoder_info();
   if (!info.is_ok())
     return fail(503, "server_error", "decoder_unavailable", info.status().message());
   // Again with the decoder's own limits (its vocabulary, context window and family).
@@ -436,7 +448,11 @@ void FrontServer::handle_completion(const HttpRequest& req, HttpResponse& res,
     // A decoder that cannot generate any more (its generation thread died: mlx-lm answers 404
     // to everything) is down, not the request wrong: the front's own 503 while it is restarted.
     if (r->status != 200) {
-      auto now = seam_.info();
+      {
+        std::lock_guard<std::mutex> lock(info_mu_);
+        info_ok_ = false;  // asked afresh below, and by the next request
+      }
+      auto now = decoder_info();
       if (!now.is_ok())
         return fail(503, "server_error", "decoder_unavailable",
                     "the decoder stopped generating: " + now.status().message());
@@ -562,19 +578,18 @@ Status FrontServer::start() {
   server_ = std::make_unique<HttpServer>(
       "front", cfg_.connections, [max_body_mb](int status, const std::string& message) {
         const bool too_large = status == 413;
-        return error_json(status >= 500 ? "server_error" : "invalid_request_error",
-                          too_large       ? "payload_too_large"
-                          : status == 404 ? "not_found"
-                          : status == 405 ? "method_not_allowed"
-                          : status == 431 ? "headers_too_large"
-                          : status == 500 ? "internal_error"
-                                          : "bad_request",
-                          too_large ? "request body larger than this front door takes (" +
-                                          std::to_string(max_body_mb) + " MiB, --max-body-mb)"
-                          : status == 404
-                              ? message + "; see /v1/chat/completions, /v1/completions, /v1/models"
-                              : message)
-            .dump();
+        return json_text(error_json(
+            status >= 500 ? "server_error" : "invalid_request_error",
+            too_large       ? "payload_too_large"
+            : status == 404 ? "not_found"
+            : status == 405 ? "method_not_allowed"
+            : status == 431 ? "headers_too_large"
+            : status == 500 ? "internal_error"
+                            : "bad_request",
+            too_large ? "request body larger than this front door takes (" +
+                            std::to_string(max_body_mb) + " MiB, --max-body-mb)"
+            : status == 404 ? message + "; see /v1/chat/completions, /v1/completions, /v1/models"
+                            : message));
       });
   for (const char* p : {"/v1/chat/completions", "/v1/completions"}) {
     const std::string path = p;
@@ -591,7 +606,7 @@ Status FrontServer::start() {
     if (!info.is_ok()) {
       res.status = 503;
       res.set_content(
-          error_json("server_error", "decoder_unavailable", info.status().message()).dump(),
+          json_text(error_json("server_error", "decoder_unavailable", info.status().message())),
           "application/json");
       return;
     }
@@ -600,7 +615,7 @@ Status FrontServer::start() {
               {"data",
                json::array(
                    {{{"id", name}, {"object", "model"}, {"owned_by", "hetero"}, {"created", 0}}})}};
-    res.set_content(j.dump(), "application/json");
+    res.set_content(json_text(j), "application/json");
   });
   server_->get("/health", [this](const HttpRequest&, HttpResponse& res) {
     auto d =
@@ -638,7 +653,7 @@ Status FrontServer::start() {
       res.status = 401;
       res.set_header("WWW-Authenticate", "Bearer");
       res.set_content(
-          error_json("invalid_request_error", "invalid_api_key", key.status().message()).dump(),
+          json_text(error_json("invalid_request_error", "invalid_api_key", key.status().message())),
           "application/json");
       return false;
     };

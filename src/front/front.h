@@ -21,6 +21,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -118,6 +119,8 @@ class FrontServer {
  private:
   Status check_pairing() const;
   void handle_completion(const HttpRequest& req, HttpResponse& res, const std::string& path);
+  // The seam's /hetero/info, kept for a second (never an error).
+  Result<nlohmann::json> decoder_info();
   // The bridge for ids, one at a time; decoder_cached: what the decoder holds of ids; tokenized:
   // the seam's /hetero/tokenize reply (its calls). A client that hangs up meanwhile ends it (its
   // prefill stops; HttpServer::client_gone).
@@ -134,6 +137,10 @@ class FrontServer {
   // Retry-After instead of a request holding a thread for minutes.
   std::atomic<int64_t> active_{0}, bridges_in_flight_{0};
   std::shared_ptr<DecoderCalls> decoder_calls_ = std::make_shared<DecoderCalls>();
+  std::mutex info_mu_;
+  bool info_ok_ = false;
+  nlohmann::json info_;
+  std::chrono::steady_clock::time_point info_at_;
   // What a request that forces a bridge must carry, unless forced_bridges_from_anyone.
   std::shared_ptr<RequestVerifier> tool_signatures_;
   std::unique_ptr<HttpServer> server_;

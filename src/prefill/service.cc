@@ -1,4 +1,7 @@
-// Prefill service: see service.h.
+// The prefill service's HTTP side and its turns: POST /v1/prefill checked, queued for its turn,
+// admitted and streamed (faults injected as frames leave, for tests), GET /health, and the
+// first-come queue that gives one request at a time the engine. See service.h;
+// service_request.cc holds a request's admission and run.
 #include "prefill/service.h"
 
 #include <unistd.h>
@@ -8,11 +11,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <new>
 #include <nlohmann/json.hpp>
 
 #include "common/auth.h"
 #include "common/http_server.h"
+#include "common/json_text.h"
 #include "common/log.h"
 #include "common/queue.h"
 
@@ -24,23 +27,9 @@ namespace {
 // code: the refusal's own name where the caller acts on it ("queue_full",
 // "prefix_state_missing"); empty: the status code's.
 std::string error_body(const Status& s, const std::string& code = "") {
-  return json{
-      {"error", {{"code", code.empty() ? code_name(s.code()) : code}, {"message", s.message()}}}}
-      .dump();
+  return json_text(json{
+      {"error", {{"code", code.empty() ? code_name(s.code()) : code}, {"message", s.message()}}}});
 }
-
-}  // namespace
-
-Result<std::vector<int64_t>> decoder_calls_after(const std::vector<int64_t>& calls, int64_t start,
-                                                 int64_t at) {
-  int64_t pos = start;
-  size_t i = 0;
-  while (i < calls.size() && pos < at) pos += calls[i++];
-  if (pos != at) return invalid_argument("row " + std::to_string(at) + " is inside a decoder call");
-  return std::vector<int64_t>(calls.begin() + static_cast<std::ptrdiff_t>(i), calls.end());
-}
-
-namespace {
 
 int http_status_for(const Status& s) {
   switch (s.code()) {
@@ -189,308 +178,6 @@ void PrefillService::give_turn() {
   turn_free_.notify_all();  // FIFO: only the first in line takes it
 }
 
-std::vector<int64_t> PrefillService::plan_for(const PrefillRequest& req, int64_t from) const {
-  const int64_t T = static_cast<int64_t>(req.ids.size());
-  const int64_t chunk = req.chunk_tokens > 0 ? req.chunk_tokens : default_chunk_;
-  // A family with a chunk plan (its decoder's calls) runs a tail from its checkpoint at start.
-  if (chunk_plan_ && from == req.start) return chunk_plan_(req, chunk);
-  HETERO_CHECK(!chunk_plan_ && from <= req.start);
-  std::vector<int64_t> plan;
-  for (int64_t p = from; p < req.start; p += chunk) plan.push_back(std::min(chunk, req.start - p));
-  for (int64_t p = req.start; p < T; p += chunk) plan.push_back(std::min(chunk, T - p));
-  return plan;
-}
-
-Status PrefillService::reserve_plan(int64_t from, const std::vector<int64_t>& plan) {
-  HETERO_RETURN_IF_ERROR(engine_->reset());
-  int64_t tokens = from, longest = 0;
-  for (int64_t n : plan) tokens += n, longest = std::max(longest, n);
-  try {
-    return engine_->reserve(tokens, longest);
-  } catch (const std::bad_alloc&) {  // an engine without a reserve of its own
-    return resource_exhausted("out of host memory while admitting " + std::to_string(tokens) +
-                              " tokens");
-  }
-}
-
-Status PrefillService::admit(const PrefillRequest& req, Admission* a,
-                             std::shared_ptr<const Checkpoint> paused) {
-  a->sealed.clear();
-  a->resume.reset();
-  a->engine_state = std::move(paused);
-  a->missing_state = false;
-  a->follows_calls = engine_->rows_follow_calls(req.decoder_calls, req.start, req.decoder_batched);
-  if (req.start > 0 && tails_need_checkpoints() && !a->engine_state) {
-    a->resume = checkpoints_ ? checkpoints_->find(req.ids, req.start, req.cache_salt) : nullptr;
-    if (a->resume) a->engine_state = a->resume->engine;
-    if (!a->resume) {
-      a->missing_state = true;
-      return failed_precondition("this prefill host holds no checkpoint of exactly the first " +
-                                 std::to_string(req.start) + " tokens (a " + layout_.family +
-                                 " tail resumes only from one); ask for the whole prefix");
-    }
-  }
-  // Where the forward can start: the tail's checkpointed start, or the longest prefix of the
-  // tail's start whose state the prefix cache holds.
-  if (a->engine_state)
-    a->from = req.start;
-  else
-    a->from = states_ && engine_->state_row_bytes() > 0 && !a->follows_calls
-                  ? states_->lookup(req.ids, req.start, req.cache_salt)
-                  : 0;
-  a->plan = plan_for(req, a->from);
-  std::vector<int64_t>* plan = &a->plan;
-  const int64_t from = a->from;
-  Status st;
-  if (fault_.kind == "refuse-memory") {  // as an engine out of memory refuses (tests)
-    HETERO_RETURN_IF_ERROR(engine_->reset());
-    st = resource_exhausted("injected fault refuse-memory: out of device memory for " +
-                            std::to_string(req.ids.size()) + " tokens");
-  } else {
-    st = reserve_plan(from, *plan);
-  }
-  // The memory floor: the longest prefix of whole chunks that fits (what fits is monotone in
-  // the prefix's length, so a bisection over the chunk boundaries finds it). It must reach past
-  // the tail's start, or there is nothing to send.
-  if (st.code() == Code::kResourceExhausted && memory_floor_ && plan->size() > 1 &&
-      fault_.kind != "refuse-memory") {
-    size_t lo = 0, hi = plan->size();  // [1, lo] chunks fit; hi chunks do not
-    while (hi - lo > 1) {
-      const size_t mid = (lo + hi) / 2;
-      if (reserve_plan(from, {plan->begin(), plan->begin() + static_cast<std::ptrdiff_t>(mid)})
-              .is_ok())
-        lo = mid;
-      else
-        hi = mid;
-    }
-    int64_t b = from;
-    for (size_t i = 0; i < lo; ++i) b += (*plan)[i];
-    if (lo >= 1 && b > req.start) {
-      const std::vector<int64_t> fits(plan->begin(),
-                                      plan->begin() + static_cast<std::ptrdiff_t>(lo));
-      Status again =
-          reserve_plan(from, fits);  // the last attempt may have been one that did not fit
-      if (again.is_ok()) {
-        a->sealed = "sealed at the memory floor: " + std::to_string(b) + " of " +
-                    std::to_string(req.ids.size()) + " tokens fit (" + st.message() + ")";
-        log_line("prefill", a->sealed);
-        *plan = fits;
-        st = Status::ok();
-      }
-    }
-  }
-  if (st.is_ok() && a->engine_state) {
-    st = engine_->restore(*a->engine_state);
-  } else if (st.is_ok() && from > 0) {
-    st = states_->restore(req.ids, from, engine_, req.cache_salt);
-    if (!st.is_ok()) {  // evicted meanwhile: compute it all (admission again, from 0)
-      log_line("prefill", "the cached state is gone (" + st.message() + "); computing from 0");
-      states_->clear();
-      return admit(req, a);
-    }
-  }
-  if (st.is_ok())
-    st = engine_->set_decoder_calls(req.decoder_calls, req.start, req.decoder_batched);
-  if (!st.is_ok())
-    log_line("prefill", "refused a request of " + std::to_string(req.ids.size()) +
-                            " tokens: " + st.to_string());
-  return st;
-}
-
-Manifest PrefillService::refusal(const PrefillRequest& req) const {
-  Manifest m;
-  m.fingerprint = layout_.fingerprint;
-  m.requested_tokens = static_cast<int64_t>(req.ids.size());
-  m.start = req.start;
-  m.covered_tokens = req.start;  // a tail's rows before its start are the decoder's own
-  m.arith = arith_;
-  return m;
-}
-
-Manifest PrefillService::run(const PrefillRequest& req, const BridgeProducer::FrameSink& sink) {
-  Manifest m = refusal(req);
-  if (const Turn turn = take_turn(); !turn.status.is_ok()) {
-    m.reason = turn.status.message();
-    sink(encode_manifest(m));
-    return m;
-  }
-  Admission a;
-  const Status admitted = admit(req, &a);
-  if (admitted.is_ok()) return run_admitted(req, a, sink);
-  give_turn();
-  m.reason = "the engine refused the request: " + admitted.to_string();
-  sink(encode_manifest(m));
-  return m;
-}
-
-Manifest PrefillService::run_admitted(const PrefillRequest& req, const Admission& a,
-                                      const BridgeProducer::FrameSink& stream,
-                                      const std::function<bool()>& receiver_gone, bool may_yield,
-                                      const std::function<void()>& stream_ended,
-                                      const FrameTagger* tags) {
-  // When the stream last had a frame (the producer's frames come from its own thread).
-  using Clock = std::chrono::steady_clock;
-  std::atomic<Clock::rep> last_frame{Clock::now().time_since_epoch().count()};
-  const BridgeProducer::FrameSink sink = [&stream, &last_frame](std::string f) {
-    last_frame.store(Clock::now().time_since_epoch().count());
-    return stream(std::move(f));
-  };
-  const auto keep_alive = [&] {  // false: the receiver stopped reading
-    const Clock::duration quiet =
-        Clock::now().time_since_epoch() - Clock::duration(last_frame.load());
-    if (keepalive_ms_ <= 0 || quiet < std::chrono::milliseconds(keepalive_ms_)) return true;
-    return sink(encode_keepalive(tags));
-  };
-  // The turn is this request's until it ends (or gives it up to wait for the next one).
-  struct Holding {
-    PrefillService* service;
-    bool held = true;
-    ~Holding() {
-      if (held) service->give_turn();
-    }
-  } holding{this};
-  const int64_t T = static_cast<int64_t>(req.ids.size());
-  int64_t planned = a.from;
-  for (int64_t n : a.plan) planned += n;
-  auto program = programs_(req);
-  if (program.is_ok() && a.resume) {  // a tail: the program's own state at its start
-    if (Status r = program.value()->resume(*a.resume->program); !r.is_ok()) program = r;
-  }
-  if (!program.is_ok()) {
-    Manifest m = refusal(req);
-    m.reason = "cache program refused the request: " + program.status().to_string();
-    sink(encode_manifest(m, tags));
-    return m;
-  }
-  BridgeProducer producer(program.value().get(), sink, 4,
-                          program.value()->device_stream() ? capture_ : nullptr, buffers_.get(),
-                          tags);
-  producer.set_arith(arith_);
-  producer.set_tail(req.start, a.from);
-  Status st;
-  // A receiver that hung up is noticed before the next chunk, not at the next frame's write (a
-  // chunk's frame comes only once every layer has passed it).
-  bool gone = false;
-  Admission now = a;
-  std::string sealed = a.sealed;
-  try {
-    for (int64_t emitted = req.start;;) {
-      // The engine sees the ids it computes: from where its restored state ends to the end of a
-      // (possibly sealed) plan. Rows before `emitted` were streamed in an earlier turn.
-      const std::vector<int32_t> ids(req.ids.begin() + now.from, req.ids.begin() + planned);
-      const AttentionInputTap to_producer = producer.tap();
-      const AttentionInputTap tap = [&](const TapEvent& e) {
-        if (e.pos0 + e.n_tokens > emitted) to_producer(e);
-        keep_alive();  // a layer done is progress, even where a chunk's frame is far off
-      };
-      size_t chunks_done = 0;
-      bool yield = false;
-      st = engine_->prefill_plan(ids, now.plan, tap, [&] {
-        gone = gone || (receiver_gone && receiver_gone());
-        int64_t at = now.from;
-        for (size_t i = 0; i < chunks_done && i < now.plan.size(); ++i) at += now.plan[i];
-        // Only after a chunk of its own in this turn (one it had not sent before): two
-        // requests that took turns recomputing what the cache lost would never get on.
-        yield = !gone && may_yield && !now.follows_calls && at > emitted &&
-                chunks_done < now.plan.size() && should_yield(at);
-        ++chunks_done;
-        return gone || producer.cancelled() || yield;
-      });
-      if (st.is_ok()) st = engine_->finish();
-      if (!st.is_ok() || !yield) break;
-      // Its turn is up and another request waits: the state so far goes to the prefix cache,
-      // the turn to the next in line, and this request to the back of the queue.
-      int64_t at = now.from;
-      for (size_t i = 0; i + 1 < chunks_done; ++i) at += now.plan[i];
-      std::shared_ptr<const Checkpoint> paused;  // families whose tails need checkpoints
-      std::vector<int64_t> calls_after;          // ... and the decoder's calls from `at` on
-      if (tails_need_checkpoints()) {
-        paused = engine_->checkpoint();
-        auto calls = decoder_calls_after(req.decoder_calls, req.start, at);
-        if (!paused || paused->tokens() != at || !calls.is_ok()) {
-          st = internal_error("no engine checkpoint at the chunk boundary " + std::to_string(at) +
-                              (calls.is_ok() ? "" : ": " + calls.status().message()));
-          break;
-        }
-        calls_after = std::move(calls.value());
-      } else if (const Status kept = states_->save(req.ids, at, engine_, req.cache_salt);
-                 !kept.is_ok()) {
-        log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
-      }
-      log_line("prefill", "gave the engine to the next request at " + std::to_string(at) + " of " +
-                              std::to_string(T) + " tokens");
-      give_turn();
-      holding.held = false;
-      const Turn turn = take_turn([&] {
-        if (!keep_alive()) return true;  // the receiver stopped reading
-        return receiver_gone && receiver_gone();
-      });
-      if (!turn.status.is_ok()) {  // stopping, or the receiver left: the stream ends here
-        st = turn.status;
-        break;
-      }
-      holding.held = true;
-      // Resume: from the longest prefix the cache still holds (recomputing what it lost), the
-      // chunks after `at` as planned before.
-      PrefillRequest rest;
-      rest.ids.assign(req.ids.begin(), req.ids.begin() + planned);
-      rest.start = at;
-      rest.chunk_tokens = req.chunk_tokens;
-      rest.decoder_calls = paused ? calls_after : req.decoder_calls;
-      st = admit(rest, &now, paused);
-      if (!st.is_ok()) break;
-      if (!now.sealed.empty()) sealed = now.sealed;
-      planned = now.from;
-      for (int64_t n : now.plan) planned += n;
-      emitted = at;
-      log_line("prefill", "resumed at " + std::to_string(at) + " of " + std::to_string(T) +
-                              " tokens (from " + std::to_string(now.from) +
-                              (paused ? ", its own checkpoint)" : ", the prefix cache)"));
-    }
-  } catch (const std::bad_alloc&) {  // the request ends, sealed by its manifest; the host serves on
-    st = resource_exhausted("out of host memory during the prefill of " + std::to_string(T) +
-                            " tokens");
-  }
-  if (!st.is_ok()) log_line("prefill", "a prefill failed: " + st.to_string());
-  const bool cancelled = producer.cancelled() || gone;
-  Manifest m = producer.finish(T, st, sealed);
-  if (stream_ended) stream_ended();  // what follows is kept for later requests, sent to no one
-  if (cancelled)                     // its state is the engine's, which the next request resets
-    log_line("prefill", "the receiver went away: stopped after " +
-                            std::to_string(m.covered_tokens) + " of " + std::to_string(T) +
-                            " tokens");
-  // A forward that ran its whole plan leaves the state of ids[0, planned) for later requests.
-  if (st.is_ok() && !cancelled && states_ && holding.held && !now.follows_calls) {
-    const Status kept = states_->save(req.ids, planned, engine_, req.cache_salt);
-    if (!kept.is_ok()) log_line("prefill", "the prefix cache kept nothing: " + kept.to_string());
-  }
-  // A family whose tails resume from whole checkpoints: the engine's and the program's, for
-  // exactly these ids (what the decoder checkpoints once it holds them).
-  if (st.is_ok() && !cancelled && checkpoints_ && tails_need_checkpoints() && m.complete) {
-    // The program's first: a GPU engine's checkpoint is a copy of its whole state to the host,
-    // not worth making when the program keeps none.
-    auto program_state = program.value()->checkpoint();
-    const int64_t known =
-        engine_->checkpoint_bytes() + (program_state.is_ok() ? program_state.value()->bytes() : 0);
-    auto engine_state = program_state.is_ok() && known <= checkpoints_->max_bytes()
-                            ? engine_->checkpoint()
-                            : nullptr;
-    if (program_state.is_ok() && known > checkpoints_->max_bytes())
-      log_line("prefill", "no checkpoint for a later tail: its " + std::to_string(known) +
-                              " bytes exceed the prefix cache");
-    else if (!engine_state || !program_state.is_ok())
-      log_line("prefill", "no checkpoint for a later tail: " +
-                              (program_state.is_ok() ? std::string("the engine keeps none")
-                                                     : program_state.status().message()));
-    else if (!checkpoints_->put(req.ids, engine_state, program_state.value(), req.cache_salt))
-      log_line("prefill",
-               "no checkpoint for a later tail: its " +
-                   std::to_string(engine_state->bytes() + program_state.value()->bytes()) +
-                   " bytes exceed the prefix cache");
-  }
-  return m;
-}
-
 Status PrefillService::start(const std::string& host, int port) {
   server_ = std::make_unique<HttpServer>("prefill", limits_, [](int status, const std::string& m) {
     return error_body(status == 413   ? invalid_argument(m)
@@ -504,7 +191,7 @@ Status PrefillService::start(const std::string& host, int port) {
       std::make_shared<RequestVerifier>(secret_),
       [](std::string_view path) { return path == "/v1/prefill"; },
       [](int, const std::string& code, const std::string& message) {
-        return json{{"error", {{"code", code}, {"message", message}}}}.dump();
+        return json_text(json{{"error", {{"code", code}, {"message", message}}}});
       }));
   server_->get("/health", [this](const HttpRequest&, HttpResponse& res) {
     json j = {{"status", "ok"},

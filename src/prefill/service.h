@@ -370,6 +370,12 @@ class PrefillService {
                std::shared_ptr<const Checkpoint> paused = nullptr);
   // Reserves `from` tokens of state and the whole of `plan` (reset first).
   Status reserve_plan(int64_t from, const std::vector<int64_t>& plan);
+  // After `refused` (out of memory) for a's whole plan: a's plan cut to the longest prefix of
+  // whole chunks that fits and sealed there (ok), or `refused`.
+  Status seal_at_memory_floor(const PrefillRequest& req, Admission* a, const Status& refused);
+  // An admitted request's run in its steps (service_request.cc): its program opened, its chunks
+  // turn by turn, its manifest, the state it keeps for later requests.
+  class AdmittedRun;
   // With the turn, after admit(): the chunks, frames to sink, manifest last; the turn given
   // back at the end. receiver_gone (null: never) is asked before each chunk, as a receiver that
   // stopped reading. may_yield: the request may give the engine up between chunks (set_turn_ms;

@@ -291,6 +291,16 @@ def test_finding7_header_bytes_are_bounded(stack):
     served_ok(stack)
 
 
+def test_a_request_target_that_is_not_utf8_is_answered_by_both_servers(stack):
+    # Regression (found by fuzz/http_server_fuzz.cc, fuzz/corpus/http_server/
+    # regression-target-not-utf8): 19 bytes without any credential ended the front door.
+    for port in (stack.port, stack.prefill_port):
+        _, reply = send_until_closed(port, b"GET /\xff HTTP/1.1\r\nHost: x\r\n\r\n", b"", 0)
+        assert " 404 " in reply.split("\r\n")[0] or " 401 " in reply.split("\r\n")[0], reply
+    served_ok(stack)
+    assert requests.get(url(stack.prefill_port, "/health"), timeout=10).status_code == 200
+
+
 # ---------------------------------------------------------------- finding 4
 
 

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 
@@ -315,6 +316,42 @@ TEST(HttpServer, ItsOwnErrorsAreJsonAndAThrowingHandlerIsA500) {
   send_text(fd, "NOT HTTP AT ALL\r\n\r\n");
   EXPECT_NE(read_all(fd).find("400"), std::string::npos);
   ::close(fd);
+}
+
+// The fuzz finding fuzz/corpus/http_server/regression-target-not-utf8: a request target of bytes
+// that are not UTF-8, quoted in the server's 404, made a strict JSON dump throw on the
+// connection's thread, and the process ended. Targets are quoted escaped now, and nothing that
+// leaves a connection's thread ends the process.
+TEST(HttpServer, ATargetThatIsNotUtf8IsAnsweredAndAThrowingErrorBodyEndsOnlyItsConnection) {
+  HttpServer strict("test", fast_limits(), [](int, const std::string& m) {
+    return nlohmann::json{{"message", m}}.dump();  // throws on bytes that are not UTF-8
+  });
+  strict.get("/ok",
+             [](const HttpRequest&, HttpResponse& res) { res.set_content("ok", "text/plain"); });
+  ASSERT_TRUE(strict.start("127.0.0.1", 0).is_ok());
+  int fd = connect_to(strict.port());
+  send_text(fd, "GET /\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n");
+  const std::string reply = read_all(fd);
+  EXPECT_NE(reply.find("404"), std::string::npos) << reply;
+  EXPECT_NE(reply.find("\\\\xff"), std::string::npos) << reply;  // quoted escaped
+  ::close(fd);
+  strict.stop();
+
+  HttpServer throwing("test", fast_limits(), [](int, const std::string&) -> std::string {
+    throw std::runtime_error("an error body that throws");
+  });
+  throwing.get("/ok",
+               [](const HttpRequest&, HttpResponse& res) { res.set_content("ok", "text/plain"); });
+  ASSERT_TRUE(throwing.start("127.0.0.1", 0).is_ok());
+  fd = connect_to(throwing.port());
+  send_text(fd, "GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_TRUE(closed_within(fd, 3000));  // that connection ends, with nothing sent
+  ::close(fd);
+  httplib::Client cli("127.0.0.1", throwing.port());
+  auto ok = cli.Get("/ok");  // the server goes on
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->body, "ok");
+  throwing.stop();
 }
 
 TEST(HttpServer, AGateRefusesBeforeTheBodyIsRead) {

@@ -1,6 +1,8 @@
-// Internals of the DeepSeek-V4 CUDA engine, shared by its two source files: dsv4_cuda.cc (weights,
-// state, admission, the chunk loop) and dsv4_cuda_layers.cc (a layer's attention and MoE). Not
-// part of the engine's interface (dsv4_cuda.h).
+// Internals of the DeepSeek-V4 CUDA engine, shared by its source files: dsv4_cuda.cc (creation,
+// options, what it reports), dsv4_cuda_weights.cc (the weights' forms and how they get there),
+// dsv4_cuda_forward.cc (a sequence: reset, admission, scratch, the chunk loop),
+// dsv4_cuda_layers.cc (a layer's attention and MoE) and dsv4_cuda_checkpoint.cc (a sequence's
+// state saved and restored). Not part of the engine's interface (dsv4_cuda.h).
 //
 // Every device allocation is a cuda::DeviceBuffer counted against the engine's budget
 // (Dsv4CudaOptions::device_memory_budget_bytes); every CUDA call that can fail returns its Status

@@ -141,6 +141,7 @@ class LlamaCudaEngine {
   int64_t device_bytes() const { return budget_.used_bytes(); }
 
  private:
+  // Defined in llama_cuda_impl.h.
   struct Proj;
   struct Layer;
   struct Pages;
@@ -150,6 +151,7 @@ class LlamaCudaEngine {
                      const uint16_t* x);
   LlamaCudaEngine(LlamaConfig config, LlamaCudaOptions options);
   Status upload(const LlamaWeights& w);
+  Status upload_exact(const LlamaWeights& w);
   Status ensure_activations(int64_t n);
   Status ensure_pages(int64_t tokens);
   Status grow_pages(int64_t add);
