@@ -10,8 +10,9 @@ bound all of it:
   - at most `max_per_client` connections per client address, and `max_total` in all, still
     waiting for their request: a new connection past either takes the place of the oldest such
     one (a client that sends its request at once, as the front door does, always gets in; one
-    that trickles is the oldest), and is closed only when every connection of its kind is being
-    served;
+    that trickles is the oldest). Connections being served are not capped per client (the front
+    door holds one per request in flight, all from 127.0.0.1); MAX_CONNECTIONS threads serve at
+    most;
   - a body of at most `max_body_bytes`, judged from Content-Length before anything is read (413);
     a chunked body is refused (411) and so is a missing or invalid length on a body (400);
   - request line and header lines: BaseHTTPRequestHandler's own limits (65,536 bytes a line,
@@ -137,8 +138,12 @@ class ConnectionBounds:
         return min(waiting, key=lambda x: x[0])[1] if waiting else None
 
     def _held(self, client: Optional[str]) -> int:
-        """Connections counted against the caps: not yet closed by the reaper or an eviction."""
-        return sum(1 for s, d in self._deadlines.items() if (d is None or d >= 0)
+        """Connections counted against the caps: those still waiting for their request (not
+        closed by the reaper or an eviction). Connections being served are not counted: the
+        decoder's one legitimate client, the front door, holds one for every request it has in
+        flight, all from 127.0.0.1 (a soak's 64 clients were refused at the 65th); MAX_CONNECTIONS
+        bounds them."""
+        return sum(1 for s, d in self._deadlines.items() if d is not None and d >= 0
                    and (client is None or self._clients.get(s) == client))
 
     def _evict(self, sock: socket.socket) -> None:

@@ -262,3 +262,33 @@ def test_no_salt_keeps_the_model_key_and_other_threads_change_nothing():
     t.tokenized(args)  # not the generation thread: a seam dry run
     assert t.lookup_key("m", [1, 2]) == "m" and t.in_flight() == 0
     assert tenants.partition("m", "") == "m" and tenants.partition("m", "ab") == ("m", "ab")
+
+
+def test_connections_being_served_are_not_capped_per_client():
+    # Regression (soak, issue 50): the per-client cap counted connections being served, so the
+    # front door's 65th request in flight (all its requests come from 127.0.0.1) was refused,
+    # its health checks too, and hetero up restarted a healthy decoder. Only connections still
+    # waiting for their request are capped; past the cap the oldest of those makes room.
+    import socket
+
+    cb = bounds.ConnectionBounds(request_deadline_s=60, max_per_client=4, max_total=8)
+    pairs = [socket.socketpair() for _ in range(12)]
+    try:
+        served = [a for a, _ in pairs[:10]]
+        for s in served:
+            assert cb.admit(s, "127.0.0.1")
+            assert cb.arrived(s)  # its request is in: being served
+        waiting = [a for a, _ in pairs[10:]]
+        for s in waiting:
+            assert cb.admit(s, "127.0.0.1")
+        assert cb.stats()["evicted"] == 0 and cb.stats()["refused"] == 0
+        extra = [socket.socketpair() for _ in range(3)]
+        pairs += extra
+        for a, _ in extra:  # 5 waiting from one address: the oldest waiting one makes room
+            assert cb.admit(a, "127.0.0.1")
+        assert cb.stats()["evicted"] == 1 and cb.stats()["refused"] == 0
+        assert not cb.arrived(waiting[0])  # the one that made room was cut
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
