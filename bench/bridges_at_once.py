@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from cold import ROOT, fresh_prompt, git_rev, post, start_stack
+from cold import ROOT, fresh_prompt, git_rev, post, provenance, start_stack
 
 
 def ask(front: str, prompt: str, mode: str, max_tokens: int) -> dict:
@@ -132,7 +132,7 @@ def main() -> int:
                                     "n": args.n, "words": args.words,
                                     "wall_s": data["wall_s"]}) + "\n")
             f.write(json.dumps({"bench": "concurrent", "rev": rev, "seed": seed, "ratio": ratio,
-                                "ok": ok}) + "\n")
+                                "ok": ok, "n": len(rounds), **provenance()}) + "\n")
     ratios = [r[2] for r in rounds]
     print(f"concurrent / serial over {len(rounds)} rounds: "
           + ", ".join(f"{x:.2f}x" for x in ratios) + f"; all good: {all(r[3] for r in rounds)}")

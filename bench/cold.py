@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -156,6 +157,21 @@ def gpu_name() -> str:
         return ""
 
 
+def provenance() -> dict:
+    """What a raw line needs to stand alone (issue 53): revision, machine, GPU, the prefill's
+    backend and arithmetic (the cache program's is always the decoder's, exact), the command."""
+    backend = os.environ.get("HETERO_PREFILL_BACKEND", "cpu")
+    return {"rev": git_rev(), "machine": platform.node(), "cpus": os.cpu_count(),
+            "gpu": gpu_name() or "none", "prefill_backend": backend,
+            # cuda: "fast" caches agree with the native one within a tolerance, "exact" ones bit
+            # for bit (docs/design/prefill-cuda.md); the CPU backend is always exact ("ordered").
+            "prefill_arith": (os.environ.get("HETERO_PREFILL_ARITH", "exact") if backend == "cuda"
+                              else "ordered"),
+            "program_arith": "exact (the decoder's)",
+            "command": shlex.join([Path(sys.executable).name] + sys.argv),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def rate(tok_s) -> str:
     # None: the answer had a single content chunk, so no decode rate can be measured.
     return f"{tok_s:.1f}" if tok_s else "n/a"
@@ -211,6 +227,8 @@ def main() -> int:
             row = {
                 "bench": "cold", "T": bri[-1]["T"], "repeat": a.repeat,
                 "native_ttft_s": med(nat, "ttft_s"), "bridged_ttft_s": med(bri, "ttft_s"),
+                "native_ttft_runs_s": [x["ttft_s"] for x in nat],
+                "bridged_ttft_runs_s": [x["ttft_s"] for x in bri],
                 "native_ttft_spread_s": max(x["ttft_s"] for x in nat) - min(x["ttft_s"] for x in nat),
                 "bridged_ttft_spread_s": max(x["ttft_s"] for x in bri) - min(x["ttft_s"] for x in bri),
                 "native_decode_tok_s": nat[-1]["decode_tok_s"],
@@ -229,6 +247,7 @@ def main() -> int:
                                   else "ordered"),
                 "revision": git_rev(), "seed": a.seed,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "n": a.repeat, "command": provenance()["command"],
             }
             row["ttft_ratio"] = row["native_ttft_s"] / row["bridged_ttft_s"]
             rows.append(row)

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from cold import ROOT, fresh_prompt, git_rev, start_stack, stream
+from cold import ROOT, fresh_prompt, git_rev, provenance, start_stack, stream
 
 
 def status_kib(pid: int, key: str) -> int:
@@ -83,7 +83,8 @@ def main() -> int:
                 native_growth = status_kib(decoder, "VmHWM") * 1024 - native_before
             row = {"bench": "memory", "T": r["T"], "verdict": r["verdict"], "cache_bytes": cache,
                    "model": Path(a.model).name, "revision": git_rev(), "machine": platform.node(),
-                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "n": 1, **{k: v for k, v in provenance().items() if k not in ("rev", "date")}}
             row["decoder_native_growth_over_cache"] = (
                 None if native_growth is None else round(native_growth / cache, 2))
             row["bridged_timings_ms"], row["B"] = r["timings_ms"], r["B"]

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from bridges_at_once import ask
-from cold import ROOT, fresh_prompt, git_rev, start_stack
+from cold import ROOT, fresh_prompt, git_rev, provenance, start_stack
 
 
 def one_leg(model: str, turn_ms: int, long_prompt: str, short_prompt: str, delay: float,
@@ -96,7 +96,7 @@ def main() -> int:
                                     "seed": a.seed, "turn_ms": turn_ms, "request": which,
                                     "delay_s": a.delay, **row}) + "\n")
         f.write(json.dumps({"bench": "short_behind_long", "rev": rev, "ok": ok,
-                            "short_gain": gain}) + "\n")
+                            "short_gain": gain, "n": 1, **provenance()}) + "\n")
     print(f"wrote {out}")
     return 0 if ok else 1
 

@@ -298,6 +298,9 @@ def summarize(phase: str, rows, rss_rows, args, rev: str) -> dict:
                           "p99": round(percentile(v, 0.99), 2),
                           "max": round(max(v), 2) if v else None} for k, v in lat.items()},
         "rss": rss, "machine": os.uname().nodename, "cpus": os.cpu_count(),
+        # What the line needs to stand alone (issue 53): one run of each phase, and its command.
+        "gpu": "none (CPU backend)", "n": 1,
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
     }
 
 

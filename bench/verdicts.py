@@ -197,7 +197,9 @@ def main() -> int:
                "stream_predictions_corrected": corrected,
                "by_verdict": dict(collections.Counter(r["verdict"].split(" ")[0].rstrip(":")
                                                       for r in rows)),
-               "wall_s": round(time.monotonic() - t0, 1)}
+               "wall_s": round(time.monotonic() - t0, 1), "n": 1}
+    from cold import provenance  # the machine, GPU, arithmetic and command (issue 53)
+    summary.update({k: v for k, v in provenance().items() if k != "rev"})
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"verdicts-{rev}.jsonl"
     with open(out, "w") as f:
         for r in rows:

@@ -77,6 +77,11 @@ def main() -> int:
             return 1
         r["arrays"].pop("per_layer", None)
         r.update(prompt=prompt.name, rc=proc.returncode, revision=rev)
+        # What the line needs to stand alone (issue 53): the machine, its GPU, the command.
+        from cold import provenance
+        r.update({k: v for k, v in provenance().items() if k not in ("rev", "prefill_backend",
+                                                                      "prefill_arith")},
+                 verify_command=" ".join(argv))
         rows.append(r)
         name = f"verify-{a.tag}-{rev}.jsonl" if a.tag else f"verify-{rev}.jsonl"
         with open(ROOT / "bench" / "results" / name, "a") as f:

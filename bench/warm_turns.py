@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Optional
 
 from checkpoint import Checkpoint
-from cold import ROOT, WORDS, git_rev, post, start_stack
+from cold import ROOT, WORDS, git_rev, post, provenance, start_stack
 
 
 def with_context(model: Path, context: int, work: Path) -> Path:
@@ -210,6 +210,7 @@ def main() -> int:
     bridged = passes[""]
     native = passes.get("native") or [None] * len(bridged)
     machine = f"{platform.node()} ({platform.machine()}, {platform.system()})"
+    prov = {k: v for k, v in provenance().items() if k not in ("rev", "machine")}
     print("\n| turn | T | decoder held | computed | wire bytes | verdict | bridged s | "
           "native s | answer = native |")
     print("|---:|---:|---:|---:|---:|---|---:|---:|:---:|")
@@ -223,7 +224,7 @@ def main() -> int:
                    "turn": b["turn"], "T": b["T"], "bridged": {k: v for k, v in b.items()
                                                               if k != "answer"},
                    "native": n and {k: v for k, v in n.items() if k != "answer"},
-                   "answer_equal": same, "passes_side_by_side": args.parallel}
+                   "answer_equal": same, "passes_side_by_side": args.parallel, **prov}
             f.write(json.dumps(row) + "\n")
             native_s = "—" if n is None else f"{n['wall_s']:.2f}"
             equal = "—" if same is None else "yes" if same else "NO"

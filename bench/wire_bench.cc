@@ -11,6 +11,8 @@
 //
 // usage: hetero_wire_bench [--layers 16] [--kv-heads 8] [--head-dim 64] [--tokens 8192]
 //                          [--piece 65536] [--repeat 5] [--threads N] [--rev REV]
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,12 +20,43 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bridge/wire.h"
 
+namespace {
+
+// What a raw line needs to stand alone (issue 53): the machine, each run's value, the median (an
+// even count's: the mean of the middle two), the command.
+std::string json_list(const std::vector<double>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? "," : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+std::string json_quote(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) out += c;
+  }
+  return out + "\"";
+}
+
+double median_of_sorted(const std::vector<double>& v) {
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace hetero;
+  std::string command;
+  for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+  char host[256] = "unknown";
+  gethostname(host, sizeof(host) - 1);
   int64_t layers = 16, kv_heads = 8, head_dim = 64, tokens = 8192;
   int repeat = 5;
   int64_t piece = 65536;
@@ -112,13 +145,17 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"bench\":\"wire_segment\",\"rev\":\"%s\",\"wire\":%d,\"threads\":%d,\"layers\":%lld,"
       "\"kv_heads\":%lld,\"head_dim\":%lld,\"tokens\":%lld,\"bytes\":%zu,\"piece\":%lld,"
-      "\"repeat\":%d",
+      "\"repeat\":%d,\"machine\":%s,\"cpus\":%u,\"gpu\":\"none (host work only)\","
+      "\"command\":%s",
       rev.c_str(), kWireVersion, frame_threads(), static_cast<long long>(layers),
       static_cast<long long>(kv_heads), static_cast<long long>(head_dim),
-      static_cast<long long>(tokens), series[0].bytes, static_cast<long long>(piece), repeat);
+      static_cast<long long>(tokens), series[0].bytes, static_cast<long long>(piece), repeat,
+      json_quote(host).c_str(), std::thread::hardware_concurrency(), json_quote(command).c_str());
   for (Series& x : series) {
+    std::printf(",\"encode%s_ms_runs\":%s,\"receive%s_ms_runs\":%s", x.name,
+                json_list(x.enc).c_str(), x.name, json_list(x.dec).c_str());
     for (auto* v : {&x.enc, &x.dec}) std::sort(v->begin(), v->end());
-    const double e = x.enc[x.enc.size() / 2], d = x.dec[x.dec.size() / 2];
+    const double e = median_of_sorted(x.enc), d = median_of_sorted(x.dec);
     std::printf(
         ",\"encode%s_ms_median\":%.1f,\"encode%s_ms_min\":%.1f,\"encode%s_ms_max\":%.1f,"
         "\"receive%s_ms_median\":%.1f,\"receive%s_ms_min\":%.1f,\"receive%s_ms_max\":%.1f,"

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
@@ -92,10 +93,54 @@ class TaggingSender {
   std::thread thread_;
 };
 
+// An even count's median is the mean of the middle two: until issue 53 it was the upper one, so
+// a two-run "median" was the slower run.
 inline Spread spread(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   if (v.empty()) return {};
-  return {v[v.size() / 2], v.front(), v.back()};
+  const size_t n = v.size();
+  const double median = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+  return {median, v.front(), v.back()};
+}
+
+// What a raw line needs to stand alone (issue 53): every run's value, the spread as
+// (max - min) / median, and the command that produced it.
+inline double relative_spread(const Spread& s) {
+  return s.median > 0 ? (s.max - s.min) / s.median : 0.0;
+}
+
+inline std::string json_list(const std::vector<double>& v, int decimals = 4) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    char buf[48];
+    std::snprintf(buf, sizeof(buf), "%s%.*f", i ? "," : "", decimals, v[i]);
+    out += buf;
+  }
+  return out + "]";
+}
+
+// A JSON string literal of s (quotes, backslashes and control bytes escaped).
+inline std::string json_quote(const std::string& s) {
+  std::string out = "\"";
+  for (const unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\', out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+// The command line as run, argv joined by spaces, as a JSON string literal.
+inline std::string command_json(int argc, char** argv) {
+  std::string cmd;
+  for (int i = 0; i < argc; ++i) cmd += (i ? " " : "") + std::string(argv[i]);
+  return json_quote(cmd);
 }
 
 // f() timed `repeat` times after `warmup` untimed calls, by CUDA events on the default stream

@@ -220,6 +220,7 @@ bool report_checkpoint(Dsv4CudaEngine& engine, const std::vector<int32_t>& ids, 
 
 int main(int argc, char** argv) {
   using namespace hetero;
+  const std::string command = bench::command_json(argc, argv);
   std::vector<int64_t> Ts = {8192, 32768, 131072};
   int64_t chunk = 8192, layers = 4;
   int warmup = 1, repeats = 3;
@@ -480,7 +481,7 @@ int main(int argc, char** argv) {
           "\"per_layer\":%s,\"ms_ratio0\":%.3f,\"ms_ratio4\":%.3f,\"ms_ratio128\":%.3f,"
           "\"run_ms_median\":%.3f,\"run_ms_min\":%.3f,\"run_ms_max\":%.3f,"
           "\"implied_43_layer_s\":%.4f,\"implied_tok_s\":%.1f,\"tflops\":%.1f,"
-          "\"peak_bf16_tflops\":%.1f,\"fraction_of_peak\":%.3f,\"phase_ms\":%s,\"refcheck\":%s}\n",
+          "\"peak_bf16_tflops\":%.1f,\"fraction_of_peak\":%.3f,\"phase_ms\":%s,\"refcheck\":%s",
           gpu.c_str(), rev.c_str(),
           opts.weight_dtype == cuda::WeightDtype::kFp8 ? "experts fp8, rest bf16"
           : opts.weight_dtype == cuda::WeightDtype::kCheckpoint
@@ -500,6 +501,16 @@ int main(int argc, char** argv) {
           by_ratio[1], by_ratio[2], tot.median, tot.min, tot.max, model_ms * 1e-3, tok_s, tflops,
           peak, peak > 0 ? tflops / peak : 0.0, phases.c_str(),
           check ? "\"passed\"" : "\"not run\"");
+      // What the line needs to stand alone (issue 53): the arithmetic of the forward and of the
+      // program, each run's value, the spread, what the 43-layer figures are, the command.
+      std::printf(
+          ",\"forward_arith\":\"fast\",\"program_arith\":%s,\"n\":%d,\"runs_wall_s\":%s,"
+          "\"runs_ms\":%s,\"spread\":%.4f,\"implied_basis\":\"extrapolated from %lld layers to "
+          "Flash's 43 (2 ratio-0, 21 ratio-4, 20 ratio-128), each ratio the mean of its layers' "
+          "medians\",\"command\":%s}\n",
+          on ? "\"exact (the decoder's)\"" : "null", repeats, bench::json_list(wall_s).c_str(),
+          bench::json_list(total_ms, 3).c_str(), bench::relative_spread(wall),
+          static_cast<long long>(layers), command.c_str());
       std::fflush(stdout);
       std::fprintf(stderr,
                    "%8lld %10.2f %10.2f %10.2f %12.0f %10.1f %7.1f%%  bridge %s: %.3f s%s\n",

@@ -47,6 +47,7 @@ std::vector<int64_t> parse_list(const std::string& s) {
 
 struct Times {
   double median = 0, min = 0, max = 0;
+  std::vector<double> runs;  // each timed run's seconds, in order
 };
 
 template <class F>
@@ -58,8 +59,8 @@ Result<Times> time_runs(int repeats, F&& run) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (r > 0) t.push_back(s);
   }
-  std::sort(t.begin(), t.end());
-  return Times{t[t.size() / 2], t.front(), t.back()};
+  const bench::Spread s = bench::spread(t);  // an even count: the mean of the middle two
+  return Times{s.median, s.min, s.max, t};
 }
 
 int run(int argc, char** argv) {
@@ -210,7 +211,7 @@ int run(int argc, char** argv) {
           "\"repeats\":%d,\"bridge\":\"%s\",\"manifest_complete\":%s,\"pipeline_s_median\":%.4f,"
           "\"pipeline_s_min\":%.4f,\"pipeline_s_max\":%.4f,\"tok_s\":%.1f,"
           "\"bridge_cost_vs_off\":%s,\"wire_bytes_per_token\":%s,\"single_s_median\":%s,"
-          "\"single_tok_s\":%s,\"pipeline_vs_single\":%s,\"link_bytes_per_chunk\":%lld}\n",
+          "\"single_tok_s\":%s,\"pipeline_vs_single\":%s,\"link_bytes_per_chunk\":%lld",
           bench::gpu_name().c_str(), rev.c_str(), weights.c_str(), static_cast<long long>(layers),
           stages.c_str(), (*p)->transport(), static_cast<long long>(T),
           static_cast<long long>(step), static_cast<long long>(chunk), repeats, mode.c_str(),
@@ -219,6 +220,15 @@ int run(int argc, char** argv) {
           num(on, wire_bytes / static_cast<double>(T)).c_str(), num(with_single, ts.median).c_str(),
           num(with_single, tok_s).c_str(), num(with_single, tp->median / ts.median).c_str(),
           static_cast<long long>(widest * c.hc_mult * c.hidden * 2));
+      // What the line needs to stand alone (issue 53): the arithmetic, each run, the spread,
+      // that tok/s is for the layers run (not scaled to 43), the command.
+      std::printf(
+          ",\"forward_arith\":\"fast\",\"program_arith\":%s,\"n\":%d,\"runs_s\":%s,"
+          "\"spread\":%.4f,\"tok_s_basis\":\"the %lld layers run, measured (not scaled)\","
+          "\"command\":%s}\n",
+          on ? "\"exact (the decoder's)\"" : "null", repeats, bench::json_list(tp->runs).c_str(),
+          tp->median > 0 ? (tp->max - tp->min) / tp->median : 0.0, static_cast<long long>(layers),
+          bench::command_json(argc, argv).c_str());
       std::fflush(stdout);
     }
   }

@@ -308,6 +308,7 @@ int drift(const Args& a, const LlamaWeights& w, const cuda::LlamaCudaOptions& fa
 
 int main(int argc, char** argv) {
   using namespace hetero;
+  const std::string command = bench::command_json(argc, argv);
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
@@ -481,7 +482,7 @@ int main(int argc, char** argv) {
           "\"tflops\":%.1f,\"peak_tflops\":%.0f,\"peak_fraction\":%.3f,\"overhead_vs_off\":%s,"
           "\"wire_bytes_per_token\":%s,\"decoder_cache_bytes_per_token\":%.0f,"
           "\"capture_device_bytes\":%.0f,\"host_staging_bytes\":%.0f,\"engine_cache_bytes\":%zu,"
-          "\"activation_bytes\":%zu,\"manifest_complete\":%s}\n",
+          "\"activation_bytes\":%zu,\"manifest_complete\":%s",
           a.rev.c_str(), gpu.c_str(), a.shape.c_str(), static_cast<long long>(c.layers), params,
           a.weights.c_str(), a.kv.c_str(), attention_name.c_str(), static_cast<long long>(T),
           static_cast<long long>(a.chunk), named.c_str(), a.program_device, a.repeat, sp.median,
@@ -490,6 +491,15 @@ int main(int argc, char** argv) {
           on ? std::to_string(wire_bytes / static_cast<double>(T)).c_str() : "null",
           decoder_bytes_per_token, capture_bytes, staging_bytes, (*engine)->cache_bytes(),
           (*engine)->activation_bytes(), on ? (complete ? "true" : "false") : "null");
+      // What the line needs to stand alone (issue 53): the arithmetic of the forward and of the
+      // program, each run's seconds, the spread, the command.
+      std::printf(
+          ",\"forward_arith\":\"fast\",\"program_arith\":%s,\"n\":%d,\"runs_s\":%s,"
+          "\"spread\":%.4f,\"command\":%s}\n",
+          mode == "tap" ? "\"none (a program that does nothing)\""
+          : on          ? "\"exact (the decoder's)\""
+                        : "null",
+          a.repeat, bench::json_list(secs, 5).c_str(), bench::relative_spread(sp), command.c_str());
       std::fflush(stdout);
       std::fprintf(stderr, "%8lld %4s %10.4f %10.0f %8.1f %6.1f%% %8.1f%% %10.0f %12.1f\n",
                    static_cast<long long>(T), named.c_str(), sp.median,

@@ -21,7 +21,8 @@ struct PrefillStack {
   ProgramFactory programs;
   ChunkPlan chunk_plan;  // empty: equal chunks
   // The chunk a request gets when neither it nor --chunk names one: where the family's engine
-  // is fastest without holding much more memory (docs/RESULTS.md §18 for deepseek_v4 on cuda).
+  // is fastest without holding much more memory (docs/log/RESULTS-1-50.md §18 for deepseek_v4
+  // on cuda).
   int64_t default_chunk = 512;
   CaptureStore* capture = nullptr;  // GPU programs: where the tap's device rows wait
   // "exact": the engine and program reproduce the decoder's arithmetic (the CPU backend, and the
